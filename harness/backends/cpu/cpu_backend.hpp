@@ -1,0 +1,96 @@
+// harness/backends/cpu/cpu_backend.hpp — the cpu backend: real fp32 data, OpenBLAS GEMM,
+// one worker thread per stream so that streams really run concurrently, wall-clock time.
+//
+// Every op is a task queued on its stream's worker; events are generation counters that a
+// worker sets when it reaches the record and another worker waits on. Frees are deferred
+// until every stream has finished the work issued before the free, so a buffer is never
+// reclaimed while a queued op may still read it.
+#pragma once
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "harness/runtime/backend.hpp"
+
+namespace moelab {
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend();
+  ~CpuBackend() override;
+
+  std::string name() const override { return "cpu"; }
+  std::string device_name() const override;
+  bool supports(DType t) const override { return t != DType::bf16; }
+  double now() const override;
+
+  Stream& create_stream(StreamRole role, const std::string& name) override;
+  std::unique_ptr<Event> create_event() override;
+  void record(Event& e, Stream& s) override;
+  void wait(Stream& s, Event& e) override;
+  void synchronize(Stream& s) override;
+  void synchronize() override;
+
+  void upload(std::span<const float> host, Tensor& dst) override;
+  std::vector<float> download(const Tensor& src) override;
+  void upload_i32(std::span<const std::int32_t> host, Tensor& dst) override;
+  std::vector<std::int32_t> download_i32(const Tensor& src) override;
+
+  void copy(Stream& s, const Tensor& src, Tensor& dst) override;
+  void fill_zero(Stream& s, Tensor& t) override;
+  void grouped_gemm(Stream& s, std::span<const GemmProblem> problems, const char* name) override;
+  void noisy_logits(Stream& s, const Tensor& clean, const Tensor& noise_raw, const Tensor& eps,
+                    Tensor& logits) override;
+  void noisy_logits_backward(Stream& s, const Tensor& d_logits, const Tensor& noise_raw, const Tensor& eps,
+                             Tensor& d_noise_raw) override;
+  void gate_forward(Stream& s, GateForward& g) override;
+  void gate_backward(Stream& s, GateBackward& g) override;
+  void permute(Stream& s, const Tensor& x, const Tensor& slot, Tensor& out) override;
+  void permute_backward(Stream& s, const Tensor& d_out, const Tensor& slot, Tensor& dx) override;
+  void unpermute(Stream& s, const Tensor& y_perm, const Tensor& slot, const Tensor& w, Tensor& y) override;
+  void unpermute_backward(Stream& s, const Tensor& dy, const Tensor& y_perm, const Tensor& slot, const Tensor& w,
+                          Tensor& d_y_perm, Tensor& dw) override;
+  void activation_forward(Stream& s, Activation a, const Tensor& in, Tensor& out) override;
+  void activation_backward(Stream& s, Activation a, const Tensor& in, const Tensor& d_out,
+                           Tensor& d_in) override;
+  double time_bare_gemms(std::span<const GemmProblem> problems, int reps) override;
+
+  std::vector<OpRecord> timeline() override { return timeline_.records(); }
+  void clear_timeline() override { timeline_.clear(); }
+
+  // Queue host work on a stream as one timed op (used by the ops above and by the MPI
+  // communicator). The phase is taken now, at issue time.
+  void enqueue(Stream& s, std::string name, OpCost cost, std::function<void()> fn);
+
+ protected:
+  void* raw_alloc(std::size_t bytes, MemSpace space, Stream& s) override;
+  void raw_free(void* p, std::size_t bytes, MemSpace space, Stream& s) override;
+
+ private:
+  struct Worker;
+  struct PendingFree {
+    void* ptr;
+    std::vector<std::uint64_t> fence;  // per-stream issued-task count at free time
+  };
+  Worker& worker(Stream& s);
+  void reclaim();  // frees whose fences have passed
+
+  std::chrono::steady_clock::time_point t0_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+  std::mutex free_mu_;
+  std::vector<PendingFree> pending_;
+  Timeline timeline_;
+};
+
+// Single-threaded fp32 GEMM used by the cpu backend (cblas_sgemm, or a plain loop when
+// built without BLAS). Row-major, see GemmProblem.
+void cpu_sgemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+               const float* a, const float* b, float beta, float* c);
+
+}  // namespace moelab

@@ -1,0 +1,966 @@
+// harness/backends/cuda/cuda_backend.cpp — CudaBackend: streams, events, the stream-ordered
+// allocator, cuBLAS grouped GEMM, copies, the timeline of timed ops, and the launch of the
+// hand-written kernels (kernels.cu).
+//
+// Host code only (compiled by the host compiler); the device code lives in kernels.cu.
+#include "harness/backends/cuda/cuda_backend.hpp"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <tuple>
+#include <vector>
+
+#include "harness/backends/cuda/kernels.hpp"
+#include "harness/runtime/error.hpp"
+
+namespace moelab {
+
+namespace {
+
+void cuda_check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("cuda: ") + what + " failed: " + cudaGetErrorName(err) + " (" +
+                             cudaGetErrorString(err) + ")");
+}
+
+void cublas_check(cublasStatus_t st, const char* what) {
+  if (st != CUBLAS_STATUS_SUCCESS)
+    throw std::runtime_error(std::string("cublas: ") + what + " failed: " + cublasGetStatusString(st));
+}
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::f32: return CUDA_R_32F;
+    case DType::bf16: return CUDA_R_16BF;
+    default: break;
+  }
+  throw Unsupported(std::string("the cuda backend's GEMM does not support ") + dtype_name(t));
+}
+
+cuda_kernels::Elem elem_of(const Tensor& t) {
+  switch (t.dtype()) {
+    case DType::f32: return cuda_kernels::Elem::f32;
+    case DType::bf16: return cuda_kernels::Elem::bf16;
+    default: break;
+  }
+  throw Unsupported(std::string("the cuda backend's row and activation kernels take fp32 or bf16, not ") +
+                    dtype_name(t.dtype()));
+}
+
+int to_int(std::int64_t v, const char* what) {
+  MOELAB_CHECK(v >= 0 && v <= std::numeric_limits<int>::max(), std::string(what) + " out of int range");
+  return static_cast<int>(v);
+}
+
+// The (T, k) of a [T,k] slot / top-k tensor.
+std::pair<std::int64_t, int> rows_and_k(const Tensor& slot) {
+  MOELAB_CHECK(slot.ndim() == 2 && slot.dtype() == DType::i32, "slot must be [T,k] int32, got " + slot.describe());
+  return {slot.dim(0), to_int(slot.dim(1), "top-k")};
+}
+
+std::int64_t width_of(const Tensor& t) { return t.ndim() == 0 ? 1 : t.dim(-1); }
+std::int64_t rows_of(const Tensor& t) {
+  const std::int64_t w = width_of(t);
+  return w ? t.numel() / w : 0;
+}
+
+const float* f32p(const Tensor& t) { return t.data<float>(); }
+float* f32p(Tensor& t) { return t.data<float>(); }
+const std::int32_t* i32p(const Tensor& t) { return t.data<std::int32_t>(); }
+
+void require_f32(const Tensor& t, const char* what) {
+  MOELAB_CHECK(t.defined() && t.dtype() == DType::f32, std::string(what) + " must be fp32, got " +
+                                                           (t.defined() ? t.describe() : std::string("undefined")));
+}
+
+}  // namespace
+
+// ---- streams and events --------------------------------------------------------------
+
+class CudaStream final : public Stream {
+ public:
+  CudaStream(int id, StreamRole role, std::string name, cudaStream_t s) : Stream(id, role, std::move(name)), native(s) {}
+  cudaStream_t native;
+  cublasHandle_t blas = nullptr;  // one handle per stream: a handle's workspace is not shareable across streams
+};
+
+class CudaEvent final : public Event {
+ public:
+  CudaEvent() { cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate"); }
+  ~CudaEvent() override { cudaEventDestroy(ev); }
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+  cudaEvent_t ev = nullptr;
+};
+
+// A timing event whose host-clock time is known; op times are measured against the latest
+// one so that cudaEventElapsedTime (float milliseconds) keeps sub-microsecond resolution.
+struct ClockAnchor {
+  cudaEvent_t ev = nullptr;
+  double host_time = 0;
+  ~ClockAnchor() {
+    if (ev) cudaEventDestroy(ev);
+  }
+};
+
+struct CudaOpTicket {
+  OpRecord rec;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t start = nullptr, end = nullptr;
+  std::shared_ptr<ClockAnchor> anchor;
+};
+
+// Small pinned host buffers for the grouped GEMM's pointer arrays: a buffer is reused only
+// once the copy that last read it has completed (its event), so issuing never blocks.
+class PinnedStaging {
+ public:
+  ~PinnedStaging() {
+    for (auto& c : chunks_) {
+      cudaEventDestroy(c.done);
+      cudaFreeHost(c.ptr);
+    }
+  }
+  // A buffer of at least `bytes`; call release(…) with the stream that reads it.
+  std::size_t acquire(std::size_t bytes) {
+    for (std::size_t i = 0; i < chunks_.size(); ++i) {
+      auto& c = chunks_[i];
+      if (c.bytes >= bytes && (!c.in_flight || cudaEventQuery(c.done) == cudaSuccess)) {
+        c.in_flight = false;
+        return i;
+      }
+    }
+    Chunk c;
+    c.bytes = std::max<std::size_t>(bytes, 4096);
+    cuda_check(cudaMallocHost(&c.ptr, c.bytes), "cudaMallocHost (staging)");
+    cuda_check(cudaEventCreateWithFlags(&c.done, cudaEventDisableTiming), "cudaEventCreate");
+    chunks_.push_back(c);
+    return chunks_.size() - 1;
+  }
+  void* ptr(std::size_t i) { return chunks_[i].ptr; }
+  void release(std::size_t i, cudaStream_t s) {
+    cuda_check(cudaEventRecord(chunks_[i].done, s), "cudaEventRecord");
+    chunks_[i].in_flight = true;
+  }
+
+ private:
+  struct Chunk {
+    void* ptr = nullptr;
+    std::size_t bytes = 0;
+    cudaEvent_t done = nullptr;
+    bool in_flight = false;
+  };
+  std::vector<Chunk> chunks_;
+};
+
+// ---- the backend ---------------------------------------------------------------------
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(const CudaOptions& opt) : opt_(opt), t0_(std::chrono::steady_clock::now()) {
+    cuda_check(cudaSetDevice(opt_.device), "cudaSetDevice");
+    cudaDeviceProp prop{};
+    cuda_check(cudaGetDeviceProperties(&prop, opt_.device), "cudaGetDeviceProperties");
+    char mem[32];
+    std::snprintf(mem, sizeof mem, " (%.1f GiB)", static_cast<double>(prop.totalGlobalMem) / (1024.0 * 1024 * 1024));
+    device_name_ = std::string(prop.name) + mem;
+
+    // The pool keeps freed blocks instead of returning them to the driver at every sync:
+    // cudaMallocAsync then costs ~1 us in steady state, like a caching allocator.
+    cudaMemPool_t pool;
+    cuda_check(cudaDeviceGetDefaultMemPool(&pool, opt_.device), "cudaDeviceGetDefaultMemPool");
+    std::uint64_t threshold = std::numeric_limits<std::uint64_t>::max();
+    cuda_check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold),
+               "cudaMemPoolSetAttribute(release threshold)");
+
+    cuda_check(cudaStreamCreateWithFlags(&clock_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    anchor_ = make_anchor();
+  }
+
+  ~CudaBackend() override {
+    cudaSetDevice(opt_.device);
+    for (auto& s : streams_) cudaStreamSynchronize(s->native);
+    for (auto& s : streams_) {
+      if (s->blas) cublasDestroy(s->blas);
+      cudaStreamDestroy(s->native);
+    }
+    if (bare_blas_) cublasDestroy(bare_blas_);
+    if (bare_stream_) cudaStreamDestroy(bare_stream_);
+    for (auto& p : pending_) {
+      cudaEventDestroy(p->start);
+      cudaEventDestroy(p->end);
+    }
+    pending_.clear();
+    for (auto e : free_timing_events_) cudaEventDestroy(e);
+    anchor_.reset();
+    staging_.reset();
+    cudaStreamDestroy(clock_stream_);
+  }
+
+  std::string name() const override { return "cuda"; }
+  std::string device_name() const override { return device_name_; }
+  bool supports(DType t) const override {
+    return t == DType::f32 || t == DType::bf16 || t == DType::i32 || t == DType::i64;
+  }
+  double now() const override {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+  }
+  int device() const { return opt_.device; }
+
+  // ---- streams and events ----------------------------------------------------------
+  Stream& create_stream(StreamRole role, const std::string& name) override {
+    set_device();
+    cudaStream_t s;
+    cuda_check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    std::lock_guard lock(mu_);
+    streams_.push_back(std::make_unique<CudaStream>(static_cast<int>(streams_.size()), role, name, s));
+    return *streams_.back();
+  }
+  std::unique_ptr<Event> create_event() override {
+    set_device();
+    return std::make_unique<CudaEvent>();
+  }
+  void record(Event& e, Stream& s) override {
+    cuda_check(cudaEventRecord(ev(e), native(s)), "cudaEventRecord");
+  }
+  void wait(Stream& s, Event& e) override {
+    cuda_check(cudaStreamWaitEvent(native(s), ev(e), 0), "cudaStreamWaitEvent");
+  }
+  void synchronize(Stream& s) override {
+    const cudaError_t err = cudaStreamSynchronize(native(s));
+    if (err != cudaSuccess)
+      throw std::runtime_error("cuda: stream '" + s.name() + "' failed: " + cudaGetErrorName(err) + " (" +
+                               cudaGetErrorString(err) + ")");
+  }
+  void synchronize() override {
+    std::vector<CudaStream*> all;
+    {
+      std::lock_guard lock(mu_);
+      for (auto& s : streams_) all.push_back(s.get());
+    }
+    for (auto* s : all) synchronize(*s);
+    // Re-anchor the clock now and then, while the device is idle and an anchor is cheap.
+    double anchored;
+    {
+      std::lock_guard lock(mu_);
+      anchored = anchor_->host_time;
+    }
+    if (now() - anchored > 1.0) {
+      auto a = make_anchor();
+      std::lock_guard lock(mu_);
+      anchor_ = std::move(a);
+    }
+  }
+
+  // ---- memory ----------------------------------------------------------------------
+  void upload(std::span<const float> host, Tensor& dst) override {
+    MOELAB_CHECK(host.size() == static_cast<std::size_t>(dst.numel()),
+                 "upload of " + std::to_string(host.size()) + " values into " + dst.describe());
+    switch (dst.dtype()) {
+      case DType::f32: write_blocking(dst, host.data()); break;
+      case DType::bf16: {
+        std::vector<std::uint16_t> b(host.size());
+        for (std::size_t i = 0; i < b.size(); ++i) b[i] = f32_to_bf16(host[i]);
+        write_blocking(dst, b.data());
+        break;
+      }
+      case DType::i32: {
+        std::vector<std::int32_t> b(host.size());
+        for (std::size_t i = 0; i < b.size(); ++i) b[i] = static_cast<std::int32_t>(host[i]);
+        write_blocking(dst, b.data());
+        break;
+      }
+      case DType::i64: {
+        std::vector<std::int64_t> b(host.size());
+        for (std::size_t i = 0; i < b.size(); ++i) b[i] = static_cast<std::int64_t>(host[i]);
+        write_blocking(dst, b.data());
+        break;
+      }
+      default: throw Unsupported(std::string("upload to ") + dtype_name(dst.dtype()) + " on the cuda backend");
+    }
+  }
+  std::vector<float> download(const Tensor& src) override {
+    const std::size_t n = static_cast<std::size_t>(src.numel());
+    std::vector<float> out(n);
+    switch (src.dtype()) {
+      case DType::f32: read_blocking(src, out.data()); break;
+      case DType::bf16: {
+        std::vector<std::uint16_t> b(n);
+        read_blocking(src, b.data());
+        for (std::size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(b[i]);
+        break;
+      }
+      case DType::i32: {
+        std::vector<std::int32_t> b(n);
+        read_blocking(src, b.data());
+        for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<float>(b[i]);
+        break;
+      }
+      case DType::i64: {
+        std::vector<std::int64_t> b(n);
+        read_blocking(src, b.data());
+        for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<float>(b[i]);
+        break;
+      }
+      default: throw Unsupported(std::string("download of ") + dtype_name(src.dtype()) + " on the cuda backend");
+    }
+    return out;
+  }
+  void upload_i32(std::span<const std::int32_t> host, Tensor& dst) override {
+    MOELAB_CHECK(dst.dtype() == DType::i32, "upload_i32 into " + dst.describe());
+    MOELAB_CHECK(host.size() == static_cast<std::size_t>(dst.numel()),
+                 "upload_i32 of " + std::to_string(host.size()) + " values into " + dst.describe());
+    write_blocking(dst, host.data());
+  }
+  std::vector<std::int32_t> download_i32(const Tensor& src) override {
+    MOELAB_CHECK(src.dtype() == DType::i32, "download_i32 of " + src.describe());
+    std::vector<std::int32_t> out(static_cast<std::size_t>(src.numel()));
+    read_blocking(src, out.data());
+    return out;
+  }
+
+  // ---- ops -------------------------------------------------------------------------
+  void copy(Stream& s, const Tensor& src, Tensor& dst) override {
+    MOELAB_CHECK(src.dtype() == dst.dtype() && src.numel() == dst.numel(),
+                 "copy " + src.describe() + " -> " + dst.describe());
+    const bool from_dev = src.space() == MemSpace::device, to_dev = dst.space() == MemSpace::device;
+    const OpKind kind = from_dev == to_dev ? OpKind::copy_d2d : (to_dev ? OpKind::copy_h2d : OpKind::copy_d2h);
+    const auto bytes = static_cast<std::int64_t>(src.nbytes());
+    CudaOpScope op(*this, s, "copy", cost_copy(kind, bytes));
+    if (bytes == 0) return;
+    cuda_check(cudaMemcpyAsync(dst.raw(), src.raw(), src.nbytes(), cudaMemcpyDefault, native(s)), "cudaMemcpyAsync");
+  }
+
+  void fill_zero(Stream& s, Tensor& t) override {
+    CudaOpScope op(*this, s, "fill_zero", cost_copy(OpKind::elementwise, static_cast<std::int64_t>(t.nbytes())));
+    if (t.nbytes() == 0) return;
+    cuda_check(cudaMemsetAsync(t.raw(), 0, t.nbytes(), native(s)), "cudaMemsetAsync");
+  }
+
+  void grouped_gemm(Stream& s, std::span<const GemmProblem> problems, const char* name) override;
+
+  void noisy_logits(Stream& s, const Tensor& clean, const Tensor& noise_raw, const Tensor& eps,
+                    Tensor& logits) override {
+    require_f32(clean, "noisy_logits clean");
+    require_f32(noise_raw, "noisy_logits noise_raw");
+    require_f32(eps, "noisy_logits eps");
+    require_f32(logits, "noisy_logits logits");
+    const std::int64_t n = clean.numel();
+    MOELAB_CHECK(noise_raw.numel() == n && eps.numel() == n && logits.numel() == n,
+                 "noisy_logits shapes " + clean.describe() + ", " + noise_raw.describe() + ", " + eps.describe() +
+                     " -> " + logits.describe());
+    CudaOpScope op(*this, s, "noisy_logits", cost_elementwise(n, DType::f32, 3, 1, 6));
+    cuda_kernels::noisy_logits(native(s), f32p(clean), f32p(noise_raw), f32p(eps), f32p(logits), n);
+  }
+
+  void noisy_logits_backward(Stream& s, const Tensor& d_logits, const Tensor& noise_raw, const Tensor& eps,
+                             Tensor& d_noise_raw) override {
+    require_f32(d_logits, "noisy_logits_backward d_logits");
+    require_f32(noise_raw, "noisy_logits_backward noise_raw");
+    require_f32(eps, "noisy_logits_backward eps");
+    require_f32(d_noise_raw, "noisy_logits_backward d_noise_raw");
+    const std::int64_t n = d_logits.numel();
+    MOELAB_CHECK(noise_raw.numel() == n && eps.numel() == n && d_noise_raw.numel() == n,
+                 "noisy_logits_backward shapes");
+    CudaOpScope op(*this, s, "noisy_logits_bwd", cost_elementwise(n, DType::f32, 3, 1, 5));
+    cuda_kernels::noisy_logits_backward(native(s), f32p(d_logits), f32p(noise_raw), f32p(eps), f32p(d_noise_raw), n);
+  }
+
+  void gate_forward(Stream& s, GateForward& g) override {
+    require_f32(g.logits, "gate logits");
+    MOELAB_CHECK(g.logits.ndim() == 2, "gate logits must be [T,E], got " + g.logits.describe());
+    const std::int64_t T = g.logits.dim(0);
+    const int E = to_int(g.logits.dim(1), "experts");
+    const int k = g.top_k;
+    MOELAB_CHECK(k >= 1 && k <= E && k <= cuda_kernels::kMaxTopK,
+                 "top_k = " + std::to_string(k) + " with " + std::to_string(E) + " experts");
+    MOELAB_CHECK(T * k <= std::numeric_limits<int>::max(), "T*k out of int range");
+    require_f32(g.probs, "gate probs");
+    require_f32(g.topk_w, "gate topk_w");
+    require_f32(g.routed_frac, "gate routed_frac");
+    require_f32(g.aux_loss, "gate aux_loss");
+    MOELAB_CHECK(g.probs.numel() == T * E && g.topk_w.numel() == T * k && g.topk_idx.numel() == T * k &&
+                     g.slot.numel() == T * k && g.counts.numel() == E && g.routed_frac.numel() == E &&
+                     g.aux_loss.numel() == 1 && g.topk_idx.dtype() == DType::i32 && g.slot.dtype() == DType::i32 &&
+                     g.counts.dtype() == DType::i32,
+                 "gate_forward output shapes/dtypes for logits " + g.logits.describe());
+    CudaOpScope op(*this, s, "gate", cost_gate_forward(T, E, k));
+    cuda_kernels::GateForwardArgs a;
+    a.logits = f32p(g.logits);
+    a.tokens = T;
+    a.experts = E;
+    a.top_k = k;
+    a.capacity = g.capacity;
+    a.renormalize = g.renormalize;
+    a.probs = f32p(g.probs);
+    a.topk_idx = g.topk_idx.data<std::int32_t>();
+    a.topk_w = f32p(g.topk_w);
+    a.slot = g.slot.data<std::int32_t>();
+    a.counts = g.counts.data<std::int32_t>();
+    a.routed_frac = f32p(g.routed_frac);
+    a.aux_loss = f32p(g.aux_loss);
+    cuda_kernels::gate_forward(native(s), a);
+  }
+
+  void gate_backward(Stream& s, GateBackward& g) override {
+    require_f32(g.probs, "gate_backward probs");
+    MOELAB_CHECK(g.probs.ndim() == 2, "gate_backward probs must be [T,E], got " + g.probs.describe());
+    const std::int64_t T = g.probs.dim(0);
+    const int E = to_int(g.probs.dim(1), "experts");
+    const auto [tk, k] = rows_and_k(g.topk_idx);
+    MOELAB_CHECK(tk == T && g.topk_w.numel() == T * k && g.d_topk_w.numel() == T * k && g.routed_frac.numel() == E &&
+                     g.d_logits.numel() == T * E,
+                 "gate_backward shapes for probs " + g.probs.describe());
+    require_f32(g.topk_w, "gate_backward topk_w");
+    require_f32(g.d_topk_w, "gate_backward d_topk_w");
+    require_f32(g.routed_frac, "gate_backward routed_frac");
+    require_f32(g.d_logits, "gate_backward d_logits");
+    CudaOpScope op(*this, s, "gate_bwd", cost_gate_backward(T, E, k));
+    cuda_kernels::GateBackwardArgs a;
+    a.probs = f32p(g.probs);
+    a.topk_idx = i32p(g.topk_idx);
+    a.topk_w = f32p(g.topk_w);
+    a.routed_frac = f32p(g.routed_frac);
+    a.d_topk_w = f32p(g.d_topk_w);
+    a.tokens = T;
+    a.experts = E;
+    a.top_k = k;
+    a.renormalize = g.renormalize;
+    a.grad_aux = g.grad_aux;
+    a.d_logits = f32p(g.d_logits);
+    cuda_kernels::gate_backward(native(s), a);
+  }
+
+  void permute(Stream& s, const Tensor& x, const Tensor& slot, Tensor& out) override {
+    const auto [T, k] = rows_and_k(slot);
+    const std::int64_t M = width_of(x), N = rows_of(out);
+    MOELAB_CHECK(x.dtype() == out.dtype() && rows_of(x) == T && width_of(out) == M,
+                 "permute " + x.describe() + " by " + slot.describe() + " -> " + out.describe());
+    CudaOpScope op(*this, s, "permute", cost_rows(OpKind::permute, N, N, M, x.dtype(), 0));
+    cuda_kernels::permute(native(s), elem_of(x), x.raw(), i32p(slot), out.raw(), T, k, M, N);
+  }
+
+  void permute_backward(Stream& s, const Tensor& d_out, const Tensor& slot, Tensor& dx) override {
+    const auto [T, k] = rows_and_k(slot);
+    const std::int64_t M = width_of(dx), N = rows_of(d_out);
+    MOELAB_CHECK(d_out.dtype() == dx.dtype() && rows_of(dx) == T && width_of(d_out) == M,
+                 "permute_backward " + d_out.describe() + " by " + slot.describe() + " -> " + dx.describe());
+    CudaOpScope op(*this, s, "permute_bwd", cost_rows(OpKind::permute, N, T, M, dx.dtype(), 1));
+    cuda_kernels::permute_backward(native(s), elem_of(dx), d_out.raw(), i32p(slot), dx.raw(), T, k, M, N);
+  }
+
+  void unpermute(Stream& s, const Tensor& y_perm, const Tensor& slot, const Tensor& w, Tensor& y) override {
+    const auto [T, k] = rows_and_k(slot);
+    const std::int64_t M = width_of(y), N = rows_of(y_perm);
+    require_f32(w, "unpermute weights");
+    MOELAB_CHECK(y_perm.dtype() == y.dtype() && rows_of(y) == T && width_of(y_perm) == M && w.numel() == T * k,
+                 "unpermute " + y_perm.describe() + " by " + slot.describe() + " -> " + y.describe());
+    CudaOpScope op(*this, s, "unpermute", cost_rows(OpKind::permute, N, T, M, y.dtype(), 2));
+    cuda_kernels::unpermute(native(s), elem_of(y), y_perm.raw(), i32p(slot), f32p(w), y.raw(), T, k, M, N);
+  }
+
+  void unpermute_backward(Stream& s, const Tensor& dy, const Tensor& y_perm, const Tensor& slot, const Tensor& w,
+                          Tensor& d_y_perm, Tensor& dw) override {
+    const auto [T, k] = rows_and_k(slot);
+    const std::int64_t M = width_of(dy), N = rows_of(y_perm);
+    require_f32(w, "unpermute_backward weights");
+    require_f32(dw, "unpermute_backward dw");
+    MOELAB_CHECK(dy.dtype() == y_perm.dtype() && dy.dtype() == d_y_perm.dtype() && rows_of(dy) == T &&
+                     width_of(y_perm) == M && rows_of(d_y_perm) == N && width_of(d_y_perm) == M &&
+                     w.numel() == T * k && dw.numel() == T * k,
+                 "unpermute_backward " + dy.describe() + ", " + y_perm.describe() + " -> " + d_y_perm.describe());
+    // Reads dy once per slot and y_perm's N rows; writes N rows of d_y_perm.
+    CudaOpScope op(*this, s, "unpermute_bwd", cost_rows(OpKind::permute, N + T, N, M, dy.dtype(), 3));
+    cuda_kernels::unpermute_backward(native(s), elem_of(dy), dy.raw(), y_perm.raw(), i32p(slot), f32p(w),
+                                     d_y_perm.raw(), f32p(dw), T, k, M, N);
+  }
+
+  void activation_forward(Stream& s, Activation a, const Tensor& in, Tensor& out) override {
+    MOELAB_CHECK(in.dtype() == out.dtype() && in.numel() == out.numel(),
+                 "activation " + in.describe() + " -> " + out.describe());
+    CudaOpScope op(*this, s, std::string(activation_name(a)),
+                   cost_elementwise(in.numel(), in.dtype(), 1, 1, a == Activation::gelu ? 8 : 1));
+    cuda_kernels::activation_forward(native(s), elem_of(in), a == Activation::gelu, in.raw(), out.raw(), in.numel());
+  }
+
+  void activation_backward(Stream& s, Activation a, const Tensor& in, const Tensor& d_out, Tensor& d_in) override {
+    MOELAB_CHECK(in.dtype() == d_out.dtype() && in.dtype() == d_in.dtype() && in.numel() == d_out.numel() &&
+                     in.numel() == d_in.numel(),
+                 "activation_backward " + in.describe() + ", " + d_out.describe() + " -> " + d_in.describe());
+    CudaOpScope op(*this, s, std::string(activation_name(a)) + "_bwd",
+                   cost_elementwise(in.numel(), in.dtype(), 2, 1, a == Activation::gelu ? 12 : 1));
+    cuda_kernels::activation_backward(native(s), elem_of(in), a == Activation::gelu, in.raw(), d_out.raw(),
+                                      d_in.raw(), in.numel());
+  }
+
+  double time_bare_gemms(std::span<const GemmProblem> problems, int reps) override;
+
+  // ---- timeline --------------------------------------------------------------------
+  std::vector<OpRecord> timeline() override {
+    std::lock_guard lock(mu_);
+    resolve_locked();
+    return done_;
+  }
+  void clear_timeline() override {
+    {
+      std::lock_guard lock(mu_);
+      for (auto& p : pending_) {
+        free_timing_events_.push_back(p->start);
+        free_timing_events_.push_back(p->end);
+      }
+      pending_.clear();
+      done_.clear();
+    }
+    auto a = make_anchor();
+    std::lock_guard lock(mu_);
+    anchor_ = std::move(a);
+  }
+
+  // ---- timed ops (CudaOpScope) -----------------------------------------------------
+  std::unique_ptr<CudaOpTicket> begin_op(Stream& s, std::string name, const OpCost& cost) {
+    set_device();
+    auto t = std::make_unique<CudaOpTicket>();
+    t->rec.rank = rank_;
+    t->rec.stream_id = s.id();
+    t->rec.stream_name = s.name();
+    t->rec.name = std::move(name);
+    t->rec.phase = phase_;
+    t->rec.cost = cost;
+    t->stream = native(s);
+    {
+      std::lock_guard lock(mu_);
+      t->start = take_timing_event_locked();
+      t->end = take_timing_event_locked();
+      t->anchor = anchor_;
+    }
+    const cudaError_t err = cudaEventRecord(t->start, t->stream);
+    if (err != cudaSuccess) {
+      std::lock_guard lock(mu_);
+      free_timing_events_.push_back(t->start);
+      free_timing_events_.push_back(t->end);
+      cuda_check(err, "cudaEventRecord (op start)");
+    }
+    return t;
+  }
+  // Never throws: runs in CudaOpScope's destructor, possibly during unwinding.
+  void end_op(std::unique_ptr<CudaOpTicket> t) noexcept {
+    if (!t) return;
+    const cudaError_t err = cudaEventRecord(t->end, t->stream);
+    std::lock_guard lock(mu_);
+    if (err != cudaSuccess) {  // the op cannot be timed; its error surfaces at the next sync
+      free_timing_events_.push_back(t->start);
+      free_timing_events_.push_back(t->end);
+      return;
+    }
+    pending_.push_back(std::move(t));
+  }
+
+ protected:
+  void* raw_alloc(std::size_t bytes, MemSpace space, Stream& s) override {
+    set_device();
+    void* p = nullptr;
+    const cudaError_t err =
+        space == MemSpace::device ? cudaMallocAsync(&p, bytes, native(s)) : cudaMallocHost(&p, bytes);
+    if (err != cudaSuccess) {
+      cudaGetLastError();  // an allocation failure is not sticky; clear it
+      throw std::runtime_error(std::string("cuda: cannot allocate ") + std::to_string(bytes) + " bytes of " +
+                               (space == MemSpace::device ? "device" : "pinned host") + " memory on " +
+                               device_name_ + " (" + std::to_string(memory_.device_in_use()) +
+                               " bytes tracked in use): " + cudaGetErrorString(err));
+    }
+    return p;
+  }
+  void raw_free(void* p, std::size_t, MemSpace space, Stream& s) override {
+    // Called from a tensor's destructor: report, never throw.
+    const cudaError_t err = space == MemSpace::device ? cudaFreeAsync(p, native(s)) : cudaFreeHost(p);
+    if (err != cudaSuccess) std::fprintf(stderr, "moelab cuda: freeing memory failed: %s\n", cudaGetErrorString(err));
+  }
+
+ private:
+  void set_device() const {
+    int cur = -1;
+    if (cudaGetDevice(&cur) != cudaSuccess || cur != opt_.device) cuda_check(cudaSetDevice(opt_.device), "cudaSetDevice");
+  }
+  static cudaStream_t native(Stream& s) { return cuda_native_stream(s); }
+  static cudaEvent_t ev(Event& e) {
+    auto* ce = dynamic_cast<CudaEvent*>(&e);
+    MOELAB_CHECK(ce != nullptr, "event of another backend passed to the cuda backend");
+    return ce->ev;
+  }
+  CudaStream& cstream(Stream& s) {
+    auto* cs = dynamic_cast<CudaStream*>(&s);
+    MOELAB_CHECK(cs != nullptr, "stream of another backend passed to the cuda backend");
+    return *cs;
+  }
+  cublasHandle_t blas(Stream& s) {
+    CudaStream& cs = cstream(s);
+    if (!cs.blas) {
+      cublas_check(cublasCreate(&cs.blas), "cublasCreate");
+      cublas_check(cublasSetStream(cs.blas, cs.native), "cublasSetStream");
+    }
+    return cs.blas;
+  }
+
+  // The stream a tensor's allocation is ordered on (blocking transfers use it).
+  cudaStream_t tensor_stream(const Tensor& t) { return t.stream() ? native(*t.stream()) : clock_stream_; }
+
+  // Blocking transfers order themselves after everything issued so far: set-up and checks
+  // only, so a device-wide wait is the simple correct choice.
+  void write_blocking(Tensor& dst, const void* src) {
+    if (dst.nbytes() == 0) return;
+    synchronize();
+    if (dst.space() == MemSpace::host_pinned) {
+      std::memcpy(dst.raw(), src, dst.nbytes());
+      return;
+    }
+    const cudaStream_t st = tensor_stream(dst);
+    cuda_check(cudaMemcpyAsync(dst.raw(), src, dst.nbytes(), cudaMemcpyHostToDevice, st), "cudaMemcpyAsync (upload)");
+    cuda_check(cudaStreamSynchronize(st), "upload");
+  }
+  void read_blocking(const Tensor& src, void* dst) {
+    if (src.nbytes() == 0) return;
+    synchronize();
+    if (src.space() == MemSpace::host_pinned) {
+      std::memcpy(dst, src.raw(), src.nbytes());
+      return;
+    }
+    const cudaStream_t st = tensor_stream(src);
+    cuda_check(cudaMemcpyAsync(dst, src.raw(), src.nbytes(), cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync (download)");
+    cuda_check(cudaStreamSynchronize(st), "download");
+  }
+
+  std::shared_ptr<ClockAnchor> make_anchor() {
+    set_device();
+    auto a = std::make_shared<ClockAnchor>();
+    cuda_check(cudaEventCreate(&a->ev), "cudaEventCreate (clock)");
+    const double before = now();
+    cuda_check(cudaEventRecord(a->ev, clock_stream_), "cudaEventRecord (clock)");
+    cuda_check(cudaEventSynchronize(a->ev), "cudaEventSynchronize (clock)");
+    a->host_time = 0.5 * (before + now());
+    return a;
+  }
+
+  cudaEvent_t take_timing_event_locked() {
+    if (!free_timing_events_.empty()) {
+      cudaEvent_t e = free_timing_events_.back();
+      free_timing_events_.pop_back();
+      return e;
+    }
+    cudaEvent_t e;
+    cuda_check(cudaEventCreate(&e), "cudaEventCreate (timing)");
+    return e;
+  }
+
+  void resolve_locked() {
+    std::vector<std::unique_ptr<CudaOpTicket>> still;
+    for (auto& p : pending_) {
+      const cudaError_t q = cudaEventQuery(p->end);
+      if (q == cudaErrorNotReady) {
+        still.push_back(std::move(p));
+        continue;
+      }
+      cuda_check(q, "cudaEventQuery (timeline)");
+      float from_anchor = 0, duration = 0;
+      cuda_check(cudaEventElapsedTime(&from_anchor, p->anchor->ev, p->start), "cudaEventElapsedTime");
+      cuda_check(cudaEventElapsedTime(&duration, p->start, p->end), "cudaEventElapsedTime");
+      OpRecord r = std::move(p->rec);
+      r.start = p->anchor->host_time + 1e-3 * static_cast<double>(from_anchor);
+      r.end = r.start + 1e-3 * static_cast<double>(duration);
+      done_.push_back(std::move(r));
+      free_timing_events_.push_back(p->start);
+      free_timing_events_.push_back(p->end);
+    }
+    pending_ = std::move(still);
+  }
+
+  // GEMM helpers (see grouped_gemm).
+  cublasComputeType_t compute_type(DType ab) const {
+    return (ab == DType::f32 && opt_.allow_tf32) ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  }
+  void gemm_one(cublasHandle_t h, const GemmProblem& p);
+
+  CudaOptions opt_;
+  std::chrono::steady_clock::time_point t0_;
+  std::string device_name_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<CudaStream>> streams_;
+  cudaStream_t clock_stream_ = nullptr;
+  std::shared_ptr<ClockAnchor> anchor_;
+  std::vector<cudaEvent_t> free_timing_events_;
+  std::vector<std::unique_ptr<CudaOpTicket>> pending_;
+  std::vector<OpRecord> done_;
+  std::unique_ptr<PinnedStaging> staging_ = std::make_unique<PinnedStaging>();
+  std::set<std::pair<int, int>> grouped_unsupported_;  // (A/B type, C type) the grouped API refused
+  cudaStream_t bare_stream_ = nullptr;
+  cublasHandle_t bare_blas_ = nullptr;
+};
+
+// ---- GEMM ----------------------------------------------------------------------------
+//
+// moelab's GEMMs are row-major and cuBLAS is column-major. A row-major [r,c] matrix is the
+// column-major [c,r] matrix of its transpose, so C = op(A) op(B) is computed as
+// C^T = op(B)^T op(A)^T with B as cuBLAS's first operand and A as its second:
+//   first  (B): N with ld n when B is [k,n];  T with ld k when B is [n,k] (trans_b)
+//   second (A): N with ld k when A is [m,k];  T with ld m when A is [k,m] (trans_a)
+//   C: [n,m] column-major, ld n.
+namespace {
+
+struct ColMajor {
+  cublasOperation_t op_first, op_second;
+  int m, n, k;  // cuBLAS's: m = our n, n = our m
+  int ld_first, ld_second, ldc;
+};
+
+ColMajor col_major(const GemmProblem& p) {
+  ColMajor c;
+  c.op_first = p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  c.op_second = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  c.m = to_int(p.n, "gemm n");
+  c.n = to_int(p.m, "gemm m");
+  c.k = to_int(p.k, "gemm k");
+  c.ld_first = p.trans_b ? c.k : c.m;
+  c.ld_second = p.trans_a ? c.n : c.k;
+  c.ldc = c.m;
+  return c;
+}
+
+void check_problem(const GemmProblem& p) {
+  MOELAB_CHECK(p.m >= 0 && p.n >= 0 && p.k >= 0, "negative GEMM dimension");
+  MOELAB_CHECK(p.c.defined() && p.c.numel() >= p.m * p.n, "GEMM C too small: " + p.c.describe());
+  if (p.m == 0 || p.n == 0 || p.k == 0) return;
+  MOELAB_CHECK(p.a.defined() && p.b.defined() && p.a.dtype() == p.b.dtype(),
+               "GEMM A and B must share a dtype: " + p.a.describe() + " vs " + p.b.describe());
+  MOELAB_CHECK(p.c.dtype() == p.a.dtype() || p.c.dtype() == DType::f32,
+               "GEMM C must be A's dtype or fp32: " + p.c.describe());
+  MOELAB_CHECK(p.a.numel() >= p.m * p.k && p.b.numel() >= p.k * p.n,
+               "GEMM operands too small for [" + std::to_string(p.m) + "x" + std::to_string(p.k) + "]x[" +
+                   std::to_string(p.k) + "x" + std::to_string(p.n) + "]: " + p.a.describe() + ", " + p.b.describe());
+}
+
+}  // namespace
+
+void CudaBackend::gemm_one(cublasHandle_t h, const GemmProblem& p) {
+  const ColMajor c = col_major(p);
+  cublas_check(cublasGemmEx(h, c.op_first, c.op_second, c.m, c.n, c.k, &p.alpha, p.b.raw(), cuda_type(p.b.dtype()),
+                            c.ld_first, p.a.raw(), cuda_type(p.a.dtype()), c.ld_second, &p.beta, p.c.raw(),
+                            cuda_type(p.c.dtype()), c.ldc, compute_type(p.a.dtype()), CUBLAS_GEMM_DEFAULT),
+               "cublasGemmEx");
+}
+
+void CudaBackend::grouped_gemm(Stream& s, std::span<const GemmProblem> problems, const char* name) {
+  for (const auto& p : problems) check_problem(p);
+  CudaOpScope op(*this, s, name ? name : "gemm", cost_grouped_gemm(problems));
+  cublasHandle_t h = blas(s);
+  const cudaStream_t st = native(s);
+
+  // k == 0: C = beta * C (nothing to multiply). beta == 0 must not read C (it may hold NaN).
+  std::vector<const GemmProblem*> live;
+  for (const auto& p : problems) {
+    if (p.m == 0 || p.n == 0) continue;
+    if (p.k > 0) {
+      live.push_back(&p);
+      continue;
+    }
+    const std::size_t bytes = static_cast<std::size_t>(p.m * p.n) * dtype_size(p.c.dtype());
+    if (p.beta == 0.0f) {
+      cuda_check(cudaMemsetAsync(p.c.raw(), 0, bytes, st), "cudaMemsetAsync (gemm k=0)");
+    } else if (p.beta != 1.0f) {
+      cublas_check(cublasScalEx_64(h, p.m * p.n, &p.beta, CUDA_R_32F, p.c.raw(), cuda_type(p.c.dtype()), 1, CUDA_R_32F),
+                   "cublasScalEx (gemm k=0)");
+    }
+  }
+  if (live.empty()) return;
+  if (live.size() == 1) {
+    gemm_one(h, *live.front());
+    return;
+  }
+
+  // One grouped call per (A/B type, C type); within it, one group per distinct shape and
+  // scalars, so that equal-sized experts share a group.
+  std::map<std::pair<int, int>, std::vector<const GemmProblem*>> by_type;
+  for (const auto* p : live) by_type[{static_cast<int>(p->a.dtype()), static_cast<int>(p->c.dtype())}].push_back(p);
+
+  for (auto& [types, list] : by_type) {
+    bool refused;
+    {
+      std::lock_guard lock(mu_);
+      refused = grouped_unsupported_.count(types) > 0;
+    }
+    if (list.size() == 1 || refused) {
+      for (const auto* p : list) gemm_one(h, *p);
+      continue;
+    }
+    using Key = std::tuple<int, int, int, int, int, float, float>;
+    std::map<Key, std::vector<const GemmProblem*>> groups;
+    for (const auto* p : list) {
+      const ColMajor c = col_major(*p);
+      groups[Key{c.op_first, c.op_second, c.m, c.n, c.k, p->alpha, p->beta}].push_back(p);
+    }
+    const std::size_t G = groups.size(), P = list.size();
+    std::vector<cublasOperation_t> op_first, op_second;
+    std::vector<int> m, n, k, ld_first, ld_second, ldc, group_size;
+    std::vector<float> alpha, beta;
+    std::vector<const void*> first_ptrs, second_ptrs;
+    std::vector<void*> c_ptrs;
+    for (auto& [key, ps] : groups) {
+      const ColMajor c = col_major(*ps.front());
+      op_first.push_back(c.op_first);
+      op_second.push_back(c.op_second);
+      m.push_back(c.m);
+      n.push_back(c.n);
+      k.push_back(c.k);
+      ld_first.push_back(c.ld_first);
+      ld_second.push_back(c.ld_second);
+      ldc.push_back(c.ldc);
+      alpha.push_back(ps.front()->alpha);
+      beta.push_back(ps.front()->beta);
+      group_size.push_back(static_cast<int>(ps.size()));
+      for (const auto* p : ps) {
+        first_ptrs.push_back(p->b.raw());
+        second_ptrs.push_back(p->a.raw());
+        c_ptrs.push_back(p->c.raw());
+      }
+    }
+    // The three pointer arrays must be in device memory (the scalars and shapes stay on the
+    // host): stage them through pinned memory and a stream-ordered allocation.
+    const std::size_t bytes = 3 * P * sizeof(void*);
+    void* dev = nullptr;
+    cuda_check(cudaMallocAsync(&dev, bytes, st), "cudaMallocAsync (gemm pointers)");
+    {
+      std::lock_guard lock(mu_);
+      const std::size_t chunk = staging_->acquire(bytes);
+      auto* host = static_cast<const void**>(staging_->ptr(chunk));
+      std::copy(first_ptrs.begin(), first_ptrs.end(), host);
+      std::copy(second_ptrs.begin(), second_ptrs.end(), host + P);
+      std::copy(c_ptrs.begin(), c_ptrs.end(), host + 2 * P);
+      cuda_check(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, st), "cudaMemcpyAsync (gemm pointers)");
+      staging_->release(chunk, st);
+    }
+    auto** dptr = static_cast<void**>(dev);
+    const DType ab = static_cast<DType>(types.first), ct = static_cast<DType>(types.second);
+    const cublasStatus_t status = cublasGemmGroupedBatchedEx(
+        h, op_first.data(), op_second.data(), m.data(), n.data(), k.data(), alpha.data(),
+        const_cast<const void* const*>(dptr), cuda_type(ab), ld_first.data(),
+        const_cast<const void* const*>(dptr + P), cuda_type(ab), ld_second.data(), beta.data(), dptr + 2 * P,
+        cuda_type(ct), ldc.data(), static_cast<int>(G), group_size.data(), compute_type(ab));
+    cuda_check(cudaFreeAsync(dev, st), "cudaFreeAsync (gemm pointers)");
+    if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
+      // Not every type combination has a grouped kernel (bf16 inputs with an fp32 C, say):
+      // fall back to one cublasGemmEx per problem, and remember.
+      {
+        std::lock_guard lock(mu_);
+        grouped_unsupported_.insert(types);
+      }
+      for (const auto* p : list) gemm_one(h, *p);
+      continue;
+    }
+    cublas_check(status, "cublasGemmGroupedBatchedEx");
+  }
+}
+
+double CudaBackend::time_bare_gemms(std::span<const GemmProblem> problems, int reps) {
+  for (const auto& p : problems) check_problem(p);
+  reps = std::max(reps, 1);
+  synchronize();
+  set_device();
+  if (!bare_stream_) {
+    cuda_check(cudaStreamCreateWithFlags(&bare_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    cublas_check(cublasCreate(&bare_blas_), "cublasCreate");
+    cublas_check(cublasSetStream(bare_blas_, bare_stream_), "cublasSetStream");
+  }
+  auto run_all = [&] {
+    for (const auto& p : problems)
+      if (p.m > 0 && p.n > 0 && p.k > 0) gemm_one(bare_blas_, p);
+  };
+  cudaEvent_t a, b;
+  cuda_check(cudaEventCreate(&a), "cudaEventCreate");
+  cuda_check(cudaEventCreate(&b), "cudaEventCreate");
+  std::vector<double> t;
+  try {
+    run_all();  // warm-up: cuBLAS picks and loads its kernels here
+    for (int r = 0; r < reps; ++r) {
+      cuda_check(cudaEventRecord(a, bare_stream_), "cudaEventRecord");
+      run_all();
+      cuda_check(cudaEventRecord(b, bare_stream_), "cudaEventRecord");
+      cuda_check(cudaEventSynchronize(b), "cudaEventSynchronize");
+      float ms = 0;
+      cuda_check(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+      t.push_back(1e-3 * static_cast<double>(ms));
+    }
+  } catch (...) {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    throw;
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];  // the cpu backend's median convention
+}
+
+// ---- public functions ----------------------------------------------------------------
+
+bool cuda_device_present() {
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // leave no sticky error behind for whoever calls CUDA next
+    return false;
+  }
+  return n > 0;
+}
+
+std::unique_ptr<Backend> make_cuda_backend(int device) {
+  CudaOptions o;
+  o.device = device;
+  return make_cuda_backend(o);
+}
+
+std::unique_ptr<Backend> make_cuda_backend(const CudaOptions& options) {
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    throw Unsupported(std::string("the cuda backend needs a CUDA device: ") + cudaGetErrorString(err));
+  }
+  if (n <= 0) throw Unsupported("the cuda backend needs a CUDA device: none found");
+  if (options.device < 0 || options.device >= n)
+    throw Unsupported("CUDA device " + std::to_string(options.device) + " does not exist (" + std::to_string(n) +
+                      " present)");
+  return std::make_unique<CudaBackend>(options);
+}
+
+bool is_cuda_backend(const Backend& b) { return dynamic_cast<const CudaBackend*>(&b) != nullptr; }
+
+int cuda_device_of(const Backend& b) {
+  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
+  if (!cb) throw std::invalid_argument("not a cuda backend: " + b.name());
+  return cb->device();
+}
+
+cudaStream_t cuda_native_stream(Stream& s) {
+  auto* cs = dynamic_cast<CudaStream*>(&s);
+  if (!cs) throw std::invalid_argument("stream '" + s.name() + "' is not a cuda stream");
+  return cs->native;
+}
+
+CudaOpScope::CudaOpScope(Backend& cuda_backend, Stream& s, std::string name, const OpCost& cost)
+    : backend_(cuda_backend) {
+  auto* cb = dynamic_cast<CudaBackend*>(&backend_);
+  if (!cb) throw std::invalid_argument("CudaOpScope on a " + backend_.name() + " backend");
+  ticket_ = cb->begin_op(s, std::move(name), cost);
+}
+
+CudaOpScope::~CudaOpScope() { static_cast<CudaBackend&>(backend_).end_op(std::move(ticket_)); }
+
+}  // namespace moelab

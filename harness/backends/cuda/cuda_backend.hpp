@@ -1,0 +1,55 @@
+// harness/backends/cuda/cuda_backend.hpp — the cuda backend: real fp32/bf16 data on one GPU,
+// cuBLAS GEMMs, CUB-based gate, CUDA streams and events, cudaMallocAsync pools.
+//
+// Plain C++ (the registry and the tests include it with the host compiler): nothing here
+// needs nvcc, only the CUDA runtime's C header for cudaStream_t.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <string>
+
+#include "harness/runtime/backend.hpp"
+
+namespace moelab {
+
+struct CudaOptions {
+  int device = 0;
+  // fp32 GEMMs may run on TF32 tensor cores (10-bit mantissa, ~8x faster on A100/H100).
+  // Off by default so that fp32 results agree with the cpu backend to fp32 rounding.
+  bool allow_tf32 = false;
+};
+
+// A usable CUDA device exists. Any CUDA error (no driver, driver too old, no device) means
+// no; never throws.
+bool cuda_device_present();
+
+// Throws Unsupported (with the CUDA error's text) when there is no usable device.
+std::unique_ptr<Backend> make_cuda_backend(int device = 0);
+std::unique_ptr<Backend> make_cuda_backend(const CudaOptions& options);
+
+// ---- hooks for code that issues its own CUDA work on the backend's streams (NCCL) --------
+
+bool is_cuda_backend(const Backend& b);
+int cuda_device_of(const Backend& b);       // throws std::invalid_argument if not a cuda backend
+cudaStream_t cuda_native_stream(Stream& s);  // throws std::invalid_argument if not a cuda stream
+
+struct CudaOpTicket;
+
+// Times the work issued on `s` during its lifetime as one op of the backend's timeline:
+// a timing event is recorded on `s` at construction and another at destruction, and the
+// record carries `name`, the backend's phase at construction, the stream, the rank and
+// `cost`. Times resolve lazily in Backend::timeline().
+class CudaOpScope {
+ public:
+  CudaOpScope(Backend& cuda_backend, Stream& s, std::string name, const OpCost& cost);
+  ~CudaOpScope();
+  CudaOpScope(const CudaOpScope&) = delete;
+  CudaOpScope& operator=(const CudaOpScope&) = delete;
+
+ private:
+  Backend& backend_;
+  std::unique_ptr<CudaOpTicket> ticket_;
+};
+
+}  // namespace moelab

@@ -1,0 +1,119 @@
+// harness/cli/main.cpp — the moelab command line: subcommands and what an error does.
+//
+//   moelab run --workload experiments/workloads/tiny.json --impl fastmoe --backend cpu
+//   mpirun -n 2 moelab run --workload experiments/workloads/tiny.json --impl fastmoe --backend cpu
+//   moelab list
+//   moelab --help, moelab run --help
+//
+// Exit status: 0 success; 2 bad input (a workload file, a flag, a request the backend cannot
+// serve), found before any work starts and with nothing written; 1 a failure during the run,
+// after which every rank is aborted (a rank left waiting in a collective would hang).
+#include <cstdio>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "harness/comm/world.hpp"
+#include "harness/nn/moe_impl.hpp"
+#include "harness/runtime/error.hpp"
+
+namespace moelab::cli {
+
+// harness/cli/run.cpp
+int run_command(const std::vector<std::string>& args);
+void print_run_help(std::FILE* to);
+
+namespace {
+
+void print_help(std::FILE* to) {
+  std::fputs(
+      "moelab — reference implementations and a benchmark harness for MoE training systems\n"
+      "\n"
+      "usage: moelab <command> [options]\n"
+      "\n"
+      "commands:\n"
+      "  run    run one workload with one implementation on one backend, print the per-phase\n"
+      "         table and write the result file (JSON)\n"
+      "  list   the implementations and backends built into this binary\n"
+      "\n"
+      "`moelab <command> --help` shows a command's options. Several ranks (expert parallelism)\n"
+      "are launched with mpirun (or srun): mpirun -n 4 moelab run ...\n",
+      to);
+}
+
+int list_command(const std::vector<std::string>& args) {
+  if (!args.empty() && (args[0] == "--help" || args[0] == "-h")) {
+    std::puts("usage: moelab list\n\nThe implementations (--impl) and backends (--backend) of this binary.");
+    return 0;
+  }
+  if (!args.empty()) throw ConfigError("moelab list takes no arguments, got \"" + args[0] + "\"");
+  if (world_rank() != 0) return 0;
+  std::puts("implementations (--impl):");
+  for (const auto& name : impl_names()) std::printf("  %s\n", name.c_str());
+  std::puts("backends (--backend):");
+  std::printf("  cpu    %s\n", make_backend("cpu")->device_name().c_str());
+#ifdef MOELAB_HAVE_CUDA
+  if (cuda_available()) {
+    std::string device = "a CUDA device";
+    try {
+      device = make_backend("cuda")->device_name();
+    } catch (const std::exception& e) {
+      device = std::string("present, but it failed to start: ") + e.what();
+    }
+    std::printf("  cuda   %s\n", device.c_str());
+  } else {
+    std::puts("  cuda   built, but no CUDA device is available on this machine");
+  }
+#else
+  std::puts("  cuda   not built (needs nvcc and NCCL at configure time)");
+#endif
+  return 0;
+}
+
+int dispatch(const std::vector<std::string>& args) {
+  if (args.empty()) {
+    print_help(stderr);
+    return 2;
+  }
+  const std::string& cmd = args[0];
+  const std::vector<std::string> rest(args.begin() + 1, args.end());
+  if (cmd == "--help" || cmd == "-h" || cmd == "help") {
+    if (cmd == "help" && !rest.empty() && rest[0] == "run") print_run_help(stdout);
+    else print_help(stdout);
+    return 0;
+  }
+  if (cmd == "run") return run_command(rest);
+  if (cmd == "list") return list_command(rest);
+  throw ConfigError("unknown command \"" + cmd + "\" (commands: run, list; see moelab --help)");
+}
+
+}  // namespace
+}  // namespace moelab::cli
+
+int main(int argc, char** argv) {
+  using namespace moelab;
+  init_world(&argc, &argv);
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  int code = 0;
+  try {
+    register_builtin_impls();
+    code = cli::dispatch(args);
+  } catch (const ConfigError& e) {
+    // Bad input is found the same way on every rank (run agrees on it across ranks before
+    // any collective), so every rank exits 2 and one of them says why.
+    if (world_rank() == 0) std::fprintf(stderr, "moelab: error: %s\n", e.what());
+    code = 2;
+  } catch (const Unsupported& e) {
+    if (world_rank() == 0) std::fprintf(stderr, "moelab: error: %s\n", e.what());
+    code = 2;
+  } catch (const std::exception& e) {
+    // CommError and everything else: this rank cannot go on, and the others may be
+    // waiting for it in a collective, so the whole world is stopped.
+    std::fprintf(stderr, "moelab: error (rank %d): %s\n", world_rank(), e.what());
+    std::fflush(stderr);
+    abort_world(1);
+  }
+  std::fflush(stdout);
+  finalize_world();
+  return code;
+}

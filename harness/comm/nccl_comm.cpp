@@ -1,0 +1,328 @@
+// harness/comm/nccl_comm.cpp — NcclCommunicator (see nccl_comm.hpp).
+//
+// Data plane: every call is one NCCL operation (or one ncclGroupStart/End of point-to-point
+// calls for all_to_all_v) on the caller's stream, wrapped in a CudaOpScope so that the
+// timeline shows it like any other op. Data moves as bytes (ncclChar) except where NCCL
+// must know the type to reduce.
+//
+// Control plane: small blocking exchanges through a private stream and a device scratch
+// buffer; they are metadata (token counts, timings), never on the critical path of a step.
+#include "harness/comm/nccl_comm.hpp"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "harness/backends/cuda/cuda_backend.hpp"
+#include "harness/runtime/error.hpp"
+
+namespace moelab {
+namespace {
+
+static_assert(NCCL_UNIQUE_ID_BYTES == 128, "ncclUniqueId is expected to be 128 bytes");
+
+ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::f32: return ncclFloat32;
+    case DType::bf16: return ncclBfloat16;
+    case DType::f64: return ncclFloat64;
+    case DType::i32: return ncclInt32;
+    case DType::i64: return ncclInt64;
+  }
+  return ncclChar;
+}
+
+class NcclCommunicator final : public Communicator {
+ public:
+  // Takes ownership of `comm`.
+  NcclCommunicator(Backend& b, ncclComm_t comm, int rank, int size)
+      : b_(b), device_(cuda_device_of(b)), comm_(comm), rank_(rank), size_(size) {
+    try {
+      cuda(cudaSetDevice(device_), "cudaSetDevice");
+      cuda(cudaStreamCreateWithFlags(&ctrl_, cudaStreamNonBlocking), "cudaStreamCreate");
+    } catch (...) {
+      ncclCommDestroy(comm_);  // the destructor does not run for a throwing constructor
+      throw;
+    }
+  }
+  ~NcclCommunicator() override {
+    cudaSetDevice(device_);
+    if (ctrl_) cudaStreamSynchronize(ctrl_);
+    if (scratch_) cudaFree(scratch_);
+    if (ctrl_) cudaStreamDestroy(ctrl_);
+    if (comm_) ncclCommDestroy(comm_);
+  }
+  NcclCommunicator(const NcclCommunicator&) = delete;
+  NcclCommunicator& operator=(const NcclCommunicator&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string kind() const override { return "nccl"; }
+
+  std::unique_ptr<Communicator> dup() override {
+    set_device();
+    ncclComm_t c = nullptr;
+    nccl(ncclCommSplit(comm_, 0, rank_, &c, nullptr), "ncclCommSplit");
+    return std::make_unique<NcclCommunicator>(b_, c, rank_, size_);
+  }
+
+  // ---- data plane ----------------------------------------------------------------------
+
+  void all_to_all_v(Stream& s, const Tensor& send, std::span<const Segment> sends, Tensor& recv,
+                    std::span<const Segment> recvs) override {
+    if (send.dtype() != recv.dtype()) fail("all_to_all_v: send is " + send.describe() + ", recv " + recv.describe());
+    const auto es = static_cast<std::int64_t>(dtype_size(send.dtype()));
+    double local = 0;
+    std::vector<const Segment*> self_sends, self_recvs;
+    for (const auto& sg : sends) {
+      check_segment(sg, send, "send");
+      if (sg.peer == rank_ && sg.count) {
+        local += static_cast<double>(sg.count * es);
+        self_sends.push_back(&sg);
+      }
+    }
+    for (const auto& sg : recvs) {
+      check_segment(sg, recv, "receive");
+      if (sg.peer == rank_ && sg.count) self_recvs.push_back(&sg);
+    }
+    if (self_sends.size() != self_recvs.size())
+      fail("all_to_all_v: " + std::to_string(self_sends.size()) + " non-empty segments to self but " +
+           std::to_string(self_recvs.size()) + " from self");
+    for (std::size_t i = 0; i < self_sends.size(); ++i)
+      if (self_sends[i]->count != self_recvs[i]->count)
+        fail("all_to_all_v: segment " + std::to_string(i) + " to self sends " + std::to_string(self_sends[i]->count) +
+             " elements but receives " + std::to_string(self_recvs[i]->count));
+
+    set_device();
+    CudaOpScope op(b_, s, "all_to_all_v",
+                   cost_collective(segments_bytes_to_others(sends, rank_, send.dtype()), local));
+    const cudaStream_t st = cuda_native_stream(s);
+    const char* sp = static_cast<const char*>(send.raw());
+    char* rp = static_cast<char*>(recv.raw());
+    // The rank's own rows never touch the network: a device copy, in segment order.
+    for (std::size_t i = 0; i < self_sends.size(); ++i)
+      cuda(cudaMemcpyAsync(rp + self_recvs[i]->offset * es, sp + self_sends[i]->offset * es,
+                           static_cast<std::size_t>(self_sends[i]->count * es), cudaMemcpyDeviceToDevice, st),
+           "cudaMemcpyAsync (all_to_all_v to self)");
+    // One group of point-to-point calls; NCCL matches those between a pair of ranks in
+    // issue order, which is the Segment contract. Empty segments are skipped on both sides.
+    nccl(ncclGroupStart(), "ncclGroupStart");
+    ncclResult_t first = ncclSuccess;
+    const char* first_call = "";
+    auto keep = [&](ncclResult_t r, const char* call) {
+      if (r != ncclSuccess && first == ncclSuccess) {
+        first = r;
+        first_call = call;
+      }
+    };
+    for (const auto& sg : recvs)
+      if (sg.peer != rank_ && sg.count)
+        keep(ncclRecv(rp + sg.offset * es, static_cast<std::size_t>(sg.count * es), ncclChar, sg.peer, comm_, st),
+             "ncclRecv");
+    for (const auto& sg : sends)
+      if (sg.peer != rank_ && sg.count)
+        keep(ncclSend(sp + sg.offset * es, static_cast<std::size_t>(sg.count * es), ncclChar, sg.peer, comm_, st),
+             "ncclSend");
+    keep(ncclGroupEnd(), "ncclGroupEnd");  // always close the group, even after a failed call
+    nccl(first, first_call);
+  }
+
+  void all_gather(Stream& s, const Tensor& send, Tensor& recv) override {
+    if (recv.numel() != send.numel() * size_ || recv.dtype() != send.dtype())
+      fail("all_gather: recv " + recv.describe() + " must hold " + std::to_string(size_) + " x send " +
+           send.describe());
+    set_device();
+    const auto n = static_cast<double>(send.nbytes());
+    CudaOpScope op(b_, s, "all_gather", cost_collective(n * (size_ - 1), n));
+    nccl(ncclAllGather(send.raw(), recv.raw(), send.nbytes(), ncclChar, comm_, cuda_native_stream(s)),
+         "ncclAllGather");
+  }
+
+  void reduce_scatter(Stream& s, const Tensor& send, Tensor& recv) override {
+    if (send.numel() != recv.numel() * size_ || recv.dtype() != send.dtype())
+      fail("reduce_scatter: send " + send.describe() + " must hold " + std::to_string(size_) + " x recv " +
+           recv.describe());
+    set_device();
+    const auto b = static_cast<double>(recv.nbytes());
+    CudaOpScope op(b_, s, "reduce_scatter", cost_collective(b * (size_ - 1), b));
+    nccl(ncclReduceScatter(send.raw(), recv.raw(), static_cast<std::size_t>(recv.numel()), nccl_type(recv.dtype()),
+                           ncclSum, comm_, cuda_native_stream(s)),
+         "ncclReduceScatter");
+  }
+
+  void all_reduce(Stream& s, Tensor& buf) override {
+    set_device();
+    const auto b = static_cast<double>(buf.nbytes());
+    // Ring all-reduce: each rank sends 2(n-1)/n of the buffer.
+    CudaOpScope op(b_, s, "all_reduce", cost_collective(2.0 * b * (size_ - 1) / size_, b));
+    nccl(ncclAllReduce(buf.raw(), buf.raw(), static_cast<std::size_t>(buf.numel()), nccl_type(buf.dtype()), ncclSum,
+                       comm_, cuda_native_stream(s)),
+         "ncclAllReduce");
+  }
+
+  void send(Stream& s, const Tensor& t, int peer) override {
+    check_peer(peer, "send");
+    set_device();
+    CudaOpScope op(b_, s, "send", cost_collective(static_cast<double>(t.nbytes()), 0));
+    nccl(ncclSend(t.raw(), t.nbytes(), ncclChar, peer, comm_, cuda_native_stream(s)), "ncclSend");
+  }
+
+  void recv(Stream& s, Tensor& t, int peer) override {
+    check_peer(peer, "recv");
+    set_device();
+    CudaOpScope op(b_, s, "recv", cost_collective(0, static_cast<double>(t.nbytes())));
+    nccl(ncclRecv(t.raw(), t.nbytes(), ncclChar, peer, comm_, cuda_native_stream(s)), "ncclRecv");
+  }
+
+  // ---- control plane -------------------------------------------------------------------
+
+  void barrier() override {
+    set_device();
+    void* d = scratch(sizeof(int));
+    cuda(cudaMemsetAsync(d, 0, sizeof(int), ctrl_), "cudaMemsetAsync");
+    nccl(ncclAllReduce(d, d, 1, ncclInt32, ncclSum, comm_, ctrl_), "ncclAllReduce (barrier)");
+    sync_ctrl();
+  }
+
+  std::vector<std::int64_t> exchange_counts(const std::vector<std::int64_t>& send) override {
+    if (send.size() % static_cast<std::size_t>(size_) != 0)
+      fail("exchange_counts: " + std::to_string(send.size()) + " values is not a multiple of " +
+           std::to_string(size_) + " ranks");
+    std::vector<std::int64_t> out(send.size());
+    if (send.empty()) return out;
+    set_device();
+    const std::size_t bytes = send.size() * sizeof(std::int64_t);
+    char* d = static_cast<char*>(scratch(2 * bytes));
+    cuda(cudaMemcpyAsync(d, send.data(), bytes, cudaMemcpyHostToDevice, ctrl_), "cudaMemcpyAsync");
+    nccl(ncclAlltoAll(d, d + bytes, send.size() / static_cast<std::size_t>(size_), ncclInt64, comm_, ctrl_),
+         "ncclAlltoAll (exchange_counts)");
+    cuda(cudaMemcpyAsync(out.data(), d + bytes, bytes, cudaMemcpyDeviceToHost, ctrl_), "cudaMemcpyAsync");
+    sync_ctrl();
+    return out;
+  }
+
+  double all_reduce_max(double v) override { return reduce_double(v, ncclMax, "ncclAllReduce (max)"); }
+  double all_reduce_sum(double v) override { return reduce_double(v, ncclSum, "ncclAllReduce (sum)"); }
+
+  std::vector<std::string> all_gather_strings(const std::string& s) override {
+    set_device();
+    // Lengths first, then every string padded to the longest.
+    const auto n = static_cast<std::size_t>(size_);
+    std::int64_t len = static_cast<std::int64_t>(s.size());
+    std::vector<std::int64_t> lens(n);
+    {
+      char* d = static_cast<char*>(scratch((n + 1) * sizeof(std::int64_t)));
+      cuda(cudaMemcpyAsync(d, &len, sizeof len, cudaMemcpyHostToDevice, ctrl_), "cudaMemcpyAsync");
+      nccl(ncclAllGather(d, d + sizeof len, 1, ncclInt64, comm_, ctrl_), "ncclAllGather (string lengths)");
+      cuda(cudaMemcpyAsync(lens.data(), d + sizeof len, n * sizeof len, cudaMemcpyDeviceToHost, ctrl_),
+           "cudaMemcpyAsync");
+      sync_ctrl();
+    }
+    const auto longest = static_cast<std::size_t>(std::max<std::int64_t>(1, *std::max_element(lens.begin(), lens.end())));
+    std::string padded(longest, '\0');
+    std::memcpy(padded.data(), s.data(), s.size());
+    std::string all(longest * n, '\0');
+    char* d = static_cast<char*>(scratch(longest * (n + 1)));
+    cuda(cudaMemcpyAsync(d, padded.data(), longest, cudaMemcpyHostToDevice, ctrl_), "cudaMemcpyAsync");
+    nccl(ncclAllGather(d, d + longest, longest, ncclChar, comm_, ctrl_), "ncclAllGather (strings)");
+    cuda(cudaMemcpyAsync(all.data(), d + longest, longest * n, cudaMemcpyDeviceToHost, ctrl_), "cudaMemcpyAsync");
+    sync_ctrl();
+    std::vector<std::string> out;
+    for (std::size_t r = 0; r < n; ++r) out.push_back(all.substr(r * longest, static_cast<std::size_t>(lens[r])));
+    return out;
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what) const {
+    throw CommError("rank " + std::to_string(rank_) + ": " + what);
+  }
+  void nccl(ncclResult_t r, const char* call) const {
+    if (r == ncclSuccess) return;
+    std::string msg = "rank " + std::to_string(rank_) + ": " + call + " failed: " + ncclGetErrorString(r);
+    if (comm_) {
+      const char* last = ncclGetLastError(comm_);
+      if (last && *last) msg += std::string(" (") + last + ")";
+    }
+    throw CommError(msg);
+  }
+  void cuda(cudaError_t e, const char* call) const {
+    if (e != cudaSuccess)
+      throw CommError("rank " + std::to_string(rank_) + ": " + call + " failed: " + cudaGetErrorString(e));
+  }
+  void set_device() const {
+    int cur = -1;
+    if (cudaGetDevice(&cur) != cudaSuccess || cur != device_) cuda(cudaSetDevice(device_), "cudaSetDevice");
+  }
+  void check_segment(const Segment& sg, const Tensor& t, const char* what) const {
+    if (sg.peer < 0 || sg.peer >= size_ || sg.offset < 0 || sg.count < 0 || sg.offset + sg.count > t.numel())
+      fail(std::string("all_to_all_v ") + what + " segment (peer " + std::to_string(sg.peer) + ", offset " +
+           std::to_string(sg.offset) + ", count " + std::to_string(sg.count) + ") is outside the buffer " +
+           t.describe() + " or the world of " + std::to_string(size_));
+  }
+  void check_peer(int peer, const char* call) const {
+    if (peer < 0 || peer >= size_ || peer == rank_)
+      fail(std::string(call) + " with peer " + std::to_string(peer) + " in a world of " + std::to_string(size_));
+  }
+  void* scratch(std::size_t bytes) {
+    if (bytes > scratch_bytes_) {
+      sync_ctrl();
+      if (scratch_) cuda(cudaFree(scratch_), "cudaFree");
+      scratch_ = nullptr;
+      scratch_bytes_ = 0;
+      const std::size_t want = std::max<std::size_t>(bytes, 4096);
+      cuda(cudaMalloc(&scratch_, want), "cudaMalloc (control-plane scratch)");
+      scratch_bytes_ = want;
+    }
+    return scratch_;
+  }
+  void sync_ctrl() const { cuda(cudaStreamSynchronize(ctrl_), "cudaStreamSynchronize (control plane)"); }
+  double reduce_double(double v, ncclRedOp_t op, const char* call) {
+    set_device();
+    void* d = scratch(sizeof(double));
+    cuda(cudaMemcpyAsync(d, &v, sizeof v, cudaMemcpyHostToDevice, ctrl_), "cudaMemcpyAsync");
+    nccl(ncclAllReduce(d, d, 1, ncclFloat64, op, comm_, ctrl_), call);
+    cuda(cudaMemcpyAsync(&v, d, sizeof v, cudaMemcpyDeviceToHost, ctrl_), "cudaMemcpyAsync");
+    sync_ctrl();
+    return v;
+  }
+
+  Backend& b_;
+  int device_;
+  ncclComm_t comm_ = nullptr;
+  int rank_, size_;
+  cudaStream_t ctrl_ = nullptr;
+  void* scratch_ = nullptr;
+  std::size_t scratch_bytes_ = 0;
+};
+
+}  // namespace
+
+std::array<char, 128> nccl_unique_id() {
+  ncclUniqueId id;
+  const ncclResult_t r = ncclGetUniqueId(&id);
+  if (r != ncclSuccess) throw CommError(std::string("ncclGetUniqueId failed: ") + ncclGetErrorString(r));
+  std::array<char, 128> out{};
+  std::memcpy(out.data(), id.internal, out.size());
+  return out;
+}
+
+std::unique_ptr<Communicator> make_nccl_communicator(Backend& cuda_backend, const std::array<char, 128>& id, int rank,
+                                                     int size) {
+  if (!is_cuda_backend(cuda_backend))
+    throw CommError("rank " + std::to_string(rank) + ": the NCCL communicator needs the cuda backend, not " +
+                    cuda_backend.name());
+  const int device = cuda_device_of(cuda_backend);
+  if (cudaSetDevice(device) != cudaSuccess)
+    throw CommError("rank " + std::to_string(rank) + ": cudaSetDevice(" + std::to_string(device) + ") failed");
+  ncclUniqueId uid;
+  std::memcpy(uid.internal, id.data(), id.size());
+  ncclComm_t comm = nullptr;
+  const ncclResult_t r = ncclCommInitRank(&comm, size, uid, rank);
+  if (r != ncclSuccess)
+    throw CommError("rank " + std::to_string(rank) + ": ncclCommInitRank failed: " + ncclGetErrorString(r));
+  return std::make_unique<NcclCommunicator>(cuda_backend, comm, rank, size);
+}
+
+}  // namespace moelab

@@ -1,0 +1,111 @@
+// harness/comm/world.cpp — see world.hpp.
+#include "harness/comm/world.hpp"
+
+#include <cstdlib>
+#include <iostream>
+
+#include "harness/runtime/error.hpp"
+
+#ifdef MOELAB_HAVE_MPI
+#include <mpi.h>
+
+#include "harness/comm/mpi_comm.hpp"
+#endif
+#ifdef MOELAB_HAVE_CUDA
+#include "harness/comm/nccl_comm.hpp"
+#endif
+
+namespace moelab {
+
+namespace {
+bool g_mpi_initialised_here = false;
+}
+
+void init_world(int* argc, char*** argv) {
+#ifdef MOELAB_HAVE_MPI
+  int inited = 0;
+  MPI_Initialized(&inited);
+  if (inited) return;
+  int provided = 0;
+  MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
+  g_mpi_initialised_here = true;
+  if (provided < MPI_THREAD_MULTIPLE && world_size() > 1) {
+    std::cerr << "moelab: error: this MPI library does not provide MPI_THREAD_MULTIPLE, which the cpu backend "
+                 "needs to run collectives on several streams\n";
+    MPI_Abort(MPI_COMM_WORLD, 2);
+  }
+#else
+  (void)argc;
+  (void)argv;
+#endif
+}
+
+void finalize_world() {
+#ifdef MOELAB_HAVE_MPI
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (g_mpi_initialised_here && !finalized) MPI_Finalize();
+#endif
+}
+
+int world_rank() {
+#ifdef MOELAB_HAVE_MPI
+  int inited = 0;
+  MPI_Initialized(&inited);
+  if (inited) {
+    int r = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &r);
+    return r;
+  }
+#endif
+  return 0;
+}
+
+int world_size() {
+#ifdef MOELAB_HAVE_MPI
+  int inited = 0;
+  MPI_Initialized(&inited);
+  if (inited) {
+    int n = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &n);
+    return n;
+  }
+#endif
+  return 1;
+}
+
+void abort_world(int code) {
+#ifdef MOELAB_HAVE_MPI
+  int inited = 0, finalized = 0;
+  MPI_Initialized(&inited);
+  MPI_Finalized(&finalized);
+  if (inited && !finalized && world_size() > 1) MPI_Abort(MPI_COMM_WORLD, code);
+#endif
+  std::exit(code);
+}
+
+std::unique_ptr<Communicator> make_world_communicator(Backend& backend) {
+  const int size = world_size();
+  if (backend.name() == "cpu") {
+    if (size == 1) return make_self_communicator(backend);
+#ifdef MOELAB_HAVE_MPI
+    return make_mpi_communicator(dynamic_cast<CpuBackend&>(backend), MPI_COMM_WORLD);
+#endif
+  }
+#ifdef MOELAB_HAVE_CUDA
+  if (backend.name() == "cuda") {
+    if (size == 1) return make_nccl_communicator(backend, nccl_unique_id(), 0, 1);
+#ifdef MOELAB_HAVE_MPI
+    // NCCL's unique id travels from rank 0 to every rank over MPI (one rank per GPU).
+    std::array<char, 128> id{};
+    if (world_rank() == 0) id = nccl_unique_id();
+    MPI_Bcast(id.data(), static_cast<int>(id.size()), MPI_BYTE, 0, MPI_COMM_WORLD);
+    return make_nccl_communicator(backend, id, world_rank(), size);
+#endif
+  }
+#endif
+  throw ConfigError("no communicator for backend \"" + backend.name() + "\" with " + std::to_string(size) +
+                    " ranks in this build");
+}
+
+}  // namespace moelab

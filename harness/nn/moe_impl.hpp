@@ -1,0 +1,44 @@
+// harness/nn/moe_impl.hpp — the interface every MoE system implements (FastMoE, FasterMoE,
+// MPipeMoE, ...), and the registry that finds one by name for `moelab run --impl NAME`.
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "harness/nn/moe_layer.hpp"
+
+namespace moelab {
+
+class MoEImpl {
+ public:
+  virtual ~MoEImpl() = default;
+  virtual std::string name() const = 0;
+  virtual void init_parameters(std::uint64_t seed) = 0;
+  virtual void zero_grad() = 0;
+  virtual Tensor forward(const Tensor& x) = 0;                   // [T,M] -> [T,M]
+  virtual Tensor backward(const Tensor& dy, float grad_aux) = 0; // [T,M] -> [T,M]
+  virtual float aux_loss() = 0;
+  virtual MoEParams& params() = 0;
+  virtual MoEParams& grads() = 0;
+  virtual const RoutingStats& routing() const = 0;
+  // The GEMMs of the experts in the last forward+backward, for the bare-library yardstick.
+  virtual std::vector<GemmProblem> expert_gemms() = 0;
+  // Implementation-specific facts for the result file (chosen n, strategy, ...).
+  virtual nlohmann::json report() { return nlohmann::json::object(); }
+};
+
+using ImplFactory = std::function<std::unique_ptr<MoEImpl>(Backend&, Communicator&, const ModelConfig&,
+                                                           const nlohmann::json& options)>;
+
+void register_impl(const std::string& name, ImplFactory f);
+// Throws ConfigError naming the unknown implementation and listing the known ones.
+std::unique_ptr<MoEImpl> make_impl(const std::string& name, Backend& b, Communicator& c, const ModelConfig& m,
+                                   const nlohmann::json& options = nlohmann::json::object());
+std::vector<std::string> impl_names();
+// Registers every system and baseline built into this binary (impls/registry.cpp).
+void register_builtin_impls();
+
+}  // namespace moelab

@@ -1,0 +1,364 @@
+// harness/nn/moe_layer.cpp — the expert-parallel MoE layer (see moe_layer.hpp for the data
+// flow and notation). Every op is issued on a stream; the only host synchronisation is the
+// one the algorithm needs: reading the per-expert counts to size the all-to-all-v.
+#include "harness/nn/moe_layer.hpp"
+
+#include <cmath>
+#include <numeric>
+
+#include "harness/runtime/error.hpp"
+#include "harness/runtime/random.hpp"
+
+namespace moelab {
+
+struct MoELayer::Saved {
+  Tensor x;                     // [T,M]   layer input
+  Tensor noise_raw, eps;        // [T,E]   fp32, noisy gate only
+  Tensor probs;                 // [T,E]   fp32
+  Tensor topk_idx, topk_w;      // [T,k]   int32 / fp32
+  Tensor slot;                  // [T,k]   int32 row in T_I, -1 = dropped
+  Tensor routed_frac, aux_loss; // [E], [1] fp32
+  Tensor t_di;                  // [R,M]   rows received by the local experts
+  Tensor t_m;                   // [R,H]   FC1 output before the activation
+  Tensor t_o;                   // [N,M]   expert outputs back at their source rank
+  std::vector<Segment> sends;   // dispatch: T_I segments to each (peer, local expert of peer)
+  std::vector<Segment> recvs;   // dispatch: T_DI segments from each (peer, my local expert)
+  std::vector<std::int64_t> rows_per_local;  // [El]
+  std::vector<std::int64_t> local_offset;    // [El] first row of each local expert in T_DI
+};
+
+MoELayer::MoELayer(Backend& backend, Communicator& comm, const ModelConfig& cfg)
+    : b_(backend), comm_(comm), cfg_(cfg) {
+  const int ep = comm.size();
+  if (cfg.num_experts % ep != 0)
+    throw ConfigError("model.num_experts = " + std::to_string(cfg.num_experts) +
+                      " is not divisible by the expert-parallel degree " + std::to_string(ep));
+  local_experts_ = cfg.num_experts / ep;
+  dispatch_comm_ = comm.dup();
+  combine_comm_ = comm.dup();
+  compute_ = &b_.default_stream();
+  dispatch_ = &b_.create_stream(StreamRole::dispatch, "dispatch");
+  combine_ = &b_.create_stream(StreamRole::combine, "combine");
+  ev_a_ = b_.create_event();
+  ev_b_ = b_.create_event();
+
+  const std::int64_t M = cfg.d_model, H = cfg.d_hidden, E = cfg.num_experts, El = local_experts_;
+  auto alloc_pair = [&](Tensor MoEParams::*field, std::vector<std::int64_t> shape) {
+    params_.*field = b_.empty(shape, cfg.dtype, MemCategory::weights, *compute_);
+    grads_.*field = b_.empty(shape, cfg.dtype, MemCategory::gradients, *compute_);
+  };
+  alloc_pair(&MoEParams::w_gate, {M, E});
+  if (cfg.noisy_gate) alloc_pair(&MoEParams::w_noise, {M, E});
+  alloc_pair(&MoEParams::w1, {El, M, H});
+  alloc_pair(&MoEParams::w2, {El, H, M});
+  zero_grad();
+}
+
+MoELayer::~MoELayer() = default;
+
+void MoELayer::init_parameters(std::uint64_t seed) {
+  if (!b_.has_data()) return;
+  const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden, E = cfg_.num_experts, El = local_experts_;
+  auto fill = [](std::vector<float>& v, std::size_t at, std::size_t n, Rng rng, double fan_in) {
+    const double a = 1.0 / std::sqrt(fan_in);
+    for (std::size_t i = 0; i < n; ++i) v[at + i] = static_cast<float>(rng.uniform(-a, a));
+  };
+  std::vector<float> g(static_cast<std::size_t>(M * E));
+  fill(g, 0, g.size(), Rng(Rng::mix(seed, 1)), static_cast<double>(M));
+  b_.upload(g, params_.w_gate);
+  if (cfg_.noisy_gate) {
+    fill(g, 0, g.size(), Rng(Rng::mix(seed, 2)), static_cast<double>(M));
+    b_.upload(g, params_.w_noise);
+  }
+  const std::int64_t first = comm_.rank() * El;  // global id of local expert 0
+  std::vector<float> w1(static_cast<std::size_t>(El * M * H)), w2(w1.size());
+  for (std::int64_t l = 0; l < El; ++l) {
+    const auto at = static_cast<std::size_t>(l * M * H), n = static_cast<std::size_t>(M * H);
+    fill(w1, at, n, Rng(Rng::mix(seed, 3, static_cast<std::uint64_t>(first + l))), static_cast<double>(M));
+    fill(w2, at, n, Rng(Rng::mix(seed, 4, static_cast<std::uint64_t>(first + l))), static_cast<double>(H));
+  }
+  b_.upload(w1, params_.w1);
+  b_.upload(w2, params_.w2);
+}
+
+void MoELayer::zero_grad() {
+  for (Tensor* t : {&grads_.w_gate, &grads_.w_noise, &grads_.w1, &grads_.w2})
+    if (t->defined()) b_.fill_zero(*compute_, *t);
+}
+
+namespace {
+// The grouped GEMM of one step over the local experts: per expert l, rows [off_l, off_l+r_l)
+// of the row-wise operands. `make` builds the problem for one expert from its row views.
+template <class F>
+std::vector<GemmProblem> per_expert(const std::vector<std::int64_t>& rows, const std::vector<std::int64_t>& off,
+                                    bool include_empty, F make) {
+  std::vector<GemmProblem> ps;
+  for (std::size_t l = 0; l < rows.size(); ++l)
+    if (rows[l] > 0 || include_empty) ps.push_back(make(static_cast<std::int64_t>(l), off[l], rows[l]));
+  return ps;
+}
+}  // namespace
+
+Tensor MoELayer::forward(const Tensor& x) {
+  const std::int64_t T = x.dim(0), M = cfg_.d_model, H = cfg_.d_hidden, E = cfg_.num_experts;
+  const std::int64_t El = local_experts_;
+  const int k = cfg_.top_k, ep = comm_.size();
+  if (x.ndim() != 2 || x.dim(1) != M || x.dtype() != cfg_.dtype)
+    throw ConfigError("MoE layer input " + x.describe() + " does not match d_model = " + std::to_string(M) +
+                      ", dtype " + dtype_name(cfg_.dtype));
+  Stream& c = *compute_;
+  saved_ = std::make_unique<Saved>();
+  Saved& sv = *saved_;
+  sv.x = x;
+  ++step_;
+
+  // ---- gate: logits [T,E] -> probs, top-k, capacity, slots ------------------------------
+  {
+    PhaseScope ph(b_, "gate");
+    Tensor logits = b_.empty({T, E}, DType::f32, MemCategory::buffers, c);
+    b_.gemm(c, {false, false, T, E, M, x, params_.w_gate, logits, 1.0f, 0.0f}, "gate_logits");
+    if (cfg_.noisy_gate) {
+      sv.noise_raw = b_.empty({T, E}, DType::f32, MemCategory::activations, c);
+      b_.gemm(c, {false, false, T, E, M, x, params_.w_noise, sv.noise_raw, 1.0f, 0.0f}, "gate_noise_logits");
+      sv.eps = b_.empty({T, E}, DType::f32, MemCategory::activations, c);
+      Rng rng(Rng::mix(noise_seed_, static_cast<std::uint64_t>(comm_.rank()), step_));
+      last_eps_.resize(static_cast<std::size_t>(T * E));
+      for (auto& v : last_eps_) v = static_cast<float>(rng.normal());
+      b_.upload(last_eps_, sv.eps);
+      Tensor noisy = b_.empty({T, E}, DType::f32, MemCategory::buffers, c);
+      b_.noisy_logits(c, logits, sv.noise_raw, sv.eps, noisy);
+      logits = noisy;
+    }
+    GateForward g;
+    g.logits = logits;
+    g.top_k = k;
+    g.capacity = cfg_.capacity(T);
+    g.renormalize = cfg_.renormalize;
+    g.probs = sv.probs = b_.empty({T, E}, DType::f32, MemCategory::activations, c);
+    g.topk_idx = sv.topk_idx = b_.empty({T, k}, DType::i32, MemCategory::activations, c);
+    g.topk_w = sv.topk_w = b_.empty({T, k}, DType::f32, MemCategory::activations, c);
+    g.slot = sv.slot = b_.empty({T, k}, DType::i32, MemCategory::activations, c);
+    g.counts = b_.empty({E}, DType::i32, MemCategory::buffers, c);
+    g.routed_frac = sv.routed_frac = b_.empty({E}, DType::f32, MemCategory::activations, c);
+    g.aux_loss = sv.aux_loss = b_.empty({1}, DType::f32, MemCategory::activations, c);
+    b_.gate_forward(c, g);
+    // The one host synchronisation of the layer: the counts size the all-to-all-v.
+    const auto counts = b_.download_i32(g.counts);
+    routing_.capacity = g.capacity;
+    routing_.sent_per_expert.assign(counts.begin(), counts.end());
+    const std::int64_t kept = std::accumulate(routing_.sent_per_expert.begin(), routing_.sent_per_expert.end(),
+                                              std::int64_t{0});
+    routing_.dropped = T * k - kept;
+  }
+
+  // ---- dispatch: permute to T_I [N,M], exchange counts, all-to-all-v to T_DI [R,M] ------
+  Tensor t_i;
+  {
+    PhaseScope ph(b_, "dispatch");
+    const auto& sent = routing_.sent_per_expert;  // expert-major == destination-rank-major
+    const std::int64_t N = std::accumulate(sent.begin(), sent.end(), std::int64_t{0});
+    t_i = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
+    b_.permute(c, x, sv.slot, t_i);
+
+    // recv[p*El + l]: rows rank p sends to my local expert l
+    const auto recv = comm_.exchange_counts(sent);
+    sv.rows_per_local.assign(static_cast<std::size_t>(El), 0);
+    for (int p = 0; p < ep; ++p)
+      for (std::int64_t l = 0; l < El; ++l)
+        sv.rows_per_local[static_cast<std::size_t>(l)] += recv[static_cast<std::size_t>(p * El + l)];
+    sv.local_offset.assign(static_cast<std::size_t>(El), 0);
+    std::exclusive_scan(sv.rows_per_local.begin(), sv.rows_per_local.end(), sv.local_offset.begin(),
+                        std::int64_t{0});
+    const std::int64_t R = std::accumulate(sv.rows_per_local.begin(), sv.rows_per_local.end(), std::int64_t{0});
+    routing_.recv_per_local = sv.rows_per_local;
+
+    // Segments, listed per peer in local-expert order on both sides so that they match.
+    std::int64_t send_row = 0;
+    std::vector<std::int64_t> fill = sv.local_offset;  // next free row of each local expert
+    for (int p = 0; p < ep; ++p)
+      for (std::int64_t l = 0; l < El; ++l) {
+        const std::int64_t ns = sent[static_cast<std::size_t>(p * El + l)];
+        sv.sends.push_back({p, send_row * M, ns * M});
+        send_row += ns;
+        const std::int64_t nr = recv[static_cast<std::size_t>(p * El + l)];
+        sv.recvs.push_back({p, fill[static_cast<std::size_t>(l)] * M, nr * M});
+        fill[static_cast<std::size_t>(l)] += nr;
+      }
+
+    sv.t_di = b_.empty({R, M}, cfg_.dtype, MemCategory::activations, c);
+    b_.record(*ev_a_, c);
+    b_.wait(*dispatch_, *ev_a_);
+    dispatch_comm_->all_to_all_v(*dispatch_, t_i, sv.sends, sv.t_di, sv.recvs);
+    b_.record(*ev_b_, *dispatch_);
+    b_.wait(c, *ev_b_);
+  }
+
+  // ---- experts: T_M = T_DI·W1, A = act(T_M), T_DO = A·W2 per local expert ---------------
+  Tensor t_do;
+  {
+    PhaseScope ph(b_, "experts");
+    const std::int64_t R = sv.t_di.dim(0);
+    sv.t_m = b_.empty({R, H}, cfg_.dtype, MemCategory::activations, c);
+    auto fc1 = per_expert(sv.rows_per_local, sv.local_offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+      return GemmProblem{false, false, r, H, M, sv.t_di.rows(o, r), params_.w1.select(l), sv.t_m.rows(o, r), 1, 0};
+    });
+    b_.grouped_gemm(c, fc1, "fc1");
+    Tensor a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
+    b_.activation_forward(c, cfg_.activation, sv.t_m, a);
+    t_do = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
+    auto fc2 = per_expert(sv.rows_per_local, sv.local_offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+      return GemmProblem{false, false, r, M, H, a.rows(o, r), params_.w2.select(l), t_do.rows(o, r), 1, 0};
+    });
+    b_.grouped_gemm(c, fc2, "fc2");
+  }
+
+  // ---- combine: all-to-all-v back to T_O [N,M], unpermute with the gate weights ----------
+  Tensor y = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
+  {
+    PhaseScope ph(b_, "combine");
+    sv.t_o = b_.empty({t_i.dim(0), M}, cfg_.dtype, MemCategory::activations, c);
+    b_.record(*ev_a_, c);
+    b_.wait(*combine_, *ev_a_);
+    combine_comm_->all_to_all_v(*combine_, t_do, sv.recvs, sv.t_o, sv.sends);
+    b_.record(*ev_b_, *combine_);
+    b_.wait(c, *ev_b_);
+    b_.unpermute(c, sv.t_o, sv.slot, sv.topk_w, y);
+  }
+  return y;
+}
+
+Tensor MoELayer::backward(const Tensor& dy, float grad_aux) {
+  MOELAB_CHECK(saved_ != nullptr, "MoELayer::backward called without a forward");
+  Saved& sv = *saved_;
+  const std::int64_t T = sv.x.dim(0), M = cfg_.d_model, H = cfg_.d_hidden, E = cfg_.num_experts;
+  const std::int64_t N = sv.t_o.dim(0), R = sv.t_di.dim(0);
+  const int k = cfg_.top_k;
+  if (dy.ndim() != 2 || dy.dim(0) != T || dy.dim(1) != M || dy.dtype() != cfg_.dtype)
+    throw ConfigError("MoE layer output gradient " + dy.describe() + " does not match the forward's output [" +
+                      std::to_string(T) + ", " + std::to_string(M) + "]");
+  Stream& c = *compute_;
+
+  // ---- combine backward: dT_O and dw from dy, all-to-all-v back to the experts ----------
+  Tensor d_w = b_.empty({T, k}, DType::f32, MemCategory::buffers, c);
+  Tensor d_t_do = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
+  {
+    PhaseScope ph(b_, "combine");
+    Tensor d_t_o = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
+    b_.unpermute_backward(c, dy, sv.t_o, sv.slot, sv.topk_w, d_t_o, d_w);
+    b_.record(*ev_a_, c);
+    b_.wait(*combine_, *ev_a_);
+    combine_comm_->all_to_all_v(*combine_, d_t_o, sv.sends, d_t_do, sv.recvs);
+    b_.record(*ev_b_, *combine_);
+    b_.wait(c, *ev_b_);
+  }
+
+  // ---- experts backward (A recomputed from T_M) ------------------------------------------
+  Tensor d_t_di = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
+  {
+    PhaseScope ph(b_, "experts");
+    Tensor a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
+    b_.activation_forward(c, cfg_.activation, sv.t_m, a);
+    Tensor d_a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
+    const auto& rows = sv.rows_per_local;
+    const auto& off = sv.local_offset;
+    // dA = dT_DO · W2^T                [r,M]x[M,H]
+    b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+      return GemmProblem{false, true, r, H, M, d_t_do.rows(o, r), params_.w2.select(l), d_a.rows(o, r), 1, 0};
+    }), "fc2_dgrad");
+    // dW2 += A^T · dT_DO               [H,r]x[r,M]
+    b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+      return GemmProblem{true, false, H, M, r, a.rows(o, r), d_t_do.rows(o, r), grads_.w2.select(l), 1, 1};
+    }), "fc2_wgrad");
+    // dT_M = dA * act'(T_M), in place
+    b_.activation_backward(c, cfg_.activation, sv.t_m, d_a, d_a);
+    // dW1 += T_DI^T · dT_M             [M,r]x[r,H]
+    b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+      return GemmProblem{true, false, M, H, r, sv.t_di.rows(o, r), d_a.rows(o, r), grads_.w1.select(l), 1, 1};
+    }), "fc1_wgrad");
+    // dT_DI = dT_M · W1^T              [r,H]x[H,M]
+    b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+      return GemmProblem{false, true, r, M, H, d_a.rows(o, r), params_.w1.select(l), d_t_di.rows(o, r), 1, 0};
+    }), "fc1_dgrad");
+  }
+
+  // ---- dispatch backward: all-to-all-v back to the source ranks, un-permute -------------
+  Tensor dx = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
+  {
+    PhaseScope ph(b_, "dispatch");
+    Tensor d_t_i = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
+    b_.record(*ev_a_, c);
+    b_.wait(*dispatch_, *ev_a_);
+    dispatch_comm_->all_to_all_v(*dispatch_, d_t_di, sv.recvs, d_t_i, sv.sends);
+    b_.record(*ev_b_, *dispatch_);
+    b_.wait(c, *ev_b_);
+    b_.permute_backward(c, d_t_i, sv.slot, dx);
+  }
+
+  // ---- gate backward: d_logits, then dWg, dWn and the gate's share of dx ----------------
+  {
+    PhaseScope ph(b_, "gate");
+    GateBackward g;
+    g.probs = sv.probs;
+    g.topk_idx = sv.topk_idx;
+    g.topk_w = sv.topk_w;
+    g.routed_frac = sv.routed_frac;
+    g.renormalize = cfg_.renormalize;
+    g.d_topk_w = d_w;
+    g.grad_aux = grad_aux;
+    g.d_logits = b_.empty({T, E}, DType::f32, MemCategory::buffers, c);
+    b_.gate_backward(c, g);
+    // The gate GEMMs run in the layer's dtype (bf16 gradients as under autocast).
+    auto in_dtype = [&](const Tensor& f32) {
+      if (cfg_.dtype == DType::f32) return f32;
+      Tensor t = b_.empty(f32.shape(), cfg_.dtype, MemCategory::buffers, c);
+      b_.copy(c, f32, t);
+      return t;
+    };
+    const Tensor d_logits = in_dtype(g.d_logits);
+    b_.gemm(c, {true, false, M, E, T, sv.x, d_logits, grads_.w_gate, 1, 1}, "gate_wgrad");
+    b_.gemm(c, {false, true, T, M, E, d_logits, params_.w_gate, dx, 1, 1}, "gate_dgrad");
+    if (cfg_.noisy_gate) {
+      Tensor d_noise = b_.empty({T, E}, DType::f32, MemCategory::buffers, c);
+      b_.noisy_logits_backward(c, g.d_logits, sv.noise_raw, sv.eps, d_noise);
+      const Tensor d_noise_x = in_dtype(d_noise);
+      b_.gemm(c, {true, false, M, E, T, sv.x, d_noise_x, grads_.w_noise, 1, 1}, "gate_noise_wgrad");
+      b_.gemm(c, {false, true, T, M, E, d_noise_x, params_.w_noise, dx, 1, 1}, "gate_noise_dgrad");
+    }
+  }
+  saved_.reset();  // frees the activations, ordered after everything above on the compute stream
+  return dx;
+}
+
+float MoELayer::aux_loss() {
+  MOELAB_CHECK(saved_ != nullptr, "MoELayer::aux_loss: no forward to read it from");
+  if (!b_.has_data()) return 0.0f;
+  return b_.download(saved_->aux_loss)[0];
+}
+
+std::vector<float> MoELayer::last_noise() { return last_eps_; }
+
+std::vector<GemmProblem> MoELayer::expert_gemm_problems() {
+  const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
+  Stream& c = *compute_;
+  std::vector<GemmProblem> ps;
+  auto scratch = [&](std::int64_t r, std::int64_t cols) {
+    Tensor t = b_.empty({r, cols}, cfg_.dtype, MemCategory::buffers, c);
+    b_.fill_zero(c, t);  // defined values: no NaN or denormal slow paths in the timing
+    return t;
+  };
+  for (std::size_t l = 0; l < routing_.recv_per_local.size(); ++l) {
+    const std::int64_t r = routing_.recv_per_local[l];
+    if (r == 0) continue;
+    const auto li = static_cast<std::int64_t>(l);
+    Tensor t_di = scratch(r, M), t_m = scratch(r, H), t_do = scratch(r, M);
+    ps.push_back({false, false, r, H, M, t_di, params_.w1.select(li), t_m, 1, 0});        // fc1
+    ps.push_back({false, false, r, M, H, t_m, params_.w2.select(li), t_do, 1, 0});        // fc2
+    ps.push_back({false, true, r, H, M, t_do, params_.w2.select(li), scratch(r, H), 1, 0});  // fc2 dgrad
+    ps.push_back({true, false, H, M, r, t_m, t_do, grads_.w2.select(li), 1, 1});          // fc2 wgrad
+    ps.push_back({true, false, M, H, r, t_di, t_m, grads_.w1.select(li), 1, 1});          // fc1 wgrad
+    ps.push_back({false, true, r, M, H, t_m, params_.w1.select(li), scratch(r, M), 1, 0});  // fc1 dgrad
+  }
+  return ps;
+}
+
+}  // namespace moelab

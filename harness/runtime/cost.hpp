@@ -1,0 +1,42 @@
+// harness/runtime/cost.hpp — the one cost descriptor of every op.
+//
+// Each op's FLOPs and bytes are computed here and nowhere else. The sim backend turns a
+// descriptor into virtual time; the real backends divide it by measured time to report
+// achieved TFLOP/s and GB/s. Conventions (docs/PERFORMANCE.md):
+//   GEMM [m,k]x[k,n]: flops = 2mnk; bytes read = (mk + kn [+ mn if beta != 0]) * elem;
+//                     bytes written = mn * elem_c.
+//   elementwise / gather / scatter: flops ~ 0 (or a few per element), bytes as moved.
+//   collectives: comm_bytes = bytes this rank sends to other ranks (self excluded).
+#pragma once
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "harness/runtime/dtype.hpp"
+
+namespace moelab {
+
+enum class OpKind { gemm, elementwise, gate, permute, copy_d2d, copy_h2d, copy_d2h, collective, host };
+const char* op_kind_name(OpKind k);
+
+struct OpCost {
+  OpKind kind = OpKind::host;
+  double flops = 0;          // floating point operations
+  double bytes_read = 0;     // from device memory
+  double bytes_written = 0;  // to device memory
+  double comm_bytes = 0;     // sent to other ranks (collectives only)
+  std::int64_t launches = 1; // kernels / library calls this op issues (launch overhead)
+};
+
+struct GemmProblem;
+OpCost cost_grouped_gemm(std::span<const GemmProblem> problems);
+OpCost cost_elementwise(std::int64_t elements, DType dtype, int inputs, int outputs, double flops_per_elem);
+OpCost cost_gate_forward(std::int64_t tokens, std::int64_t experts, int top_k);
+OpCost cost_gate_backward(std::int64_t tokens, std::int64_t experts, int top_k);
+// permute / unpermute move rows of width `width`: rows_in read, rows_out written.
+OpCost cost_rows(OpKind kind, std::int64_t rows_read, std::int64_t rows_written, std::int64_t width, DType dtype,
+                 double flops_per_elem);
+OpCost cost_copy(OpKind kind, std::int64_t bytes);
+OpCost cost_collective(double bytes_sent_to_others, double bytes_local);
+
+}  // namespace moelab

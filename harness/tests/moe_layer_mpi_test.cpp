@@ -1,0 +1,161 @@
+// harness/tests/moe_layer_mpi_test.cpp — the MoE layer on N MPI ranks (expert parallelism
+// EP = N, cpu backend, Open MPI all-to-all-v) gives the same outputs and gradients as the
+// single-process layer and the float64 reference.
+//   mpirun --oversubscribe -np 4 build/harness/tests/moe_layer_mpi_test
+// Every rank holds different tokens (and a different, awkward count of them). Since inputs
+// and parameters are functions of the seed, each rank can rebuild every other rank's tokens
+// and compute, in-process, what its outputs and its experts' gradients must be.
+#include <gtest/gtest.h>
+
+#include "harness/comm/world.hpp"
+#include "harness/nn/moe_layer.hpp"
+#include "harness/tests/moe_reference.hpp"
+#include "harness/tests/test_util.hpp"
+
+namespace moelab {
+namespace {
+
+std::uint64_t g_seed = 0;  // agreed across ranks in main()
+
+ModelConfig config(bool noisy) {
+  ModelConfig cfg;
+  cfg.d_model = 12;
+  cfg.d_hidden = 20;
+  cfg.num_experts = 8;
+  cfg.top_k = 2;
+  cfg.capacity_factor = 1.0;  // with 2 tokens/expert on average, some overflow
+  cfg.activation = Activation::gelu;
+  cfg.noisy_gate = noisy;
+  return cfg;
+}
+
+std::int64_t tokens_of(int rank) { return 23 + 11 * rank; }  // different and odd on each rank
+
+class MoELayerMpi : public ::testing::TestWithParam<bool> {};
+
+TEST_P(MoELayerMpi, MatchesSingleProcessAndFloat64Reference) {
+  const bool noisy = GetParam();
+  const ModelConfig cfg = config(noisy);
+  const int rank = world_rank(), size = world_size();
+  auto b = make_backend("cpu");
+  b->set_rank(rank);
+  auto comm = make_world_communicator(*b);
+  ASSERT_EQ(comm->size(), size);
+
+  // ---- the expert-parallel layer on all ranks ------------------------------------------
+  MoELayer layer(*b, *comm, cfg);
+  layer.init_parameters(g_seed);
+  layer.set_noise_seed(Rng::mix(g_seed, 5));
+  Stream& s = layer.compute_stream();
+  const std::int64_t T = tokens_of(rank), M = cfg.d_model;
+  auto x_of = [&](int r) { return test::uniform(static_cast<std::size_t>(tokens_of(r) * M), Rng::mix(g_seed, 100 + r)); };
+  auto dy_of = [&](int r) { return test::uniform(static_cast<std::size_t>(tokens_of(r) * M), Rng::mix(g_seed, 200 + r)); };
+  Tensor x = b->empty({T, M}, cfg.dtype, MemCategory::activations, s);
+  Tensor dy = b->empty({T, M}, cfg.dtype, MemCategory::activations, s);
+  b->upload(x_of(rank), x);
+  b->upload(dy_of(rank), dy);
+  const float ga = 0.25f;
+  Tensor y = layer.forward(x);
+  const float aux = layer.aux_loss();
+  Tensor dx = layer.backward(dy, ga);
+  b->synchronize();
+  const auto y_h = b->download(y), dx_h = b->download(dx);
+  const auto dwg_h = b->download(layer.grads().w_gate), dw1_h = b->download(layer.grads().w1),
+             dw2_h = b->download(layer.grads().w2);
+
+  // ---- in-process references: a single-process layer (EP = 1) and float64 --------------
+  auto b1 = make_backend("cpu");
+  auto self = make_self_communicator(*b1);
+  MoELayer single(*b1, *self, cfg);
+  single.init_parameters(g_seed);
+  const ref::Params P = test::reference_params(*b1, single);
+  ref::Grads sum;  // expert gradients summed over the tokens of every rank
+  sum.init(P, 0);
+  ref::Result mine;
+  ref::Grads my_grads;
+  std::vector<float> single_y, single_dx;
+  for (int r = 0; r < size; ++r) {
+    // The noise the rank-r layer drew: same seed scheme, keyed on its rank and step 1.
+    std::vector<double> eps;
+    if (noisy) {
+      Rng nr(Rng::mix(Rng::mix(g_seed, 5), static_cast<std::uint64_t>(r), 1));
+      eps.resize(static_cast<std::size_t>(tokens_of(r) * cfg.num_experts));
+      for (auto& e : eps) e = static_cast<float>(nr.normal());
+    }
+    ref::Grads G;
+    G.init(P, tokens_of(r));
+    const auto xd = test::to_double(x_of(r)), dyd = test::to_double(dy_of(r));
+    const auto R = ref::forward_backward(cfg, P, xd, eps, &dyd, ga, &G);
+    ASSERT_GT(R.min_topk_gap, 1e-5) << "near-tie in the drawn inputs; rerun (seed " << g_seed << ")";
+    for (std::size_t i = 0; i < sum.dw1.size(); ++i) sum.dw1[i] += G.dw1[i];
+    for (std::size_t i = 0; i < sum.dw2.size(); ++i) sum.dw2[i] += G.dw2[i];
+    if (r == rank) {
+      mine = R;
+      my_grads = G;
+      if (noisy) {
+        EXPECT_EQ(test::to_double(layer.last_noise()), eps);
+      }
+      // the single-process layer on this rank's tokens
+      Stream& s1 = single.compute_stream();
+      Tensor x1 = b1->empty({T, M}, cfg.dtype, MemCategory::activations, s1);
+      Tensor dy1 = b1->empty({T, M}, cfg.dtype, MemCategory::activations, s1);
+      b1->upload(x_of(r), x1);
+      b1->upload(dy_of(r), dy1);
+      single.set_noise_seed(Rng::mix(g_seed, 5));
+      if (!noisy) {  // (its noise would be keyed on rank 0, so compare it only without noise)
+        Tensor y1 = single.forward(x1);
+        Tensor dx1 = single.backward(dy1, ga);
+        b1->synchronize();
+        single_y = b1->download(y1);
+        single_dx = b1->download(dx1);
+      }
+    }
+  }
+
+  EXPECT_EQ(layer.routing().sent_per_expert, mine.counts);
+  EXPECT_NEAR(aux, mine.aux, 1e-5 * std::abs(mine.aux) + 1e-6);
+  EXPECT_TRUE(test::all_close("y", y_h, mine.y, 1e-4));
+  EXPECT_TRUE(test::all_close("dx", dx_h, my_grads.dx, 1e-4));
+  EXPECT_TRUE(test::all_close("dW_gate", dwg_h, my_grads.dwg, 1e-4));
+  // this rank's experts: a slice of the global expert gradients
+  const std::int64_t El = layer.local_experts(), H = cfg.d_hidden;
+  const auto off = static_cast<std::ptrdiff_t>(rank * El * M * H), len = static_cast<std::ptrdiff_t>(El * M * H);
+  EXPECT_TRUE(test::all_close("dW1", dw1_h, {sum.dw1.begin() + off, sum.dw1.begin() + off + len}, 1e-4));
+  EXPECT_TRUE(test::all_close("dW2", dw2_h, {sum.dw2.begin() + off, sum.dw2.begin() + off + len}, 1e-4));
+  if (!noisy) {
+    EXPECT_TRUE(test::all_close("y vs single-process", y_h, test::to_double(single_y), 1e-5));
+    EXPECT_TRUE(test::all_close("dx vs single-process", dx_h, test::to_double(single_dx), 1e-5));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Gate, MoELayerMpi, ::testing::Values(false, true),
+                         [](const auto& tp) { return tp.param ? "noisy" : "plain"; });
+
+}  // namespace
+}  // namespace moelab
+
+int main(int argc, char** argv) {
+  moelab::init_world(&argc, &argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  // One seed for all ranks, fresh each run (rank 0 draws it).
+  {
+    auto b = moelab::make_backend("cpu");
+    auto comm = moelab::make_world_communicator(*b);
+    const double s = moelab::world_rank() == 0 ? static_cast<double>(moelab::test::fresh_seed() >> 12) : 0.0;
+    moelab::g_seed = static_cast<std::uint64_t>(comm->all_reduce_sum(s));
+    if (moelab::world_rank() == 0) std::printf("seed %llu on %d ranks\n", static_cast<unsigned long long>(moelab::g_seed), moelab::world_size());
+  }
+  // Only rank 0 prints the gtest report; every rank's result decides the exit code.
+  if (moelab::world_rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  int rc = RUN_ALL_TESTS();
+  {
+    auto b = moelab::make_backend("cpu");
+    auto comm = moelab::make_world_communicator(*b);
+    rc = static_cast<int>(comm->all_reduce_max(rc));
+  }
+  moelab::finalize_world();
+  return rc;
+}

@@ -1,0 +1,285 @@
+// harness/tests/moe_layer_test.cpp — the expert-parallel MoE layer against a float64 dense
+// reference, forward and backward, on fresh random inputs; a finite-difference check; the
+// permute/unpermute round trip. Runs on cpu always, on cuda (fp32 and bf16) when a device
+// is present.
+//   ctest --test-dir build -R moe_layer_test      (MOELAB_TEST_SEED=<n> replays a seed)
+#include <gtest/gtest.h>
+
+#include "harness/comm/communicator.hpp"
+#include "harness/nn/moe_layer.hpp"
+#include "harness/tests/moe_reference.hpp"
+#include "harness/tests/test_util.hpp"
+
+namespace moelab {
+namespace {
+
+struct Case {
+  std::string name;
+  std::int64_t T, M, H, E;
+  int k;
+  double cf;
+  Activation act;
+  bool noisy, renorm;
+};
+
+struct Target {
+  std::string backend;
+  DType dtype;
+  double rtol;
+};
+
+std::string case_name(const Case& c, const Target& t) { return c.name + "_" + t.backend + "_" + dtype_name(t.dtype); }
+
+class MoELayerVsReference : public ::testing::TestWithParam<std::tuple<Case, Target>> {};
+
+TEST_P(MoELayerVsReference, ForwardAndBackward) {
+  const auto& [c, tgt] = GetParam();
+  if (tgt.backend == "cuda" && !cuda_available()) GTEST_SKIP() << "no CUDA device";
+  auto b = make_backend(tgt.backend);
+  auto comm = make_self_communicator(*b);
+  ModelConfig cfg;
+  cfg.d_model = c.M;
+  cfg.d_hidden = c.H;
+  cfg.num_experts = c.E;
+  cfg.top_k = c.k;
+  cfg.capacity_factor = c.cf;
+  cfg.activation = c.act;
+  cfg.noisy_gate = c.noisy;
+  cfg.renormalize = c.renorm;
+  cfg.dtype = tgt.dtype;
+
+  std::uint64_t seed = test::fresh_seed();
+  for (int attempt = 0; attempt < 20; ++attempt, seed = Rng::mix(seed, 99)) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    MoELayer layer(*b, *comm, cfg);
+    layer.init_parameters(seed);
+    layer.set_noise_seed(Rng::mix(seed, 5));
+    Stream& s = layer.compute_stream();
+    Tensor x = b->empty({c.T, c.M}, cfg.dtype, MemCategory::activations, s);
+    Tensor dy = b->empty({c.T, c.M}, cfg.dtype, MemCategory::activations, s);
+    b->upload(test::uniform(static_cast<std::size_t>(c.T * c.M), Rng::mix(seed, 1)), x);
+    b->upload(test::uniform(static_cast<std::size_t>(c.T * c.M), Rng::mix(seed, 2)), dy);
+    const float grad_aux = 0.37f;
+
+    Tensor y = layer.forward(x);
+    const float aux = layer.aux_loss();
+    Tensor dx = layer.backward(dy, grad_aux);
+    b->synchronize();
+
+    // The reference sees exactly the values the layer holds (bf16-rounded where bf16).
+    const ref::Params P = test::reference_params(*b, layer);
+    const auto xd = test::to_double(b->download(x));
+    const auto dyd = test::to_double(b->download(dy));
+    const auto eps = test::to_double(layer.last_noise());
+    ref::Grads G;
+    G.init(P, c.T);
+    const ref::Result R = ref::forward_backward(cfg, P, xd, eps, &dyd, grad_aux, &G);
+    if (R.min_topk_gap < 1e-4) continue;  // a near-tie: fp32 may legitimately route differently; redraw
+
+    // Routing: identical decisions, an exact statement.
+    ASSERT_EQ(layer.routing().sent_per_expert, R.counts);
+    ASSERT_EQ(layer.routing().recv_per_local, R.counts);
+    const double rtol = tgt.rtol;
+    EXPECT_NEAR(aux, R.aux, rtol * std::abs(R.aux) + 1e-6);
+    EXPECT_TRUE(test::all_close("y", b->download(y), R.y, rtol));
+    EXPECT_TRUE(test::all_close("dx", b->download(dx), G.dx, rtol));
+    EXPECT_TRUE(test::all_close("dW_gate", b->download(layer.grads().w_gate), G.dwg, rtol));
+    if (c.noisy) {
+      EXPECT_TRUE(test::all_close("dW_noise", b->download(layer.grads().w_noise), G.dwn, rtol));
+    }
+    EXPECT_TRUE(test::all_close("dW1", b->download(layer.grads().w1), G.dw1, rtol));
+    EXPECT_TRUE(test::all_close("dW2", b->download(layer.grads().w2), G.dw2, rtol));
+    return;
+  }
+  FAIL() << "could not draw inputs without a near-tie in 20 attempts";
+}
+
+const Case kCases[] = {
+    // name            T    M   H   E  k  cf    act               noisy  renorm
+    {"top1_nodrop", 37, 16, 24, 4, 1, 0.0, Activation::gelu, false, false},
+    {"top2_overflow", 53, 8, 20, 6, 2, 1.0, Activation::relu, false, true},
+    {"top2_heavydrop_noisy", 29, 12, 16, 5, 2, 0.5, Activation::gelu, true, false},
+    {"idle_experts", 5, 8, 12, 16, 1, 0.0, Activation::gelu, false, false},  // most experts get 0 tokens
+    {"k_equals_E", 1, 9, 7, 3, 3, 0.0, Activation::gelu, true, true},
+    {"wide", 203, 32, 64, 8, 2, 1.25, Activation::gelu, false, false},
+};
+const Target kTargets[] = {
+    {"cpu", DType::f32, 1e-4},
+    {"cuda", DType::f32, 1e-4},
+    {"cuda", DType::bf16, 4e-2},
+};
+
+INSTANTIATE_TEST_SUITE_P(Cases, MoELayerVsReference,
+                         ::testing::Combine(::testing::ValuesIn(kCases), ::testing::ValuesIn(kTargets)),
+                         [](const auto& tp) {
+                           return case_name(std::get<0>(tp.param), std::get<1>(tp.param));
+                         });
+
+// The float64 reference's own gradients against central differences (it is the yardstick,
+// so it is checked too), with every gate feature on.
+TEST(MoEReference, FiniteDifferences) {
+  ModelConfig cfg;
+  cfg.d_model = 5;
+  cfg.d_hidden = 6;
+  cfg.num_experts = 4;
+  cfg.top_k = 2;
+  cfg.capacity_factor = 1.0;
+  cfg.noisy_gate = true;
+  cfg.renormalize = true;
+  const std::int64_t T = 7;
+  Rng rng(test::fresh_seed());
+  auto draw = [&](std::size_t n) {
+    std::vector<double> v(n);
+    for (auto& x : v) x = rng.uniform(-1, 1);
+    return v;
+  };
+  ref::Params P{cfg.d_model, cfg.d_hidden, cfg.num_experts, draw(20), draw(20), draw(4 * 30), draw(4 * 30)};
+  auto x = draw(static_cast<std::size_t>(T * 5)), eps = draw(static_cast<std::size_t>(T * 4)),
+       dy = draw(static_cast<std::size_t>(T * 5));
+  const double ga = 0.7;
+  auto loss = [&]() {
+    auto r = ref::forward_backward(cfg, P, x, eps, nullptr, 0, nullptr);
+    double l = ga * r.aux;
+    for (std::size_t i = 0; i < dy.size(); ++i) l += dy[i] * r.y[i];
+    return l;
+  };
+  ref::Grads G;
+  G.init(P, T);
+  const auto r0 = ref::forward_backward(cfg, P, x, eps, &dy, ga, &G);
+  ASSERT_GT(r0.min_topk_gap, 1e-4) << "near-tie; rerun";
+  auto check = [&](const char* what, std::vector<double>& v, const std::vector<double>& g) {
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      const double h = 1e-6, keep = v[i];
+      v[i] = keep + h;
+      const double lp = loss();
+      v[i] = keep - h;
+      const double lm = loss();
+      v[i] = keep;
+      const double fd = (lp - lm) / (2 * h);
+      EXPECT_NEAR(g[i], fd, 1e-6 + 1e-5 * std::abs(fd)) << what << "[" << i << "]";
+    }
+  };
+  check("x", x, G.dx);
+  check("W_gate", P.wg, G.dwg);
+  check("W_noise", P.wn, G.dwn);
+  check("W1", P.w1, G.dw1);
+  check("W2", P.w2, G.dw2);
+}
+
+// The layer itself (fp32, cpu) against central differences of its own forward, along a
+// random direction per parameter: L = <dy, y> + ga * aux.
+TEST(MoELayer, FiniteDifferenceDirectional) {
+  auto b = make_backend("cpu");
+  auto comm = make_self_communicator(*b);
+  ModelConfig cfg;
+  cfg.d_model = 6;
+  cfg.d_hidden = 10;
+  cfg.num_experts = 4;
+  cfg.top_k = 2;
+  cfg.renormalize = true;
+  const std::int64_t T = 9;
+  const std::uint64_t seed = test::fresh_seed();
+  MoELayer layer(*b, *comm, cfg);
+  layer.init_parameters(seed);
+  Stream& s = layer.compute_stream();
+  Tensor x = b->empty({T, 6}, DType::f32, MemCategory::activations, s);
+  Tensor dy = b->empty({T, 6}, DType::f32, MemCategory::activations, s);
+  b->upload(test::uniform(T * 6, Rng::mix(seed, 1)), x);
+  const auto dyh = test::uniform(T * 6, Rng::mix(seed, 2));
+  b->upload(dyh, dy);
+  const float ga = 0.5f;
+  auto loss = [&]() {
+    Tensor y = layer.forward(x);
+    const auto yh = b->download(y);
+    double l = ga * layer.aux_loss();
+    for (std::size_t i = 0; i < yh.size(); ++i) l += static_cast<double>(dyh[i]) * yh[i];
+    return l;
+  };
+  layer.zero_grad();
+  layer.forward(x);
+  Tensor dx = layer.backward(dy, ga);
+  b->synchronize();
+  struct Item {
+    const char* name;
+    Tensor value, grad;
+  };
+  std::vector<Item> items = {{"x", x, dx},
+                             {"W_gate", layer.params().w_gate, layer.grads().w_gate},
+                             {"W1", layer.params().w1, layer.grads().w1},
+                             {"W2", layer.params().w2, layer.grads().w2}};
+  for (auto& it : items) {
+    const auto v0 = b->download(it.value);
+    const auto g = b->download(it.grad);
+    const auto d = test::uniform(v0.size(), Rng::mix(seed, 7));
+    double analytic = 0;
+    for (std::size_t i = 0; i < g.size(); ++i) analytic += static_cast<double>(g[i]) * d[i];
+    const double h = 1e-3;
+    auto shifted = [&](double sgn) {
+      std::vector<float> v(v0.size());
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(v0[i] + sgn * h * d[i]);
+      b->upload(v, it.value);
+      return loss();
+    };
+    const double fd = (shifted(+1) - shifted(-1)) / (2 * h);
+    b->upload(v0, it.value);
+    EXPECT_NEAR(analytic, fd, 2e-3 * std::max(1.0, std::abs(fd))) << it.name;
+  }
+}
+
+// permute -> unpermute returns the input, and the backward pair returns the gradient, bit for
+// bit (weights 1 for k = 1; 0.5 + 0.5 for k = 2, exact in binary), on cpu and cuda.
+class PermuteRoundTrip : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PermuteRoundTrip, Exact) {
+  if (GetParam() == "cuda" && !cuda_available()) GTEST_SKIP() << "no CUDA device";
+  auto b = make_backend(GetParam());
+  Stream& s = b->default_stream();
+  const std::uint64_t seed = test::fresh_seed();
+  for (int k : {1, 2}) {
+    const std::int64_t T = 41, M = 13, E = 5;
+    Tensor logits = b->empty({T, E}, DType::f32, MemCategory::buffers, s);
+    b->upload(test::uniform(T * E, Rng::mix(seed, k)), logits);
+    GateForward g;
+    g.logits = logits;
+    g.top_k = k;
+    g.probs = b->empty({T, E}, DType::f32, MemCategory::buffers, s);
+    g.topk_idx = b->empty({T, k}, DType::i32, MemCategory::buffers, s);
+    g.topk_w = b->empty({T, k}, DType::f32, MemCategory::buffers, s);
+    g.slot = b->empty({T, k}, DType::i32, MemCategory::buffers, s);
+    g.counts = b->empty({E}, DType::i32, MemCategory::buffers, s);
+    g.routed_frac = b->empty({E}, DType::f32, MemCategory::buffers, s);
+    g.aux_loss = b->empty({1}, DType::f32, MemCategory::buffers, s);
+    b->gate_forward(s, g);
+    Tensor w = b->empty({T, k}, DType::f32, MemCategory::buffers, s);
+    b->upload(std::vector<float>(static_cast<std::size_t>(T * k), k == 1 ? 1.0f : 0.5f), w);
+    const auto xh = test::uniform(T * M, Rng::mix(seed, 10 + k));
+    Tensor x = b->empty({T, M}, DType::f32, MemCategory::buffers, s);
+    b->upload(xh, x);
+    Tensor perm = b->empty({T * k, M}, DType::f32, MemCategory::buffers, s);
+    b->permute(s, x, g.slot, perm);
+    Tensor back = b->empty({T, M}, DType::f32, MemCategory::buffers, s);
+    b->unpermute(s, perm, g.slot, w, back);
+    // backward: unpermute_backward then permute_backward returns dy
+    Tensor d_perm = b->empty({T * k, M}, DType::f32, MemCategory::buffers, s);
+    Tensor dw = b->empty({T, k}, DType::f32, MemCategory::buffers, s);
+    b->unpermute_backward(s, x, perm, g.slot, w, d_perm, dw);
+    Tensor dx = b->empty({T, M}, DType::f32, MemCategory::buffers, s);
+    b->permute_backward(s, d_perm, g.slot, dx);
+    b->synchronize();
+    EXPECT_EQ(b->download(back), xh) << "k=" << k;
+    // k = 2: d_perm rows are 0.5*x, and 0.5x + 0.5x == x exactly
+    EXPECT_EQ(b->download(dx), xh) << "k=" << k;
+    // dw[t,j] = <x[t], perm[slot]> = |x[t]|^2
+    const auto dwh = b->download(dw);
+    for (std::int64_t t = 0; t < T; ++t) {
+      double n2 = 0;
+      for (std::int64_t m = 0; m < M; ++m) n2 += static_cast<double>(xh[static_cast<std::size_t>(t * M + m)]) * xh[static_cast<std::size_t>(t * M + m)];
+      for (int j = 0; j < k; ++j) EXPECT_NEAR(dwh[static_cast<std::size_t>(t * k + j)], n2, 1e-5 * n2);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, PermuteRoundTrip, ::testing::Values("cpu", "cuda"));
+
+}  // namespace
+}  // namespace moelab

@@ -1,0 +1,144 @@
+// harness/tests/runtime_test.cpp — the runtime on the cpu backend: the tracked allocator's
+// figures against a hand count, streams that really run concurrently, events that order
+// them, errors that surface at synchronize, the timeline, and the self communicator.
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "harness/backends/cpu/cpu_backend.hpp"
+#include "harness/comm/communicator.hpp"
+#include "harness/runtime/error.hpp"
+#include "harness/tests/test_util.hpp"
+
+namespace moelab {
+namespace {
+
+TEST(MemoryTracker, PeakMatchesHandCount) {
+  CpuBackend b;
+  Stream& s = b.default_stream();
+  const auto MiB = std::size_t{1} << 20;
+  auto idx = [](MemCategory c) { return static_cast<std::size_t>(c); };
+  Tensor w = b.empty({256, 1024}, DType::f32, MemCategory::weights, s);          // 1 MiB
+  Tensor g = b.empty({256, 1024}, DType::f32, MemCategory::gradients, s);        // 1 MiB
+  {
+    Tensor a1 = b.empty({512, 1024}, DType::f32, MemCategory::activations, s);   // 2 MiB
+    Tensor buf = b.empty({128, 1024}, DType::f32, MemCategory::buffers, s);      // 0.5 MiB
+    EXPECT_EQ(b.memory().device_in_use(), 4 * MiB + MiB / 2);
+    Tensor view = a1.rows(10, 20);  // views allocate nothing
+    EXPECT_EQ(b.memory().device_in_use(), 4 * MiB + MiB / 2);
+  }  // a1, buf freed: 2 MiB in use
+  EXPECT_EQ(b.memory().device_in_use(), 2 * MiB);
+  Tensor a2 = b.empty({256, 1024}, DType::f32, MemCategory::activations, s);     // 1 MiB -> 3 MiB
+  Tensor pinned = b.empty({1024, 1024}, DType::f32, MemCategory::buffers, s, MemSpace::host_pinned);  // host
+  EXPECT_EQ(b.memory().peak_device(), 4 * MiB + MiB / 2);
+  const auto at_peak = b.memory().at_peak();
+  EXPECT_EQ(at_peak[idx(MemCategory::weights)], MiB);
+  EXPECT_EQ(at_peak[idx(MemCategory::gradients)], MiB);
+  EXPECT_EQ(at_peak[idx(MemCategory::activations)], 2 * MiB);
+  EXPECT_EQ(at_peak[idx(MemCategory::buffers)], MiB / 2);
+  EXPECT_EQ(b.memory().in_use(MemCategory::host_pinned), 4 * MiB);
+  EXPECT_EQ(b.memory().peak_per_category()[idx(MemCategory::activations)], 2 * MiB);
+  EXPECT_EQ(b.memory().timeline().size(), 8u);  // 6 allocations, 2 frees
+  EXPECT_EQ(b.memory().timeline().back().in_use[idx(MemCategory::host_pinned)], 4 * MiB);
+  b.memory().reset_peak();
+  EXPECT_EQ(b.memory().peak_device(), 3 * MiB);
+  EXPECT_TRUE(b.memory().timeline().empty());
+}
+
+TEST(CpuStreams, RunConcurrentlyAndEventsOrderThem) {
+  CpuBackend b;
+  Stream& s1 = b.create_stream(StreamRole::compute, "a");
+  Stream& s2 = b.create_stream(StreamRole::dispatch, "b");
+  auto sleep_op = [](int ms) { return [ms] { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); }; };
+  // Two 200 ms ops on two streams overlap: well under 400 ms together.
+  const double t0 = b.now();
+  b.enqueue(s1, "sleep", {}, sleep_op(200));
+  b.enqueue(s2, "sleep", {}, sleep_op(200));
+  b.synchronize();
+  EXPECT_LT(b.now() - t0, 0.35);
+  // With an event, s2's op starts only after s1's.
+  b.clear_timeline();
+  auto ev = b.create_event();
+  b.enqueue(s1, "first", {}, sleep_op(100));
+  b.record(*ev, s1);
+  b.wait(s2, *ev);
+  b.enqueue(s2, "second", {}, sleep_op(10));
+  b.synchronize();
+  const auto tl = b.timeline();
+  ASSERT_EQ(tl.size(), 2u);
+  const auto& first = tl[0].name == "first" ? tl[0] : tl[1];
+  const auto& second = tl[0].name == "first" ? tl[1] : tl[0];
+  EXPECT_GE(second.start, first.end);
+  EXPECT_EQ(second.stream_name, "b");
+}
+
+TEST(CpuStreams, AFailedOpSurfacesAtSynchronize) {
+  CpuBackend b;
+  Stream& s = b.default_stream();
+  b.enqueue(s, "boom", {}, [] { throw CommError("rank 0: planted failure"); });
+  EXPECT_THROW(b.synchronize(s), CommError);
+  b.enqueue(s, "fine", {}, [] {});
+  EXPECT_NO_THROW(b.synchronize(s));  // the error is reported once
+}
+
+TEST(CpuBackend, GemmMatchesReferenceForAllTransposes) {
+  CpuBackend b;
+  Stream& s = b.default_stream();
+  const std::uint64_t seed = test::fresh_seed();
+  const std::int64_t m = 7, n = 5, k = 3;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      const auto ah = test::uniform(m * k, Rng::mix(seed, 1)), bh = test::uniform(k * n, Rng::mix(seed, 2)),
+                 ch = test::uniform(m * n, Rng::mix(seed, 3));
+      Tensor A = b.empty(ta ? std::vector<std::int64_t>{k, m} : std::vector<std::int64_t>{m, k}, DType::f32,
+                         MemCategory::buffers, s);
+      Tensor B = b.empty(tb ? std::vector<std::int64_t>{n, k} : std::vector<std::int64_t>{k, n}, DType::f32,
+                         MemCategory::buffers, s);
+      Tensor C = b.empty({m, n}, DType::f32, MemCategory::buffers, s);
+      b.upload(ah, A);
+      b.upload(bh, B);
+      b.upload(ch, C);
+      b.gemm(s, {ta, tb, m, n, k, A, B, C, 2.0f, 0.5f}, "gemm");
+      std::vector<double> ref(static_cast<std::size_t>(m * n));
+      for (std::int64_t i = 0; i < m; ++i)
+        for (std::int64_t j = 0; j < n; ++j) {
+          double acc = 0;
+          for (std::int64_t p = 0; p < k; ++p)
+            acc += static_cast<double>(ta ? ah[static_cast<std::size_t>(p * m + i)] : ah[static_cast<std::size_t>(i * k + p)]) *
+                   (tb ? bh[static_cast<std::size_t>(j * k + p)] : bh[static_cast<std::size_t>(p * n + j)]);
+          ref[static_cast<std::size_t>(i * n + j)] = 2.0 * acc + 0.5 * ch[static_cast<std::size_t>(i * n + j)];
+        }
+      EXPECT_TRUE(test::all_close("C", b.download(C), ref, 1e-5)) << "ta=" << ta << " tb=" << tb;
+    }
+}
+
+TEST(SelfCommunicator, AllToAllVWithSegments) {
+  CpuBackend b;
+  auto comm = make_self_communicator(b);
+  Stream& s = b.default_stream();
+  Tensor send = b.empty({10}, DType::f32, MemCategory::buffers, s);
+  Tensor recv = b.empty({10}, DType::f32, MemCategory::buffers, s);
+  b.upload(std::vector<float>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}, send);
+  b.fill_zero(s, recv);
+  const std::vector<Segment> sends = {{0, 0, 4}, {0, 4, 6}}, recvs = {{0, 6, 4}, {0, 0, 6}};
+  comm->all_to_all_v(s, send, sends, recv, recvs);
+  EXPECT_EQ(b.download(recv), (std::vector<float>{4, 5, 6, 7, 8, 9, 0, 1, 2, 3}));
+  EXPECT_EQ(comm->exchange_counts({3, 4}), (std::vector<std::int64_t>{3, 4}));
+  EXPECT_THROW(comm->send(s, send, 1), CommError);
+}
+
+TEST(Tensor, ViewsShareStorage) {
+  CpuBackend b;
+  Stream& s = b.default_stream();
+  Tensor t = b.empty({4, 3, 2}, DType::f32, MemCategory::buffers, s);
+  b.upload(std::vector<float>(24, 1.0f), t);
+  Tensor v = t.select(2);
+  EXPECT_EQ(v.shape(), (std::vector<std::int64_t>{3, 2}));
+  EXPECT_EQ(v.data<float>(), t.data<float>() + 12);
+  EXPECT_EQ(t.rows(1, 2).numel(), 12);
+  EXPECT_THROW(t.rows(3, 2), std::logic_error);
+  EXPECT_THROW(b.empty({2}, DType::bf16, MemCategory::buffers, s), Unsupported);
+}
+
+}  // namespace
+}  // namespace moelab
