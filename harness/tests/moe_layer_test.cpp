@@ -28,6 +28,9 @@ struct Target {
   double rtol;
 };
 
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+void PrintTo(const Target& t, std::ostream* os) { *os << t.backend << "/" << dtype_name(t.dtype); }
+
 std::string case_name(const Case& c, const Target& t) { return c.name + "_" + t.backend + "_" + dtype_name(t.dtype); }
 
 class MoELayerVsReference : public ::testing::TestWithParam<std::tuple<Case, Target>> {};
@@ -280,6 +283,52 @@ TEST_P(PermuteRoundTrip, Exact) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, PermuteRoundTrip, ::testing::Values("cpu", "cuda"));
+
+}  // namespace
+}  // namespace moelab
+
+namespace moelab {
+namespace {
+
+// backward() accumulates into the gradients (as autograd does): two identical steps give
+// twice the gradients of one; zero_grad() starts again from zero.
+TEST(MoELayer, GradientsAccumulateAcrossBackwardCalls) {
+  auto b = make_backend("cpu");
+  auto comm = make_self_communicator(*b);
+  ModelConfig cfg;
+  cfg.d_model = 8;
+  cfg.d_hidden = 12;
+  cfg.num_experts = 4;
+  cfg.top_k = 2;
+  cfg.noisy_gate = false;
+  const std::uint64_t seed = test::fresh_seed();
+  MoELayer layer(*b, *comm, cfg);
+  layer.init_parameters(seed);
+  Stream& s = layer.compute_stream();
+  Tensor x = b->empty({17, 8}, DType::f32, MemCategory::activations, s);
+  Tensor dy = b->empty({17, 8}, DType::f32, MemCategory::activations, s);
+  b->upload(test::uniform(17 * 8, Rng::mix(seed, 1)), x);
+  b->upload(test::uniform(17 * 8, Rng::mix(seed, 2)), dy);
+  auto step = [&] {
+    layer.forward(x);
+    layer.backward(dy, 0.1f);
+    b->synchronize();
+  };
+  step();
+  std::vector<std::vector<float>> once;
+  for (Tensor* g : {&layer.grads().w_gate, &layer.grads().w1, &layer.grads().w2}) once.push_back(b->download(*g));
+  step();
+  int i = 0;
+  for (Tensor* g : {&layer.grads().w_gate, &layer.grads().w1, &layer.grads().w2}) {
+    std::vector<double> twice;
+    for (float v : once[static_cast<std::size_t>(i)]) twice.push_back(2.0 * v);
+    EXPECT_TRUE(test::all_close("accumulated grad " + std::to_string(i), b->download(*g), twice, 1e-5));
+    ++i;
+  }
+  layer.zero_grad();
+  step();
+  EXPECT_TRUE(test::all_close("after zero_grad", b->download(layer.grads().w1), test::to_double(once[1]), 1e-5));
+}
 
 }  // namespace
 }  // namespace moelab

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# scripts/reproduce.sh — install what is missing, build, and run the main job: every workload
+# in experiments/workloads through every implementation on what this machine has, writing
+# result JSON files (each says measured or simulated, on what, at which commit) and a summary.
+#
+#   scripts/reproduce.sh                 # everything this machine can run
+#   scripts/reproduce.sh --quick         # the small workloads only
+#   scripts/reproduce.sh --out DIR       # results under DIR instead of results/
+#
+# What runs where:
+#   cpu backend   always; 1 rank and 4 MPI ranks (mpirun --oversubscribe)
+#   cuda backend  when a CUDA device is present (single GPU)
+#   a real cluster: launch the same binary under your mpirun/srun with a host list, e.g.
+#     mpirun -np 16 --hostfile hosts build/harness/moelab run --backend cuda --workload W --impl fastmoe
+# The simulated paper clusters (the sim backend) are not part of this version yet.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${BUILD_DIR:-$root/build}"
+out="$root/results"
+quick=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) quick=1 ;;
+    --out) out="$2"; shift ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    *) echo "reproduce.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+"$root/scripts/setup.sh"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$build" -j "$(nproc)" --target moelab moelab_bench_cpu
+moelab="$build/harness/moelab"
+
+cpu_workloads=(tiny small)
+[ "$quick" = 1 ] && cpu_workloads=(tiny)
+runs=()
+for w in "${cpu_workloads[@]}"; do
+  for np in 1 4; do runs+=("cpu $np $w"); done
+done
+if "$moelab" list 2>/dev/null | grep -q "cuda (device present)"; then
+  runs+=("cuda 1 small" "cuda 1 gpt3-xl-e64-16k")
+fi
+
+total=${#runs[@]}
+i=0
+start=$(date +%s)
+summary=()
+for r in "${runs[@]}"; do
+  read -r backend np w <<<"$r"
+  i=$((i + 1))
+  dest="$out/measured/$backend/$w-fastmoe-np$np.json"
+  echo "[$i/$total] $w on $backend, $np rank(s) -> ${dest#$root/}"
+  if [ "$np" = 1 ]; then
+    "$moelab" run --workload "$root/experiments/workloads/$w.json" --impl fastmoe --backend "$backend" --out "$dest"
+  else
+    mpirun --oversubscribe -np "$np" "$moelab" run --workload "$root/experiments/workloads/$w.json" \
+      --impl fastmoe --backend "$backend" --out "$dest"
+  fi
+  summary+=("$(printf '%-22s %-5s %3s  %s' "$w" "$backend" "$np" "${dest#$root/}")")
+  now=$(date +%s)
+  echo "    elapsed $((now - start)) s, about $(( (now - start) * (total - i) / i )) s left"
+done
+
+mkdir -p "$out/bench"
+"$build/harness/moelab_bench_cpu" --benchmark_min_time=0.05 \
+  --benchmark_out="$out/bench/cpu_blocks.json" --benchmark_out_format=json >/dev/null
+
+echo
+echo "measured results (fastmoe baseline):"
+printf '%-22s %-5s %3s  %s\n' workload back ranks file
+for s in "${summary[@]}"; do echo "$s"; done
+echo "cpu micro-benchmarks: ${out#$root/}/bench/cpu_blocks.json"
+echo "simulated paper clusters: not available in this version (no sim backend yet)"
