@@ -247,7 +247,8 @@ Routing random_routing(std::int64_t T, std::int64_t E, int k, std::uint64_t seed
   std::partial_sum(count.begin(), count.end() - 1, next.begin() + 1);
   Routing r;
   r.slot.resize(expert.size());
-  for (std::size_t i = 0; i < expert.size(); ++i) r.slot[i] = static_cast<std::int32_t>(next[static_cast<std::size_t>(expert[i])]++);
+  for (std::size_t i = 0; i < expert.size(); ++i)
+    r.slot[i] = static_cast<std::int32_t>(next[static_cast<std::size_t>(expert[i])]++);
   r.rows = T * k;
   return r;
 }
@@ -323,8 +324,9 @@ void BM_Unpermute(benchmark::State& st) {
   for (std::int64_t t = 0; t < c.T; ++t)
     for (int j = 0; j < c.k; ++j)
       for (std::int64_t m = 0; m < c.M; ++m)
-        want[static_cast<std::size_t>(t * c.M + m)] += static_cast<double>(c.w_host[static_cast<std::size_t>(t * c.k + j)]) *
-                                                       yh[static_cast<std::size_t>(c.row(t, j) * c.M + m)];
+        want[static_cast<std::size_t>(t * c.M + m)] +=
+            static_cast<double>(c.w_host[static_cast<std::size_t>(t * c.k + j)]) *
+            yh[static_cast<std::size_t>(c.row(t, j) * c.M + m)];
   if (max_rel_error(c.x.b->download(y), want) > 1e-6) {
     st.SkipWithError("unpermute differs from the reference");
     return;
@@ -347,7 +349,8 @@ void BM_UnpermuteBackward(benchmark::State& st) {
   Tensor dw = c.x.tensor({c.T, c.k});
   c.x.b->unpermute_backward(c.x.s, dy, y_perm, c.slot, c.w, d_y_perm, dw);
   // d_y_perm[slot[t,j]] = w[t,j] dy[t];  dw[t,j] = <dy[t], y_perm[slot[t,j]]>
-  std::vector<double> want_dyp(static_cast<std::size_t>(c.routing.rows * c.M)), want_dw(static_cast<std::size_t>(c.T * c.k));
+  std::vector<double> want_dyp(static_cast<std::size_t>(c.routing.rows * c.M)),
+      want_dw(static_cast<std::size_t>(c.T * c.k));
   for (std::int64_t t = 0; t < c.T; ++t)
     for (int j = 0; j < c.k; ++j) {
       const auto i = static_cast<std::size_t>(t * c.k + j);
@@ -436,7 +439,8 @@ bool check_gate_forward(GateCase& c, std::string& why) {
     }
   std::vector<std::int32_t> offset(static_cast<std::size_t>(E), 0);
   for (std::int64_t e = 1; e < E; ++e)
-    offset[static_cast<std::size_t>(e)] = offset[static_cast<std::size_t>(e - 1)] +
+    offset[static_cast<std::size_t>(e)] =
+        offset[static_cast<std::size_t>(e - 1)] +
         static_cast<std::int32_t>(std::min(routed[static_cast<std::size_t>(e - 1)], c.capacity));
 
   if (max_rel_error(p32, p) > 1e-6) {
@@ -503,13 +507,17 @@ void BM_GateBackward(benchmark::State& st) {
   std::vector<double> dp(static_cast<std::size_t>(E));
   for (std::int64_t t = 0; t < T; ++t) {
     for (std::int64_t e = 0; e < E; ++e)
-      dp[static_cast<std::size_t>(e)] = 0.01 * static_cast<double>(E) * f[static_cast<std::size_t>(e)] / static_cast<double>(T);
+      dp[static_cast<std::size_t>(e)] =
+          0.01 * static_cast<double>(E) * f[static_cast<std::size_t>(e)] / static_cast<double>(T);
     for (int j = 0; j < c.k; ++j)
-      dp[static_cast<std::size_t>(idx[static_cast<std::size_t>(t * c.k + j)])] += dwh[static_cast<std::size_t>(t * c.k + j)];
+      dp[static_cast<std::size_t>(idx[static_cast<std::size_t>(t * c.k + j)])] +=
+          dwh[static_cast<std::size_t>(t * c.k + j)];
     double dot = 0.0;
-    for (std::int64_t e = 0; e < E; ++e) dot += p[static_cast<std::size_t>(t * E + e)] * dp[static_cast<std::size_t>(e)];
     for (std::int64_t e = 0; e < E; ++e)
-      want[static_cast<std::size_t>(t * E + e)] = p[static_cast<std::size_t>(t * E + e)] * (dp[static_cast<std::size_t>(e)] - dot);
+      dot += p[static_cast<std::size_t>(t * E + e)] * dp[static_cast<std::size_t>(e)];
+    for (std::int64_t e = 0; e < E; ++e)
+      want[static_cast<std::size_t>(t * E + e)] =
+          p[static_cast<std::size_t>(t * E + e)] * (dp[static_cast<std::size_t>(e)] - dot);
   }
   if (max_rel_error(c.x.b->download(gb.d_logits), want) > 1e-5) {
     st.SkipWithError("gate_backward differs from the reference");
@@ -527,13 +535,23 @@ void BM_GateBackward(benchmark::State& st) {
   c.x.b->clear_timeline();
 }
 
-BENCHMARK(BM_GateForward)->ArgsProduct({{8, 64}, {1, 2}})->ArgNames({"E", "k"})->UseRealTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_GateBackward)->ArgsProduct({{8, 64}, {1, 2}})->ArgNames({"E", "k"})->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_GateForward)
+    ->ArgsProduct({{8, 64}, {1, 2}})
+    ->ArgNames({"E", "k"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_GateBackward)
+    ->ArgsProduct({{8, 64}, {1, 2}})
+    ->ArgNames({"E", "k"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 
 // ---- experts: activation ---------------------------------------------------------------------
 // On T_M [R,H] with R = 4096 rows, H = 2048. GeLU is the exact erf form.
 
-double act_ref(Activation a, double x) { return a == Activation::gelu ? 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0))) : std::max(x, 0.0); }
+double act_ref(Activation a, double x) {
+  return a == Activation::gelu ? 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0))) : std::max(x, 0.0);
+}
 double act_grad_ref(Activation a, double x) {
   if (a == Activation::relu) return x > 0.0 ? 1.0 : 0.0;
   return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) + x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * std::numbers::pi);
@@ -549,8 +567,10 @@ void BM_Activation(benchmark::State& st, Activation a, bool backward) {
   Tensor d_out = x.random({R, H}, 22, &gh);
   Tensor out = x.tensor({R, H});
   auto issue = [&] {
-    if (backward) x.b->activation_backward(x.s, a, in, d_out, out);
-    else x.b->activation_forward(x.s, a, in, out);
+    if (backward)
+      x.b->activation_backward(x.s, a, in, d_out, out);
+    else
+      x.b->activation_forward(x.s, a, in, out);
   };
   issue();
   std::vector<double> want(inh.size());

@@ -78,8 +78,10 @@ int dispatch(const std::vector<std::string>& args) {
   const std::string& cmd = args[0];
   const std::vector<std::string> rest(args.begin() + 1, args.end());
   if (cmd == "--help" || cmd == "-h" || cmd == "help") {
-    if (cmd == "help" && !rest.empty() && rest[0] == "run") print_run_help(stdout);
-    else print_help(stdout);
+    if (cmd == "help" && !rest.empty() && rest[0] == "run")
+      print_run_help(stdout);
+    else
+      print_help(stdout);
     return 0;
   }
   if (cmd == "run") return run_command(rest);

@@ -1,8 +1,8 @@
 // harness/cli/run.cpp — `moelab run`: one workload, one implementation, one backend.
 //
 //   moelab run --workload experiments/workloads/tiny.json --impl fastmoe --backend cpu
-//   mpirun -n 2 moelab run --workload experiments/workloads/tiny.json --impl fastmoe --backend cpu \
-//       --out results/tiny-fastmoe.json --trace tiny-fastmoe.trace.json --steps 10
+//   mpirun -n 2 moelab run --workload experiments/workloads/tiny.json --impl fastmoe --backend cpu
+//          --out results/tiny-fastmoe.json --trace tiny-fastmoe.trace.json --steps 10
 //
 // A run, in order:
 //   1. check everything the user gave (flags, the workload file, the world size, the
@@ -120,11 +120,16 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       seen.push_back(flag);
       return value;
     };
-    if (flag == "--workload") o.workload = take();
-    else if (flag == "--impl") o.impl = take();
-    else if (flag == "--backend") o.backend = take();
-    else if (flag == "--out") o.out = take();
-    else if (flag == "--trace") o.trace = take();
+    if (flag == "--workload")
+      o.workload = take();
+    else if (flag == "--impl")
+      o.impl = take();
+    else if (flag == "--backend")
+      o.backend = take();
+    else if (flag == "--out")
+      o.out = take();
+    else if (flag == "--trace")
+      o.trace = take();
     else if (flag == "--steps") {
       const std::string v = take();
       char* end = nullptr;
@@ -142,8 +147,8 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
   if (o.impl.empty()) throw ConfigError("missing --impl NAME (moelab list shows the implementations)");
   if (o.backend.empty()) throw ConfigError("missing --backend cpu|cuda");
   if (o.out.empty()) o.out = "results/run-" + o.impl + "-" + o.backend + ".json";
-  if (!o.trace.empty() && std::filesystem::path(o.trace).lexically_normal() ==
-                              std::filesystem::path(o.out).lexically_normal())
+  if (!o.trace.empty() &&
+      std::filesystem::path(o.trace).lexically_normal() == std::filesystem::path(o.out).lexically_normal())
     throw ConfigError("--trace and --out name the same file " + o.out);
   return o;
 }
@@ -159,8 +164,7 @@ void check_output_path(const std::string& path, const std::string& flag) {
   while (!fs::exists(p, ec) && p.has_parent_path() && p.parent_path() != p) p = p.parent_path();
   if (!fs::is_directory(p, ec)) throw ConfigError(flag + " " + path + ": " + p.string() + " is not a folder");
   if (::access(p.c_str(), W_OK | X_OK) != 0)
-    throw ConfigError(flag + " " + path + ": folder " + p.string() + " is not writable (" + std::strerror(errno) +
-                      ")");
+    throw ConfigError(flag + " " + path + ": folder " + p.string() + " is not writable (" + std::strerror(errno) + ")");
 }
 
 void check_impl_name(const std::string& name) {
@@ -184,8 +188,7 @@ void agree_on_errors(Communicator& comm, const std::string& local_error) {
 
 // [T,M], U(-1,1), a deterministic function of (seed, rank, key) whatever the backend.
 Tensor random_tokens(Backend& b, const WorkloadConfig& w, int rank, std::uint64_t key) {
-  Tensor t = b.empty({w.tokens_per_rank, w.model.d_model}, w.model.dtype, MemCategory::activations,
-                     b.default_stream());
+  Tensor t = b.empty({w.tokens_per_rank, w.model.d_model}, w.model.dtype, MemCategory::activations, b.default_stream());
   Rng rng(Rng::mix(w.seed, static_cast<std::uint64_t>(rank), key));
   std::vector<float> host(static_cast<std::size_t>(t.numel()));
   for (auto& v : host) v = static_cast<float>(rng.uniform(-1.0, 1.0));
@@ -197,7 +200,8 @@ Tensor random_tokens(Backend& b, const WorkloadConfig& w, int rank, std::uint64_
 
 json category_bytes(const CategoryBytes& b) {
   json j = json::object();
-  for (int c = 0; c < kNumMemCategories; ++c) j[category_name(static_cast<MemCategory>(c))] = b[static_cast<std::size_t>(c)];
+  for (int c = 0; c < kNumMemCategories; ++c)
+    j[category_name(static_cast<MemCategory>(c))] = b[static_cast<std::size_t>(c)];
   return j;
 }
 
@@ -216,8 +220,8 @@ json timeline_figures(const std::vector<OpRecord>& ops, int steps) {
   for (const auto& op : ops) {
     const double d = op.end - op.start;
     phases[op.phase] += d;
-    const std::string key = name_uses[op.stream_name] > 1 ? op.stream_name + "#" + std::to_string(op.stream_id)
-                                                          : op.stream_name;
+    const std::string key =
+        name_uses[op.stream_name] > 1 ? op.stream_name + "#" + std::to_string(op.stream_id) : op.stream_name;
     streams[key] += d;
     if (op.phase == "experts" && op.cost.kind == OpKind::gemm) {
       expert_flops += op.cost.flops;
@@ -286,8 +290,8 @@ int run_command(const std::vector<std::string>& args) {
   auto backend = make_backend(opt.backend);
   backend->set_rank(rank);
   if (local_error.empty() && !backend->supports(w.model.dtype)) {
-    const std::string msg = w.origin + ": model.dtype = \"" + dtype_name(w.model.dtype) + "\" is not supported by the " +
-                            backend->name() + " backend" +
+    const std::string msg = w.origin + ": model.dtype = \"" + dtype_name(w.model.dtype) +
+                            "\" is not supported by the " + backend->name() + " backend" +
                             (backend->name() == "cpu" ? " (it computes in fp32; use --backend cuda)" : "");
     if (world == 1) throw Unsupported(msg);
     local_error = msg;
@@ -342,7 +346,8 @@ int run_command(const std::vector<std::string>& args) {
     local["bare_gemm_s"] = backend->time_bare_gemms(gemms, 5);
 
     std::vector<json> ranks;
-    for (const auto& s : comm->all_gather_strings(local.dump())) ranks.push_back(json::parse(s));
+    for (const auto& s : comm->all_gather_strings(local.dump(-1, ' ', false, json::error_handler_t::replace)))
+      ranks.push_back(json::parse(s));
 
     json trace;
     if (!opt.trace.empty()) {
@@ -352,17 +357,21 @@ int run_command(const std::vector<std::string>& args) {
       }
       std::vector<MemSample> shifted = mem_samples;
       for (auto& s : shifted) s.time -= window_start;
-      const auto parts = comm->all_gather_strings(chrome_trace(ops, shifted, rank).dump());
+      const auto parts = comm->all_gather_strings(
+          chrome_trace(ops, shifted, rank).dump(-1, ' ', false, json::error_handler_t::replace));
       trace = json::parse(parts[0]);
-      for (std::size_t r = 1; r < parts.size(); ++r)
-        for (auto& e : json::parse(parts[r])["traceEvents"]) trace["traceEvents"].push_back(std::move(e));
+      for (std::size_t r = 1; r < parts.size(); ++r) {
+        json part = json::parse(parts[r]);
+        for (auto& e : part["traceEvents"]) trace["traceEvents"].push_back(std::move(e));
+      }
     }
     if (rank != 0) return 0;
 
     // ---- the slowest rank's figures ---------------------------------------------------------
     std::vector<double> steps_max(static_cast<std::size_t>(w.steps), 0.0);
     for (const auto& r : ranks)
-      for (std::size_t i = 0; i < steps_max.size(); ++i) steps_max[i] = std::max(steps_max[i], r["step_s"][i].get<double>());
+      for (std::size_t i = 0; i < steps_max.size(); ++i)
+        steps_max[i] = std::max(steps_max[i], r["step_s"][i].get<double>());
     const double step_med = median(steps_max);
     const double step_mean = std::accumulate(steps_max.begin(), steps_max.end(), 0.0) / static_cast<double>(w.steps);
     const double step_min = *std::min_element(steps_max.begin(), steps_max.end());
@@ -376,11 +385,14 @@ int run_command(const std::vector<std::string>& args) {
       for (const auto& [k, v] : r["stream_busy_s"].items()) streams[k] = max_over(ranks, "stream_busy_s", k);
     }
     // Achieved TFLOP/s of one device: its experts' GEMM FLOPs over its experts phase time,
-    // averaged over the ranks.
-    double tflops = 0.0, expert_gemm_s = 0.0, bare_s = 0.0;
+    // averaged over the ranks; the same FLOPs over the GEMMs' own time show how much of the
+    // phase is not GEMM (activation, copies).
+    double tflops = 0.0, gemm_tflops = 0.0, expert_gemm_s = 0.0, bare_s = 0.0;
     for (const auto& r : ranks) {
-      const double t = r["phases_s"]["experts"].get<double>();
-      if (t > 0) tflops += r["expert_flops"].get<double>() / t / 1e12 / static_cast<double>(world);
+      const double t = r["phases_s"]["experts"].get<double>(), tg = r["expert_gemm_s"].get<double>();
+      const double flops = r["expert_flops"].get<double>();
+      if (t > 0) tflops += flops / t / 1e12 / static_cast<double>(world);
+      if (tg > 0) gemm_tflops += flops / tg / 1e12 / static_cast<double>(world);
       expert_gemm_s = std::max(expert_gemm_s, r["expert_gemm_s"].get<double>());
       bare_s = std::max(bare_s, r["bare_gemm_s"].get<double>());
     }
@@ -388,7 +400,8 @@ int run_command(const std::vector<std::string>& args) {
 
     std::size_t peak_rank = 0;
     for (std::size_t r = 1; r < ranks.size(); ++r)
-      if (ranks[r]["peak_device"].get<std::size_t>() > ranks[peak_rank]["peak_device"].get<std::size_t>()) peak_rank = r;
+      if (ranks[r]["peak_device"].get<std::size_t>() > ranks[peak_rank]["peak_device"].get<std::size_t>())
+        peak_rank = r;
     const json& pk = ranks[peak_rank];
 
     std::int64_t dropped = 0;
@@ -432,14 +445,18 @@ int run_command(const std::vector<std::string>& args) {
     std::printf("(summed op time per phase over all streams; overlapping phases can exceed 100%%)\n\n");
     std::printf("experts: %.3f ms of GEMMs vs bare %s %.3f ms for the same GEMMs (ratio %.2f)\n", expert_gemm_s * 1e3,
                 library.c_str(), bare_s * 1e3, ratio);
-    std::printf("expert TFLOP/s  %.3f per device\n", tflops);
+    std::printf("expert TFLOP/s  %.3f per device over the experts phase, %.3f over its GEMMs\n", tflops, gemm_tflops);
     std::string busy;
-    for (const auto& [k, v] : streams.items()) busy += strf("%s%s %.3f ms", busy.empty() ? "" : ", ", k.c_str(), v.get<double>() * 1e3);
+    for (const auto& [k, v] : streams.items())
+      busy += strf("%s%s %.3f ms", busy.empty() ? "" : ", ", k.c_str(), v.get<double>() * 1e3);
     std::printf("stream busy     %s\n", busy.c_str());
     std::string cats;
     for (const auto& [k, v] : pk["at_peak"].items())
-      if (v.get<std::size_t>() > 0) cats += strf("%s%s %.1f", cats.empty() ? "" : ", ", k.c_str(), static_cast<double>(v.get<std::size_t>()) / kMiB);
-    std::printf("peak memory     %.1f MiB%s: %s MiB\n", static_cast<double>(pk["peak_device"].get<std::size_t>()) / kMiB,
+      if (v.get<std::size_t>() > 0)
+        cats +=
+            strf("%s%s %.1f", cats.empty() ? "" : ", ", k.c_str(), static_cast<double>(v.get<std::size_t>()) / kMiB);
+    std::printf("peak memory     %.1f MiB%s: %s MiB\n",
+                static_cast<double>(pk["peak_device"].get<std::size_t>()) / kMiB,
                 world > 1 ? strf(" (rank %zu, the highest)", peak_rank).c_str() : "", cats.c_str());
     const double slots = global_tokens * m.top_k;
     std::printf("routing         %lld of %.0f token-slots dropped (%s)\n", static_cast<long long>(dropped), slots,
@@ -448,12 +465,13 @@ int run_command(const std::vector<std::string>& args) {
 
     // ---- the record ------------------------------------------------------------------------
     json metrics;
-    metrics["step_time_s"] = {{"median", step_med}, {"mean", step_mean}, {"min", step_min}, {"max", step_max},
-                              {"all", steps_max}};
+    metrics["step_time_s"] = {
+        {"median", step_med}, {"mean", step_mean}, {"min", step_min}, {"max", step_max}, {"all", steps_max}};
     metrics["tokens_per_s"] = tokens_per_s;
     metrics["phases_s"] = phases;
     metrics["stream_busy_s"] = streams;
     metrics["expert_tflops"] = tflops;
+    metrics["expert_gemm_tflops"] = gemm_tflops;
     metrics["expert_gemm_s"] = expert_gemm_s;
     metrics["bare_gemm_s"] = bare_s;
     metrics["bare_gemm_library"] = library;

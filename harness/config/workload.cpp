@@ -71,8 +71,10 @@ class Fields {
           best = &k;
         }
       }
-      if (best) msg += " (did you mean " + quoted(prefix_ + *best) + "?)";
-      else msg += " (known fields: " + known_list() + ")";
+      if (best)
+        msg += " (did you mean " + quoted(prefix_ + *best) + "?)";
+      else
+        msg += " (known fields: " + known_list() + ")";
       fail(origin_, msg);
     }
   }
@@ -267,8 +269,8 @@ json parse_text(const std::string& text, const std::string& origin) {
 // as that integer, so that cf = 1.1 with k*T/E = 100 gives 110 slots, not 111.
 std::int64_t ModelConfig::capacity(std::int64_t tokens) const {
   if (capacity_factor <= 0.0 || num_experts <= 0) return 0;
-  const double x = capacity_factor * static_cast<double>(top_k) * static_cast<double>(tokens) /
-                   static_cast<double>(num_experts);
+  const double x =
+      capacity_factor * static_cast<double>(top_k) * static_cast<double>(tokens) / static_cast<double>(num_experts);
   const double r = std::round(x);
   if (std::abs(x - r) <= 1e-9 * std::max(1.0, r)) return static_cast<std::int64_t>(r);
   return static_cast<std::int64_t>(std::ceil(x));
@@ -283,14 +285,16 @@ WorkloadConfig parse_workload(const json& j, const std::string& origin) {
   WorkloadConfig w;
   w.origin = origin;
   w.name = f.string_or("name", stem_of(origin));
-  (void)f.string_or("description", "");
+  w.description = f.string_or("description", "");
   w.model = parse_model_at(f.require("model"), origin, "model.");
   w.tokens_per_rank = f.integer("tokens_per_rank", 1, kInt64Max);
   w.steps = static_cast<int>(f.integer_or("steps", w.steps, 1, kIntMax));
   w.warmup = static_cast<int>(f.integer_or("warmup", w.warmup, 0, kIntMax));
   if (const json* s = f.find("seed")) {
-    if (s->is_number_unsigned()) w.seed = s->get<std::uint64_t>();
-    else w.seed = static_cast<std::uint64_t>(f.integer("seed", *s, 0, kInt64Max));
+    if (s->is_number_unsigned())
+      w.seed = s->get<std::uint64_t>();
+    else
+      w.seed = static_cast<std::uint64_t>(f.integer("seed", *s, 0, kInt64Max));
   }
   w.expert_parallel = static_cast<int>(f.integer_or("expert_parallel", w.expert_parallel, 0, kIntMax));
   return w;
@@ -322,7 +326,7 @@ void validate_for_world(const WorkloadConfig& w, int world_size) {
       msg += " (more ranks than experts: every rank holds at least one expert, so launch at most " +
              std::to_string(w.model.num_experts) + " ranks)";
     else
-      msg += " (every rank holds num_experts / " + std::to_string(ep) + " experts)";
+      msg += " (every rank must hold the same number of experts)";
     fail(w.origin, msg);
   }
 }
@@ -342,6 +346,7 @@ json to_json(const ModelConfig& m) {
 
 json to_json(const WorkloadConfig& w) {
   return {{"name", w.name},
+          {"description", w.description},
           {"model", to_json(w.model)},
           {"tokens_per_rank", w.tokens_per_rank},
           {"steps", w.steps},

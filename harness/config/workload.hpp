@@ -40,6 +40,7 @@ struct ModelConfig {
 
 struct WorkloadConfig {
   std::string name;
+  std::string description;
   std::string origin;  // file path (or "<string>") for messages
   ModelConfig model;
   std::int64_t tokens_per_rank = 0;

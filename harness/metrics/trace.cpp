@@ -14,7 +14,8 @@ json chrome_trace(const std::vector<OpRecord>& ops, const std::vector<MemSample>
   constexpr double kUs = 1e6;  // trace times are microseconds
   json events = json::array();
 
-  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", rank}, {"args", {{"name", "rank " + std::to_string(rank)}}}});
+  events.push_back(
+      {{"name", "process_name"}, {"ph", "M"}, {"pid", rank}, {"args", {{"name", "rank " + std::to_string(rank)}}}});
   events.push_back({{"name", "process_sort_index"}, {"ph", "M"}, {"pid", rank}, {"args", {{"sort_index", rank}}}});
 
   // One track per stream, in stream-id order (compute first, as the backends create it).

@@ -1,0 +1,413 @@
+// harness/tests/config_test.cpp — workload files and result files: every bad input is
+// rejected with one message naming the file, the field and the value; result files are
+// written atomically.
+//
+//   ctest --test-dir build -R config
+//   build/harness/tests/config_test --gtest_filter='BadWorkload*'
+#include <unistd.h>
+
+#include <cctype>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "harness/config/workload.hpp"
+#include "harness/metrics/results.hpp"
+#include "harness/runtime/error.hpp"
+
+namespace moelab {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// A fresh folder per test, removed afterwards.
+class TempDir {
+ public:
+  TempDir() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    std::string name = std::string(info->test_suite_name()) + "_" + info->name();
+    for (auto& ch : name)
+      if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+    path_ = fs::temp_directory_path() / ("moelab_config_test_" + std::to_string(::getpid()) + "_" + name);
+    fs::remove_all(path_);
+    fs::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::permissions(path_, fs::perms::owner_all, fs::perm_options::add, ec);
+    fs::remove_all(path_, ec);
+  }
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+  std::string write(const std::string& name, const std::string& text) const {
+    std::ofstream(file(name)) << text;
+    return file(name);
+  }
+  // Files whose name has ".tmp." in it: what an interrupted atomic write would leave.
+  std::vector<std::string> temp_files() const {
+    std::vector<std::string> out;
+    for (const auto& e : fs::recursive_directory_iterator(path_))
+      if (e.path().filename().string().find(".tmp.") != std::string::npos) out.push_back(e.path().string());
+    return out;
+  }
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+json valid_workload() {
+  return json::parse(R"({
+    "name": "tiny",
+    "description": "a test workload",
+    "model": { "d_model": 64, "d_hidden": 256, "num_experts": 8, "top_k": 2,
+               "capacity_factor": 1.25, "activation": "gelu", "noisy_gate": false,
+               "renormalize": false, "dtype": "fp32" },
+    "tokens_per_rank": 512, "steps": 3, "warmup": 1, "seed": 7, "expert_parallel": 0
+  })");
+}
+
+// The ConfigError message of f, or a marker that none was thrown.
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "<no ConfigError>";
+}
+
+void expect_contains(const std::string& msg, const std::vector<std::string>& parts) {
+  for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "expected \"" << p << "\" in: " << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << "message is not one line: " << msg;
+}
+
+// ---- a valid file ---------------------------------------------------------------------------
+
+TEST(Workload, LoadsAValidFile) {
+  TempDir dir;
+  const auto path = dir.write("tiny.json", valid_workload().dump(2));
+  const WorkloadConfig w = load_workload(path);
+  EXPECT_EQ(w.name, "tiny");
+  EXPECT_EQ(w.origin, path);
+  EXPECT_EQ(w.model.d_model, 64);
+  EXPECT_EQ(w.model.d_hidden, 256);
+  EXPECT_EQ(w.model.num_experts, 8);
+  EXPECT_EQ(w.model.top_k, 2);
+  EXPECT_DOUBLE_EQ(w.model.capacity_factor, 1.25);
+  EXPECT_EQ(w.model.activation, Activation::gelu);
+  EXPECT_EQ(w.model.dtype, DType::f32);
+  EXPECT_EQ(w.tokens_per_rank, 512);
+  EXPECT_EQ(w.steps, 3);
+  EXPECT_EQ(w.warmup, 1);
+  EXPECT_EQ(w.seed, 7u);
+  EXPECT_EQ(w.expert_parallel, 0);
+}
+
+TEST(Workload, OptionalFieldsTakeTheirDefaults) {
+  json j = json::parse(R"({"model": {"d_model": 8, "d_hidden": 16, "num_experts": 4, "top_k": 1},
+                           "tokens_per_rank": 10})");
+  const WorkloadConfig w = parse_workload(j, "dir/minimal.json");
+  EXPECT_EQ(w.name, "minimal");  // the file's stem
+  EXPECT_EQ(w.steps, 1);
+  EXPECT_EQ(w.warmup, 0);
+  EXPECT_EQ(w.seed, 1u);
+  EXPECT_EQ(w.expert_parallel, 0);
+  EXPECT_EQ(w.model.capacity_factor, 0.0);
+  EXPECT_EQ(w.model.activation, Activation::gelu);
+  EXPECT_EQ(w.model.dtype, DType::f32);
+}
+
+TEST(Workload, AcceptsCommentsAndIntegralNumbers) {
+  TempDir dir;
+  const auto path = dir.write("c.json", R"({
+    // a comment, as in the examples of workload.hpp
+    "model": { "d_model": 64.0, "d_hidden": 2.56e2, "num_experts": 8, "top_k": 1,
+               "activation": "relu", "dtype": "bf16" },
+    "tokens_per_rank": 1e3 /* tokens */
+  })");
+  const WorkloadConfig w = load_workload(path);
+  EXPECT_EQ(w.model.d_model, 64);
+  EXPECT_EQ(w.model.d_hidden, 256);
+  EXPECT_EQ(w.tokens_per_rank, 1000);
+  EXPECT_EQ(w.model.activation, Activation::relu);
+  EXPECT_EQ(w.model.dtype, DType::bf16);
+}
+
+TEST(Workload, ToJsonRoundTrips) {
+  json j = valid_workload();
+  j["model"]["noisy_gate"] = true;
+  j["model"]["renormalize"] = true;
+  j["model"]["activation"] = "relu";
+  j["model"]["dtype"] = "bf16";
+  j["seed"] = 18446744073709551615ull;  // the whole uint64 range
+  j["expert_parallel"] = 2;
+  const WorkloadConfig a = parse_workload(j, "a.json");
+  const WorkloadConfig b = parse_workload(to_json(a), "b.json");
+  EXPECT_EQ(to_json(a), to_json(b));
+  EXPECT_EQ(b.name, a.name);
+  EXPECT_EQ(b.model.d_model, a.model.d_model);
+  EXPECT_EQ(b.model.top_k, a.model.top_k);
+  EXPECT_EQ(b.model.capacity_factor, a.model.capacity_factor);
+  EXPECT_EQ(b.model.activation, Activation::relu);
+  EXPECT_EQ(b.model.dtype, DType::bf16);
+  EXPECT_TRUE(b.model.noisy_gate);
+  EXPECT_TRUE(b.model.renormalize);
+  EXPECT_EQ(b.seed, 18446744073709551615ull);
+  EXPECT_EQ(b.expert_parallel, 2);
+  EXPECT_EQ(parse_model(to_json(a.model), "m.json").d_hidden, a.model.d_hidden);
+}
+
+TEST(Workload, CapacityIsCeilOfFactorTimesFairShare) {
+  ModelConfig m;
+  m.num_experts = 8;
+  m.top_k = 2;
+  m.capacity_factor = 1.25;
+  EXPECT_EQ(m.capacity(512), 160);  // 1.25 * 2 * 512 / 8
+  m.top_k = 1;
+  m.capacity_factor = 1.0;
+  m.num_experts = 3;
+  EXPECT_EQ(m.capacity(10), 4);  // ceil(3.33)
+  m.num_experts = 10;
+  m.capacity_factor = 1.1;
+  EXPECT_EQ(m.capacity(1000), 110);  // not 111 from 1.1's rounding error
+  m.capacity_factor = 0.0;
+  EXPECT_EQ(m.capacity(1000), 0);  // unlimited
+}
+
+TEST(Workload, ShippedWorkloadsLoad) {
+  const fs::path dir = fs::path(__FILE__).parent_path() / ".." / ".." / "experiments" / "workloads";
+  if (!fs::is_directory(dir)) GTEST_SKIP() << "no " << dir;
+  int n = 0;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (e.path().extension() != ".json") continue;
+    EXPECT_NO_THROW(load_workload(e.path().string())) << e.path();
+    ++n;
+  }
+  EXPECT_GE(n, 3);
+  const WorkloadConfig tiny = load_workload((dir / "tiny.json").string());
+  EXPECT_EQ(tiny.model.d_model, 64);
+  EXPECT_EQ(tiny.tokens_per_rank, 512);
+  const WorkloadConfig big = load_workload((dir / "gpt3-xl-e64-16k.json").string());
+  EXPECT_EQ(big.model.num_experts, 64);
+  EXPECT_EQ(big.model.dtype, DType::bf16);
+  EXPECT_EQ(big.model.capacity(big.tokens_per_rank), 0);
+}
+
+// ---- bad files: the message names the file, the field and the value --------------------------
+
+struct BadCase {
+  std::string name;                 // test name
+  std::function<void(json&)> edit;  // applied to valid_workload()
+  std::vector<std::string> expect;  // substrings of the message (besides the file name)
+};
+
+void PrintTo(const BadCase& c, std::ostream* os) { *os << c.name; }
+
+class BadWorkload : public ::testing::TestWithParam<BadCase> {};
+
+TEST_P(BadWorkload, IsRejectedNamingFieldAndValue) {
+  TempDir dir;
+  json j = valid_workload();
+  GetParam().edit(j);
+  const auto path = dir.write("bad.json", j.dump(2));
+  const std::string msg = error_of([&] { load_workload(path); });
+  expect_contains(msg, GetParam().expect);
+  EXPECT_EQ(msg.rfind(path + ": ", 0), 0u) << "message does not start with the file: " << msg;
+}
+
+const BadCase kBadCases[] = {
+    {"MissingNumExperts", [](json& j) { j["model"].erase("num_experts"); }, {"missing field \"model.num_experts\""}},
+    {"MissingModel", [](json& j) { j.erase("model"); }, {"missing field \"model\""}},
+    {"MissingTokens", [](json& j) { j.erase("tokens_per_rank"); }, {"missing field \"tokens_per_rank\""}},
+    {"DModelString",
+     [](json& j) { j["model"]["d_model"] = "abc"; },
+     {"model.d_model: expected a positive integer, got \"abc\""}},
+    {"DModelFraction", [](json& j) { j["model"]["d_model"] = 1.5; }, {"model.d_model", "1.5"}},
+    {"DModelZero", [](json& j) { j["model"]["d_model"] = 0; }, {"model.d_model", "positive integer", "got 0"}},
+    {"DHiddenNegative", [](json& j) { j["model"]["d_hidden"] = -3; }, {"model.d_hidden", "got -3"}},
+    {"NumExpertsZero", [](json& j) { j["model"]["num_experts"] = 0; }, {"model.num_experts", "got 0"}},
+    {"TokensZero", [](json& j) { j["tokens_per_rank"] = 0; }, {"tokens_per_rank", "got 0"}},
+    {"TokensBool", [](json& j) { j["tokens_per_rank"] = true; }, {"tokens_per_rank", "got true"}},
+    {"StepsZero", [](json& j) { j["steps"] = 0; }, {"steps: expected a positive integer, got 0"}},
+    {"WarmupNegative", [](json& j) { j["warmup"] = -1; }, {"warmup: expected a non-negative integer, got -1"}},
+    {"ExpertParallelNegative", [](json& j) { j["expert_parallel"] = -2; }, {"expert_parallel", "got -2"}},
+    {"SeedNegative", [](json& j) { j["seed"] = -1; }, {"seed", "got -1"}},
+    {"TopKTooLarge", [](json& j) { j["model"]["top_k"] = 9; }, {"model.top_k = 9 must be <= model.num_experts = 8"}},
+    {"TopKZero", [](json& j) { j["model"]["top_k"] = 0; }, {"model.top_k", "got 0"}},
+    {"CapacityNegative", [](json& j) { j["model"]["capacity_factor"] = -1; }, {"model.capacity_factor = -1", ">= 0"}},
+    {"CapacityString",
+     [](json& j) { j["model"]["capacity_factor"] = "1.25"; },
+     {"model.capacity_factor: expected a number, got \"1.25\""}},
+    {"UnknownActivation",
+     [](json& j) { j["model"]["activation"] = "swish"; },
+     {"model.activation = \"swish\" is not one of gelu, relu"}},
+    {"UnknownDtype",
+     [](json& j) { j["model"]["dtype"] = "fp16"; },
+     {"model.dtype = \"fp16\" is not one of fp32, bf16"}},
+    {"NoisyGateString",
+     [](json& j) { j["model"]["noisy_gate"] = "yes"; },
+     {"model.noisy_gate: expected true or false, got \"yes\""}},
+    {"UnknownModelField",
+     [](json& j) { j["model"]["topk"] = 2; },
+     {"unknown field \"model.topk\"", "did you mean \"model.top_k\""}},
+    {"UnknownTopLevelField", [](json& j) { j["stepz"] = 3; }, {"unknown field \"stepz\"", "\"steps\""}},
+    {"UnrelatedField", [](json& j) { j["colour"] = "red"; }, {"unknown field \"colour\"", "known fields"}},
+    {"ModelNotObject", [](json& j) { j["model"] = 5; }, {"model: expected an object, got 5"}},
+    {"NameNotString", [](json& j) { j["name"] = 3; }, {"name: expected a string, got 3"}},
+    {"TopLevelArray",
+     [](json& j) {
+       j = json::array({1, 2});
+     },
+     {"expected a JSON object", "[1,2]"}},
+};
+
+INSTANTIATE_TEST_SUITE_P(Cases, BadWorkload, ::testing::ValuesIn(kBadCases),
+                         [](const ::testing::TestParamInfo<BadCase>& p) { return p.param.name; });
+
+TEST(BadWorkloadFile, MalformedJsonNamesLineAndColumn) {
+  TempDir dir;
+  const auto path = dir.write("broken.json", "{\n  \"model\": {\n    \"d_model\": 64,,\n  }\n}\n");
+  const std::string msg = error_of([&] { load_workload(path); });
+  expect_contains(msg, {path + ": malformed JSON at line 3, column", "syntax error"});
+}
+
+TEST(BadWorkloadFile, EmptyFile) {
+  TempDir dir;
+  const auto path = dir.write("empty.json", "");
+  expect_contains(error_of([&] { load_workload(path); }), {path, "malformed JSON"});
+}
+
+TEST(BadWorkloadFile, DuplicateField) {
+  TempDir dir;
+  const auto path = dir.write("dup.json", R"({"model": {"d_model": 64, "d_model": 32}})");
+  expect_contains(error_of([&] { load_workload(path); }), {path, "\"model.d_model\" appears twice"});
+}
+
+TEST(BadWorkloadFile, MissingFile) {
+  TempDir dir;
+  const auto path = dir.file("does-not-exist.json");
+  expect_contains(error_of([&] { load_workload(path); }), {path, "cannot open", "No such file"});
+}
+
+TEST(BadWorkloadFile, Folder) {
+  TempDir dir;
+  expect_contains(error_of([&] { load_workload(dir.path().string()); }), {dir.path().string(), "folder"});
+}
+
+TEST(BadWorkloadFile, ModelFileMessagesNameTheModelFields) {
+  const std::string msg = error_of([] { parse_model(json::parse(R"({"d_model": 64})"), "m.json"); });
+  expect_contains(msg, {"m.json: missing field \"model.d_hidden\""});
+}
+
+// ---- checks that depend on the launch -----------------------------------------------------------
+
+WorkloadConfig workload_with(std::int64_t experts, int expert_parallel) {
+  json j = valid_workload();
+  j["model"]["num_experts"] = experts;
+  j["expert_parallel"] = expert_parallel;
+  return parse_workload(j, "w.json");
+}
+
+TEST(ValidateForWorld, AcceptsDivisibleExpertParallelism) {
+  for (int world : {1, 2, 4, 8}) EXPECT_NO_THROW(validate_for_world(workload_with(8, 0), world)) << world;
+  EXPECT_NO_THROW(validate_for_world(workload_with(8, 4), 4));
+}
+
+TEST(ValidateForWorld, ExpertsNotDivisibleByRanks) {
+  const std::string msg = error_of([] { validate_for_world(workload_with(6, 0), 4); });
+  expect_contains(msg, {"w.json: model.num_experts = 6 is not divisible by the expert-parallel degree 4"});
+}
+
+TEST(ValidateForWorld, MoreRanksThanExperts) {
+  const std::string msg = error_of([] { validate_for_world(workload_with(8, 0), 16); });
+  expect_contains(msg, {"model.num_experts = 8 is not divisible by the expert-parallel degree 16",
+                        "more ranks than experts", "at most 8 ranks"});
+}
+
+TEST(ValidateForWorld, ExpertParallelMustMatchTheLaunch) {
+  const std::string msg = error_of([] { validate_for_world(workload_with(8, 4), 2); });
+  expect_contains(msg, {"w.json: expert_parallel = 4 but 2 ranks were launched"});
+}
+
+// ---- result files ---------------------------------------------------------------------------------
+
+json read_json(const std::string& path) {
+  std::ifstream in(path);
+  return json::parse(in);
+}
+
+TEST(WriteJsonAtomic, WritesCreatingFolders) {
+  TempDir dir;
+  const auto path = dir.file("results/cpu/run.json");
+  const json j = {{"schema", "moelab.result/1"}, {"x", 1.5}};
+  write_json_atomic(path, j);
+  EXPECT_EQ(read_json(path), j);
+  EXPECT_TRUE(dir.temp_files().empty());
+}
+
+TEST(WriteJsonAtomic, Overwrites) {
+  TempDir dir;
+  const auto path = dir.file("run.json");
+  write_json_atomic(path, {{"v", 1}});
+  write_json_atomic(path, {{"v", 2}});
+  EXPECT_EQ(read_json(path)["v"], 2);
+  EXPECT_TRUE(dir.temp_files().empty());
+}
+
+TEST(WriteJsonAtomic, FailsCleanlyWhenTheFolderCannotBeMade) {
+  TempDir dir;
+  dir.write("plain-file", "x");
+  const auto path = dir.file("plain-file/sub/run.json");  // a file where a folder should be
+  try {
+    write_json_atomic(path, {{"v", 1}});
+    FAIL() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(dir.temp_files().empty());
+}
+
+TEST(WriteJsonAtomic, FailsCleanlyWhenTheRenameFails) {
+  // The destination is a non-empty folder: the temporary file is written, the rename fails,
+  // and the temporary file must be gone afterwards.
+  TempDir dir;
+  const auto path = dir.file("taken");
+  fs::create_directories(path);
+  dir.write("taken/keep", "x");
+  try {
+    write_json_atomic(path, {{"v", 1}});
+    FAIL() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(dir.temp_files().empty());
+  EXPECT_TRUE(fs::is_directory(path));
+}
+
+TEST(WriteJsonAtomic, FailsCleanlyInAReadOnlyFolder) {
+  if (::geteuid() == 0) GTEST_SKIP() << "root writes into read-only folders";
+  TempDir dir;
+  const auto ro = dir.file("ro");
+  fs::create_directories(ro);
+  fs::permissions(ro, fs::perms::owner_read | fs::perms::owner_exec);
+  EXPECT_THROW(write_json_atomic(ro + "/run.json", {{"v", 1}}), std::runtime_error);
+  fs::permissions(ro, fs::perms::owner_all);
+  EXPECT_TRUE(dir.temp_files().empty());
+  EXPECT_FALSE(fs::exists(ro + "/run.json"));
+}
+
+TEST(Provenance, DateIsUtcIso8601AndCommitIsKnown) {
+  EXPECT_TRUE(std::regex_match(utc_now_iso8601(), std::regex(R"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)")))
+      << utc_now_iso8601();
+  EXPECT_FALSE(build_commit().empty());
+}
+
+}  // namespace
+}  // namespace moelab

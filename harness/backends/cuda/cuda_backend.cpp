@@ -331,8 +331,18 @@ class CudaBackend final : public Backend {
 
   // ---- ops -------------------------------------------------------------------------
   void copy(Stream& s, const Tensor& src, Tensor& dst) override {
-    MOELAB_CHECK(src.dtype() == dst.dtype() && src.numel() == dst.numel(),
-                 "copy " + src.describe() + " -> " + dst.describe());
+    MOELAB_CHECK(src.numel() == dst.numel(), "copy " + src.describe() + " -> " + dst.describe());
+    if (src.dtype() != dst.dtype()) {  // fp32 <-> bf16 conversion, on the device
+      const bool f2b = src.dtype() == DType::f32 && dst.dtype() == DType::bf16;
+      const bool b2f = src.dtype() == DType::bf16 && dst.dtype() == DType::f32;
+      MOELAB_CHECK((f2b || b2f) && src.space() == MemSpace::device && dst.space() == MemSpace::device,
+                   "copy with conversion " + src.describe() + " -> " + dst.describe());
+      CudaOpScope op(*this, s, "convert",
+                     cost_elementwise(src.numel(), DType::f32, 1, 1, 1));
+      cuda_kernels::convert(native(s), f2b ? cuda_kernels::Elem::f32 : cuda_kernels::Elem::bf16, src.raw(),
+                            dst.raw(), src.numel());
+      return;
+    }
     const bool from_dev = src.space() == MemSpace::device, to_dev = dst.space() == MemSpace::device;
     const OpKind kind = from_dev == to_dev ? OpKind::copy_d2d : (to_dev ? OpKind::copy_h2d : OpKind::copy_d2h);
     const auto bytes = static_cast<std::int64_t>(src.nbytes());
@@ -661,26 +671,34 @@ class CudaBackend final : public Backend {
     return e;
   }
 
+  // Moves every op whose end event has completed from pending_ to done_. An op that cannot
+  // be timed (its stream failed) is dropped; the first such error is rethrown at the end,
+  // with pending_ and the event pool left consistent.
   void resolve_locked() {
     std::vector<std::unique_ptr<CudaOpTicket>> still;
+    cudaError_t first_error = cudaSuccess;
     for (auto& p : pending_) {
-      const cudaError_t q = cudaEventQuery(p->end);
-      if (q == cudaErrorNotReady) {
+      cudaError_t err = cudaEventQuery(p->end);
+      if (err == cudaErrorNotReady) {
         still.push_back(std::move(p));
         continue;
       }
-      cuda_check(q, "cudaEventQuery (timeline)");
       float from_anchor = 0, duration = 0;
-      cuda_check(cudaEventElapsedTime(&from_anchor, p->anchor->ev, p->start), "cudaEventElapsedTime");
-      cuda_check(cudaEventElapsedTime(&duration, p->start, p->end), "cudaEventElapsedTime");
-      OpRecord r = std::move(p->rec);
-      r.start = p->anchor->host_time + 1e-3 * static_cast<double>(from_anchor);
-      r.end = r.start + 1e-3 * static_cast<double>(duration);
-      done_.push_back(std::move(r));
+      if (err == cudaSuccess) err = cudaEventElapsedTime(&from_anchor, p->anchor->ev, p->start);
+      if (err == cudaSuccess) err = cudaEventElapsedTime(&duration, p->start, p->end);
+      if (err == cudaSuccess) {
+        OpRecord r = std::move(p->rec);
+        r.start = p->anchor->host_time + 1e-3 * static_cast<double>(from_anchor);
+        r.end = r.start + 1e-3 * static_cast<double>(duration);
+        done_.push_back(std::move(r));
+      } else if (first_error == cudaSuccess) {
+        first_error = err;
+      }
       free_timing_events_.push_back(p->start);
       free_timing_events_.push_back(p->end);
     }
     pending_ = std::move(still);
+    cuda_check(first_error, "timing an op of the timeline");
   }
 
   // GEMM helpers (see grouped_gemm).
@@ -854,10 +872,11 @@ void CudaBackend::grouped_gemm(Stream& s, std::span<const GemmProblem> problems,
         const_cast<const void* const*>(dptr + P), cuda_type(ab), ld_second.data(), beta.data(), dptr + 2 * P,
         cuda_type(ct), ldc.data(), static_cast<int>(G), group_size.data(), compute_type(ab));
     cuda_check(cudaFreeAsync(dev, st), "cudaFreeAsync (gemm pointers)");
-    if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
+    if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE) {
       // Not every type combination has a grouped kernel (bf16 inputs with an fp32 C, say):
-      // fall back to one cublasGemmEx per problem, and remember.
-      {
+      // fall back to one cublasGemmEx per problem (which rejects loudly whatever is really
+      // invalid), and remember a refused type combination.
+      if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
         std::lock_guard lock(mu_);
         grouped_unsupported_.insert(types);
       }

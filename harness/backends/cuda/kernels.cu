@@ -600,4 +600,27 @@ void activation_backward(cudaStream_t stream, Elem e, bool gelu, const void* in,
   check_launch("activation_backward kernel");
 }
 
+// fp32 <-> bf16 conversion (round to nearest even), for the bf16 layer's gate GEMMs whose
+// gradients come out of the fp32 gate.
+__global__ void convert_f32_to_bf16_kernel(const float* __restrict__ in, __nv_bfloat16* __restrict__ out, i64 n) {
+  for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < n; i += static_cast<i64>(gridDim.x) * blockDim.x)
+    out[i] = __float2bfloat16_rn(in[i]);
+}
+__global__ void convert_bf16_to_f32_kernel(const __nv_bfloat16* __restrict__ in, float* __restrict__ out, i64 n) {
+  for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < n; i += static_cast<i64>(gridDim.x) * blockDim.x)
+    out[i] = __bfloat162float(in[i]);
+}
+
+void convert(cudaStream_t stream, Elem from, const void* in, void* out, std::int64_t n) {
+  if (n <= 0) return;
+  const unsigned grid = grid_for(n, kElemThreads);
+  if (from == Elem::f32)
+    convert_f32_to_bf16_kernel<<<grid, kElemThreads, 0, stream>>>(static_cast<const float*>(in),
+                                                                   static_cast<__nv_bfloat16*>(out), n);
+  else
+    convert_bf16_to_f32_kernel<<<grid, kElemThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(in),
+                                                                   static_cast<float*>(out), n);
+  check_launch("convert kernel");
+}
+
 }  // namespace moelab::cuda_kernels

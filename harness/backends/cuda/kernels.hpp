@@ -72,4 +72,8 @@ void activation_forward(cudaStream_t stream, Elem e, bool gelu, const void* in, 
 void activation_backward(cudaStream_t stream, Elem e, bool gelu, const void* in, const void* d_out, void* d_in,
                          std::int64_t n);
 
+// out = in converted from `from` to the other element type (fp32 <-> bf16), n elements,
+// device memory.
+void convert(cudaStream_t stream, Elem from, const void* in, void* out, std::int64_t n);
+
 }  // namespace moelab::cuda_kernels

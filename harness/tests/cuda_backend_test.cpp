@@ -1,0 +1,829 @@
+// harness/tests/cuda_backend_test.cpp — the cuda backend's ops against float64 host
+// references, in fp32 and bf16, on awkward shapes (one token, 37 tokens, one expert, seven
+// experts, width 33, an expert nobody picks, capacity overflow); the gate's routing
+// decisions against an exact host reference; streams, events, copies, the memory tracker,
+// the timeline, and the NCCL communicator in a world of one rank.
+//
+// Every test skips cleanly on a machine without a CUDA device.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numbers>
+#include <numeric>
+#include <ostream>
+#include <tuple>
+
+#include "harness/backends/cuda/cuda_backend.hpp"
+#include "harness/comm/nccl_comm.hpp"
+#include "harness/runtime/error.hpp"
+#include "harness/tests/test_util.hpp"
+
+namespace moelab {
+namespace {
+
+using test::all_close;
+using test::fresh_seed;
+using test::uniform;
+
+// Relative tolerance per dtype: fp32 results are fp32 arithmetic on exact inputs; bf16
+// results are rounded to 8 mantissa bits once more at the end.
+double tol(DType t) { return t == DType::bf16 ? 2e-2 : 1e-5; }
+
+// What a value becomes once stored in `t` (the inputs of every reference are these).
+std::vector<float> stored(std::vector<float> v, DType t) {
+  if (t == DType::bf16)
+    for (auto& x : v) x = bf16_to_f32(f32_to_bf16(x));
+  return v;
+}
+
+std::vector<double> dbl(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+class CudaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!moelab::cuda_device_present()) GTEST_SKIP() << "no CUDA device";
+    b = make_cuda_backend(0);
+    s = &b->default_stream();
+  }
+  Tensor make(std::vector<std::int64_t> shape, DType dt, const std::vector<float>& values,
+              MemCategory c = MemCategory::activations) {
+    Tensor t = b->empty(std::move(shape), dt, c, *s);
+    b->upload(values, t);
+    return t;
+  }
+  Tensor make_i32(std::vector<std::int64_t> shape, const std::vector<std::int32_t>& values) {
+    Tensor t = b->empty(std::move(shape), DType::i32, MemCategory::buffers, *s);
+    b->upload_i32(values, t);
+    return t;
+  }
+  Tensor zeros(std::vector<std::int64_t> shape, DType dt) {
+    Tensor t = b->empty(std::move(shape), dt, MemCategory::activations, *s);
+    b->fill_zero(*s, t);
+    return t;
+  }
+  std::unique_ptr<Backend> b;
+  Stream* s = nullptr;
+};
+
+// Runs everywhere: without a device the backend refuses with Unsupported, never crashes.
+TEST(CudaPresence, NoDeviceMeansUnsupported) {
+  if (moelab::cuda_device_present()) {
+    EXPECT_NO_THROW(make_cuda_backend(0));
+    EXPECT_THROW(make_cuda_backend(1 << 20), Unsupported);
+  } else {
+    EXPECT_THROW(make_cuda_backend(0), Unsupported);
+  }
+}
+
+TEST_F(CudaTest, DescribesItself) {
+  EXPECT_EQ(b->name(), "cuda");
+  EXPECT_NE(b->device_name().find("GiB"), std::string::npos) << b->device_name();
+  EXPECT_TRUE(b->supports(DType::f32));
+  EXPECT_TRUE(b->supports(DType::bf16));
+  EXPECT_TRUE(b->supports(DType::i32));
+  EXPECT_FALSE(b->supports(DType::f64));
+  EXPECT_THROW(b->empty({4}, DType::f64, MemCategory::buffers, *s), Unsupported);
+  EXPECT_TRUE(is_cuda_backend(*b));
+  EXPECT_NE(cuda_native_stream(*s), nullptr);
+}
+
+// ---- copies, memory --------------------------------------------------------------------
+
+class CudaCopyTest : public CudaTest, public ::testing::WithParamInterface<DType> {};
+
+TEST_P(CudaCopyTest, HostDeviceRoundTrip) {
+  const DType dt = GetParam();
+  const auto v = stored(uniform(37 * 33, fresh_seed()), dt);
+  Tensor host = b->empty({37, 33}, dt, MemCategory::buffers, *s, MemSpace::host_pinned);
+  b->upload(v, host);
+  Tensor dev = b->empty({37, 33}, dt, MemCategory::activations, *s);
+  Tensor dev2 = b->empty({37, 33}, dt, MemCategory::activations, *s);
+  Tensor back = b->empty({37, 33}, dt, MemCategory::buffers, *s, MemSpace::host_pinned);
+  b->copy(*s, host, dev);   // h2d
+  b->copy(*s, dev, dev2);   // d2d
+  b->copy(*s, dev2, back);  // d2h
+  b->synchronize();
+  EXPECT_EQ(b->download(dev2), v);
+  EXPECT_EQ(b->download(back), v);
+  // A view: rows 5..9 of dev into a fresh tensor.
+  Tensor part = b->empty({4, 33}, dt, MemCategory::activations, *s);
+  b->copy(*s, dev.rows(5, 4), part);
+  EXPECT_EQ(b->download(part), std::vector<float>(v.begin() + 5 * 33, v.begin() + 9 * 33));
+  b->fill_zero(*s, dev2);
+  EXPECT_EQ(b->download(dev2), std::vector<float>(v.size(), 0.0f));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaCopyTest, ::testing::Values(DType::f32, DType::bf16),
+                         [](const auto& tpi) { return std::string(dtype_name(tpi.param)); });
+
+TEST_F(CudaTest, IntegerTransfers) {
+  std::vector<std::int32_t> v(101);
+  std::iota(v.begin(), v.end(), -50);
+  Tensor t = make_i32({101}, v);
+  EXPECT_EQ(b->download_i32(t), v);
+  Tensor empty = b->empty({0, 5}, DType::i32, MemCategory::buffers, *s);
+  EXPECT_TRUE(b->download_i32(empty).empty());
+}
+
+TEST_F(CudaTest, MemoryTrackerCountsAllocations) {
+  const std::size_t base = b->memory().device_in_use();
+  auto idx = [](MemCategory c) { return static_cast<std::size_t>(c); };
+  Tensor w = b->empty({1000}, DType::f32, MemCategory::weights, *s);              // 4000 B
+  Tensor pinned = b->empty({256}, DType::f32, MemCategory::buffers, *s, MemSpace::host_pinned);
+  {
+    Tensor a = b->empty({37, 33}, DType::bf16, MemCategory::activations, *s);     // 2442 B
+    EXPECT_EQ(b->memory().device_in_use(), base + 4000 + 2442);
+    EXPECT_EQ(b->memory().in_use(MemCategory::activations), 2442u);
+    Tensor view = a.rows(3, 7);  // views allocate nothing
+    EXPECT_EQ(b->memory().device_in_use(), base + 4000 + 2442);
+  }
+  EXPECT_EQ(b->memory().device_in_use(), base + 4000);
+  EXPECT_EQ(b->memory().in_use(MemCategory::host_pinned), 1024u);
+  EXPECT_EQ(b->memory().peak_device(), base + 4000 + 2442);
+  EXPECT_EQ(b->memory().at_peak()[idx(MemCategory::weights)], 4000u);
+  // The memory is real: write and read it back.
+  const auto v = uniform(1000, fresh_seed());
+  b->upload(v, w);
+  EXPECT_EQ(b->download(w), v);
+}
+
+// Events order two streams: a consumer on another stream sees the producer's result.
+TEST_F(CudaTest, EventsOrderStreams) {
+  Stream& other = b->create_stream(StreamRole::dispatch, "dispatch");
+  const std::int64_t n = 1 << 22;  // big enough that an unordered read would likely see zeros
+  const auto v = stored(uniform(static_cast<std::size_t>(n), fresh_seed(), 0.5, 1.0), DType::f32);
+  Tensor src = make({n}, DType::f32, v);
+  Tensor mid = b->empty({n}, DType::f32, MemCategory::activations, *s);
+  Tensor out = b->empty({n}, DType::f32, MemCategory::activations, other);
+  auto ev = b->create_event();
+  b->activation_forward(*s, Activation::relu, src, mid);
+  b->record(*ev, *s);
+  b->wait(other, *ev);
+  b->copy(other, mid, out);
+  b->synchronize(other);
+  EXPECT_EQ(b->download(out), v);  // relu of positive values is the identity
+  b->synchronize();
+}
+
+// ---- GEMM ------------------------------------------------------------------------------
+
+struct GemmCase {
+  DType ab, c;
+  bool ta, tb;
+};
+
+void PrintTo(const GemmCase& g, std::ostream* os) {
+  *os << dtype_name(g.ab) << " A/B, " << dtype_name(g.c) << " C, trans_a=" << g.ta << " trans_b=" << g.tb;
+}
+
+class CudaGemmTest : public CudaTest, public ::testing::WithParamInterface<GemmCase> {
+ protected:
+  struct Host {
+    std::int64_t m, n, k;
+    float alpha, beta;
+    std::vector<float> a, b, c0;  // as stored
+  };
+  // C = alpha op(A) op(B) + beta C0 in float64; beta == 0 ignores C0 (it may be NaN).
+  static std::vector<double> reference(const Host& h, bool ta, bool tb) {
+    std::vector<double> c(static_cast<std::size_t>(h.m * h.n));
+    for (std::int64_t i = 0; i < h.m; ++i)
+      for (std::int64_t j = 0; j < h.n; ++j) {
+        double acc = 0;
+        for (std::int64_t p = 0; p < h.k; ++p) {
+          const double av = ta ? h.a[static_cast<std::size_t>(p * h.m + i)] : h.a[static_cast<std::size_t>(i * h.k + p)];
+          const double bv = tb ? h.b[static_cast<std::size_t>(j * h.k + p)] : h.b[static_cast<std::size_t>(p * h.n + j)];
+          acc += av * bv;
+        }
+        const auto at = static_cast<std::size_t>(i * h.n + j);
+        c[at] = h.alpha * acc + (h.beta == 0.0f ? 0.0 : h.beta * static_cast<double>(h.c0[at]));
+      }
+    return c;
+  }
+  // Tolerance scale: sum_p |a||b| is the size of the rounding a dot product can collect.
+  static double magnitude(const Host& h) {
+    double mx = 0;
+    for (float x : h.a) mx = std::max(mx, std::abs(static_cast<double>(x)));
+    double my = 0;
+    for (float x : h.b) my = std::max(my, std::abs(static_cast<double>(x)));
+    return std::max(1.0, mx * my * static_cast<double>(h.k));
+  }
+
+  void run(const std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, float, float, bool>>& shapes) {
+    const GemmCase gc = GetParam();
+    const std::uint64_t seed = fresh_seed();
+    std::vector<Host> hosts;
+    std::vector<GemmProblem> problems;
+    std::uint64_t i = 0;
+    for (const auto& [m, n, k, alpha, beta, nan_c] : shapes) {
+      Host h{m, n, k, alpha, beta, {}, {}, {}};
+      h.a = stored(uniform(static_cast<std::size_t>(m * k), Rng::mix(seed, i, 1)), gc.ab);
+      h.b = stored(uniform(static_cast<std::size_t>(k * n), Rng::mix(seed, i, 2)), gc.ab);
+      h.c0 = nan_c ? std::vector<float>(static_cast<std::size_t>(m * n), std::numeric_limits<float>::quiet_NaN())
+                   : stored(uniform(static_cast<std::size_t>(m * n), Rng::mix(seed, i, 3)), gc.c);
+      GemmProblem p;
+      p.trans_a = gc.ta;
+      p.trans_b = gc.tb;
+      p.m = m;
+      p.n = n;
+      p.k = k;
+      p.alpha = alpha;
+      p.beta = beta;
+      p.a = make(gc.ta ? std::vector<std::int64_t>{k, m} : std::vector<std::int64_t>{m, k}, gc.ab, h.a);
+      p.b = make(gc.tb ? std::vector<std::int64_t>{n, k} : std::vector<std::int64_t>{k, n}, gc.ab, h.b);
+      p.c = make({m, n}, gc.c, h.c0);
+      problems.push_back(p);
+      hosts.push_back(std::move(h));
+      ++i;
+    }
+    b->grouped_gemm(*s, problems, "gemm_test");
+    b->synchronize();
+    for (std::size_t q = 0; q < problems.size(); ++q) {
+      const auto got = b->download(problems[q].c);
+      const auto ref = reference(hosts[q], gc.ta, gc.tb);
+      const double scale = magnitude(hosts[q]);
+      const double rt = gc.c == DType::bf16 ? tol(DType::bf16) : (gc.ab == DType::bf16 ? 1e-5 : tol(DType::f32));
+      for (std::size_t e = 0; e < got.size(); ++e) {
+        const double err = std::abs(static_cast<double>(got[e]) - ref[e]);
+        ASSERT_LE(err, rt * (scale + std::abs(ref[e])))
+            << "problem " << q << " (m=" << hosts[q].m << " n=" << hosts[q].n << " k=" << hosts[q].k
+            << ") element " << e << ": " << got[e] << " vs " << ref[e];
+      }
+    }
+  }
+};
+
+TEST_P(CudaGemmTest, Single) { run({{37, 33, 19, 1.0f, 0.0f, false}}); }
+
+TEST_P(CudaGemmTest, SingleAccumulates) { run({{37, 33, 19, 0.5f, 1.0f, false}}); }
+
+// Several experts: equal shapes (one cuBLAS group), a zero-row expert, different shapes,
+// beta = 1 accumulation, k = 0 (C scaled by beta) and beta = 0 over a C full of NaN.
+TEST_P(CudaGemmTest, Grouped) {
+  run({{37, 33, 19, 1.0f, 0.0f, false},
+       {0, 33, 19, 1.0f, 0.0f, false},
+       {37, 33, 19, 1.0f, 0.0f, false},
+       {5, 33, 19, 1.0f, 1.0f, false},
+       {1, 7, 64, 2.0f, 0.0f, true},
+       {8, 33, 0, 1.0f, 0.5f, false},
+       {8, 33, 0, 1.0f, 0.0f, true},
+       {37, 33, 19, 1.0f, 1.0f, false}});
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Types, CudaGemmTest,
+    ::testing::Values(GemmCase{DType::f32, DType::f32, false, false}, GemmCase{DType::f32, DType::f32, true, false},
+                      GemmCase{DType::f32, DType::f32, false, true}, GemmCase{DType::f32, DType::f32, true, true},
+                      GemmCase{DType::bf16, DType::bf16, false, false},
+                      GemmCase{DType::bf16, DType::bf16, true, false},
+                      GemmCase{DType::bf16, DType::bf16, false, true}, GemmCase{DType::bf16, DType::bf16, true, true},
+                      GemmCase{DType::bf16, DType::f32, false, false}, GemmCase{DType::bf16, DType::f32, true, true}),
+    [](const auto& tpi) {
+      const GemmCase& g = tpi.param;
+      return std::string(dtype_name(g.ab)) + "_c" + dtype_name(g.c) + (g.ta ? "_At" : "_An") + (g.tb ? "Bt" : "Bn");
+    });
+
+TEST_F(CudaTest, BareGemmTiming) {
+  GemmProblem p;
+  p.m = 256;
+  p.n = 128;
+  p.k = 64;
+  p.a = zeros({256, 64}, DType::bf16);
+  p.b = zeros({64, 128}, DType::bf16);
+  p.c = zeros({256, 128}, DType::bf16);
+  std::vector<GemmProblem> ps{p, p};
+  const double t = b->time_bare_gemms(ps, 5);
+  EXPECT_GT(t, 0.0);
+  EXPECT_LT(t, 1.0);
+}
+
+// ---- gate ------------------------------------------------------------------------------
+
+// The exact routing reference: top-k over the device's own probabilities (so that exp's
+// last bit does not matter), then GShard's priority order and the capacity.
+struct Routing {
+  std::vector<std::int32_t> idx, slot, counts;
+  std::vector<float> w, frac;
+};
+
+Routing host_route(const std::vector<float>& probs, std::int64_t T, std::int64_t E, int k, std::int64_t cap,
+                   bool renorm) {
+  Routing r;
+  const auto tk = static_cast<std::size_t>(T * k);
+  r.idx.assign(tk, -1);
+  r.w.assign(tk, 0.0f);
+  r.slot.assign(tk, -1);
+  for (std::int64_t t = 0; t < T; ++t) {
+    float sum = 0.0f;
+    for (int j = 0; j < k; ++j) {
+      std::int32_t best = -1;
+      for (std::int64_t e = 0; e < E; ++e) {
+        bool taken = false;
+        for (int c = 0; c < j; ++c) taken |= r.idx[static_cast<std::size_t>(t * k + c)] == e;
+        if (!taken && (best < 0 || probs[static_cast<std::size_t>(t * E + e)] >
+                                       probs[static_cast<std::size_t>(t * E + best)]))
+          best = static_cast<std::int32_t>(e);
+      }
+      r.idx[static_cast<std::size_t>(t * k + j)] = best;
+      r.w[static_cast<std::size_t>(t * k + j)] = probs[static_cast<std::size_t>(t * E + best)];
+      sum += r.w[static_cast<std::size_t>(t * k + j)];
+    }
+    if (renorm)
+      for (int j = 0; j < k; ++j) r.w[static_cast<std::size_t>(t * k + j)] /= sum;
+  }
+  std::vector<std::int64_t> routed(static_cast<std::size_t>(E), 0);
+  for (int j = 0; j < k; ++j)
+    for (std::int64_t t = 0; t < T; ++t) {
+      const auto i = static_cast<std::size_t>(t * k + j);
+      const std::int64_t pos = routed[static_cast<std::size_t>(r.idx[i])]++;
+      r.slot[i] = (cap <= 0 || pos < cap) ? static_cast<std::int32_t>(pos) : -1;
+    }
+  std::vector<std::int64_t> offset(static_cast<std::size_t>(E));
+  std::int64_t run = 0;
+  for (std::int64_t e = 0; e < E; ++e) {
+    const auto u = static_cast<std::size_t>(e);
+    const std::int64_t kept = cap <= 0 ? routed[u] : std::min(routed[u], cap);
+    r.counts.push_back(static_cast<std::int32_t>(kept));
+    r.frac.push_back(static_cast<float>(static_cast<double>(routed[u]) / static_cast<double>(T * k)));
+    offset[u] = run;
+    run += kept;
+  }
+  for (std::size_t i = 0; i < tk; ++i)
+    if (r.slot[i] >= 0) r.slot[i] += static_cast<std::int32_t>(offset[static_cast<std::size_t>(r.idx[i])]);
+  return r;
+}
+
+struct GateCase {
+  std::int64_t T, E;
+  int k;
+  std::int64_t capacity;
+  bool renorm;
+  std::int64_t unpopular = -1;  // an expert whose logit is pushed down so it gets no tokens
+};
+
+void PrintTo(const GateCase& g, std::ostream* os) {
+  *os << "T=" << g.T << " E=" << g.E << " k=" << g.k << " capacity=" << g.capacity << " renorm=" << g.renorm
+      << " idle expert=" << g.unpopular;
+}
+
+class CudaGateTest : public CudaTest, public ::testing::WithParamInterface<GateCase> {};
+
+TEST_P(CudaGateTest, ForwardMatchesHostRoutingExactly) {
+  const GateCase gc = GetParam();
+  const std::int64_t T = gc.T, E = gc.E;
+  const int k = gc.k;
+  auto logits_h = uniform(static_cast<std::size_t>(T * E), fresh_seed(), -3.0, 3.0);
+  if (gc.unpopular >= 0)
+    for (std::int64_t t = 0; t < T; ++t) logits_h[static_cast<std::size_t>(t * E + gc.unpopular)] = -30.0f;
+  GateForward g;
+  g.logits = make({T, E}, DType::f32, logits_h);
+  g.top_k = k;
+  g.capacity = gc.capacity;
+  g.renormalize = gc.renorm;
+  g.probs = b->empty({T, E}, DType::f32, MemCategory::activations, *s);
+  g.topk_idx = b->empty({T, k}, DType::i32, MemCategory::activations, *s);
+  g.topk_w = b->empty({T, k}, DType::f32, MemCategory::activations, *s);
+  g.slot = b->empty({T, k}, DType::i32, MemCategory::activations, *s);
+  g.counts = b->empty({E}, DType::i32, MemCategory::buffers, *s);
+  g.routed_frac = b->empty({E}, DType::f32, MemCategory::buffers, *s);
+  g.aux_loss = b->empty({1}, DType::f32, MemCategory::buffers, *s);
+  b->gate_forward(*s, g);
+  b->synchronize();
+
+  // Softmax against float64.
+  const auto probs = b->download(g.probs);
+  std::vector<double> p_ref(probs.size());
+  for (std::int64_t t = 0; t < T; ++t) {
+    double mx = -1e300, sum = 0;
+    for (std::int64_t e = 0; e < E; ++e) mx = std::max(mx, static_cast<double>(logits_h[static_cast<std::size_t>(t * E + e)]));
+    for (std::int64_t e = 0; e < E; ++e) sum += std::exp(logits_h[static_cast<std::size_t>(t * E + e)] - mx);
+    for (std::int64_t e = 0; e < E; ++e)
+      p_ref[static_cast<std::size_t>(t * E + e)] = std::exp(logits_h[static_cast<std::size_t>(t * E + e)] - mx) / sum;
+  }
+  EXPECT_TRUE(all_close("probs", probs, p_ref, 1e-5));
+
+  // Routing decisions: exactly the host's.
+  const Routing r = host_route(probs, T, E, k, gc.capacity, gc.renorm);
+  EXPECT_EQ(b->download_i32(g.topk_idx), r.idx);
+  EXPECT_EQ(b->download_i32(g.slot), r.slot);
+  EXPECT_EQ(b->download_i32(g.counts), r.counts);
+  EXPECT_EQ(b->download(g.routed_frac), r.frac);
+  EXPECT_TRUE(all_close("topk_w", b->download(g.topk_w), dbl(r.w), 1e-6));
+  if (gc.unpopular >= 0) {
+    EXPECT_EQ(r.counts[static_cast<std::size_t>(gc.unpopular)], 0);
+  }
+
+  // Kept slots are a permutation of 0..N-1.
+  std::vector<std::int32_t> kept;
+  for (auto x : r.slot)
+    if (x >= 0) kept.push_back(x);
+  std::sort(kept.begin(), kept.end());
+  for (std::size_t i = 0; i < kept.size(); ++i) ASSERT_EQ(kept[i], static_cast<std::int32_t>(i));
+
+  // Aux loss E * sum_e f_e * P_e.
+  double aux = 0;
+  for (std::int64_t e = 0; e < E; ++e) {
+    double pe = 0;
+    for (std::int64_t t = 0; t < T; ++t) pe += p_ref[static_cast<std::size_t>(t * E + e)];
+    aux += static_cast<double>(r.frac[static_cast<std::size_t>(e)]) * pe / static_cast<double>(T);
+  }
+  EXPECT_TRUE(all_close("aux_loss", b->download(g.aux_loss), {static_cast<double>(E) * aux}, 1e-5));
+}
+
+TEST_P(CudaGateTest, BackwardMatchesFloat64) {
+  const GateCase gc = GetParam();
+  const std::int64_t T = gc.T, E = gc.E;
+  const int k = gc.k;
+  const std::uint64_t seed = fresh_seed();
+  // Forward outputs as the backward's inputs: probs rows from a softmax, top-k of them.
+  auto logits_h = uniform(static_cast<std::size_t>(T * E), Rng::mix(seed, 1), -3.0, 3.0);
+  std::vector<float> probs(logits_h.size());
+  for (std::int64_t t = 0; t < T; ++t) {
+    double mx = -1e300, sum = 0;
+    for (std::int64_t e = 0; e < E; ++e) mx = std::max(mx, static_cast<double>(logits_h[static_cast<std::size_t>(t * E + e)]));
+    for (std::int64_t e = 0; e < E; ++e) sum += std::exp(logits_h[static_cast<std::size_t>(t * E + e)] - mx);
+    for (std::int64_t e = 0; e < E; ++e)
+      probs[static_cast<std::size_t>(t * E + e)] =
+          static_cast<float>(std::exp(logits_h[static_cast<std::size_t>(t * E + e)] - mx) / sum);
+  }
+  const Routing r = host_route(probs, T, E, k, gc.capacity, gc.renorm);
+  const auto dw = uniform(static_cast<std::size_t>(T * k), Rng::mix(seed, 2));
+  const float grad_aux = 0.37f;
+
+  GateBackward g;
+  g.probs = make({T, E}, DType::f32, probs);
+  g.topk_idx = make_i32({T, k}, r.idx);
+  g.topk_w = make({T, k}, DType::f32, r.w);
+  g.routed_frac = make({E}, DType::f32, r.frac);
+  g.renormalize = gc.renorm;
+  g.d_topk_w = make({T, k}, DType::f32, dw);
+  g.grad_aux = grad_aux;
+  g.d_logits = b->empty({T, E}, DType::f32, MemCategory::gradients, *s);
+  b->gate_backward(*s, g);
+
+  std::vector<double> ref(static_cast<std::size_t>(T * E));
+  for (std::int64_t t = 0; t < T; ++t) {
+    std::vector<double> dp(static_cast<std::size_t>(E));
+    for (std::int64_t e = 0; e < E; ++e)
+      dp[static_cast<std::size_t>(e)] =
+          grad_aux * static_cast<double>(E) * r.frac[static_cast<std::size_t>(e)] / static_cast<double>(T);
+    double S = 0, dot = 0;
+    for (int j = 0; j < k; ++j) {
+      const auto i = static_cast<std::size_t>(t * k + j);
+      S += probs[static_cast<std::size_t>(t * E + r.idx[i])];
+    }
+    for (int j = 0; j < k; ++j) {
+      const auto i = static_cast<std::size_t>(t * k + j);
+      dot += dw[i] * (probs[static_cast<std::size_t>(t * E + r.idx[i])] / S);
+    }
+    for (int j = 0; j < k; ++j) {
+      const auto i = static_cast<std::size_t>(t * k + j);
+      dp[static_cast<std::size_t>(r.idx[i])] += gc.renorm ? (dw[i] - dot) / S : dw[i];
+    }
+    double pdp = 0;
+    for (std::int64_t e = 0; e < E; ++e) pdp += probs[static_cast<std::size_t>(t * E + e)] * dp[static_cast<std::size_t>(e)];
+    for (std::int64_t e = 0; e < E; ++e)
+      ref[static_cast<std::size_t>(t * E + e)] =
+          probs[static_cast<std::size_t>(t * E + e)] * (dp[static_cast<std::size_t>(e)] - pdp);
+  }
+  EXPECT_TRUE(all_close("d_logits", b->download(g.d_logits), ref, 1e-5));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaGateTest,
+    ::testing::Values(GateCase{1, 1, 1, 0, false}, GateCase{1, 7, 2, 0, true}, GateCase{37, 1, 1, 5, false},
+                      GateCase{37, 7, 2, 0, false, 3}, GateCase{37, 7, 2, 6, false}, GateCase{37, 7, 2, 6, true, 4},
+                      GateCase{37, 7, 1, 3, false}, GateCase{1000, 64, 2, 40, true}, GateCase{513, 300, 4, 0, false},
+                      GateCase{4096, 16, 2, 300, false}),
+    [](const auto& tpi) {
+      const GateCase& g = tpi.param;
+      return "T" + std::to_string(g.T) + "_E" + std::to_string(g.E) + "_k" + std::to_string(g.k) + "_cap" +
+             std::to_string(g.capacity) + (g.renorm ? "_renorm" : "") +
+             (g.unpopular >= 0 ? "_idle" + std::to_string(g.unpopular) : "");
+    });
+
+// Ties go to the lower expert index, and every first choice outranks every second choice.
+TEST_F(CudaTest, GateTiesAndPriority) {
+  const std::int64_t T = 5, E = 4;
+  const int k = 2;
+  GateForward g;
+  g.logits = make({T, E}, DType::f32, std::vector<float>(static_cast<std::size_t>(T * E), 0.25f));
+  g.top_k = k;
+  g.capacity = 3;
+  g.probs = b->empty({T, E}, DType::f32, MemCategory::activations, *s);
+  g.topk_idx = b->empty({T, k}, DType::i32, MemCategory::activations, *s);
+  g.topk_w = b->empty({T, k}, DType::f32, MemCategory::activations, *s);
+  g.slot = b->empty({T, k}, DType::i32, MemCategory::activations, *s);
+  g.counts = b->empty({E}, DType::i32, MemCategory::buffers, *s);
+  g.routed_frac = b->empty({E}, DType::f32, MemCategory::buffers, *s);
+  g.aux_loss = b->empty({1}, DType::f32, MemCategory::buffers, *s);
+  b->gate_forward(*s, g);
+  // Everyone picks experts 0 then 1; expert 0 keeps tokens 0..2 (first choices), expert 1
+  // keeps tokens 0..2 of the second choice; slots 0,1,2 for expert 0 and 3,4,5 for expert 1.
+  EXPECT_EQ(b->download_i32(g.topk_idx), (std::vector<std::int32_t>{0, 1, 0, 1, 0, 1, 0, 1, 0, 1}));
+  EXPECT_EQ(b->download_i32(g.slot), (std::vector<std::int32_t>{0, 3, 1, 4, 2, 5, -1, -1, -1, -1}));
+  EXPECT_EQ(b->download_i32(g.counts), (std::vector<std::int32_t>{3, 3, 0, 0}));
+  EXPECT_EQ(b->download(g.routed_frac), (std::vector<float>{0.5f, 0.5f, 0.0f, 0.0f}));
+  EXPECT_FLOAT_EQ(b->download(g.aux_loss)[0], 1.0f);  // 4 * (0.5*0.25 + 0.5*0.25)
+}
+
+TEST_F(CudaTest, NoisyLogitsForwardBackward) {
+  const std::int64_t T = 37, E = 7;
+  const std::uint64_t seed = fresh_seed();
+  const auto clean = uniform(static_cast<std::size_t>(T * E), Rng::mix(seed, 1));
+  auto noise = uniform(static_cast<std::size_t>(T * E), Rng::mix(seed, 2), -25.0, 25.0);
+  const auto eps = uniform(static_cast<std::size_t>(T * E), Rng::mix(seed, 3));
+  const auto dl = uniform(static_cast<std::size_t>(T * E), Rng::mix(seed, 4));
+  Tensor c = make({T, E}, DType::f32, clean), n = make({T, E}, DType::f32, noise), e = make({T, E}, DType::f32, eps);
+  Tensor d = make({T, E}, DType::f32, dl);
+  Tensor out = b->empty({T, E}, DType::f32, MemCategory::activations, *s);
+  Tensor dn = b->empty({T, E}, DType::f32, MemCategory::gradients, *s);
+  b->noisy_logits(*s, c, n, e, out);
+  b->noisy_logits_backward(*s, d, n, e, dn);
+  std::vector<double> ref(clean.size()), dref(clean.size());
+  for (std::size_t i = 0; i < clean.size(); ++i) {
+    const double x = noise[i];
+    ref[i] = clean[i] + eps[i] * std::log1p(std::exp(x));
+    dref[i] = dl[i] * eps[i] / (1.0 + std::exp(-x));
+  }
+  EXPECT_TRUE(all_close("noisy logits", b->download(out), ref, 1e-5));
+  EXPECT_TRUE(all_close("d_noise_raw", b->download(dn), dref, 1e-5));
+}
+
+// ---- dispatch and combine rows -----------------------------------------------------------
+
+struct RowCase {
+  DType dt;
+  std::int64_t T, E;
+  int k;
+  std::int64_t M, capacity;
+};
+
+void PrintTo(const RowCase& r, std::ostream* os) {
+  *os << dtype_name(r.dt) << " T=" << r.T << " E=" << r.E << " k=" << r.k << " M=" << r.M
+      << " capacity=" << r.capacity;
+}
+
+class CudaRowsTest : public CudaTest, public ::testing::WithParamInterface<RowCase> {};
+
+// permute -> unpermute round trip and both backwards, with slots from the host routing of
+// random choices (so there are dropped slots and idle experts).
+TEST_P(CudaRowsTest, PermuteUnpermuteAndBackward) {
+  const RowCase rc = GetParam();
+  const std::int64_t T = rc.T, E = rc.E, M = rc.M;
+  const int k = rc.k;
+  const std::uint64_t seed = fresh_seed();
+  auto probs = uniform(static_cast<std::size_t>(T * E), Rng::mix(seed, 1), 0.0, 1.0);
+  if (E > 2)
+    for (std::int64_t t = 0; t < T; ++t) probs[static_cast<std::size_t>(t * E + 1)] = 0.0f;  // expert 1 idle
+  const Routing r = host_route(probs, T, E, k, rc.capacity, false);
+  const std::int64_t N = std::accumulate(r.counts.begin(), r.counts.end(), std::int64_t{0});
+  const auto x = stored(uniform(static_cast<std::size_t>(T * M), Rng::mix(seed, 2)), rc.dt);
+  const auto w = uniform(static_cast<std::size_t>(T * k), Rng::mix(seed, 3), 0.0, 1.0);
+  const auto dy = stored(uniform(static_cast<std::size_t>(T * M), Rng::mix(seed, 4)), rc.dt);
+  const auto ypv = stored(uniform(static_cast<std::size_t>(N * M), Rng::mix(seed, 5)), rc.dt);
+
+  Tensor xt = make({T, M}, rc.dt, x);
+  Tensor slot = make_i32({T, k}, r.slot);
+  Tensor wt = make({T, k}, DType::f32, w);
+  Tensor perm = b->empty({N, M}, rc.dt, MemCategory::buffers, *s);
+  b->permute(*s, xt, slot, perm);
+  // permute is a copy: bit-exact rows.
+  const auto got_perm = b->download(perm);
+  for (std::int64_t i = 0; i < T * k; ++i) {
+    const std::int32_t sl = r.slot[static_cast<std::size_t>(i)];
+    if (sl < 0) continue;
+    for (std::int64_t c = 0; c < M; ++c)
+      ASSERT_EQ(got_perm[static_cast<std::size_t>(sl * M + c)], x[static_cast<std::size_t>((i / k) * M + c)])
+          << "slot " << sl << " col " << c;
+  }
+
+  // Round trip: unpermute(permute(x)) = x * sum of the kept weights.
+  Tensor y = b->empty({T, M}, rc.dt, MemCategory::activations, *s);
+  b->unpermute(*s, perm, slot, wt, y);
+  std::vector<double> y_ref(static_cast<std::size_t>(T * M));
+  for (std::int64_t t = 0; t < T; ++t) {
+    double ws = 0;
+    for (int j = 0; j < k; ++j)
+      if (r.slot[static_cast<std::size_t>(t * k + j)] >= 0) ws += w[static_cast<std::size_t>(t * k + j)];
+    for (std::int64_t c = 0; c < M; ++c) y_ref[static_cast<std::size_t>(t * M + c)] = ws * x[static_cast<std::size_t>(t * M + c)];
+  }
+  EXPECT_TRUE(all_close("unpermute(permute(x))", b->download(y), y_ref, tol(rc.dt)));
+
+  // permute backward: dx[t] = sum over kept slots of d_out rows.
+  Tensor d_out = make({N, M}, rc.dt, ypv);
+  Tensor dx = b->empty({T, M}, rc.dt, MemCategory::gradients, *s);
+  b->permute_backward(*s, d_out, slot, dx);
+  std::vector<double> dx_ref(static_cast<std::size_t>(T * M), 0.0);
+  for (std::int64_t t = 0; t < T; ++t)
+    for (int j = 0; j < k; ++j) {
+      const std::int32_t sl = r.slot[static_cast<std::size_t>(t * k + j)];
+      if (sl < 0) continue;
+      for (std::int64_t c = 0; c < M; ++c)
+        dx_ref[static_cast<std::size_t>(t * M + c)] += ypv[static_cast<std::size_t>(sl * M + c)];
+    }
+  EXPECT_TRUE(all_close("permute_backward", b->download(dx), dx_ref, tol(rc.dt)));
+
+  // unpermute backward: d_y_perm rows and dw.
+  Tensor y_perm = make({N, M}, rc.dt, ypv);
+  Tensor dyt = make({T, M}, rc.dt, dy);
+  Tensor d_y_perm = b->empty({N, M}, rc.dt, MemCategory::gradients, *s);
+  Tensor dw = b->empty({T, k}, DType::f32, MemCategory::gradients, *s);
+  b->unpermute_backward(*s, dyt, y_perm, slot, wt, d_y_perm, dw);
+  std::vector<double> dyp_ref(static_cast<std::size_t>(N * M), 0.0), dw_ref(static_cast<std::size_t>(T * k), 0.0);
+  for (std::int64_t t = 0; t < T; ++t)
+    for (int j = 0; j < k; ++j) {
+      const auto i = static_cast<std::size_t>(t * k + j);
+      const std::int32_t sl = r.slot[i];
+      if (sl < 0) continue;
+      double dot = 0;
+      for (std::int64_t c = 0; c < M; ++c) {
+        const double g = dy[static_cast<std::size_t>(t * M + c)];
+        dyp_ref[static_cast<std::size_t>(sl * M + c)] = w[i] * g;
+        dot += g * ypv[static_cast<std::size_t>(sl * M + c)];
+      }
+      dw_ref[i] = dot;
+    }
+  if (N > 0) {
+    EXPECT_TRUE(all_close("d_y_perm", b->download(d_y_perm), dyp_ref, tol(rc.dt)));
+  }
+  // dw is fp32 accumulated from stored inputs: fp32 tolerance even for bf16 rows.
+  const auto dw_got = b->download(dw);
+  EXPECT_TRUE(all_close("dw", dw_got, dw_ref, 1e-5));
+  for (std::size_t i = 0; i < dw_got.size(); ++i)
+    if (r.slot[i] < 0) {
+      EXPECT_EQ(dw_got[i], 0.0f) << "dropped slot " << i;
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaRowsTest,
+    ::testing::Values(RowCase{DType::f32, 1, 1, 1, 33, 0}, RowCase{DType::bf16, 1, 1, 1, 33, 0},
+                      RowCase{DType::f32, 37, 7, 2, 33, 6}, RowCase{DType::bf16, 37, 7, 2, 33, 6},
+                      RowCase{DType::f32, 37, 7, 2, 64, 0}, RowCase{DType::bf16, 37, 7, 2, 64, 0},
+                      RowCase{DType::f32, 200, 8, 2, 256, 30}, RowCase{DType::bf16, 200, 8, 2, 1000, 30}),
+    [](const auto& tpi) {
+      const RowCase& r = tpi.param;
+      return std::string(dtype_name(r.dt)) + "_T" + std::to_string(r.T) + "_E" + std::to_string(r.E) + "_k" +
+             std::to_string(r.k) + "_M" + std::to_string(r.M) + "_cap" + std::to_string(r.capacity);
+    });
+
+// ---- activations -------------------------------------------------------------------------
+
+class CudaActTest : public CudaTest, public ::testing::WithParamInterface<std::tuple<DType, Activation>> {};
+
+TEST_P(CudaActTest, ForwardBackward) {
+  const auto [dt, act] = GetParam();
+  const std::int64_t n = 37 * 33;
+  const std::uint64_t seed = fresh_seed();
+  const auto x = stored(uniform(static_cast<std::size_t>(n), Rng::mix(seed, 1), -4.0, 4.0), dt);
+  const auto g = stored(uniform(static_cast<std::size_t>(n), Rng::mix(seed, 2)), dt);
+  Tensor in = make({37, 33}, dt, x);
+  Tensor out = b->empty({37, 33}, dt, MemCategory::activations, *s);
+  Tensor dout = make({37, 33}, dt, g);
+  b->activation_forward(*s, act, in, out);
+  b->activation_backward(*s, act, in, dout, dout);  // in place: d_in aliases d_out
+  std::vector<double> f(x.size()), d(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const double v = x[i];
+    if (act == Activation::gelu) {
+      f[i] = 0.5 * v * (1.0 + std::erf(v / std::sqrt(2.0)));
+      d[i] = g[i] * (0.5 * (1.0 + std::erf(v / std::sqrt(2.0))) + v * std::exp(-0.5 * v * v) / std::sqrt(2.0 * std::numbers::pi));
+    } else {
+      f[i] = v > 0 ? v : 0.0;
+      d[i] = v > 0 ? g[i] : 0.0;
+    }
+  }
+  EXPECT_TRUE(all_close("forward", b->download(out), f, tol(dt)));
+  EXPECT_TRUE(all_close("backward", b->download(dout), d, tol(dt)));
+}
+
+INSTANTIATE_TEST_SUITE_P(All, CudaActTest,
+                         ::testing::Combine(::testing::Values(DType::f32, DType::bf16),
+                                            ::testing::Values(Activation::gelu, Activation::relu)),
+                         [](const auto& tpi) {
+                           return std::string(dtype_name(std::get<0>(tpi.param))) + "_" +
+                                  activation_name(std::get<1>(tpi.param));
+                         });
+
+// ---- timeline ----------------------------------------------------------------------------
+
+TEST_F(CudaTest, TimelineHasOneRecordPerOp) {
+  Stream& other = b->create_stream(StreamRole::combine, "combine");
+  Tensor x = make({64, 33}, DType::f32, uniform(64 * 33, fresh_seed()));
+  Tensor y = b->empty({64, 33}, DType::f32, MemCategory::activations, *s);
+  Tensor z = b->empty({64, 33}, DType::f32, MemCategory::activations, other);
+  b->synchronize();
+  b->set_rank(3);
+  b->clear_timeline();
+  const double before = b->now();
+  {
+    PhaseScope phase(*b, "experts");
+    b->activation_forward(*s, Activation::gelu, x, y);
+    GemmProblem p;
+    p.m = 64;
+    p.n = 33;
+    p.k = 33;
+    p.a = x;
+    p.b = b->empty({33, 33}, DType::f32, MemCategory::weights, *s);
+    b->fill_zero(*s, p.b);
+    p.c = y;
+    b->gemm(*s, p, "fc1");
+  }
+  b->copy(other, x, z);
+  b->synchronize();
+  const double after = b->now();
+  const auto tl = b->timeline();
+  ASSERT_EQ(tl.size(), 4u);
+  std::vector<std::string> names;
+  for (const auto& r : tl) names.push_back(r.name);
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"copy", "fc1", "fill_zero", "gelu"}));
+  for (const auto& r : tl) {
+    EXPECT_EQ(r.rank, 3);
+    EXPECT_LE(r.start, r.end) << r.name;
+    EXPECT_GE(r.start, before - 1e-3) << r.name;
+    EXPECT_LE(r.end, after + 1e-3) << r.name;
+    if (r.name == "copy") {
+      EXPECT_EQ(r.stream_name, "combine");
+      EXPECT_EQ(r.phase, "other");
+      EXPECT_EQ(r.cost.kind, OpKind::copy_d2d);
+    } else {
+      EXPECT_EQ(r.stream_name, "compute");
+      EXPECT_EQ(r.phase, "experts");
+    }
+    if (r.name == "fc1") {
+      EXPECT_DOUBLE_EQ(r.cost.flops, 2.0 * 64 * 33 * 33);
+    }
+  }
+  // Stream order shows in the times: gelu, fill_zero, fc1 run one after another.
+  auto find = [&](const std::string& n) {
+    return *std::find_if(tl.begin(), tl.end(), [&](const OpRecord& r) { return r.name == n; });
+  };
+  EXPECT_LE(find("gelu").end, find("fill_zero").start + 1e-6);
+  EXPECT_LE(find("fill_zero").end, find("fc1").start + 1e-6);
+  b->clear_timeline();
+  EXPECT_TRUE(b->timeline().empty());
+}
+
+// ---- NCCL in a world of one --------------------------------------------------------------
+
+TEST_F(CudaTest, NcclWorldOfOne) {
+  auto comm = make_nccl_communicator(*b, nccl_unique_id(), 0, 1);
+  EXPECT_EQ(comm->kind(), "nccl");
+  EXPECT_EQ(comm->rank(), 0);
+  EXPECT_EQ(comm->size(), 1);
+
+  // all_to_all_v with segments to self, received in listed order at other offsets.
+  const auto v = stored(uniform(40, fresh_seed()), DType::bf16);
+  Tensor send = make({40}, DType::bf16, v);
+  Tensor recv = zeros({40}, DType::bf16);
+  const std::vector<Segment> sends{{0, 0, 10}, {0, 10, 0}, {0, 10, 30}};
+  const std::vector<Segment> recvs{{0, 30, 10}, {0, 0, 30}};
+  b->clear_timeline();
+  comm->all_to_all_v(*s, send, sends, recv, recvs);
+  std::vector<float> expect(40);
+  std::copy(v.begin(), v.begin() + 10, expect.begin() + 30);
+  std::copy(v.begin() + 10, v.end(), expect.begin());
+  EXPECT_EQ(b->download(recv), expect);
+  b->synchronize();
+  const auto tl = b->timeline();
+  ASSERT_EQ(tl.size(), 1u);
+  EXPECT_EQ(tl[0].name, "all_to_all_v");
+  EXPECT_EQ(tl[0].cost.kind, OpKind::collective);
+  EXPECT_EQ(tl[0].cost.comm_bytes, 0.0);
+
+  // all_reduce over one rank is the identity; all_gather and reduce_scatter copy.
+  const auto a = uniform(33, fresh_seed());
+  Tensor buf = make({33}, DType::f32, a);
+  comm->all_reduce(*s, buf);
+  EXPECT_EQ(b->download(buf), a);
+  Tensor gathered = zeros({33}, DType::f32);
+  comm->all_gather(*s, buf, gathered);
+  EXPECT_EQ(b->download(gathered), a);
+  Tensor scattered = zeros({33}, DType::f32);
+  comm->reduce_scatter(*s, buf, scattered);
+  EXPECT_EQ(b->download(scattered), a);
+
+  // Control plane.
+  comm->barrier();
+  EXPECT_EQ(comm->exchange_counts({4, 5, 6}), (std::vector<std::int64_t>{4, 5, 6}));
+  EXPECT_EQ(comm->all_reduce_max(2.5), 2.5);
+  EXPECT_EQ(comm->all_reduce_sum(-1.25), -1.25);
+  EXPECT_EQ(comm->all_gather_strings("NVIDIA H100"), (std::vector<std::string>{"NVIDIA H100"}));
+  EXPECT_EQ(comm->all_gather_strings(""), (std::vector<std::string>{""}));
+
+  // A dup is an independent, working channel; bad segments are CommErrors.
+  auto second = comm->dup();
+  Tensor buf2 = make({33}, DType::f32, a);
+  second->all_reduce(*s, buf2);
+  EXPECT_EQ(b->download(buf2), a);
+  const std::vector<Segment> bad{{1, 0, 4}};
+  EXPECT_THROW(comm->all_to_all_v(*s, send, bad, recv, bad), CommError);
+  EXPECT_THROW(comm->send(*s, buf, 0), CommError);
+  b->synchronize();
+}
+
+}  // namespace
+}  // namespace moelab
