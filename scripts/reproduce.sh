@@ -40,7 +40,7 @@ runs=()
 for w in "${cpu_workloads[@]}"; do
   for np in 1 4; do runs+=("cpu $np $w"); done
 done
-if "$moelab" list 2>/dev/null | grep -q "cuda (device present)"; then
+if "$moelab" list 2>/dev/null | grep -q "cuda   available"; then
   runs+=("cuda 1 small" "cuda 1 gpt3-xl-e64-16k")
 fi
 

@@ -27,7 +27,8 @@ std::unique_ptr<Backend> make_backend(const std::string& name) {
     throw ConfigError("--backend cuda: this build has no cuda backend (nvcc or NCCL was not found at configure time)");
 #endif
   }
-  if (name == "sim") throw ConfigError("--backend sim: the simulated backend is not part of this build yet");
+  if (name == "sim")
+    throw ConfigError("--backend sim: a simulated backend belongs to a cluster model; use moelab run --backend sim --cluster NAME");
   throw ConfigError("--backend " + name + ": unknown backend (expected cpu or cuda)");
 }
 

@@ -15,12 +15,14 @@
 
 #include "harness/comm/world.hpp"
 #include "harness/nn/moe_impl.hpp"
+#include "harness/sim/cluster.hpp"
 #include "harness/runtime/error.hpp"
 
 namespace moelab::cli {
 
 // harness/cli/run.cpp
 int run_command(const std::vector<std::string>& args);
+int calibrate_command(const std::vector<std::string>& args);
 void print_run_help(std::FILE* to);
 
 namespace {
@@ -35,6 +37,7 @@ void print_help(std::FILE* to) {
       "  run    run one workload with one implementation on one backend, print the per-phase\n"
       "         table and write the result file (JSON)\n"
       "  list   the implementations and backends built into this binary\n"
+      "  calibrate  measure this device and write a profile for the sim backend\n"
       "\n"
       "`moelab <command> --help` shows a command's options. Several ranks (expert parallelism)\n"
       "are launched with mpirun (or srun): mpirun -n 4 moelab run ...\n",
@@ -60,13 +63,19 @@ int list_command(const std::vector<std::string>& args) {
     } catch (const std::exception& e) {
       device = std::string("present, but it failed to start: ") + e.what();
     }
-    std::printf("  cuda   %s\n", device.c_str());
+    std::printf("  cuda   available: %s\n", device.c_str());
   } else {
     std::puts("  cuda   built, but no CUDA device is available on this machine");
   }
 #else
   std::puts("  cuda   not built (needs nvcc and NCCL at configure time)");
 #endif
+  std::puts("  sim    a simulated cluster (--cluster NAME), every rank in this process");
+  std::puts("cluster models (--cluster, for --backend sim):");
+  for (const auto& name : sim::cluster_names()) {
+    const auto m = sim::load_cluster(name);
+    std::printf("  %-12s %d x %s, %s\n", name.c_str(), m.world_size(), m.gpu.name.c_str(), m.description.c_str());
+  }
   return 0;
 }
 
@@ -86,7 +95,8 @@ int dispatch(const std::vector<std::string>& args) {
   }
   if (cmd == "run") return run_command(rest);
   if (cmd == "list") return list_command(rest);
-  throw ConfigError("unknown command \"" + cmd + "\" (commands: run, list; see moelab --help)");
+  if (cmd == "calibrate") return calibrate_command(rest);
+  throw ConfigError("unknown command \"" + cmd + "\" (commands: run, list, calibrate; see moelab --help)");
 }
 
 }  // namespace

@@ -37,10 +37,13 @@
 #include "harness/comm/world.hpp"
 #include "harness/config/workload.hpp"
 #include "harness/metrics/results.hpp"
+#include "harness/metrics/overlap.hpp"
 #include "harness/metrics/trace.hpp"
 #include "harness/nn/moe_impl.hpp"
 #include "harness/runtime/error.hpp"
 #include "harness/runtime/random.hpp"
+#include "harness/backends/sim/sim_backend.hpp"
+#include "harness/sim/cluster.hpp"
 
 namespace moelab::cli {
 
@@ -48,7 +51,7 @@ using nlohmann::json;
 
 void print_run_help(std::FILE* to) {
   std::fputs(
-      "usage: moelab run --workload FILE --impl NAME --backend cpu|cuda [options]\n"
+      "usage: moelab run --workload FILE --impl NAME --backend cpu|cuda|sim [options]\n"
       "\n"
       "Runs the workload's MoE layer forward and backward with one implementation on one\n"
       "backend, prints time per step, the split into gate / dispatch / experts / combine,\n"
@@ -57,7 +60,12 @@ void print_run_help(std::FILE* to) {
       "\n"
       "  --workload FILE   workload JSON (experiments/workloads/*.json)\n"
       "  --impl NAME       implementation (moelab list shows them)\n"
-      "  --backend NAME    cpu or cuda\n"
+      "  --backend NAME    cpu, cuda, or sim (a simulated cluster, all ranks in this process)\n"
+      "  --cluster NAME    sim: cluster model (experiments/hardware/clusters/NAME.json)\n"
+      "  --profile FILE    sim: calibration profile from `moelab calibrate` (default: datasheet)\n"
+      "  --routing SPEC    sim: tokens per expert: uniform, zipf:S or trace:FILE (default uniform)\n"
+      "  --ranks N         sim: simulate the first N GPUs of the cluster (default: all)\n"
+      "  --record-routing FILE  write the gate's routing of every step as a trace for --routing\n"
       "  --out FILE        result JSON (default results/run-<impl>-<backend>.json)\n"
       "  --trace FILE      also write a Chrome trace of the timed steps (open in ui.perfetto.dev)\n"
       "  --steps N         timed steps (default: the workload's \"steps\")\n"
@@ -90,7 +98,9 @@ std::string strf(const char* fmt, ...) {
 
 struct RunOptions {
   std::string workload, impl, backend, out, trace;
+  std::string cluster, profile, routing = "uniform", record_routing;  // sim; trace recorder
   int steps = 0;  // 0: the workload's
+  int ranks = 0;  // sim: 0 = every GPU of the cluster
   bool help = false;
 };
 
@@ -130,6 +140,22 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       o.out = take();
     else if (flag == "--trace")
       o.trace = take();
+    else if (flag == "--cluster")
+      o.cluster = take();
+    else if (flag == "--profile")
+      o.profile = take();
+    else if (flag == "--routing")
+      o.routing = take();
+    else if (flag == "--record-routing")
+      o.record_routing = take();
+    else if (flag == "--ranks") {
+      const std::string v = take();
+      char* end = nullptr;
+      errno = 0;
+      const long n = std::strtol(v.c_str(), &end, 10);
+      if (errno || *end || n < 1 || n > 1000000) throw ConfigError("--ranks = \"" + v + "\": expected a positive integer");
+      o.ranks = static_cast<int>(n);
+    }
     else if (flag == "--steps") {
       const std::string v = take();
       char* end = nullptr;
@@ -145,7 +171,11 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
   if (o.help) return o;
   if (o.workload.empty()) throw ConfigError("missing --workload FILE (e.g. experiments/workloads/tiny.json)");
   if (o.impl.empty()) throw ConfigError("missing --impl NAME (moelab list shows the implementations)");
-  if (o.backend.empty()) throw ConfigError("missing --backend cpu|cuda");
+  if (o.backend.empty()) throw ConfigError("missing --backend cpu|cuda|sim");
+  if (o.backend == "sim" && o.cluster.empty())
+    throw ConfigError("--backend sim needs --cluster NAME (moelab list shows the cluster models)");
+  if (o.backend != "sim" && (!o.cluster.empty() || !o.profile.empty() || o.ranks > 0 || o.routing != "uniform"))
+    throw ConfigError("--cluster, --profile, --routing and --ranks apply to --backend sim only");
   if (o.out.empty()) o.out = "results/run-" + o.impl + "-" + o.backend + ".json";
   if (!o.trace.empty() &&
       std::filesystem::path(o.trace).lexically_normal() == std::filesystem::path(o.out).lexically_normal())
@@ -189,6 +219,7 @@ void agree_on_errors(Communicator& comm, const std::string& local_error) {
 // [T,M], U(-1,1), a deterministic function of (seed, rank, key) whatever the backend.
 Tensor random_tokens(Backend& b, const WorkloadConfig& w, int rank, std::uint64_t key) {
   Tensor t = b.empty({w.tokens_per_rank, w.model.d_model}, w.model.dtype, MemCategory::activations, b.default_stream());
+  if (!b.has_data()) return t;  // sim: shapes only
   Rng rng(Rng::mix(w.seed, static_cast<std::uint64_t>(rank), key));
   std::vector<float> host(static_cast<std::size_t>(t.numel()));
   for (auto& v : host) v = static_cast<float>(rng.uniform(-1.0, 1.0));
@@ -236,11 +267,17 @@ json timeline_figures(const std::vector<OpRecord>& ops, int steps) {
   for (const auto& [k, v] : streams) j["stream_busy_s"][k] = v / n;
   j["expert_flops"] = expert_flops / n;
   j["expert_gemm_s"] = expert_gemm_s / n;
+  const OverlapFigures o = overlap_figures(ops);
+  j["compute_busy_s"] = o.compute_busy / n;
+  j["comm_s"] = o.comm_time / n;
+  j["hidden_comm_s"] = o.hidden_comm / n;
+  j["copy_s"] = o.copy_time / n;
   return j;
 }
 
 std::string gemm_library(Backend& b) {
   if (b.name() == "cuda") return "cuBLAS";
+  if (b.name() == "sim") return "GEMM (cost model)";
   if (b.name() == "cpu")
     return b.device_name().find("OpenBLAS") != std::string::npos ? "cblas_sgemm" : "cpu_sgemm (no BLAS)";
   return b.name() + " GEMM";
@@ -262,6 +299,15 @@ double max_over(const std::vector<json>& ranks, const char* group, const std::st
 
 }  // namespace
 
+// What the run is on: for sim, the cluster model and calibration; the result records it.
+struct Platform {
+  json cluster = nullptr;      // sim: the cluster model
+  std::string calibration;     // sim: profile name or "datasheet"
+  std::string routing;         // sim: the routing model
+};
+
+int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const WorkloadConfig& w, const Platform& platform);
+
 int run_command(const std::vector<std::string>& args) {
   const RunOptions opt = parse_run_options(args);
   if (opt.help) {
@@ -273,6 +319,33 @@ int run_command(const std::vector<std::string>& args) {
   // ---- 1. validation: nothing below this block writes a file or starts work unless all of
   //         it passed on every rank.
   check_impl_name(opt.impl);
+  if (opt.backend == "sim") {
+    // A simulated cluster: every rank is a thread of this one process.
+    if (world > 1) throw ConfigError("--backend sim runs every simulated rank in one process: start it without mpirun");
+    WorkloadConfig w = load_workload(opt.workload);
+    if (opt.steps > 0) w.steps = opt.steps;
+    SimOptions so;
+    so.cluster = sim::load_cluster(opt.cluster);
+    if (!opt.profile.empty()) so.profile = sim::load_profile(opt.profile);
+    so.routing = RoutingModel::parse(opt.routing, w.seed);
+    so.ranks = opt.ranks;
+    SimCluster cluster(std::move(so));
+    validate_for_world(w, cluster.size());
+    check_output_path(opt.out, "--out");
+    if (!opt.trace.empty()) check_output_path(opt.trace, "--trace");
+    if (!opt.record_routing.empty()) check_output_path(opt.record_routing, "--record-routing");
+    Platform platform{sim::to_json(cluster.options().cluster), cluster.calibration(),
+                      cluster.options().routing.describe()};
+    int rc = 0;
+    cluster.run([&](Backend& b, Communicator& c) {
+      if (!b.supports(w.model.dtype))
+        throw Unsupported(w.origin + ": model.dtype = \"" + std::string(dtype_name(w.model.dtype)) + "\" is not supported by the sim backend");
+      const int r = run_on_rank(b, c, opt, w, platform);
+      if (c.rank() == 0) rc = r;
+    });
+    return rc;
+  }
+
   WorkloadConfig w;
   std::string local_error;
   try {
@@ -282,6 +355,7 @@ int run_command(const std::vector<std::string>& args) {
     if (rank == 0) {
       check_output_path(opt.out, "--out");
       if (!opt.trace.empty()) check_output_path(opt.trace, "--trace");
+      if (!opt.record_routing.empty()) check_output_path(opt.record_routing, "--record-routing");
     }
   } catch (const ConfigError& e) {
     if (world == 1) throw;
@@ -298,7 +372,14 @@ int run_command(const std::vector<std::string>& args) {
   }
   auto comm = make_world_communicator(*backend);
   if (world > 1) agree_on_errors(*comm, local_error);
+  return run_on_rank(*backend, *comm, opt, w, Platform{});
+}
 
+// ---- 2.-5. the run on one rank (a process on cpu/cuda, a thread on sim) --------------------
+int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const WorkloadConfig& w, const Platform& platform) {
+  Backend* backend = &b;
+  Communicator* comm = &c;
+  const int rank = c.rank(), world = c.size();
   auto impl = make_impl(opt.impl, *backend, *comm, w.model);
 
   // From here on every rank has accepted the input; an error is a failure of the run.
@@ -321,11 +402,14 @@ int run_command(const std::vector<std::string>& args) {
     backend->memory().reset_peak();  // the current use (weights, gradients, inputs) stays the base
     const double window_start = backend->now();
     std::vector<double> step_s;
+    std::vector<std::vector<std::int64_t>> routed;  // --record-routing: per timed step
     for (int i = 0; i < w.steps; ++i) {
       comm->barrier();  // every rank starts the step together, so the slowest rank sets its time
       const double t0 = backend->now();
       step();
+      comm->barrier();  // the step ends when the slowest rank is done
       step_s.push_back(backend->now() - t0);
+      if (!opt.record_routing.empty()) routed.push_back(impl->routing().routed_per_expert);
     }
 
     // ---- 4. what this rank measured (memory first: the yardstick allocates) ----------------
@@ -342,6 +426,7 @@ int run_command(const std::vector<std::string>& args) {
     local["dropped"] = routing.dropped;
     local["capacity"] = routing.capacity;
     local["recv_per_local"] = routing.recv_per_local;
+    local["routed"] = routed;
     const std::vector<GemmProblem> gemms = impl->expert_gemms();
     local["bare_gemm_s"] = backend->time_bare_gemms(gemms, 5);
 
@@ -398,6 +483,21 @@ int run_command(const std::vector<std::string>& args) {
     }
     const double ratio = bare_s > 0 ? expert_gemm_s / bare_s : 0.0;
 
+    // Overlap: summed over ranks for the ratio; the slowest rank's for times.
+    double comm_sum = 0, hidden_sum = 0, comm_max = 0, compute_busy_min = 1e300, copy_max = 0;
+    for (const auto& r : ranks) {
+      comm_sum += r["comm_s"].get<double>();
+      hidden_sum += r["hidden_comm_s"].get<double>();
+      comm_max = std::max(comm_max, r["comm_s"].get<double>());
+      copy_max = std::max(copy_max, r["copy_s"].get<double>());
+      compute_busy_min = std::min(compute_busy_min, r["compute_busy_s"].get<double>());
+    }
+    const double overlap_ratio = comm_sum > 0 ? hidden_sum / comm_sum : 1.0;
+    const double exposed_comm = std::max(0.0, step_med - compute_busy_min);
+    double compute_busy_max = 0;
+    for (const auto& r : ranks) compute_busy_max = std::max(compute_busy_max, r["compute_busy_s"].get<double>());
+    const double overlap_limit = std::max(comm_max, compute_busy_max);
+
     std::size_t peak_rank = 0;
     for (std::size_t r = 1; r < ranks.size(); ++r)
       if (ranks[r]["peak_device"].get<std::size_t>() > ranks[peak_rank]["peak_device"].get<std::size_t>())
@@ -428,6 +528,12 @@ int run_command(const std::vector<std::string>& args) {
                 activation_name(m.activation), dtype_name(m.dtype));
     std::printf("impl       %s\n", opt.impl.c_str());
     std::printf("backend    %s, %s\n", backend->name().c_str(), device.c_str());
+    if (backend->name() == "sim")
+      std::printf("mode       SIMULATED: cluster model %s, calibration %s, routing %s\n",
+                  platform.cluster.value("name", std::string("?")).c_str(), platform.calibration.c_str(),
+                  platform.routing.c_str());
+    else
+      std::printf("mode       measured\n");
     std::printf("ranks      %d (expert parallel, %lld experts per rank)\n", world,
                 static_cast<long long>(m.num_experts / world));
     std::printf("steps      %d timed after %d warm-up\n\n", w.steps, w.warmup);
@@ -446,6 +552,10 @@ int run_command(const std::vector<std::string>& args) {
     std::printf("experts: %.3f ms of GEMMs vs bare %s %.3f ms for the same GEMMs (ratio %.2f)\n", expert_gemm_s * 1e3,
                 library.c_str(), bare_s * 1e3, ratio);
     std::printf("expert TFLOP/s  %.3f per device over the experts phase, %.3f over its GEMMs\n", tflops, gemm_tflops);
+    std::printf("communication   %.3f ms/step, %.1f%% hidden behind compute; exposed %.3f ms (step - compute busy "
+                "%.3f ms); bound max(comm, compute) = %.3f ms, step at %.2fx of it\n",
+                comm_max * 1e3, 100.0 * overlap_ratio, exposed_comm * 1e3, compute_busy_min * 1e3, overlap_limit * 1e3,
+                overlap_limit > 0 ? step_med / overlap_limit : 0.0);
     std::string busy;
     for (const auto& [k, v] : streams.items())
       busy += strf("%s%s %.3f ms", busy.empty() ? "" : ", ", k.c_str(), v.get<double>() * 1e3);
@@ -470,6 +580,12 @@ int run_command(const std::vector<std::string>& args) {
     metrics["tokens_per_s"] = tokens_per_s;
     metrics["phases_s"] = phases;
     metrics["stream_busy_s"] = streams;
+    metrics["comm_s"] = comm_max;
+    metrics["compute_busy_s"] = compute_busy_min;
+    metrics["exposed_comm_s"] = exposed_comm;
+    metrics["overlap_ratio"] = overlap_ratio;
+    metrics["overlap_limit_s"] = overlap_limit;
+    metrics["host_copy_s"] = copy_max;
     metrics["expert_tflops"] = tflops;
     metrics["expert_gemm_tflops"] = gemm_tflops;
     metrics["expert_gemm_s"] = expert_gemm_s;
@@ -484,10 +600,13 @@ int run_command(const std::vector<std::string>& args) {
 
     json result;
     result["schema"] = "moelab.result/1";
-    result["mode"] = "measured";
+    const bool simulated = backend->name() == "sim";
+    result["mode"] = simulated ? "simulated" : "measured";
     result["backend"] = backend->name();
     result["device"] = device;
-    result["calibration"] = nullptr;
+    result["cluster"] = platform.cluster;
+    result["calibration"] = simulated ? json(platform.calibration) : json(nullptr);
+    if (simulated) result["routing_model"] = platform.routing;
     result["commit"] = build_commit();
     result["date"] = utc_now_iso8601();
     result["world_size"] = world;
@@ -496,6 +615,15 @@ int run_command(const std::vector<std::string>& args) {
     result["impl_report"] = impl->report();
     result["metrics"] = std::move(metrics);
 
+    if (!opt.record_routing.empty()) {
+      // calls[step][rank][expert]: what the gate routed in each timed step (before capacity)
+      std::vector<std::vector<std::vector<std::int64_t>>> calls(static_cast<std::size_t>(w.steps));
+      for (const auto& r : ranks)
+        for (std::size_t i = 0; i < calls.size(); ++i)
+          calls[i].push_back(r["routed"][i].get<std::vector<std::int64_t>>());
+      write_json_atomic(opt.record_routing, routing_trace_json(calls, to_json(w)));
+      std::printf("routing trace   %s\n", opt.record_routing.c_str());
+    }
     if (!opt.trace.empty()) {
       write_json_atomic(opt.trace, trace);
       std::printf("trace           %s\n", opt.trace.c_str());

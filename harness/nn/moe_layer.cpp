@@ -121,10 +121,12 @@ Tensor MoELayer::forward(const Tensor& x) {
       sv.noise_raw = b_.empty({T, E}, DType::f32, MemCategory::activations, c);
       b_.gemm(c, {false, false, T, E, M, x, params_.w_noise, sv.noise_raw, 1.0f, 0.0f}, "gate_noise_logits");
       sv.eps = b_.empty({T, E}, DType::f32, MemCategory::activations, c);
-      Rng rng(Rng::mix(noise_seed_, static_cast<std::uint64_t>(comm_.rank()), step_));
-      last_eps_.resize(static_cast<std::size_t>(T * E));
-      for (auto& v : last_eps_) v = static_cast<float>(rng.normal());
-      b_.upload(last_eps_, sv.eps);
+      if (b_.has_data()) {  // the noise is drawn on the host so that tests can replay it
+        Rng rng(Rng::mix(noise_seed_, static_cast<std::uint64_t>(comm_.rank()), step_));
+        last_eps_.resize(static_cast<std::size_t>(T * E));
+        for (auto& v : last_eps_) v = static_cast<float>(rng.normal());
+        b_.upload(last_eps_, sv.eps);
+      }
       Tensor noisy = b_.empty({T, E}, DType::f32, MemCategory::buffers, c);
       b_.noisy_logits(c, logits, sv.noise_raw, sv.eps, noisy);
       logits = noisy;
@@ -144,6 +146,11 @@ Tensor MoELayer::forward(const Tensor& x) {
     b_.gate_forward(c, g);
     // The one host synchronisation of the layer: the counts size the all-to-all-v.
     const auto counts = b_.download_i32(g.counts);
+    // f_e * T * k is exact in fp32 for any T*k below 2^24
+    const auto frac = b_.download(g.routed_frac);
+    routing_.routed_per_expert.assign(static_cast<std::size_t>(E), 0);
+    for (std::size_t e = 0; e < frac.size(); ++e)
+      routing_.routed_per_expert[e] = std::llround(static_cast<double>(frac[e]) * static_cast<double>(T * k));
     routing_.capacity = g.capacity;
     routing_.sent_per_expert.assign(counts.begin(), counts.end());
     const std::int64_t kept = std::accumulate(routing_.sent_per_expert.begin(), routing_.sent_per_expert.end(),

@@ -38,6 +38,7 @@ struct MoEParams {
 
 // What one forward routed, for reports and tests (host copies).
 struct RoutingStats {
+  std::vector<std::int64_t> routed_per_expert;  // [E] slots the gate routed to each expert (before capacity)
   std::vector<std::int64_t> sent_per_expert;  // [E] kept slots of this rank per global expert
   std::vector<std::int64_t> recv_per_local;   // [El] rows each local expert received
   std::int64_t dropped = 0;                   // slots dropped by capacity on this rank

@@ -1,0 +1,792 @@
+// harness/backends/sim/sim_backend.cpp — see sim_backend.hpp.
+//
+// Layout of this file, in the order the data flows:
+//   1. routing model          tokens per expert without a real gate
+//   2. per-rank graph         LocalTask, SimStream, SimEvent
+//   3. SimBackend             ops -> tasks with demands on the cluster's resources
+//   4. collectives            SimCommunicator: instances, flows, rendezvous
+//   5. evaluation             graph of every rank -> engine -> times, at barriers
+#include "harness/backends/sim/sim_backend.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <thread>
+
+#include "harness/runtime/error.hpp"
+#include "harness/runtime/random.hpp"
+
+namespace moelab {
+
+// ============================================================================================
+// 1. Routing model
+// ============================================================================================
+
+RoutingModel RoutingModel::parse(const std::string& spec, std::uint64_t seed) {
+  RoutingModel m;
+  m.seed = seed;
+  if (spec.empty() || spec == "uniform") return m;
+  if (spec.rfind("zipf", 0) == 0) {
+    m.kind = Kind::zipf;
+    if (spec.size() > 4) {
+      if (spec[4] != ':') throw ConfigError("--routing " + spec + ": expected zipf:S, e.g. zipf:1.2");
+      char* end = nullptr;
+      m.zipf_s = std::strtod(spec.c_str() + 5, &end);
+      if (!end || *end || !(m.zipf_s > 0))
+        throw ConfigError("--routing " + spec + ": the Zipf exponent must be a positive number");
+    }
+    return m;
+  }
+  if (spec.rfind("trace:", 0) == 0) {
+    m.kind = Kind::trace;
+    m.trace_path = spec.substr(6);
+    std::ifstream f(m.trace_path);
+    if (!f) throw ConfigError("--routing " + spec + ": cannot open " + m.trace_path);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(f);
+    } catch (const nlohmann::json::exception& e) {
+      throw ConfigError(m.trace_path + ": malformed JSON: " + e.what());
+    }
+    if (!j.is_object() || j.value("schema", "") != "moelab.routing-trace/1" || !j.contains("calls") ||
+        !j["calls"].is_array() || j["calls"].empty())
+      throw ConfigError(m.trace_path + ": not a routing trace (expected schema \"moelab.routing-trace/1\" with a "
+                        "non-empty \"calls\" array)");
+    try {
+      m.trace = j["calls"].get<std::vector<std::vector<std::vector<std::int64_t>>>>();
+    } catch (const nlohmann::json::exception& e) {
+      throw ConfigError(m.trace_path + ": calls: expected [call][rank][expert] counts: " + e.what());
+    }
+    return m;
+  }
+  throw ConfigError("--routing " + spec + ": unknown routing model (expected uniform, zipf:S or trace:FILE)");
+}
+
+std::string RoutingModel::describe() const {
+  switch (kind) {
+    case Kind::uniform: return "uniform";
+    case Kind::zipf: return "zipf:" + std::to_string(zipf_s);
+    case Kind::trace: return "trace:" + trace_path;
+  }
+  return "?";
+}
+
+std::vector<std::int64_t> RoutingModel::draw(int rank, std::int64_t call, std::int64_t tokens, int top_k,
+                                             std::int64_t experts) const {
+  const auto E = static_cast<std::size_t>(experts);
+  std::vector<std::int64_t> routed(E, 0);
+  if (kind == Kind::trace) {
+    const auto& c = trace[static_cast<std::size_t>(call) % trace.size()];
+    if (c.empty()) throw ConfigError(trace_path + ": a call with no ranks");
+    const auto& r = c[static_cast<std::size_t>(rank) % c.size()];
+    if (r.size() != E)
+      throw ConfigError(trace_path + ": recorded " + std::to_string(r.size()) + " experts, the model has " +
+                        std::to_string(experts));
+    // Rescale when the trace was recorded with another token count.
+    const double recorded = static_cast<double>(std::accumulate(r.begin(), r.end(), std::int64_t{0}));
+    const double want = static_cast<double>(tokens * top_k);
+    if (recorded == want) return r;
+    std::int64_t total = 0;
+    for (std::size_t e = 0; e < E; ++e) total += routed[e] = std::llround(static_cast<double>(r[e]) * want / std::max(recorded, 1.0));
+    routed[0] += tokens * top_k - total;  // keep the total exact
+    if (routed[0] < 0) routed[0] = 0;
+    return routed;
+  }
+  // Popularity weights: uniform, or Zipf over a seeded permutation of the experts (the same
+  // permutation on every rank: which experts are popular is a property of the model).
+  std::vector<double> w(E, 1.0);
+  if (kind == Kind::zipf) {
+    std::vector<std::size_t> perm(E);
+    std::iota(perm.begin(), perm.end(), std::size_t{0});
+    Rng pr(Rng::mix(seed, 0x21f, static_cast<std::uint64_t>(call)));
+    for (std::size_t i = E; i > 1; --i) std::swap(perm[i - 1], perm[static_cast<std::size_t>(pr.next() % i)]);
+    for (std::size_t i = 0; i < E; ++i) w[perm[i]] = 1.0 / std::pow(static_cast<double>(i + 1), zipf_s);
+  }
+  std::vector<double> cdf(E);
+  std::partial_sum(w.begin(), w.end(), cdf.begin());
+  Rng rng(Rng::mix(seed, static_cast<std::uint64_t>(rank) + 1, static_cast<std::uint64_t>(call)));
+  std::vector<std::size_t> chosen(static_cast<std::size_t>(top_k));
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    for (int j = 0; j < top_k; ++j) {  // k distinct experts, by rejection
+      for (;;) {
+        const double u = rng.uniform() * cdf.back();
+        const auto e = static_cast<std::size_t>(std::upper_bound(cdf.begin(), cdf.end(), u) - cdf.begin());
+        const auto pick = std::min(e, E - 1);
+        if (std::find(chosen.begin(), chosen.begin() + j, pick) == chosen.begin() + j) {
+          chosen[static_cast<std::size_t>(j)] = pick;
+          break;
+        }
+      }
+      ++routed[chosen[static_cast<std::size_t>(j)]];
+    }
+  }
+  return routed;
+}
+
+nlohmann::json routing_trace_json(const std::vector<std::vector<std::vector<std::int64_t>>>& calls,
+                                  const nlohmann::json& workload) {
+  return {{"schema", "moelab.routing-trace/1"},
+          {"description", "slots the gate routed to each expert (before capacity), per gate call and rank"},
+          {"workload", workload},
+          {"calls", calls}};
+}
+
+// ============================================================================================
+// 2. Per-rank graph
+// ============================================================================================
+
+namespace {
+
+struct LocalTask {
+  std::string name, phase;
+  int stream = -1;           // -1: host join / marker
+  OpCost cost;
+  sim::WorkClass cls = sim::WorkClass::none;
+  double latency = 0;
+  std::vector<sim::Demand> demands;
+  std::vector<int> deps;     // local ids on the same rank
+  int arrive = -1;           // collectives: the local id of the matching arrive task
+  bool record = false;       // appears in the timeline
+};
+
+struct SimStream final : Stream {
+  using Stream::Stream;
+  int last = -1;                 // local id of the last task issued on it in this epoch
+  std::vector<int> pending_waits;
+  bool unsynced = false;
+};
+
+struct SimEvent final : Event {
+  int task = -1;
+  std::uint64_t epoch = 0;
+};
+
+// A collective call as one rank sees it.
+struct Participation {
+  int rank = 0;
+  int arrive = -1, done = -1;               // local task ids
+  std::vector<double> bytes_to;             // all_to_all_v: bytes to each peer (incl. self)
+  double bytes = 0;                         // ring collectives and p2p: payload bytes
+};
+
+enum class CollKind { all_to_all_v, all_gather, reduce_scatter, all_reduce, p2p };
+
+struct Instance {
+  CollKind kind = CollKind::p2p;
+  std::vector<Participation> parts;  // by arrival
+  int p2p_src = -1, p2p_dst = -1;
+};
+
+}  // namespace
+
+class SimBackendImpl;
+
+struct SimCluster::Impl {
+  SimOptions opt;
+  int n = 0;
+  std::vector<std::unique_ptr<SimBackendImpl>> backends;
+
+  // collectives and rendezvous (shared by the rank threads)
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::string, Instance> instances;  // key: "<comm>#<seq>" or "<comm>#p2p:a>b#k"
+  struct Gather {
+    std::vector<std::string> payloads;
+    int arrived = 0;
+    std::uint64_t generation = 0;
+    std::vector<std::string> result;
+  };
+  std::map<std::string, Gather> gathers;  // by communicator id
+  bool aborted = false;
+  std::string abort_reason;
+  std::uint64_t epoch = 0;
+  double epoch_base = 0;     // virtual time at which the current epoch started
+
+  std::vector<std::string> rendezvous(const std::string& comm, int rank, std::string payload, bool evaluate);
+  void evaluate();  // all rank threads are parked in a rendezvous
+};
+
+// ============================================================================================
+// 3. SimBackend
+// ============================================================================================
+
+class SimBackendImpl final : public Backend {
+ public:
+  SimBackendImpl(SimCluster::Impl& c, int rank) : c_(c), topo_engine_(), topo_(c.opt.cluster, topo_engine_,
+                                                                                c.opt.profile ? &*c.opt.profile : nullptr) {
+    set_rank(rank);
+  }
+
+  std::string name() const override { return "sim"; }
+  std::string device_name() const override {
+    return "simulated " + c_.opt.cluster.gpu.name + " in " + c_.opt.cluster.name;
+  }
+  bool has_data() const override { return false; }
+  bool supports(DType t) const override { return t != DType::f64; }
+  double now() const override { return now_; }
+
+  Stream& create_stream(StreamRole role, const std::string& nm) override {
+    streams_.push_back(std::make_unique<SimStream>(static_cast<int>(streams_.size()), role, nm));
+    return *streams_.back();
+  }
+  std::unique_ptr<Event> create_event() override { return std::make_unique<SimEvent>(); }
+  void record(Event& e, Stream& s) override {
+    auto& ev = dynamic_cast<SimEvent&>(e);
+    ev.task = stream(s).last;
+    ev.epoch = c_.epoch;
+  }
+  void wait(Stream& s, Event& e) override {
+    auto& ev = dynamic_cast<SimEvent&>(e);
+    if (ev.task >= 0 && ev.epoch == c_.epoch) stream(s).pending_waits.push_back(ev.task);
+  }
+  void synchronize(Stream& s) override {
+    auto& st = stream(s);
+    host_join({st.last});
+    st.unsynced = false;
+  }
+  void synchronize() override {
+    std::vector<int> lasts;
+    for (auto& s : streams_) {
+      lasts.push_back(s->last);
+      s->unsynced = false;
+    }
+    host_join(lasts);
+  }
+
+  void upload(std::span<const float> host, Tensor& dst) override {
+    if (dst.stream()) synchronize(*dst.stream());
+    if (dst.raw() && dst.dtype() == DType::f32)
+      std::memcpy(dst.raw(), host.data(), std::min(host.size() * 4, dst.nbytes()));
+  }
+  std::vector<float> download(const Tensor& src) override {
+    if (src.stream()) synchronize(*src.stream());
+    std::vector<float> v(static_cast<std::size_t>(src.numel()), 0.0f);
+    if (src.raw() && src.dtype() == DType::f32) std::memcpy(v.data(), src.raw(), src.nbytes());
+    return v;
+  }
+  void upload_i32(std::span<const std::int32_t> host, Tensor& dst) override {
+    if (dst.stream()) synchronize(*dst.stream());
+    if (dst.raw()) std::memcpy(dst.raw(), host.data(), std::min(host.size() * 4, dst.nbytes()));
+  }
+  std::vector<std::int32_t> download_i32(const Tensor& src) override {
+    if (src.stream()) synchronize(*src.stream());
+    std::vector<std::int32_t> v(static_cast<std::size_t>(src.numel()), 0);
+    if (src.raw()) std::memcpy(v.data(), src.raw(), src.nbytes());
+    return v;
+  }
+
+  void copy(Stream& s, const Tensor& src, Tensor& dst) override {
+    const bool h2d = src.space() == MemSpace::host_pinned && dst.space() == MemSpace::device;
+    const bool d2h = src.space() == MemSpace::device && dst.space() == MemSpace::host_pinned;
+    const auto bytes = static_cast<std::int64_t>(std::max(src.nbytes(), dst.nbytes()));
+    if (h2d || d2h) {
+      const sim::Route r = h2d ? topo_.host_to_device(rank()) : topo_.device_to_host(rank());
+      LocalTask t = op("copy", cost_copy(h2d ? OpKind::copy_h2d : OpKind::copy_d2h, bytes), sim::WorkClass::memcpy);
+      t.latency += r.latency;
+      for (int res : r.resources) t.demands.push_back({res, static_cast<double>(bytes)});
+      issue(s, std::move(t));
+    } else {
+      issue(s, memory_bound("copy", cost_copy(OpKind::copy_d2d, bytes)));
+    }
+    if (src.raw() && dst.raw() && src.dtype() == dst.dtype()) std::memmove(dst.raw(), src.raw(), src.nbytes());
+  }
+  void fill_zero(Stream& s, Tensor& t) override {
+    issue(s, memory_bound("fill_zero", cost_copy(OpKind::elementwise, static_cast<std::int64_t>(t.nbytes()))));
+    if (t.raw()) std::memset(t.raw(), 0, t.nbytes());
+  }
+  void grouped_gemm(Stream& s, std::span<const GemmProblem> problems, const char* nm) override {
+    const OpCost cost = cost_grouped_gemm(problems);
+    LocalTask t = op(nm, cost, sim::WorkClass::compute);
+    double seconds = 0;
+    for (const auto& p : problems) seconds += topo_.gemm_seconds(p.m, p.n, p.k, p.a.defined() ? p.a.dtype() : DType::f32);
+    t.latency = topo_.launch_latency() * static_cast<double>(std::max<std::int64_t>(cost.launches, 1));
+    t.demands = {{topo_.sm(rank()), seconds}, {topo_.hbm(rank()), cost.bytes_read + cost.bytes_written}};
+    issue(s, std::move(t));
+  }
+  double time_bare_gemms(std::span<const GemmProblem> problems, int) override {
+    double seconds = 0;
+    // Back-to-back library calls hide their launches behind the previous kernel: the GPU time.
+    for (const auto& p : problems) seconds += topo_.gemm_seconds(p.m, p.n, p.k, p.a.defined() ? p.a.dtype() : DType::f32);
+    return seconds;
+  }
+  void noisy_logits(Stream& s, const Tensor& clean, const Tensor&, const Tensor&, Tensor&) override {
+    issue(s, memory_bound("noisy_logits", cost_elementwise(clean.numel(), DType::f32, 3, 1, 6)));
+  }
+  void noisy_logits_backward(Stream& s, const Tensor& d_logits, const Tensor&, const Tensor&, Tensor&) override {
+    issue(s, memory_bound("noisy_logits_bwd", cost_elementwise(d_logits.numel(), DType::f32, 3, 1, 5)));
+  }
+  void gate_forward(Stream& s, GateForward& g) override {
+    const std::int64_t T = g.logits.dim(0), E = g.logits.dim(1);
+    issue(s, memory_bound("gate", cost_gate_forward(T, E, g.top_k)));
+    // The routing model stands in for softmax + top-k: tokens per expert, then capacity.
+    const auto routed = c_.opt.routing.draw(rank(), gate_calls_++, T, g.top_k, E);
+    auto* counts = g.counts.data<std::int32_t>();
+    auto* frac = g.routed_frac.data<float>();
+    for (std::int64_t e = 0; e < E; ++e) {
+      const std::int64_t r = routed[static_cast<std::size_t>(e)];
+      if (counts) counts[e] = static_cast<std::int32_t>(g.capacity > 0 ? std::min(r, g.capacity) : r);
+      if (frac) frac[e] = T ? static_cast<float>(static_cast<double>(r) / static_cast<double>(T * g.top_k)) : 0.0f;
+    }
+    if (auto* aux = g.aux_loss.data<float>()) aux[0] = 0.0f;
+  }
+  void gate_backward(Stream& s, GateBackward& g) override {
+    issue(s, memory_bound("gate_bwd", cost_gate_backward(g.probs.dim(0), g.probs.dim(1),
+                                                         static_cast<int>(g.topk_idx.dim(1)))));
+  }
+  void permute(Stream& s, const Tensor& x, const Tensor&, Tensor& out) override {
+    issue(s, memory_bound("permute", cost_rows(OpKind::permute, out.dim(0), out.dim(0), x.dim(1), x.dtype(), 0)));
+  }
+  void permute_backward(Stream& s, const Tensor& d_out, const Tensor&, Tensor& dx) override {
+    issue(s, memory_bound("permute_bwd",
+                          cost_rows(OpKind::permute, d_out.dim(0), dx.dim(0), dx.dim(1), dx.dtype(), 1)));
+  }
+  void unpermute(Stream& s, const Tensor& y_perm, const Tensor&, const Tensor&, Tensor& y) override {
+    issue(s, memory_bound("unpermute", cost_rows(OpKind::permute, y_perm.dim(0), y.dim(0), y.dim(1), y.dtype(), 2)));
+  }
+  void unpermute_backward(Stream& s, const Tensor& dy, const Tensor& y_perm, const Tensor&, const Tensor&,
+                          Tensor&, Tensor&) override {
+    issue(s, memory_bound("unpermute_bwd", cost_rows(OpKind::permute, dy.dim(0) + y_perm.dim(0), y_perm.dim(0),
+                                                     dy.dim(1), dy.dtype(), 3)));
+  }
+  void activation_forward(Stream& s, Activation a, const Tensor& in, Tensor&) override {
+    issue(s, memory_bound(activation_name(a),
+                          cost_elementwise(in.numel(), in.dtype(), 1, 1, a == Activation::gelu ? 8 : 1)));
+  }
+  void activation_backward(Stream& s, Activation a, const Tensor& in, const Tensor&, Tensor&) override {
+    issue(s, memory_bound(std::string(activation_name(a)) + "_bwd",
+                          cost_elementwise(in.numel(), in.dtype(), 2, 1, a == Activation::gelu ? 12 : 1)));
+  }
+
+  std::vector<OpRecord> timeline() override { return records_; }
+  void clear_timeline() override { records_.clear(); }
+
+  // ---- used by the communicator and the evaluation ----------------------------------------
+  // A collective's two tasks on stream s: `arrive` (this rank is ready) and `done` (this
+  // rank's part finished); flows between ranks are added at evaluation time.
+  std::pair<int, int> collective(Stream& s, const std::string& nm, const OpCost& cost) {
+    LocalTask arrive = op(nm + ".arrive", {}, sim::WorkClass::none);
+    arrive.record = false;
+    const int a = issue(s, std::move(arrive));
+    LocalTask done = op(nm, cost, sim::WorkClass::none);
+    done.arrive = a;
+    const int d = issue(s, std::move(done));
+    return {a, d};
+  }
+  std::vector<LocalTask>& tasks() { return tasks_; }
+  bool quiescent() const {
+    return std::none_of(streams_.begin(), streams_.end(), [](const auto& s) { return s->unsynced; });
+  }
+  int host_task() const { return host_; }
+  // Apply an evaluation: times (epoch-relative) of this rank's tasks.
+  void commit(const std::vector<double>& start, const std::vector<double>& end, double base, bool final) {
+    if (!final) {
+      if (host_ >= 0) now_ = base + end[static_cast<std::size_t>(host_)];
+      return;
+    }
+    for (std::size_t i = 0; i < tasks_.size(); ++i) {
+      const LocalTask& t = tasks_[i];
+      if (!t.record) continue;
+      OpRecord r;
+      r.rank = rank();
+      r.stream_id = t.stream;
+      r.stream_name = streams_[static_cast<std::size_t>(t.stream)]->name();
+      r.name = t.name;
+      r.phase = t.phase;
+      r.cost = t.cost;
+      r.start = base + (t.arrive >= 0 ? end[static_cast<std::size_t>(t.arrive)] : start[i]);
+      r.end = base + end[i];
+      records_.push_back(std::move(r));
+    }
+  }
+  void new_epoch(double now) {
+    tasks_.clear();
+    host_ = -1;
+    for (auto& s : streams_) {
+      s->last = -1;
+      s->pending_waits.clear();
+    }
+    now_ = now;
+  }
+  const sim::Topology& topology() const { return topo_; }
+
+ protected:
+  void* raw_alloc(std::size_t bytes, MemSpace, Stream&) override {
+    // Small tensors (counts, scalars, routing fractions) keep real bytes; the rest is virtual.
+    return bytes <= kRealBytes ? std::calloc(1, bytes) : nullptr;
+  }
+  void raw_free(void* p, std::size_t, MemSpace, Stream&) override { std::free(p); }
+
+ private:
+  static constexpr std::size_t kRealBytes = 64 * 1024;
+
+  SimStream& stream(Stream& s) {
+    auto* st = dynamic_cast<SimStream*>(&s);
+    MOELAB_CHECK(st && st->id() < static_cast<int>(streams_.size()) && streams_[static_cast<std::size_t>(st->id())].get() == st,
+                 "stream " + s.name() + " does not belong to this sim backend");
+    return *st;
+  }
+  LocalTask op(std::string nm, const OpCost& cost, sim::WorkClass cls) {
+    LocalTask t;
+    t.name = std::move(nm);
+    t.phase = phase();
+    t.cost = cost;
+    t.cls = cls;
+    t.record = true;
+    t.latency = cls == sim::WorkClass::none ? 0.0 : topo_.launch_latency();
+    return t;
+  }
+  // A memory-bound kernel: its bytes at the effective HBM bandwidth.
+  LocalTask memory_bound(std::string nm, const OpCost& cost) {
+    LocalTask t = op(std::move(nm), cost, sim::WorkClass::compute);
+    const double bytes = cost.bytes_read + cost.bytes_written;
+    const double hbm_bw = c_.opt.cluster.gpu.hbm_bw;
+    t.demands = {{topo_.hbm(rank()), bytes * hbm_bw / topo_.mem_bw_effective()}};
+    return t;
+  }
+  int issue(Stream& s, LocalTask t) {
+    auto& st = stream(s);
+    t.stream = st.id();
+    if (st.last >= 0) t.deps.push_back(st.last);
+    if (host_ >= 0) t.deps.push_back(host_);
+    for (int w : st.pending_waits) t.deps.push_back(w);
+    st.pending_waits.clear();
+    tasks_.push_back(std::move(t));
+    st.last = static_cast<int>(tasks_.size()) - 1;
+    st.unsynced = true;
+    return st.last;
+  }
+  void host_join(const std::vector<int>& on) {
+    LocalTask j;
+    j.name = "host";
+    for (int d : on)
+      if (d >= 0) j.deps.push_back(d);
+    if (host_ >= 0) j.deps.push_back(host_);
+    tasks_.push_back(std::move(j));
+    host_ = static_cast<int>(tasks_.size()) - 1;
+  }
+
+  SimCluster::Impl& c_;
+  sim::Engine topo_engine_;  // resources registered once; ids are identical in every evaluation
+  sim::Topology topo_;
+  std::vector<std::unique_ptr<SimStream>> streams_;
+  std::vector<LocalTask> tasks_;
+  std::vector<OpRecord> records_;
+  int host_ = -1;
+  double now_ = 0;
+  std::int64_t gate_calls_ = 0;
+};
+
+// ============================================================================================
+// 4. Collectives
+// ============================================================================================
+
+namespace {
+
+class SimCommunicator final : public Communicator {
+ public:
+  SimCommunicator(SimCluster::Impl& c, SimBackendImpl& b, std::string id) : c_(c), b_(b), id_(std::move(id)) {}
+  int rank() const override { return b_.rank(); }
+  int size() const override { return c_.n; }
+  std::string kind() const override { return "sim"; }
+  std::unique_ptr<Communicator> dup() override {
+    return std::make_unique<SimCommunicator>(c_, b_, id_ + "/" + std::to_string(dups_++));
+  }
+
+  void all_to_all_v(Stream& s, const Tensor& send, std::span<const Segment> sends, Tensor&,
+                    std::span<const Segment>) override {
+    Participation p;
+    p.bytes_to.assign(static_cast<std::size_t>(c_.n), 0.0);
+    double local = 0;
+    for (const auto& sg : sends) {
+      if (sg.peer < 0 || sg.peer >= c_.n) throw CommError("rank " + std::to_string(rank()) + ": all_to_all_v segment to rank " + std::to_string(sg.peer) + " outside the world of " + std::to_string(c_.n));
+      const double b = static_cast<double>(sg.count) * static_cast<double>(dtype_size(send.dtype()));
+      p.bytes_to[static_cast<std::size_t>(sg.peer)] += b;
+      if (sg.peer == rank()) local += b;
+    }
+    join(s, "all_to_all_v", CollKind::all_to_all_v, std::move(p),
+         cost_collective(segments_bytes_to_others(sends, rank(), send.dtype()), local));
+  }
+  void all_gather(Stream& s, const Tensor& send, Tensor&) override { ring(s, "all_gather", CollKind::all_gather, static_cast<double>(send.nbytes())); }
+  void reduce_scatter(Stream& s, const Tensor&, Tensor& recv) override { ring(s, "reduce_scatter", CollKind::reduce_scatter, static_cast<double>(recv.nbytes())); }
+  void all_reduce(Stream& s, Tensor& buf) override { ring(s, "all_reduce", CollKind::all_reduce, static_cast<double>(buf.nbytes()) / c_.n); }
+  void send(Stream& s, const Tensor& t, int peer) override { p2p(s, t, rank(), peer, "send"); }
+  void recv(Stream& s, Tensor& t, int peer) override { p2p(s, t, peer, rank(), "recv"); }
+
+  void barrier() override { c_.rendezvous(id_, rank(), "", true); }
+  std::vector<std::int64_t> exchange_counts(const std::vector<std::int64_t>& send) override {
+    MOELAB_CHECK(send.size() % static_cast<std::size_t>(c_.n) == 0, "exchange_counts: size not a multiple of ranks");
+    const std::size_t c = send.size() / static_cast<std::size_t>(c_.n);
+    const auto all = c_.rendezvous(id_, rank(), nlohmann::json(send).dump(), false);
+    std::vector<std::int64_t> out;
+    for (int p = 0; p < c_.n; ++p) {
+      const auto v = nlohmann::json::parse(all[static_cast<std::size_t>(p)]).get<std::vector<std::int64_t>>();
+      out.insert(out.end(), v.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(rank()) * c),
+                 v.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(rank() + 1) * c));
+    }
+    return out;
+  }
+  double all_reduce_max(double v) override {
+    double m = -INFINITY;
+    for (const auto& s : c_.rendezvous(id_, rank(), nlohmann::json(v).dump(), false)) m = std::max(m, nlohmann::json::parse(s).get<double>());
+    return m;
+  }
+  double all_reduce_sum(double v) override {
+    double m = 0;  // summed in rank order: deterministic
+    for (const auto& s : c_.rendezvous(id_, rank(), nlohmann::json(v).dump(), false)) m += nlohmann::json::parse(s).get<double>();
+    return m;
+  }
+  std::vector<std::string> all_gather_strings(const std::string& s) override { return c_.rendezvous(id_, rank(), s, false); }
+
+ private:
+  void join(Stream& s, const std::string& nm, CollKind kind, Participation p, const OpCost& cost) {
+    auto [a, d] = b_.collective(s, nm, cost);
+    p.rank = rank();
+    p.arrive = a;
+    p.done = d;
+    const std::string key = id_ + "#" + std::to_string(seq_++);
+    std::lock_guard lk(c_.mu);
+    Instance& in = c_.instances[key];
+    if (!in.parts.empty() && in.kind != kind)
+      throw CommError("rank " + std::to_string(rank()) + ": collective mismatch on " + id_ + ": this rank called " + nm + " where another called a different collective");
+    in.kind = kind;
+    in.parts.push_back(std::move(p));
+  }
+  void ring(Stream& s, const std::string& nm, CollKind kind, double chunk) {
+    Participation p;
+    p.bytes = chunk;
+    const double n = c_.n;
+    const double sent = (kind == CollKind::all_reduce ? 2.0 : 1.0) * (n - 1) * chunk;
+    join(s, nm, kind, std::move(p), cost_collective(sent, chunk));
+  }
+  void p2p(Stream& s, const Tensor& t, int src, int dst, const std::string& nm) {
+    if (src == dst || src < 0 || dst < 0 || src >= c_.n || dst >= c_.n)
+      throw CommError("rank " + std::to_string(rank()) + ": " + nm + " between ranks " + std::to_string(src) + " and " + std::to_string(dst));
+    auto [a, d] = b_.collective(s, nm, cost_collective(nm == "send" ? static_cast<double>(t.nbytes()) : 0.0, 0.0));
+    Participation p;
+    p.rank = rank();
+    p.arrive = a;
+    p.done = d;
+    p.bytes = static_cast<double>(t.nbytes());
+    const std::string pair = std::to_string(src) + ">" + std::to_string(dst);
+    const std::string key = id_ + "#p2p:" + pair + "#" + std::to_string(p2p_seq_[pair]++);
+    std::lock_guard lk(c_.mu);
+    Instance& in = c_.instances[key];
+    in.kind = CollKind::p2p;
+    in.p2p_src = src;
+    in.p2p_dst = dst;
+    in.parts.push_back(std::move(p));
+  }
+
+  SimCluster::Impl& c_;
+  SimBackendImpl& b_;
+  std::string id_;
+  std::uint64_t seq_ = 0;
+  int dups_ = 0;
+  std::map<std::string, std::uint64_t> p2p_seq_;
+};
+
+}  // namespace
+
+// ============================================================================================
+// 5. Rendezvous and evaluation
+// ============================================================================================
+
+std::vector<std::string> SimCluster::Impl::rendezvous(const std::string& comm, int rank, std::string payload,
+                                                      bool eval) {
+  std::unique_lock lk(mu);
+  if (aborted) throw CommError("rank " + std::to_string(rank) + ": " + abort_reason);
+  Gather& g = gathers[comm];
+  if (g.payloads.empty()) g.payloads.resize(static_cast<std::size_t>(n));
+  g.payloads[static_cast<std::size_t>(rank)] = std::move(payload);
+  const std::uint64_t gen = g.generation;
+  if (++g.arrived == n) {
+    if (eval) evaluate();
+    g.result = std::move(g.payloads);
+    g.payloads.assign(static_cast<std::size_t>(n), std::string());
+    g.arrived = 0;
+    ++g.generation;
+    cv.notify_all();
+    return g.result;
+  }
+  cv.wait(lk, [&] { return aborted || g.generation != gen; });
+  if (aborted && g.generation == gen) throw CommError("rank " + std::to_string(rank) + ": " + abort_reason);
+  return g.result;
+}
+
+void SimCluster::Impl::evaluate() {
+  sim::Engine e;
+  for (const auto& [victim, f] : {std::pair{sim::WorkClass::compute, opt.cluster.interference.sigma},
+                                  std::pair{sim::WorkClass::comm, opt.cluster.interference.mu},
+                                  std::pair{sim::WorkClass::memcpy, opt.cluster.interference.eta}})
+    e.set_interference(victim, f);
+  sim::Topology topo(opt.cluster, e, opt.profile ? &*opt.profile : nullptr);
+  // Global ids: rank-major in issue order, then flows in instance-key order: deterministic.
+  std::vector<int> offset(static_cast<std::size_t>(n), 0);
+  int total = 0;
+  for (int r = 0; r < n; ++r) {
+    offset[static_cast<std::size_t>(r)] = total;
+    total += static_cast<int>(backends[static_cast<std::size_t>(r)]->tasks().size());
+  }
+  auto gid = [&](int r, int local) { return offset[static_cast<std::size_t>(r)] + local; };
+
+  // Flows first (their ids follow the ranks' tasks), so that each rank's `done` task can be
+  // added with its flows among its dependencies.
+  std::vector<sim::Task> flows;
+  std::map<int, std::vector<int>> done_deps;  // global id of a done task -> flow ids
+  auto flow = [&](int src, int dst, double bytes, int arrive_src, int arrive_dst, double extra_latency,
+                  int done_src, int done_dst) {
+    sim::Task f;
+    f.name = "flow";
+    f.rank = src;
+    f.gpu = src;
+    f.cls = sim::WorkClass::comm;
+    if (src == dst) {
+      f.demands = {{topo.hbm(src), 2.0 * bytes}};
+    } else {
+      const sim::Route route = topo.p2p(src, dst);
+      f.latency = route.latency + extra_latency;
+      for (int res : route.resources) f.demands.push_back({res, bytes});
+    }
+    f.deps = {arrive_src, arrive_dst};
+    const int id = total + static_cast<int>(flows.size());
+    flows.push_back(std::move(f));
+    done_deps[done_src].push_back(id);
+    if (done_dst != done_src) done_deps[done_dst].push_back(id);
+  };
+  for (auto& [key, in] : instances) {
+    const int expected = in.kind == CollKind::p2p ? 2 : n;
+    if (static_cast<int>(in.parts.size()) != expected)
+      throw CommError("collective " + key + " was called by " + std::to_string(in.parts.size()) + " of " +
+                      std::to_string(expected) + " ranks before a barrier: every rank must issue the same collectives");
+    std::vector<const Participation*> by_rank(static_cast<std::size_t>(n), nullptr);
+    for (const auto& p : in.parts) by_rank[static_cast<std::size_t>(p.rank)] = &p;
+    auto arrive = [&](int r) { return gid(r, by_rank[static_cast<std::size_t>(r)]->arrive); };
+    auto done = [&](int r) { return gid(r, by_rank[static_cast<std::size_t>(r)]->done); };
+    if (in.kind == CollKind::p2p) {
+      const int s = in.p2p_src, d = in.p2p_dst;
+      flow(s, d, by_rank[static_cast<std::size_t>(s)]->bytes, arrive(s), arrive(d), 0.0, done(s), done(d));
+    } else if (in.kind == CollKind::all_to_all_v) {
+      for (int s = 0; s < n; ++s)
+        for (int d = 0; d < n; ++d) {
+          const double b = by_rank[static_cast<std::size_t>(s)]->bytes_to[static_cast<std::size_t>(d)];
+          if (b > 0) flow(s, d, b, arrive(s), arrive(d), 0.0, done(s), done(d));
+        }
+    } else if (n > 1) {
+      // Ring algorithms (NCCL's for these sizes): n-1 steps (2(n-1) for all-reduce), each rank
+      // sends one chunk per step to its successor; modelled as one flow per ring edge.
+      const double steps = (in.kind == CollKind::all_reduce ? 2.0 : 1.0) * (n - 1);
+      for (int s = 0; s < n; ++s) {
+        const int d = (s + 1) % n;
+        const sim::Route route = topo.p2p(s, d);
+        flow(s, d, steps * by_rank[static_cast<std::size_t>(s)]->bytes, arrive(s), arrive(d),
+             (steps - 1) * route.latency, done(s), done(d));
+      }
+    }
+  }
+
+  for (int r = 0; r < n; ++r) {
+    const auto& tasks = backends[static_cast<std::size_t>(r)]->tasks();
+    for (std::size_t i = 0; i < tasks.size(); ++i) {
+      const LocalTask& t = tasks[i];
+      sim::Task g;
+      g.name = t.name;
+      g.rank = r;
+      g.gpu = r;
+      g.cls = t.cls;
+      g.latency = t.latency;
+      g.demands = t.demands;
+      for (int d : t.deps) g.deps.push_back(gid(r, d));
+      if (auto it = done_deps.find(gid(r, static_cast<int>(i))); it != done_deps.end())
+        g.deps.insert(g.deps.end(), it->second.begin(), it->second.end());
+      e.add_task(std::move(g));
+    }
+  }
+  for (auto& f : flows) e.add_task(std::move(f));
+  e.run();
+
+  // Every rank leaves the barrier at the latest host time.
+  double barrier = 0;
+  for (int r = 0; r < n; ++r) {
+    const int h = backends[static_cast<std::size_t>(r)]->host_task();
+    if (h >= 0) barrier = std::max(barrier, e.task(gid(r, h)).end);
+  }
+  bool quiet = true;
+  for (const auto& b : backends) quiet = quiet && b->quiescent();
+  for (int r = 0; r < n; ++r) {
+    const auto& tasks = backends[static_cast<std::size_t>(r)]->tasks();
+    std::vector<double> start(tasks.size()), end(tasks.size());
+    for (std::size_t i = 0; i < tasks.size(); ++i) {
+      start[i] = e.task(gid(r, static_cast<int>(i))).start;
+      end[i] = e.task(gid(r, static_cast<int>(i))).end;
+    }
+    backends[static_cast<std::size_t>(r)]->commit(start, end, epoch_base, quiet);
+  }
+  if (quiet) {
+    epoch_base += barrier;
+    ++epoch;
+    instances.clear();
+    for (auto& b : backends) b->new_epoch(epoch_base);
+  }
+}
+
+// ============================================================================================
+// SimCluster
+// ============================================================================================
+
+SimCluster::SimCluster(SimOptions options) : impl_(std::make_unique<Impl>()) {
+  impl_->opt = std::move(options);
+  const int world = impl_->opt.cluster.world_size();
+  impl_->n = impl_->opt.ranks > 0 ? impl_->opt.ranks : world;
+  if (impl_->n > world)
+    throw ConfigError("--ranks " + std::to_string(impl_->n) + " exceeds the " + std::to_string(world) +
+                      " GPUs of cluster " + impl_->opt.cluster.name);
+  for (int r = 0; r < impl_->n; ++r) impl_->backends.push_back(std::make_unique<SimBackendImpl>(*impl_, r));
+}
+
+SimCluster::~SimCluster() = default;
+int SimCluster::size() const { return impl_->n; }
+const SimOptions& SimCluster::options() const { return impl_->opt; }
+Backend& SimCluster::backend(int rank) { return *impl_->backends.at(static_cast<std::size_t>(rank)); }
+std::string SimCluster::calibration() const { return impl_->opt.profile ? impl_->opt.profile->name : "datasheet"; }
+
+void SimCluster::run(const std::function<void(Backend&, Communicator&)>& program) {
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(impl_->n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < impl_->n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        SimCommunicator world(*impl_, *impl_->backends[static_cast<std::size_t>(r)], "world");
+        program(*impl_->backends[static_cast<std::size_t>(r)], world);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+        std::lock_guard lk(impl_->mu);
+        if (!impl_->aborted) {
+          impl_->aborted = true;
+          impl_->abort_reason = "stopped because simulated rank " + std::to_string(r) + " failed";
+        }
+        impl_->cv.notify_all();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  // The first failure that is not a consequence of another rank's.
+  for (auto& e : errors) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const CommError& ce) {
+      if (std::string(ce.what()).find("stopped because simulated rank") != std::string::npos) continue;
+      throw;
+    }
+  }
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+}  // namespace moelab

@@ -1,0 +1,621 @@
+// harness/sim/cluster.cpp — loading cluster models and calibration profiles, and the
+// topology that maps a cluster onto the event engine's resources (see cluster.hpp).
+//
+// The files are data with a source for every figure (experiments/hardware/). All numbers
+// in them are SI: FLOP/s, bytes, bytes/s per direction, seconds — the same units as the
+// structs, so a file, the struct and to_json() read alike and round-trip exactly. Every
+// problem is a ConfigError of one line naming the file, the field path and the value
+// (harness/config/json_fields.hpp). Fields that the model would ignore for a node's kind
+// (pcie_bw on an NVSwitch node, nic_bw on a node without NICs) are rejected too: a figure
+// that silently does nothing is a figure someone believes is being used.
+// Formulas and routes: docs/PERFORMANCE.md, "Cluster models and the cost of each op".
+// Tested by harness/tests/sim_cluster_test.cpp.
+#include "harness/sim/cluster.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <limits>
+#include <stdexcept>
+
+#include "harness/config/json_fields.hpp"
+#include "harness/runtime/error.hpp"
+
+namespace moelab::sim {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using json_fields::Fields;
+using json_fields::fail;
+using json_fields::join;
+using json_fields::quote;
+using json_fields::show;
+
+namespace {
+
+constexpr const char* kGpusSchema = "moelab.gpus/1";
+constexpr const char* kNodesSchema = "moelab.nodes/1";
+constexpr const char* kClusterSchema = "moelab.cluster/1";
+constexpr const char* kProfileSchema = "moelab.profile/1";
+constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
+constexpr std::int64_t kInt64Max = std::numeric_limits<std::int64_t>::max();
+
+// ---- field readers with the ranges the model needs ------------------------------------
+
+void check_schema(const Fields& f, const char* expected, bool required) {
+  if (!required && !f.find("schema")) return;
+  const std::string s = f.string("schema");
+  if (s != expected) f.bad_value("schema", std::string("is not ") + quote(expected));
+}
+
+// A bandwidth, rate or size: finite and > 0.
+double positive(const Fields& f, const char* key) {
+  const double v = f.number(key);
+  if (!(v > 0) || !std::isfinite(v)) f.bad_value(key, "must be > 0");
+  return v;
+}
+// A latency: finite and >= 0.
+double non_negative(const Fields& f, const char* key) {
+  const double v = f.number(key);
+  if (!(v >= 0) || !std::isfinite(v)) f.bad_value(key, "must be >= 0");
+  return v;
+}
+double non_negative_or(const Fields& f, const char* key, double fallback) {
+  return f.find(key) ? non_negative(f, key) : fallback;
+}
+// An efficiency or interference factor: in (0, 1].
+double fraction_or(const Fields& f, const char* key, double fallback) {
+  if (!f.find(key)) return fallback;
+  const double v = f.number(key);
+  if (!(v > 0 && v <= 1)) f.bad_value(key, "must be in (0, 1]");
+  return v;
+}
+// A field that has no meaning for this object; `why` says when it would.
+void reject_if_present(const Fields& f, const char* key, const std::string& why) {
+  if (f.find(key)) fail(f.origin(), f.path(key) + " = " + show(*f.find(key)) + " is " + why);
+}
+
+std::string stem_of(const std::string& path) { return fs::path(path).stem().string(); }
+
+// ---- the catalogue ---------------------------------------------------------------------
+
+// A catalogue file (gpus.json or nodes.json): {"schema", "description", "<section>": {name: entry}}.
+struct Catalogue {
+  std::string origin;
+  json doc;
+  const json* entries = nullptr;
+
+  Catalogue(const Catalogue&) = delete;  // `entries` points into `doc`
+  Catalogue& operator=(const Catalogue&) = delete;
+  Catalogue(const std::string& path, const char* schema, const char* section) : origin(path) {
+    doc = json_fields::read_file(path, std::string(section) == "gpus" ? "GPU catalogue" : "node catalogue");
+    if (!doc.is_object()) fail(origin, "expected a JSON object at the top level, got " + show(doc));
+    Fields f(doc, origin, "", {"schema", "description", section});
+    check_schema(f, schema, true);
+    (void)f.string_or("description", "");
+    entries = &f.require(section);
+    if (!entries->is_object()) f.wrong_type(section, *entries, "an object of named entries");
+  }
+  std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    for (const auto& [k, v] : entries->items()) out.push_back(k);
+    return out;
+  }
+};
+
+std::string hardware_dir() { return (fs::path(experiments_dir()) / "hardware").string(); }
+
+GpuSpec parse_gpu(const json& j, const std::string& origin, const std::string& prefix, const std::string* key_name) {
+  const std::string obj = prefix.substr(0, prefix.size() - 1);
+  if (!j.is_object()) fail(origin, obj + ": expected an object, got " + show(j));
+  std::vector<std::string> known = {"description", "flops_bf16", "flops_tf32", "flops_fp32",
+                                    "memory_bytes", "hbm_bw", "source"};
+  if (!key_name) known.insert(known.begin(), "name");  // an inline GPU names itself
+  Fields f(j, origin, prefix, known);
+  GpuSpec g;
+  g.name = key_name ? *key_name : f.string("name");
+  (void)f.string_or("description", "");
+  g.flops_bf16 = positive(f, "flops_bf16");
+  g.flops_tf32 = positive(f, "flops_tf32");
+  g.flops_fp32 = positive(f, "flops_fp32");
+  g.memory_bytes = positive(f, "memory_bytes");
+  g.hbm_bw = positive(f, "hbm_bw");
+  g.source = f.string("source");
+  return g;
+}
+
+// The GPU a node names: a catalogue name, or an inline object (what to_json writes).
+GpuSpec resolve_gpu(const Fields& node, const json& v) {
+  if (v.is_object()) return parse_gpu(v, node.origin(), node.path("gpu") + ".", nullptr);
+  if (!v.is_string()) node.wrong_type("gpu", v, "a GPU name or a GPU object");
+  const std::string name = v.get<std::string>();
+  const Catalogue cat((fs::path(hardware_dir()) / "gpus.json").string(), kGpusSchema, "gpus");
+  auto it = cat.entries->find(name);
+  if (it == cat.entries->end()) {
+    std::string msg = node.path("gpu") + " = " + show(v) + " is not a GPU of " + cat.origin;
+    const std::vector<std::string> known = cat.names();
+    if (const std::string best = json_fields::closest(name, known); !best.empty())
+      msg += " (did you mean " + quote(best) + "?)";
+    fail(node.origin(), msg + " (known GPUs: " + join(known) + ")");
+  }
+  return parse_gpu(*it, cat.origin, "gpus." + name + ".", &name);
+}
+
+NodeSpec parse_node(const json& j, const std::string& origin, const std::string& prefix, const std::string* key_name,
+                    GpuSpec& gpu_out) {
+  const std::string obj = prefix.substr(0, prefix.size() - 1);
+  if (!j.is_object()) fail(origin, obj + ": expected an object, got " + show(j));
+  std::vector<std::string> known = {"description", "gpu", "gpus", "intra", "nvlink_bw", "nvlink_latency",
+                                    "gpus_per_pcie_switch", "pcie_bw", "pcie_switch_uplink_bw", "pcie_latency",
+                                    "nics", "nic_bw", "nic_latency", "host_memory_bytes", "host_copy_bw", "source"};
+  if (!key_name) known.insert(known.begin(), "name");
+  Fields f(j, origin, prefix, known);
+  NodeSpec n;
+  n.name = key_name ? *key_name : f.string("name");
+  (void)f.string_or("description", "");
+  n.gpus = static_cast<int>(f.integer("gpus", 1, kIntMax));
+  (void)f.require("intra");
+  n.intra = f.choice_or("intra", n.intra, {"nvswitch", "pcie"});
+  const std::string only_pcie = "only used with intra = \"pcie\" (this node has intra = \"nvswitch\")";
+  const std::string only_nvswitch = "only used with intra = \"nvswitch\" (this node has intra = \"pcie\")";
+  if (n.intra == "nvswitch") {
+    n.nvlink_bw = positive(f, "nvlink_bw");
+    n.nvlink_latency = non_negative(f, "nvlink_latency");
+    for (const char* k : {"gpus_per_pcie_switch", "pcie_bw", "pcie_switch_uplink_bw"}) reject_if_present(f, k, only_pcie);
+  } else {
+    for (const char* k : {"nvlink_bw", "nvlink_latency"}) reject_if_present(f, k, only_nvswitch);
+    n.gpus_per_pcie_switch = static_cast<int>(f.integer("gpus_per_pcie_switch", 1, kIntMax));
+    if (n.gpus % n.gpus_per_pcie_switch != 0)
+      fail(origin, f.path("gpus") + " = " + std::to_string(n.gpus) + " is not divisible by " +
+                       f.path("gpus_per_pcie_switch") + " = " + std::to_string(n.gpus_per_pcie_switch) +
+                       " (every PCIe switch holds the same number of GPUs)");
+    n.pcie_bw = positive(f, "pcie_bw");
+    n.pcie_switch_uplink_bw = positive(f, "pcie_switch_uplink_bw");
+  }
+  // Host copies cross PCIe on every node, so every node has a PCIe latency.
+  n.pcie_latency = non_negative(f, "pcie_latency");
+  n.nics = static_cast<int>(f.integer_or("nics", 0, 0, kIntMax));
+  if (n.nics > 0) {
+    n.nic_bw = positive(f, "nic_bw");
+    n.nic_latency = non_negative(f, "nic_latency");
+  } else {
+    for (const char* k : {"nic_bw", "nic_latency"}) reject_if_present(f, k, "only used when nics > 0");
+  }
+  n.host_memory_bytes = positive(f, "host_memory_bytes");
+  n.host_copy_bw = positive(f, "host_copy_bw");
+  n.source = f.string("source");
+  // Last, so that the node's own fields are checked before another file is read.
+  const json& g = f.require("gpu");
+  gpu_out = resolve_gpu(f, g);
+  n.gpu = gpu_out.name;
+  return n;
+}
+
+NodeSpec resolve_node(const Fields& cluster, const json& v, GpuSpec& gpu_out) {
+  if (v.is_object()) return parse_node(v, cluster.origin(), cluster.path("node") + ".", nullptr, gpu_out);
+  if (!v.is_string()) cluster.wrong_type("node", v, "a node name or a node object");
+  const std::string name = v.get<std::string>();
+  const Catalogue cat((fs::path(hardware_dir()) / "nodes.json").string(), kNodesSchema, "nodes");
+  auto it = cat.entries->find(name);
+  if (it == cat.entries->end()) {
+    std::string msg = cluster.path("node") + " = " + show(v) + " is not a node of " + cat.origin;
+    const std::vector<std::string> known = cat.names();
+    if (const std::string best = json_fields::closest(name, known); !best.empty())
+      msg += " (did you mean " + quote(best) + "?)";
+    fail(cluster.origin(), msg + " (known nodes: " + join(known) + ")");
+  }
+  return parse_node(*it, cat.origin, "nodes." + name + ".", &name, gpu_out);
+}
+
+Efficiency parse_efficiency(const Fields& cluster) {
+  Efficiency e;
+  const json* j = cluster.find("efficiency");
+  if (!j) return e;
+  if (!j->is_object()) cluster.wrong_type("efficiency", *j, "an object");
+  Fields f(*j, cluster.origin(), "efficiency.", {"gemm_max", "gemm_half_dim", "mem", "launch_latency", "source"});
+  e.gemm_max = fraction_or(f, "gemm_max", e.gemm_max);
+  e.gemm_half_dim = non_negative_or(f, "gemm_half_dim", e.gemm_half_dim);
+  e.mem = fraction_or(f, "mem", e.mem);
+  e.launch_latency = non_negative_or(f, "launch_latency", e.launch_latency);
+  e.source = f.string_or("source", "");
+  return e;
+}
+
+Interference parse_interference(const Fields& cluster) {
+  Interference in;
+  const json* j = cluster.find("interference");
+  if (!j) return in;
+  if (!j->is_object()) cluster.wrong_type("interference", *j, "an object");
+  Fields f(*j, cluster.origin(), "interference.", {"sigma", "mu", "eta", "source"});
+  in.sigma = fraction_or(f, "sigma", in.sigma);
+  in.mu = fraction_or(f, "mu", in.mu);
+  in.eta = fraction_or(f, "eta", in.eta);
+  in.source = f.string_or("source", "");
+  return in;
+}
+
+ClusterModel parse_cluster(const json& j, const std::string& origin) {
+  if (!j.is_object()) fail(origin, "expected a JSON object at the top level, got " + show(j));
+  Fields f(j, origin, "",
+           {"schema", "name", "description", "node", "nodes", "fabric", "fabric_latency", "efficiency",
+            "interference", "source"});
+  check_schema(f, kClusterSchema, false);
+  ClusterModel m;
+  m.origin = origin;
+  m.name = f.string_or("name", stem_of(origin));
+  m.description = f.string_or("description", "");
+  m.nodes = static_cast<int>(f.integer("nodes", 1, kIntMax));
+  m.fabric = f.choice_or("fabric", m.fabric, {"infiniband", "ethernet"});
+  m.fabric_latency = non_negative_or(f, "fabric_latency", 0.0);
+  m.efficiency = parse_efficiency(f);
+  m.interference = parse_interference(f);
+  m.source = f.string("source");
+  m.node = resolve_node(f, f.require("node"), m.gpu);
+  if (m.nodes > 1 && m.node.nics == 0)
+    fail(origin, "nodes = " + std::to_string(m.nodes) + " but node " + quote(m.node.name) +
+                     " has no NICs (nics = 0): a multi-node cluster needs a node with nics > 0");
+  return m;
+}
+
+json to_json(const GpuSpec& g) {
+  return {{"name", g.name},         {"flops_bf16", g.flops_bf16},     {"flops_tf32", g.flops_tf32},
+          {"flops_fp32", g.flops_fp32}, {"memory_bytes", g.memory_bytes}, {"hbm_bw", g.hbm_bw},
+          {"source", g.source}};
+}
+
+// Only the fields that apply to the node's kind: load_cluster rejects the others.
+json to_json(const NodeSpec& n, const GpuSpec& g) {
+  json j = {{"name", n.name}, {"gpu", to_json(g)}, {"gpus", n.gpus}, {"intra", n.intra}};
+  if (n.intra == "nvswitch") {
+    j["nvlink_bw"] = n.nvlink_bw;
+    j["nvlink_latency"] = n.nvlink_latency;
+  } else {
+    j["gpus_per_pcie_switch"] = n.gpus_per_pcie_switch;
+    j["pcie_bw"] = n.pcie_bw;
+    j["pcie_switch_uplink_bw"] = n.pcie_switch_uplink_bw;
+  }
+  j["pcie_latency"] = n.pcie_latency;
+  j["nics"] = n.nics;
+  if (n.nics > 0) {
+    j["nic_bw"] = n.nic_bw;
+    j["nic_latency"] = n.nic_latency;
+  }
+  j["host_memory_bytes"] = n.host_memory_bytes;
+  j["host_copy_bw"] = n.host_copy_bw;
+  j["source"] = n.source;
+  return j;
+}
+
+}  // namespace
+
+// ---- ClusterModel ------------------------------------------------------------------------
+
+double ClusterModel::peak_flops(DType t) const {
+  switch (t) {
+    case DType::bf16:
+      return gpu.flops_bf16;
+    case DType::f32:
+      return gpu.flops_fp32;
+    default:
+      throw Unsupported(std::string("cluster model ") + quote(name) + ": no peak FLOP/s for " + dtype_name(t) +
+                        " GEMMs (the catalogue has bf16, tf32 and fp32 rates)");
+  }
+}
+
+std::string experiments_dir() {
+  if (const char* e = std::getenv("MOELAB_EXPERIMENTS"); e && *e) return e;
+#ifdef MOELAB_SOURCE_DIR
+  return std::string(MOELAB_SOURCE_DIR) + "/experiments";
+#else
+  return "experiments";  // relative to the working directory: a build without the source path
+#endif
+}
+
+std::vector<std::string> cluster_names() {
+  std::vector<std::string> names;
+  std::error_code ec;
+  const fs::path dir = fs::path(hardware_dir()) / "clusters";
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
+    if (it->path().extension() == ".json" && it->is_regular_file(ec)) names.push_back(it->path().stem().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// A name has no '/' and no ".json"; anything else is a path.
+ClusterModel load_cluster(const std::string& name_or_path) {
+  const bool is_path = name_or_path.find('/') != std::string::npos ||
+                       (name_or_path.size() > 5 && name_or_path.ends_with(".json"));
+  std::string path = name_or_path;
+  if (!is_path) {
+    const fs::path dir = fs::path(hardware_dir()) / "clusters";
+    path = (dir / (name_or_path + ".json")).string();
+    std::error_code ec;
+    if (name_or_path.empty() || !fs::is_regular_file(path, ec)) {
+      const auto known = cluster_names();
+      std::string msg = "unknown cluster " + quote(name_or_path);
+      if (const std::string best = json_fields::closest(name_or_path, known); !best.empty())
+        msg += " (did you mean " + quote(best) + "?)";
+      msg += known.empty() ? "; no cluster files in " + dir.string()
+                           : "; known clusters: " + join(known) + " (from " + dir.string() + ")";
+      throw ConfigError(msg + "; or give the path of a cluster file");
+    }
+  }
+  return parse_cluster(json_fields::read_file(path, "cluster file"), path);
+}
+
+nlohmann::json to_json(const ClusterModel& m) {
+  return {{"schema", kClusterSchema},
+          {"name", m.name},
+          {"description", m.description},
+          {"node", to_json(m.node, m.gpu)},
+          {"nodes", m.nodes},
+          {"fabric", m.fabric},
+          {"fabric_latency", m.fabric_latency},
+          {"efficiency",
+           {{"gemm_max", m.efficiency.gemm_max},
+            {"gemm_half_dim", m.efficiency.gemm_half_dim},
+            {"mem", m.efficiency.mem},
+            {"launch_latency", m.efficiency.launch_latency},
+            {"source", m.efficiency.source}}},
+          {"interference",
+           {{"sigma", m.interference.sigma},
+            {"mu", m.interference.mu},
+            {"eta", m.interference.eta},
+            {"source", m.interference.source}}},
+          {"source", m.source}};
+}
+
+// ---- calibration profiles ----------------------------------------------------------------
+
+Profile load_profile(const std::string& path) {
+  const json j = json_fields::read_file(path, "calibration profile");
+  if (!j.is_object()) fail(path, "expected a JSON object at the top level, got " + show(j));
+  Fields f(j, path, "",
+           {"schema", "name", "device", "date", "commit", "gemm", "h2d_bw", "d2h_bw", "d2d_bw", "elementwise_bw",
+            "launch_latency"});
+  check_schema(f, kProfileSchema, true);
+  Profile p;
+  p.origin = path;
+  p.name = f.string_or("name", stem_of(path));
+  p.device = f.string("device");
+  p.date = f.string_or("date", "");
+  p.commit = f.string_or("commit", "");
+  if (const json* g = f.find("gemm")) {
+    if (!g->is_array()) f.wrong_type("gemm", *g, "an array of {m, n, k, dtype, seconds}");
+    for (std::size_t i = 0; i < g->size(); ++i) {
+      const json& s = (*g)[i];
+      const std::string prefix = "gemm[" + std::to_string(i) + "].";
+      if (!s.is_object()) fail(path, prefix.substr(0, prefix.size() - 1) + ": expected an object, got " + show(s));
+      Fields sf(s, path, prefix, {"m", "n", "k", "dtype", "seconds"});
+      GemmSample smp;
+      smp.m = sf.integer("m", 1, kInt64Max);
+      smp.n = sf.integer("n", 1, kInt64Max);
+      smp.k = sf.integer("k", 1, kInt64Max);
+      (void)sf.require("dtype");
+      smp.dtype = parse_dtype(sf.choice_or("dtype", "fp32", {"fp32", "bf16"}));
+      smp.seconds = positive(sf, "seconds");
+      p.gemm.push_back(smp);
+    }
+  }
+  // 0 or absent: not measured (the datasheet figure is used instead).
+  p.h2d_bw = non_negative_or(f, "h2d_bw", 0.0);
+  p.d2h_bw = non_negative_or(f, "d2h_bw", 0.0);
+  p.d2d_bw = non_negative_or(f, "d2d_bw", 0.0);
+  p.elementwise_bw = non_negative_or(f, "elementwise_bw", 0.0);
+  p.launch_latency = non_negative_or(f, "launch_latency", 0.0);
+  return p;
+}
+
+nlohmann::json to_json(const Profile& p) {
+  json gemm = json::array();
+  for (const auto& s : p.gemm)
+    gemm.push_back({{"m", s.m}, {"n", s.n}, {"k", s.k}, {"dtype", dtype_name(s.dtype)}, {"seconds", s.seconds}});
+  return {{"schema", kProfileSchema}, {"name", p.name},     {"device", p.device},
+          {"date", p.date},           {"commit", p.commit}, {"gemm", gemm},
+          {"h2d_bw", p.h2d_bw},       {"d2h_bw", p.d2h_bw}, {"d2d_bw", p.d2d_bw},
+          {"elementwise_bw", p.elementwise_bw}, {"launch_latency", p.launch_latency}};
+}
+
+// ---- Topology ----------------------------------------------------------------------------
+
+namespace {
+
+// A ClusterModel built in code rather than loaded must still be consistent, or the index
+// arithmetic below divides by zero.
+void check_model(const ClusterModel& m) {
+  const auto bad = [&](const std::string& what) {
+    throw std::invalid_argument("Topology: cluster model " + quote(m.name) + ": " + what);
+  };
+  if (m.nodes < 1 || m.node.gpus < 1) bad("needs at least one node and one GPU per node");
+  if (m.node.intra != "nvswitch" && m.node.intra != "pcie") bad("intra must be \"nvswitch\" or \"pcie\"");
+  if (m.node.intra == "pcie" && (m.node.gpus_per_pcie_switch < 1 || m.node.gpus % m.node.gpus_per_pcie_switch != 0))
+    bad("gpus per node must be a multiple of gpus_per_pcie_switch");
+  if (m.nodes > 1 && m.node.nics < 1) bad("a multi-node cluster needs NICs");
+}
+
+void check_profile(const Profile& p) {
+  for (const auto& s : p.gemm)
+    if (s.m < 1 || s.n < 1 || s.k < 1 || !(s.seconds > 0))
+      throw std::invalid_argument("Topology: profile " + quote(p.name) + " has a GEMM sample with a size < 1 or seconds <= 0");
+}
+
+std::string rank_name(int r) { return "rank" + std::to_string(r); }
+
+}  // namespace
+
+Topology::Topology(const ClusterModel& m, Engine& e, const Profile* profile) : m_(m), profile_(profile) {
+  check_model(m);
+  if (profile) check_profile(*profile);
+  const NodeSpec& nd = m.node;
+  const int world = m.world_size();
+  for (int r = 0; r < world; ++r) {
+    sm_.push_back(e.add_resource(rank_name(r) + ".sm", 1.0));
+    hbm_.push_back(e.add_resource(rank_name(r) + ".hbm", m.gpu.hbm_bw));
+  }
+  if (nd.intra == "nvswitch") {
+    // A measured host-copy rate replaces the datasheet one: the link is the GPU's alone.
+    const double h2d = profile && profile->h2d_bw > 0 ? profile->h2d_bw : nd.host_copy_bw;
+    const double d2h = profile && profile->d2h_bw > 0 ? profile->d2h_bw : nd.host_copy_bw;
+    for (int r = 0; r < world; ++r) {
+      link_out_.push_back(e.add_resource(rank_name(r) + ".nvlink_out", nd.nvlink_bw));
+      link_in_.push_back(e.add_resource(rank_name(r) + ".nvlink_in", nd.nvlink_bw));
+      // host_link_[2r]: host -> device, host_link_[2r + 1]: device -> host.
+      host_link_.push_back(e.add_resource(rank_name(r) + ".h2d", h2d));
+      host_link_.push_back(e.add_resource(rank_name(r) + ".d2h", d2h));
+    }
+  } else {
+    for (int r = 0; r < world; ++r) {
+      link_out_.push_back(e.add_resource(rank_name(r) + ".pcie_up", nd.pcie_bw));
+      link_in_.push_back(e.add_resource(rank_name(r) + ".pcie_down", nd.pcie_bw));
+    }
+    const int switches = nd.gpus / nd.gpus_per_pcie_switch;
+    for (int n = 0; n < m.nodes; ++n)
+      for (int s = 0; s < switches; ++s) {
+        const std::string sw = "node" + std::to_string(n) + ".switch" + std::to_string(s);
+        switch_up_.push_back(e.add_resource(sw + ".up", nd.pcie_switch_uplink_bw));
+        switch_down_.push_back(e.add_resource(sw + ".down", nd.pcie_switch_uplink_bw));
+      }
+  }
+  // NICs carry only traffic between nodes, so a single node has none to register.
+  if (m.nodes > 1)
+    for (int n = 0; n < m.nodes; ++n)
+      for (int i = 0; i < nd.nics; ++i) {
+        const std::string nic = "node" + std::to_string(n) + ".nic" + std::to_string(i);
+        nic_out_.push_back(e.add_resource(nic + ".out", nd.nic_bw));
+        nic_in_.push_back(e.add_resource(nic + ".in", nd.nic_bw));
+      }
+}
+
+namespace {
+
+void check_rank(int rank, int world, const char* what) {
+  if (rank < 0 || rank >= world)
+    throw std::invalid_argument(std::string("Topology::") + what + ": rank " + std::to_string(rank) +
+                                " is outside the cluster's " + std::to_string(world) + " GPUs");
+}
+
+}  // namespace
+
+int Topology::sm(int rank) const {
+  check_rank(rank, m_.world_size(), "sm");
+  return sm_[static_cast<std::size_t>(rank)];
+}
+
+int Topology::hbm(int rank) const {
+  check_rank(rank, m_.world_size(), "hbm");
+  return hbm_[static_cast<std::size_t>(rank)];
+}
+
+Route Topology::p2p(int src, int dst) const {
+  const int world = m_.world_size();
+  check_rank(src, world, "p2p");
+  check_rank(dst, world, "p2p");
+  if (src == dst) throw std::invalid_argument("Topology::p2p: source and destination are both rank " + std::to_string(src));
+  const NodeSpec& nd = m_.node;
+  const auto at = [](const std::vector<int>& v, int i) { return v[static_cast<std::size_t>(i)]; };
+  const int node_src = m_.node_of(src), node_dst = m_.node_of(dst);
+  const int local_src = src % nd.gpus, local_dst = dst % nd.gpus;
+  const bool pcie = nd.intra == "pcie";
+  Route r;
+  if (node_src == node_dst) {
+    r.resources = {at(link_out_, src)};
+    if (pcie) {
+      const int switches = nd.gpus / nd.gpus_per_pcie_switch;
+      const int sw_src = node_src * switches + local_src / nd.gpus_per_pcie_switch;
+      const int sw_dst = node_dst * switches + local_dst / nd.gpus_per_pcie_switch;
+      if (sw_src != sw_dst) {
+        r.resources.push_back(at(switch_up_, sw_src));
+        r.resources.push_back(at(switch_down_, sw_dst));
+      }
+      r.latency = nd.pcie_latency;
+    } else {
+      r.latency = nd.nvlink_latency;
+    }
+    r.resources.push_back(at(link_in_, dst));
+    return r;
+  }
+  // Rail-optimised: GPU i of a node sends and receives through NIC i % nics.
+  if (pcie) r.resources.push_back(at(link_out_, src));
+  r.resources.push_back(at(nic_out_, node_src * nd.nics + local_src % nd.nics));
+  r.resources.push_back(at(nic_in_, node_dst * nd.nics + local_dst % nd.nics));
+  if (pcie) r.resources.push_back(at(link_in_, dst));
+  r.latency = nd.nic_latency + m_.fabric_latency;
+  return r;
+}
+
+Route Topology::host_to_device(int rank) const {
+  check_rank(rank, m_.world_size(), "host_to_device");
+  const NodeSpec& nd = m_.node;
+  const auto i = static_cast<std::size_t>(rank);
+  Route r;
+  r.latency = nd.pcie_latency;
+  if (nd.intra == "nvswitch") {
+    r.resources = {host_link_[2 * i]};
+  } else {
+    const auto sw = static_cast<std::size_t>(rank / nd.gpus_per_pcie_switch);  // switches are numbered across nodes
+    r.resources = {switch_down_[sw], link_in_[i]};
+  }
+  return r;
+}
+
+Route Topology::device_to_host(int rank) const {
+  check_rank(rank, m_.world_size(), "device_to_host");
+  const NodeSpec& nd = m_.node;
+  const auto i = static_cast<std::size_t>(rank);
+  Route r;
+  r.latency = nd.pcie_latency;
+  if (nd.intra == "nvswitch") {
+    r.resources = {host_link_[2 * i + 1]};
+  } else {
+    const auto sw = static_cast<std::size_t>(rank / nd.gpus_per_pcie_switch);
+    r.resources = {link_out_[i], switch_up_[sw]};
+  }
+  return r;
+}
+
+double Topology::gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DType t) const {
+  if (m < 0 || n < 0 || k < 0)
+    throw std::invalid_argument("Topology::gemm_seconds: negative size " + std::to_string(m) + "x" + std::to_string(n) +
+                                "x" + std::to_string(k));
+  if (m == 0 || n == 0 || k == 0) return 0.0;
+  const double dm = static_cast<double>(m), dn = static_cast<double>(n), dk = static_cast<double>(k);
+  const double flops = 2.0 * dm * dn * dk;
+  if (profile_) {
+    // The measured shape nearest in log space: GEMM efficiency depends on the ratios of the
+    // sizes, not their differences, so 512 is as far from 256 as 8192 is from 4096.
+    const GemmSample* best = nullptr;
+    double best_d = std::numeric_limits<double>::infinity();
+    for (const auto& s : profile_->gemm) {
+      if (s.dtype != t) continue;
+      const double a = std::log(dm / static_cast<double>(s.m));
+      const double b = std::log(dn / static_cast<double>(s.n));
+      const double c = std::log(dk / static_cast<double>(s.k));
+      const double d = a * a + b * b + c * c;
+      if (d < best_d) {  // strict: the first of equally near samples wins, in file order
+        best_d = d;
+        best = &s;
+      }
+    }
+    if (best) {
+      const double sample_flops =
+          2.0 * static_cast<double>(best->m) * static_cast<double>(best->n) * static_cast<double>(best->k);
+      return best->seconds * (flops / sample_flops);  // the sample's achieved FLOP/s, this shape's FLOPs
+    }
+  }
+  const double d = static_cast<double>(std::min({m, n, k}));
+  const double eff = m_.efficiency.gemm_max * d / (d + m_.efficiency.gemm_half_dim);
+  return flops / (m_.peak_flops(t) * eff);
+}
+
+double Topology::mem_bw_effective() const {
+  if (profile_ && profile_->elementwise_bw > 0) return profile_->elementwise_bw;
+  return m_.gpu.hbm_bw * m_.efficiency.mem;
+}
+
+double Topology::launch_latency() const {
+  if (profile_ && profile_->launch_latency > 0) return profile_->launch_latency;
+  return m_.efficiency.launch_latency;
+}
+
+}  // namespace moelab::sim

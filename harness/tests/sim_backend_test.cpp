@@ -1,0 +1,213 @@
+// harness/tests/sim_backend_test.cpp — the sim backend running the unchanged MoE layer:
+// analytic collective times, the NIC bound across nodes, the virtual allocator against the
+// cpu backend's, determinism, the routing model, and errors.
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "harness/backends/sim/sim_backend.hpp"
+#include "harness/nn/moe_layer.hpp"
+#include "harness/runtime/error.hpp"
+#include "harness/tests/test_util.hpp"
+
+namespace moelab {
+namespace {
+
+// One node of n GPUs on an NVSwitch of per-port bandwidth bw (bytes/s) and latency lat; or
+// `nodes` such nodes joined by one NIC per GPU.
+sim::ClusterModel toy_cluster(int gpus, double bw, double lat, int nodes = 1, double nic_bw = 0, double nic_lat = 0) {
+  sim::ClusterModel m;
+  m.name = "toy";
+  m.gpu = {"toy-gpu", 100e12, 50e12, 20e12, 80e9, 2e12, "test"};
+  m.node.name = "toy-node";
+  m.node.gpu = "toy-gpu";
+  m.node.gpus = gpus;
+  m.node.intra = "nvswitch";
+  m.node.nvlink_bw = bw;
+  m.node.nvlink_latency = lat;
+  m.node.nics = nodes > 1 ? gpus : 0;
+  m.node.nic_bw = nic_bw;
+  m.node.nic_latency = nic_lat;
+  m.node.host_memory_bytes = 1e12;
+  m.node.host_copy_bw = 25e9;
+  m.nodes = nodes;
+  m.efficiency.launch_latency = 0;  // analytic cases: no launch overhead
+  return m;
+}
+
+// Every rank sends `bytes_per_peer` to every other rank in one all-to-all-v; returns each
+// rank's [arrive, done] from its timeline.
+std::vector<OpRecord> one_all_to_all(const sim::ClusterModel& m, std::int64_t floats_per_peer) {
+  SimOptions o;
+  o.cluster = m;
+  SimCluster cluster(o);
+  const int n = cluster.size();
+  std::vector<OpRecord> out(static_cast<std::size_t>(n));
+  cluster.run([&](Backend& b, Communicator& c) {
+    Stream& s = b.default_stream();
+    Tensor send = b.empty({n * floats_per_peer}, DType::f32, MemCategory::buffers, s);
+    Tensor recv = b.empty({n * floats_per_peer}, DType::f32, MemCategory::buffers, s);
+    std::vector<Segment> segs;
+    for (int p = 0; p < n; ++p)
+      if (p != c.rank()) segs.push_back({p, p * floats_per_peer, floats_per_peer});
+    c.barrier();
+    b.clear_timeline();
+    c.all_to_all_v(s, send, segs, recv, segs);
+    b.synchronize();
+    c.barrier();
+    const auto tl = b.timeline();
+    ASSERT_EQ(tl.size(), 1u);
+    out[static_cast<std::size_t>(c.rank())] = tl[0];
+  });
+  return out;
+}
+
+TEST(SimCollectives, AllToAllMatchesAlphaBeta) {
+  for (int n : {2, 4, 8}) {
+    const double bw = 100e9, lat = 3e-6;
+    const std::int64_t f = 1 << 20;  // 4 MiB to each peer
+    const auto recs = one_all_to_all(toy_cluster(n, bw, lat), f);
+    const double expect = lat + static_cast<double>(n - 1) * 4.0 * static_cast<double>(f) / bw;
+    for (const auto& r : recs) EXPECT_NEAR(r.end - r.start, expect, 1e-12 * expect) << "n=" << n;
+    EXPECT_EQ(recs[0].cost.comm_bytes, 4.0 * static_cast<double>(f) * (n - 1));
+  }
+}
+
+TEST(SimCollectives, TwoNodeAllToAllIsBoundedByTheNic) {
+  // 2 nodes x 4 GPUs; NVLink 10x faster than a NIC: the inter-node bytes through each GPU's
+  // NIC (4 peers on the other node) set the time.
+  const double nv = 250e9, nic = 25e9;
+  const std::int64_t f = 1 << 18;
+  const auto recs = one_all_to_all(toy_cluster(4, nv, 0, 2, nic, 0), f);
+  const double bytes = 4.0 * static_cast<double>(f);
+  const double nic_bound = 4 * bytes / nic;  // each GPU sends to 4 remote peers over its NIC
+  for (const auto& r : recs) {
+    EXPECT_GE(r.end - r.start, nic_bound * (1 - 1e-9));
+    EXPECT_LE(r.end - r.start, nic_bound * 1.05);
+  }
+}
+
+ModelConfig small_model() {
+  ModelConfig m;
+  m.d_model = 64;
+  m.d_hidden = 256;
+  m.num_experts = 8;
+  m.top_k = 2;
+  m.capacity_factor = 0;  // no dropping: buffer sizes do not depend on the routing
+  return m;
+}
+
+// The same layer program, on a backend and a communicator.
+std::size_t layer_peak(Backend& b, Communicator& c, const ModelConfig& m, std::int64_t T) {
+  MoELayer layer(b, c, m);
+  layer.init_parameters(1);
+  Tensor x = b.empty({T, m.d_model}, DType::f32, MemCategory::activations, layer.compute_stream());
+  Tensor dy = b.empty({T, m.d_model}, DType::f32, MemCategory::activations, layer.compute_stream());
+  b.fill_zero(layer.compute_stream(), x);
+  b.fill_zero(layer.compute_stream(), dy);
+  Tensor y = layer.forward(x);
+  Tensor dx = layer.backward(dy, 0.01f);
+  b.synchronize();
+  return b.memory().peak_device();
+}
+
+TEST(SimBackend, VirtualPeakEqualsTheCpuBackendsPeak) {
+  const ModelConfig m = small_model();
+  auto cpu = make_backend("cpu");
+  auto self = make_self_communicator(*cpu);
+  const std::size_t cpu_peak = layer_peak(*cpu, *self, m, 333);
+  SimOptions o;
+  o.cluster = toy_cluster(8, 100e9, 1e-6);
+  o.ranks = 1;
+  SimCluster cluster(o);
+  std::size_t sim_peak = 0;
+  cluster.run([&](Backend& b, Communicator& c) { sim_peak = layer_peak(b, c, m, 333); });
+  EXPECT_EQ(sim_peak, cpu_peak);
+  EXPECT_GT(sim_peak, 0u);
+}
+
+// A forward+backward of the layer on 8 simulated ranks; the timeline of rank 0.
+std::vector<OpRecord> layer_timeline(const RoutingModel& routing, double* step = nullptr) {
+  SimOptions o;
+  o.cluster = toy_cluster(4, 100e9, 2e-6, 2, 25e9, 5e-6);
+  o.cluster.efficiency.launch_latency = 4e-6;
+  o.routing = routing;
+  SimCluster cluster(o);
+  std::vector<OpRecord> tl0;
+  cluster.run([&](Backend& b, Communicator& c) {
+    ModelConfig m = small_model();
+    m.capacity_factor = 1.25;
+    MoELayer layer(b, c, m);
+    Tensor x = b.empty({4096, m.d_model}, DType::f32, MemCategory::activations, layer.compute_stream());
+    c.barrier();
+    const double t0 = b.now();
+    Tensor y = layer.forward(x);
+    Tensor dx = layer.backward(y, 0.0f);
+    b.synchronize();
+    c.barrier();
+    if (c.rank() == 0) {
+      tl0 = b.timeline();
+      if (step) *step = b.now() - t0;
+    }
+  });
+  return tl0;
+}
+
+TEST(SimBackend, DeterministicAndCoversEveryPhase) {
+  double s1 = 0, s2 = 0;
+  const auto a = layer_timeline(RoutingModel::parse("zipf:1.1", 7), &s1);
+  const auto b = layer_timeline(RoutingModel::parse("zipf:1.1", 7), &s2);
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].name, b[i].name);
+    EXPECT_EQ(a[i].start, b[i].start);  // bit for bit
+    EXPECT_EQ(a[i].end, b[i].end);
+  }
+  EXPECT_EQ(s1, s2);
+  EXPECT_GT(s1, 0.0);
+  std::map<std::string, int> phases;
+  for (const auto& r : a) ++phases[r.phase];
+  for (const char* p : {"gate", "dispatch", "experts", "combine"}) EXPECT_GT(phases[p], 0) << p;
+  // Stream order holds: no op on a stream starts before the previous one on it ended.
+  std::map<int, double> last_end;
+  for (const auto& r : a) {
+    EXPECT_GE(r.start, last_end[r.stream_id] - 1e-15) << r.name;
+    last_end[r.stream_id] = r.end;
+  }
+}
+
+TEST(RoutingModel, SameSeedSameRoutingAndZipfIsSkewed) {
+  const auto u = RoutingModel::parse("uniform", 3);
+  EXPECT_EQ(u.draw(2, 5, 1000, 2, 16), RoutingModel::parse("uniform", 3).draw(2, 5, 1000, 2, 16));
+  EXPECT_NE(u.draw(2, 5, 1000, 2, 16), u.draw(3, 5, 1000, 2, 16));
+  const auto z = RoutingModel::parse("zipf:1.5", 3).draw(0, 0, 20000, 1, 16);
+  std::int64_t total = 0, top = 0;
+  for (auto c : z) {
+    total += c;
+    top = std::max(top, c);
+  }
+  EXPECT_EQ(total, 20000);
+  EXPECT_GT(static_cast<double>(top) / static_cast<double>(total), 0.3);  // 1/H(16,1.5) ~ 0.41
+  for (auto c : u.draw(0, 0, 16000, 2, 16)) EXPECT_NEAR(static_cast<double>(c), 2000.0, 200.0);
+  EXPECT_THROW(RoutingModel::parse("zipf:-1", 1), ConfigError);
+  EXPECT_THROW(RoutingModel::parse("normal", 1), ConfigError);
+  EXPECT_THROW(RoutingModel::parse("trace:/nonexistent.json", 1), ConfigError);
+}
+
+TEST(SimCluster, AFailingRankStopsTheOthersWithAClearError) {
+  SimOptions o;
+  o.cluster = toy_cluster(4, 100e9, 1e-6);
+  SimCluster cluster(o);
+  try {
+    cluster.run([&](Backend&, Communicator& c) {
+      if (c.rank() == 2) throw ConfigError("planted failure on rank 2");
+      c.barrier();  // the others would wait here forever without the abort
+    });
+    FAIL() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("planted failure on rank 2"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace moelab

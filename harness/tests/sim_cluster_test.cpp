@@ -1,0 +1,511 @@
+// harness/tests/sim_cluster_test.cpp — the sim backend's cluster models: the catalogue
+// loads, routes use the right links with the right latencies, GEMM times follow the
+// datasheet curve or the calibration profile, and every bad file is rejected with one
+// message naming the file, the field and the value.
+//
+//   ctest --test-dir build -R sim_cluster
+//   build/harness/tests/sim_cluster_test --gtest_filter='ClusterErrors*'
+#include <unistd.h>
+
+#include <cctype>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "harness/runtime/error.hpp"
+#include "harness/sim/cluster.hpp"
+#include "harness/sim/engine.hpp"
+
+namespace moelab::sim {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// The catalogue as committed; every test starts from it with MOELAB_EXPERIMENTS unset, so
+// that a value in the caller's environment cannot change what is tested.
+class ClusterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (const char* e = std::getenv("MOELAB_EXPERIMENTS")) saved_ = e;
+    ::unsetenv("MOELAB_EXPERIMENTS");
+  }
+  void TearDown() override {
+    if (saved_)
+      ::setenv("MOELAB_EXPERIMENTS", saved_->c_str(), 1);
+    else
+      ::unsetenv("MOELAB_EXPERIMENTS");
+    if (!tmp_.empty()) {
+      std::error_code ec;
+      fs::remove_all(tmp_, ec);
+    }
+  }
+
+  // A fresh folder for this test, removed afterwards.
+  fs::path tmp() {
+    if (tmp_.empty()) {
+      const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+      std::string name = std::string(info->test_suite_name()) + "_" + info->name();
+      for (auto& ch : name)
+        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+      tmp_ = fs::temp_directory_path() / ("moelab_sim_cluster_test_" + std::to_string(::getpid()) + "_" + name);
+      fs::remove_all(tmp_);
+      fs::create_directories(tmp_);
+    }
+    return tmp_;
+  }
+  std::string write(const std::string& rel, const std::string& text) {
+    const fs::path p = tmp() / rel;
+    fs::create_directories(p.parent_path());
+    std::ofstream(p) << text;
+    return p.string();
+  }
+  std::string write(const std::string& rel, const json& j) { return write(rel, j.dump(2)); }
+
+  // A copy of the committed gpus.json and nodes.json under tmp()/hardware, changed by
+  // `edit_gpus` / `edit_nodes`, and MOELAB_EXPERIMENTS pointing at it.
+  void use_catalogue_copy(const std::function<void(json&)>& edit_gpus = {},
+                          const std::function<void(json&)>& edit_nodes = {}) {
+    const fs::path real = fs::path(experiments_dir()) / "hardware";
+    json gpus = json::parse(std::ifstream(real / "gpus.json"));
+    json nodes = json::parse(std::ifstream(real / "nodes.json"));
+    if (edit_gpus) edit_gpus(gpus);
+    if (edit_nodes) edit_nodes(nodes);
+    write("hardware/gpus.json", gpus);
+    write("hardware/nodes.json", nodes);
+    fs::create_directories(tmp() / "hardware" / "clusters");
+    ::setenv("MOELAB_EXPERIMENTS", tmp().c_str(), 1);
+  }
+  // A cluster file in the copied catalogue.
+  std::string write_cluster(const std::string& name, const json& j) { return write("hardware/clusters/" + name + ".json", j); }
+
+  static json minimal_cluster(const std::string& node, int nodes) {
+    return {{"node", node}, {"nodes", nodes}, {"source", "test"}};
+  }
+
+ private:
+  std::optional<std::string> saved_;
+  fs::path tmp_;
+};
+
+// The ConfigError message of f, or a marker that none was thrown.
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("<not a ConfigError: ") + e.what() + ">";
+  }
+  return "<no error>";
+}
+
+#define EXPECT_HAS(msg, part) EXPECT_NE((msg).find(part), std::string::npos) << "message: " << (msg) << "\nexpected: " << (part)
+
+std::vector<std::string> names_of(const Engine& e, const Route& r) {
+  std::vector<std::string> out;
+  for (int id : r.resources) out.push_back(e.resource_name(id));
+  return out;
+}
+
+// ---- the catalogue -------------------------------------------------------------------------
+
+TEST_F(ClusterTest, EveryCatalogueClusterLoadsWithItsWorldSize) {
+  const std::vector<std::pair<std::string, int>> expected = {
+      {"a800x1", 8},   {"a800x2", 16},      {"dgx-a100x1", 8}, {"dgx-a100x2", 16}, {"dgx-a100x4", 32},
+      {"dgx-a100x8", 64}, {"h100x1", 8},    {"h200x1", 8},     {"pcie-a30x1", 8}};
+  const auto names = cluster_names();
+  for (const auto& [name, world] : expected) {
+    SCOPED_TRACE(name);
+    EXPECT_NE(std::find(names.begin(), names.end(), name), names.end());
+    const ClusterModel m = load_cluster(name);
+    EXPECT_EQ(m.name, name);
+    EXPECT_EQ(m.world_size(), world);
+    EXPECT_FALSE(m.description.empty());
+    EXPECT_FALSE(m.source.empty());
+    EXPECT_FALSE(m.gpu.source.empty());
+    EXPECT_FALSE(m.node.source.empty());
+    EXPECT_FALSE(m.efficiency.source.empty());
+    EXPECT_FALSE(m.interference.source.empty());
+    for (double f : {m.interference.sigma, m.interference.mu, m.interference.eta}) {
+      EXPECT_GT(f, 0.5);  // MPipeMoE: below 0.5 overlapping never pays; the defaults are far above
+      EXPECT_LE(f, 1.0);
+    }
+    // The topology builds on every cluster and registers what the route tables promise.
+    Engine e;
+    Topology t(m, e);
+    const int per_gpu = m.node.intra == "nvswitch" ? 6 : 4;  // sm, hbm, link out/in (+ h2d, d2h)
+    const int switches = m.node.intra == "pcie" ? m.nodes * m.node.gpus / m.node.gpus_per_pcie_switch : 0;
+    const int nics = m.nodes > 1 ? m.nodes * m.node.nics : 0;
+    EXPECT_EQ(e.num_resources(), static_cast<std::size_t>(world * per_gpu + 2 * switches + 2 * nics));
+  }
+  // A name is also accepted as the path of its file.
+  EXPECT_EQ(load_cluster(experiments_dir() + "/hardware/clusters/dgx-a100x8.json").world_size(), 64);
+}
+
+TEST_F(ClusterTest, CatalogueFiguresAreTheDatasheetOnes) {
+  const ClusterModel a100 = load_cluster("dgx-a100x8");
+  EXPECT_EQ(a100.gpu.name, "A100-SXM4-40GB");
+  EXPECT_DOUBLE_EQ(a100.gpu.flops_bf16, 312e12);
+  EXPECT_DOUBLE_EQ(a100.gpu.flops_fp32, 19.5e12);
+  EXPECT_DOUBLE_EQ(a100.gpu.hbm_bw, 1555e9);
+  EXPECT_EQ(a100.node.intra, "nvswitch");
+  EXPECT_DOUBLE_EQ(a100.node.nvlink_bw, 300e9);
+  EXPECT_EQ(a100.node.nics, 8);
+  EXPECT_DOUBLE_EQ(a100.node.nic_bw, 25e9);
+  EXPECT_EQ(a100.nodes, 8);
+  EXPECT_EQ(a100.fabric, "infiniband");
+  EXPECT_DOUBLE_EQ(a100.peak_flops(DType::bf16), 312e12);
+  EXPECT_DOUBLE_EQ(a100.peak_flops(DType::f32), 19.5e12);
+  EXPECT_THROW((void)a100.peak_flops(DType::f64), Unsupported);
+
+  EXPECT_DOUBLE_EQ(load_cluster("a800x2").node.nvlink_bw, 200e9);
+  const ClusterModel a30 = load_cluster("pcie-a30x1");
+  EXPECT_EQ(a30.node.intra, "pcie");
+  EXPECT_EQ(a30.node.gpus_per_pcie_switch, 2);
+  EXPECT_DOUBLE_EQ(a30.gpu.flops_bf16, 165e12);
+  const ClusterModel h100 = load_cluster("h100x1");
+  EXPECT_DOUBLE_EQ(h100.node.nvlink_bw, 450e9);
+  EXPECT_DOUBLE_EQ(h100.node.nic_bw, 50e9);
+  EXPECT_DOUBLE_EQ(load_cluster("h200x1").gpu.hbm_bw, 4800e9);
+}
+
+// to_json writes a self-contained cluster file (node and GPU inline) that loads back to the
+// same model: a result file's cluster can be re-run without the catalogue.
+TEST_F(ClusterTest, ToJsonRoundTrips) {
+  for (const auto& name : cluster_names()) {
+    SCOPED_TRACE(name);
+    const json j = to_json(load_cluster(name));
+    const std::string path = write(name + ".json", j);
+    EXPECT_EQ(to_json(load_cluster(path)), j);
+  }
+}
+
+// ---- routes --------------------------------------------------------------------------------
+
+TEST_F(ClusterTest, NvswitchRoutes) {
+  const ClusterModel m = load_cluster("dgx-a100x2");
+  Engine e;
+  Topology t(m, e);
+  EXPECT_EQ(e.resource_name(t.sm(9)), "rank9.sm");
+  EXPECT_DOUBLE_EQ(e.resource_capacity(t.sm(9)), 1.0);
+  EXPECT_EQ(e.resource_name(t.hbm(9)), "rank9.hbm");
+  EXPECT_DOUBLE_EQ(e.resource_capacity(t.hbm(9)), m.gpu.hbm_bw);
+
+  const Route in_node = t.p2p(0, 5);
+  EXPECT_EQ(names_of(e, in_node), (std::vector<std::string>{"rank0.nvlink_out", "rank5.nvlink_in"}));
+  EXPECT_DOUBLE_EQ(in_node.latency, m.node.nvlink_latency);
+  for (int id : in_node.resources) EXPECT_DOUBLE_EQ(e.resource_capacity(id), 300e9);
+
+  // Rank 3 is GPU 3 of node 0, rank 12 is GPU 4 of node 1: each uses its own rail's NIC.
+  const Route across = t.p2p(3, 12);
+  EXPECT_EQ(names_of(e, across), (std::vector<std::string>{"node0.nic3.out", "node1.nic4.in"}));
+  EXPECT_DOUBLE_EQ(across.latency, m.node.nic_latency + m.fabric_latency);
+  EXPECT_GT(m.fabric_latency, 0.0);
+  for (int id : across.resources) EXPECT_DOUBLE_EQ(e.resource_capacity(id), 25e9);
+
+  const Route h2d = t.host_to_device(3), d2h = t.device_to_host(3);
+  EXPECT_EQ(names_of(e, h2d), (std::vector<std::string>{"rank3.h2d"}));
+  EXPECT_EQ(names_of(e, d2h), (std::vector<std::string>{"rank3.d2h"}));
+  EXPECT_DOUBLE_EQ(h2d.latency, m.node.pcie_latency);
+  EXPECT_DOUBLE_EQ(e.resource_capacity(h2d.resources[0]), m.node.host_copy_bw);
+
+  EXPECT_THROW((void)t.p2p(4, 4), std::invalid_argument);
+  EXPECT_THROW((void)t.p2p(0, 16), std::invalid_argument);
+  EXPECT_THROW((void)t.sm(-1), std::invalid_argument);
+  EXPECT_THROW((void)t.host_to_device(16), std::invalid_argument);
+}
+
+TEST_F(ClusterTest, PcieRoutesWithinANode) {
+  const ClusterModel m = load_cluster("pcie-a30x1");
+  Engine e;
+  Topology t(m, e);
+  const Route same = t.p2p(0, 1);  // both behind switch 0
+  EXPECT_EQ(names_of(e, same), (std::vector<std::string>{"rank0.pcie_up", "rank1.pcie_down"}));
+  EXPECT_DOUBLE_EQ(same.latency, m.node.pcie_latency);
+  const Route cross = t.p2p(1, 2);  // switch 0 -> switch 1, through both uplinks
+  EXPECT_EQ(names_of(e, cross), (std::vector<std::string>{"rank1.pcie_up", "node0.switch0.up", "node0.switch1.down",
+                                                          "rank2.pcie_down"}));
+  EXPECT_DOUBLE_EQ(cross.latency, m.node.pcie_latency);
+  EXPECT_DOUBLE_EQ(e.resource_capacity(cross.resources[0]), m.node.pcie_bw);
+  EXPECT_DOUBLE_EQ(e.resource_capacity(cross.resources[1]), m.node.pcie_switch_uplink_bw);
+  // Host copies share the GPU's link with its peer traffic and the uplink with its neighbour.
+  EXPECT_EQ(names_of(e, t.host_to_device(7)), (std::vector<std::string>{"node0.switch3.down", "rank7.pcie_down"}));
+  EXPECT_EQ(names_of(e, t.device_to_host(6)), (std::vector<std::string>{"rank6.pcie_up", "node0.switch3.up"}));
+  EXPECT_DOUBLE_EQ(t.host_to_device(7).latency, m.node.pcie_latency);
+}
+
+TEST_F(ClusterTest, PcieRoutesAcrossNodes) {
+  // The catalogue's PCIe server has no NICs; a cluster file may define its node inline.
+  const ClusterModel base = load_cluster("pcie-a30x1");
+  json node = to_json(base)["node"];
+  node["name"] = "pcie-a30-2nic";
+  node["nics"] = 2;
+  node["nic_bw"] = 12.5e9;
+  node["nic_latency"] = 6e-6;
+  const json cluster = {{"node", node}, {"nodes", 2}, {"fabric", "ethernet"}, {"fabric_latency", 1e-6}, {"source", "test"}};
+  const ClusterModel m = load_cluster(write("pcie2.json", cluster));
+  EXPECT_EQ(m.name, "pcie2");
+  EXPECT_EQ(m.world_size(), 16);
+  Engine e;
+  Topology t(m, e);
+  const Route r = t.p2p(1, 11);  // GPU 1 of node 0 -> GPU 3 of node 1
+  EXPECT_EQ(names_of(e, r),
+            (std::vector<std::string>{"rank1.pcie_up", "node0.nic1.out", "node1.nic1.in", "rank11.pcie_down"}));
+  EXPECT_DOUBLE_EQ(r.latency, 7e-6);
+  EXPECT_DOUBLE_EQ(e.resource_capacity(r.resources[1]), 12.5e9);
+  // Node 1's switches are numbered after node 0's.
+  EXPECT_EQ(names_of(e, t.p2p(9, 10)), (std::vector<std::string>{"rank9.pcie_up", "node1.switch0.up",
+                                                                  "node1.switch1.down", "rank10.pcie_down"}));
+  EXPECT_EQ(names_of(e, t.host_to_device(10)), (std::vector<std::string>{"node1.switch1.down", "rank10.pcie_down"}));
+}
+
+// ---- time model ------------------------------------------------------------------------------
+
+TEST_F(ClusterTest, GemmSecondsFromTheDatasheetCurve) {
+  const ClusterModel m = load_cluster("dgx-a100x1");
+  Engine e;
+  Topology t(m, e);
+  EXPECT_FALSE(t.calibrated());
+  // d = min(m, n, k) = 1024: efficiency 0.8 * 1024 / (1024 + 128).
+  const double eff = 0.8 * 1024.0 / 1152.0;
+  EXPECT_DOUBLE_EQ(t.gemm_seconds(4096, 1024, 2048, DType::bf16), 2.0 * 4096 * 1024 * 2048 / (312e12 * eff));
+  EXPECT_DOUBLE_EQ(t.gemm_seconds(4096, 2048, 1024, DType::f32), 2.0 * 4096 * 1024 * 2048 / (19.5e12 * eff));
+  EXPECT_EQ(t.gemm_seconds(0, 1024, 1024, DType::bf16), 0.0);
+  EXPECT_EQ(t.gemm_seconds(1024, 1024, 0, DType::bf16), 0.0);
+  EXPECT_THROW((void)t.gemm_seconds(-1, 1, 1, DType::bf16), std::invalid_argument);
+  EXPECT_THROW((void)t.gemm_seconds(8, 8, 8, DType::f64), Unsupported);
+  EXPECT_DOUBLE_EQ(t.mem_bw_effective(), 1555e9 * 0.8);
+  EXPECT_DOUBLE_EQ(t.launch_latency(), 5e-6);
+
+  // The H100 curve is fitted to a measured 798 TFLOP/s on a bf16 8192^3 GEMM.
+  const ClusterModel h = load_cluster("h100x1");
+  Engine eh;
+  Topology th(h, eh);
+  const double tflops = 2.0 * 8192.0 * 8192.0 * 8192.0 / th.gemm_seconds(8192, 8192, 8192, DType::bf16) / 1e12;
+  EXPECT_NEAR(tflops, 798, 5);
+}
+
+TEST_F(ClusterTest, GemmSecondsFromAProfile) {
+  const json pj = {{"schema", "moelab.profile/1"},
+                   {"name", "tiny-a100"},
+                   {"device", "A100-SXM4-40GB"},
+                   {"date", "2025-01-01"},
+                   {"commit", "abc"},
+                   {"gemm",
+                    {{{"m", 1024}, {"n", 1024}, {"k", 1024}, {"dtype", "bf16"}, {"seconds", 1e-5}},
+                     {{"m", 8192}, {"n", 8192}, {"k", 8192}, {"dtype", "bf16"}, {"seconds", 4e-3}},
+                     {{"m", 1024}, {"n", 1024}, {"k", 1024}, {"dtype", "fp32"}, {"seconds", 1.2e-4}}}},
+                   {"h2d_bw", 20e9},
+                   {"d2h_bw", 19e9},
+                   {"d2d_bw", 1.3e12},
+                   {"elementwise_bw", 1.2e12},
+                   {"launch_latency", 4e-6}};
+  const Profile p = load_profile(write("profile.json", pj));
+  EXPECT_EQ(p.name, "tiny-a100");
+  ASSERT_EQ(p.gemm.size(), 3u);
+  EXPECT_EQ(p.gemm[2].dtype, DType::f32);
+  EXPECT_EQ(to_json(p), pj);
+
+  const ClusterModel m = load_cluster("dgx-a100x1");
+  Engine e;
+  Topology t(m, e, &p);
+  EXPECT_TRUE(t.calibrated());
+  // Nearest sample in log space, its achieved FLOP/s applied to this shape's FLOPs.
+  EXPECT_DOUBLE_EQ(t.gemm_seconds(2048, 1024, 1024, DType::bf16), 2e-5);         // 1024^3 sample, 2x the FLOPs
+  EXPECT_DOUBLE_EQ(t.gemm_seconds(4096, 8192, 8192, DType::bf16), 2e-3);         // 8192^3 sample, half the FLOPs
+  EXPECT_DOUBLE_EQ(t.gemm_seconds(1024, 1024, 512, DType::f32), 0.6e-4);         // the fp32 sample only
+  EXPECT_EQ(t.gemm_seconds(1024, 0, 1024, DType::bf16), 0.0);
+  EXPECT_DOUBLE_EQ(t.mem_bw_effective(), 1.2e12);
+  EXPECT_DOUBLE_EQ(t.launch_latency(), 4e-6);
+  EXPECT_DOUBLE_EQ(e.resource_capacity(t.host_to_device(0).resources[0]), 20e9);
+  EXPECT_DOUBLE_EQ(e.resource_capacity(t.device_to_host(0).resources[0]), 19e9);
+
+  // Unmeasured figures fall back to the datasheet ones.
+  Profile partial;
+  partial.device = "x";
+  partial.gemm = {{1024, 1024, 1024, DType::f32, 1e-4}};
+  Engine e2;
+  Topology t2(m, e2, &partial);
+  const double eff = 0.8 * 1024.0 / 1152.0;
+  EXPECT_DOUBLE_EQ(t2.gemm_seconds(4096, 1024, 2048, DType::bf16), 2.0 * 4096 * 1024 * 2048 / (312e12 * eff));
+  EXPECT_DOUBLE_EQ(t2.mem_bw_effective(), 1555e9 * 0.8);
+  EXPECT_DOUBLE_EQ(t2.launch_latency(), 5e-6);
+  EXPECT_DOUBLE_EQ(e2.resource_capacity(t2.host_to_device(0).resources[0]), m.node.host_copy_bw);
+}
+
+// ---- errors --------------------------------------------------------------------------------
+
+TEST_F(ClusterTest, UnknownClusterNameListsTheKnownOnes) {
+  const std::string msg = error_of([] { (void)load_cluster("dgx-a100x9"); });
+  EXPECT_HAS(msg, "unknown cluster \"dgx-a100x9\"");
+  EXPECT_HAS(msg, "did you mean");
+  EXPECT_HAS(msg, "pcie-a30x1");
+  EXPECT_HAS(msg, "a800x2");
+  EXPECT_HAS(error_of([] { (void)load_cluster(""); }), "unknown cluster \"\"");
+  EXPECT_HAS(error_of([] { (void)load_cluster("/no/such/cluster.json"); }), "/no/such/cluster.json: cannot open cluster file");
+}
+
+TEST_F(ClusterTest, UnknownGpuName) {
+  use_catalogue_copy({}, [](json& n) { n["nodes"]["dgx-a100-40gb"]["gpu"] = "A100-SXM4-40G"; });
+  write_cluster("c", minimal_cluster("dgx-a100-40gb", 1));
+  const std::string bad = error_of([] { (void)load_cluster("c"); });
+  EXPECT_HAS(bad, "nodes.json: nodes.dgx-a100-40gb.gpu = \"A100-SXM4-40G\" is not a GPU of");
+  EXPECT_HAS(bad, "did you mean \"A100-SXM4-40GB\"");
+  EXPECT_HAS(bad, "known GPUs: ");
+}
+
+TEST_F(ClusterTest, UnknownNodeName) {
+  use_catalogue_copy();
+  write_cluster("c", minimal_cluster("dgx-h100", 1));
+  const std::string msg = error_of([] { (void)load_cluster("c"); });
+  EXPECT_HAS(msg, "c.json: node = \"dgx-h100\" is not a node of");
+  EXPECT_HAS(msg, "known nodes: ");
+  EXPECT_HAS(msg, "pcie-a30");
+}
+
+TEST_F(ClusterTest, MissingFields) {
+  use_catalogue_copy([](json& g) { g["gpus"]["A30"].erase("hbm_bw"); },
+                     [](json& n) { n["nodes"]["dgx-a100-40gb"].erase("nvlink_bw"); });
+  write_cluster("a", minimal_cluster("dgx-a100-40gb", 1));
+  EXPECT_HAS(error_of([] { (void)load_cluster("a"); }), "nodes.json: missing field \"nodes.dgx-a100-40gb.nvlink_bw\"");
+  write_cluster("b", minimal_cluster("pcie-a30", 1));
+  EXPECT_HAS(error_of([] { (void)load_cluster("b"); }), "gpus.json: missing field \"gpus.A30.hbm_bw\"");
+  json c = minimal_cluster("a800-node", 1);
+  c.erase("source");
+  write_cluster("c", c);
+  EXPECT_HAS(error_of([] { (void)load_cluster("c"); }), "c.json: missing field \"source\"");
+  json d = minimal_cluster("a800-node", 1);
+  d.erase("nodes");
+  write_cluster("d", d);
+  EXPECT_HAS(error_of([] { (void)load_cluster("d"); }), "d.json: missing field \"nodes\"");
+}
+
+TEST_F(ClusterTest, NegativeOrZeroBandwidth) {
+  use_catalogue_copy([](json& g) { g["gpus"]["H100-SXM5-80GB"]["hbm_bw"] = 0; },
+                     [](json& n) { n["nodes"]["dgx-a100-40gb"]["nic_bw"] = -25e9; });
+  write_cluster("a", minimal_cluster("dgx-a100-40gb", 2));
+  const std::string msg = error_of([] { (void)load_cluster("a"); });
+  EXPECT_HAS(msg, "nodes.json: nodes.dgx-a100-40gb.nic_bw = -25000000000.0 must be > 0");
+  write_cluster("b", minimal_cluster("h100-node", 1));
+  EXPECT_HAS(error_of([] { (void)load_cluster("b"); }), "gpus.json: gpus.H100-SXM5-80GB.hbm_bw = 0 must be > 0");
+}
+
+TEST_F(ClusterTest, GpusNotDivisibleByGpusPerSwitch) {
+  use_catalogue_copy({}, [](json& n) { n["nodes"]["pcie-a30"]["gpus_per_pcie_switch"] = 3; });
+  write_cluster("c", minimal_cluster("pcie-a30", 1));
+  EXPECT_HAS(error_of([] { (void)load_cluster("c"); }),
+             "nodes.json: nodes.pcie-a30.gpus = 8 is not divisible by nodes.pcie-a30.gpus_per_pcie_switch = 3");
+}
+
+TEST_F(ClusterTest, MultiNodeWithoutNics) {
+  use_catalogue_copy();
+  write_cluster("c", minimal_cluster("pcie-a30", 2));
+  EXPECT_HAS(error_of([] { (void)load_cluster("c"); }),
+             "c.json: nodes = 2 but node \"pcie-a30\" has no NICs (nics = 0)");
+}
+
+TEST_F(ClusterTest, FieldsForTheOtherKindOfNodeAreRejected) {
+  use_catalogue_copy({}, [](json& n) {
+    n["nodes"]["pcie-a30"]["nvlink_bw"] = 300e9;
+    n["nodes"]["h100-node"]["pcie_bw"] = 64e9;
+  });
+  write_cluster("a", minimal_cluster("pcie-a30", 1));
+  EXPECT_HAS(error_of([] { (void)load_cluster("a"); }),
+             "nodes.pcie-a30.nvlink_bw = 300000000000.0 is only used with intra = \"nvswitch\"");
+  write_cluster("b", minimal_cluster("h100-node", 1));
+  EXPECT_HAS(error_of([] { (void)load_cluster("b"); }), "nodes.h100-node.pcie_bw = 64000000000.0 is only used with intra = \"pcie\"");
+}
+
+TEST_F(ClusterTest, BadClusterFields) {
+  use_catalogue_copy();
+  json a = minimal_cluster("a800-node", 2);
+  a["fabric_latncy"] = 1e-6;
+  write_cluster("a", a);
+  EXPECT_HAS(error_of([] { (void)load_cluster("a"); }),
+             "a.json: unknown field \"fabric_latncy\" (did you mean \"fabric_latency\"?)");
+  json b = minimal_cluster("a800-node", 2);
+  b["interference"] = {{"sigma", 1.5}};
+  write_cluster("b", b);
+  EXPECT_HAS(error_of([] { (void)load_cluster("b"); }), "b.json: interference.sigma = 1.5 must be in (0, 1]");
+  json c = minimal_cluster("a800-node", 2);
+  c["efficiency"] = {{"gemm_max", 0.8}, {"launch_latency", -1e-6}};
+  write_cluster("c", c);
+  EXPECT_HAS(error_of([] { (void)load_cluster("c"); }), "c.json: efficiency.launch_latency = -1e-06 must be >= 0");
+  json d = minimal_cluster("a800-node", 0);
+  write_cluster("d", d);
+  EXPECT_HAS(error_of([] { (void)load_cluster("d"); }), "d.json: nodes: expected a positive integer, got 0");
+  json f = minimal_cluster("a800-node", 1);
+  f["fabric"] = "nvlink";
+  write_cluster("f", f);
+  EXPECT_HAS(error_of([] { (void)load_cluster("f"); }), "f.json: fabric = \"nvlink\" is not one of infiniband, ethernet");
+  json g = minimal_cluster("a800-node", 1);
+  g["schema"] = "moelab.cluster/2";
+  write_cluster("g", g);
+  EXPECT_HAS(error_of([] { (void)load_cluster("g"); }), "g.json: schema = \"moelab.cluster/2\" is not \"moelab.cluster/1\"");
+}
+
+TEST_F(ClusterTest, ClusterOverridesEfficiencyAndInterference) {
+  use_catalogue_copy();
+  json c = minimal_cluster("a800-node", 2);
+  c["efficiency"] = {{"gemm_max", 0.7}};
+  c["interference"] = {{"mu", 0.6}, {"source", "measured"}};
+  write_cluster("c", c);
+  const ClusterModel m = load_cluster("c");
+  EXPECT_DOUBLE_EQ(m.efficiency.gemm_max, 0.7);
+  EXPECT_DOUBLE_EQ(m.efficiency.mem, Efficiency{}.mem);  // unspecified: the struct default
+  EXPECT_DOUBLE_EQ(m.interference.mu, 0.6);
+  EXPECT_DOUBLE_EQ(m.interference.sigma, 1.0);
+  EXPECT_EQ(m.interference.source, "measured");
+  EXPECT_EQ(experiments_dir(), tmp().string());
+}
+
+TEST_F(ClusterTest, MalformedJson) {
+  use_catalogue_copy();
+  write("hardware/clusters/c.json", std::string("{ \"node\": \"a800-node\", \"nodes\": 2, }"));
+  const std::string msg = error_of([] { (void)load_cluster("c"); });
+  EXPECT_HAS(msg, "c.json: malformed JSON at line 1");
+  write("hardware/clusters/d.json", std::string("{ \"node\": \"a800-node\", \"nodes\": 2, \"nodes\": 1, \"source\": \"x\" }"));
+  EXPECT_HAS(error_of([] { (void)load_cluster("d"); }), "d.json: field \"nodes\" appears twice");
+  write("hardware/nodes.json", std::string("[1, 2"));
+  write_cluster("e", minimal_cluster("a800-node", 1));
+  EXPECT_HAS(error_of([] { (void)load_cluster("e"); }), "nodes.json: malformed JSON");
+}
+
+TEST_F(ClusterTest, BadProfileFiles) {
+  const json good = {{"schema", "moelab.profile/1"},
+                     {"device", "H100"},
+                     {"gemm", {{{"m", 64}, {"n", 64}, {"k", 64}, {"dtype", "bf16"}, {"seconds", 1e-6}}}}};
+  EXPECT_EQ(load_profile(write("good.json", good)).name, "good");
+  EXPECT_HAS(error_of([&] { (void)load_profile((tmp() / "missing.json").string()); }),
+             "missing.json: cannot open calibration profile");
+  EXPECT_HAS(error_of([&] { (void)load_profile(write("bad.json", std::string("{\"schema\": "))); }),
+             "bad.json: malformed JSON");
+
+  const auto bad = [&](const std::function<void(json&)>& edit) {
+    json j = good;
+    edit(j);
+    return error_of([&] { (void)load_profile(write("p.json", j)); });
+  };
+  EXPECT_HAS(bad([](json& j) { j["schema"] = "moelab.profile/0"; }),
+             "p.json: schema = \"moelab.profile/0\" is not \"moelab.profile/1\"");
+  EXPECT_HAS(bad([](json& j) { j.erase("schema"); }), "p.json: missing field \"schema\"");
+  EXPECT_HAS(bad([](json& j) { j.erase("device"); }), "p.json: missing field \"device\"");
+  EXPECT_HAS(bad([](json& j) { j["gemm"][0]["seconds"] = -1.0; }), "p.json: gemm[0].seconds = -1.0 must be > 0");
+  EXPECT_HAS(bad([](json& j) { j["gemm"][0]["dtype"] = "fp16"; }),
+             "p.json: gemm[0].dtype = \"fp16\" is not one of fp32, bf16");
+  EXPECT_HAS(bad([](json& j) { j["gemm"][0]["k"] = 0; }), "p.json: gemm[0].k: expected a positive integer, got 0");
+  EXPECT_HAS(bad([](json& j) { j["gemm"][0]["secs"] = 1; }), "p.json: unknown field \"gemm[0].secs\"");
+  EXPECT_HAS(bad([](json& j) { j["gemm"] = 3; }), "p.json: gemm: expected an array");
+  EXPECT_HAS(bad([](json& j) { j["h2d_bw"] = -5e9; }), "p.json: h2d_bw = -5000000000.0 must be >= 0");
+}
+
+}  // namespace
+}  // namespace moelab::sim
