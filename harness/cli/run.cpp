@@ -395,14 +395,17 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
       const Tensor dx = impl->backward(dy, 0.01f);
       backend->synchronize();
     };
-    for (int i = 0; i < w.warmup; ++i) step();
+    std::vector<std::vector<std::int64_t>> routed;  // --record-routing: every gate call, warm-up included
+    for (int i = 0; i < w.warmup; ++i) {
+      step();
+      if (!opt.record_routing.empty()) routed.push_back(impl->routing().routed_per_expert);
+    }
     backend->synchronize();
     comm->barrier();
     backend->clear_timeline();
     backend->memory().reset_peak();  // the current use (weights, gradients, inputs) stays the base
     const double window_start = backend->now();
     std::vector<double> step_s;
-    std::vector<std::vector<std::int64_t>> routed;  // --record-routing: per timed step
     for (int i = 0; i < w.steps; ++i) {
       comm->barrier();  // every rank starts the step together, so the slowest rank sets its time
       const double t0 = backend->now();
@@ -616,8 +619,8 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
     result["metrics"] = std::move(metrics);
 
     if (!opt.record_routing.empty()) {
-      // calls[step][rank][expert]: what the gate routed in each timed step (before capacity)
-      std::vector<std::vector<std::vector<std::int64_t>>> calls(static_cast<std::size_t>(w.steps));
+      // calls[call][rank][expert]: what the gate routed in each step (before capacity)
+      std::vector<std::vector<std::vector<std::int64_t>>> calls(static_cast<std::size_t>(w.warmup + w.steps));
       for (const auto& r : ranks)
         for (std::size_t i = 0; i < calls.size(); ++i)
           calls[i].push_back(r["routed"][i].get<std::vector<std::int64_t>>());

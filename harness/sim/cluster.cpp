@@ -259,8 +259,12 @@ ClusterModel parse_cluster(const json& j, const std::string& origin) {
 }
 
 json to_json(const GpuSpec& g) {
-  return {{"name", g.name},         {"flops_bf16", g.flops_bf16},     {"flops_tf32", g.flops_tf32},
-          {"flops_fp32", g.flops_fp32}, {"memory_bytes", g.memory_bytes}, {"hbm_bw", g.hbm_bw},
+  return {{"name", g.name},
+          {"flops_bf16", g.flops_bf16},
+          {"flops_tf32", g.flops_tf32},
+          {"flops_fp32", g.flops_fp32},
+          {"memory_bytes", g.memory_bytes},
+          {"hbm_bw", g.hbm_bw},
           {"source", g.source}};
 }
 
@@ -372,12 +376,14 @@ Profile load_profile(const std::string& path) {
   const json j = json_fields::read_file(path, "calibration profile");
   if (!j.is_object()) fail(path, "expected a JSON object at the top level, got " + show(j));
   Fields f(j, path, "",
-           {"schema", "name", "device", "date", "commit", "gemm", "h2d_bw", "d2h_bw", "d2d_bw", "elementwise_bw",
-            "launch_latency"});
+           {"schema", "name", "mode", "backend", "device", "date", "commit", "gemm", "h2d_bw", "d2h_bw", "d2d_bw",
+            "elementwise_bw", "launch_latency", "collectives"});
   check_schema(f, kProfileSchema, true);
   Profile p;
   p.origin = path;
   p.name = f.string_or("name", stem_of(path));
+  (void)f.choice_or("mode", "measured", {"measured"});
+  (void)f.string_or("backend", "");
   p.device = f.string("device");
   p.date = f.string_or("date", "");
   p.commit = f.string_or("commit", "");
@@ -398,6 +404,22 @@ Profile load_profile(const std::string& path) {
       p.gemm.push_back(smp);
     }
   }
+  // Measured collectives are checked but not used by the time model: links are modelled from
+  // the catalogue, and these figures are what a simulated collective is validated against.
+  if (const json* c = f.find("collectives")) {
+    if (!c->is_array()) f.wrong_type("collectives", *c, "an array of {op, ranks, bytes_per_peer, seconds, busbw}");
+    for (std::size_t i = 0; i < c->size(); ++i) {
+      const json& s = (*c)[i];
+      const std::string prefix = "collectives[" + std::to_string(i) + "].";
+      if (!s.is_object()) fail(path, prefix.substr(0, prefix.size() - 1) + ": expected an object, got " + show(s));
+      Fields cf(s, path, prefix, {"op", "ranks", "bytes_per_peer", "seconds", "busbw"});
+      (void)cf.string("op");
+      (void)cf.integer("ranks", 1, kIntMax);
+      (void)cf.integer("bytes_per_peer", 0, kInt64Max);
+      (void)positive(cf, "seconds");
+      if (cf.find("busbw")) (void)non_negative(cf, "busbw");
+    }
+  }
   // 0 or absent: not measured (the datasheet figure is used instead).
   p.h2d_bw = non_negative_or(f, "h2d_bw", 0.0);
   p.d2h_bw = non_negative_or(f, "d2h_bw", 0.0);
@@ -411,10 +433,17 @@ nlohmann::json to_json(const Profile& p) {
   json gemm = json::array();
   for (const auto& s : p.gemm)
     gemm.push_back({{"m", s.m}, {"n", s.n}, {"k", s.k}, {"dtype", dtype_name(s.dtype)}, {"seconds", s.seconds}});
-  return {{"schema", kProfileSchema}, {"name", p.name},     {"device", p.device},
-          {"date", p.date},           {"commit", p.commit}, {"gemm", gemm},
-          {"h2d_bw", p.h2d_bw},       {"d2h_bw", p.d2h_bw}, {"d2d_bw", p.d2d_bw},
-          {"elementwise_bw", p.elementwise_bw}, {"launch_latency", p.launch_latency}};
+  return {{"schema", kProfileSchema},
+          {"name", p.name},
+          {"device", p.device},
+          {"date", p.date},
+          {"commit", p.commit},
+          {"gemm", gemm},
+          {"h2d_bw", p.h2d_bw},
+          {"d2h_bw", p.d2h_bw},
+          {"d2d_bw", p.d2d_bw},
+          {"elementwise_bw", p.elementwise_bw},
+          {"launch_latency", p.launch_latency}};
 }
 
 // ---- Topology ----------------------------------------------------------------------------
@@ -432,6 +461,7 @@ void check_model(const ClusterModel& m) {
   if (m.node.intra == "pcie" && (m.node.gpus_per_pcie_switch < 1 || m.node.gpus % m.node.gpus_per_pcie_switch != 0))
     bad("gpus per node must be a multiple of gpus_per_pcie_switch");
   if (m.nodes > 1 && m.node.nics < 1) bad("a multi-node cluster needs NICs");
+  if (!(m.efficiency.gemm_max > 0) || !(m.efficiency.mem > 0)) bad("efficiencies must be > 0");
 }
 
 void check_profile(const Profile& p) {

@@ -4,19 +4,25 @@
 // ("The event engine") states the model; this file is its implementation.
 //
 // Units inside the simulation. A task's "alone time" T_i = max_d(amount_d / capacity_d) is
-// how long it takes with every resource to itself. Its progress speed x_i is the fraction of
-// that alone speed it currently gets (0 < x_i <= 1); it then uses x_i * s_id of resource d's
-// capacity, where s_id = (amount_d / capacity_d) / T_i (so s = 1 on its binding resource).
+// how long it takes with every resource to itself. Its speed x_i is the fraction of that
+// alone speed it currently gets (0 < x_i <= 1); it then uses x_i * s_id of resource d's
+// capacity, where s_id = (amount_d / capacity_d) / T_i (s = 1 on its binding resource).
 // Progress is kept as remaining alone-time: rem_i falls by x_i per second and the task ends
 // when it reaches 0. Progressive filling raises every unfrozen x together, so on one resource
-// the tasks get equal shares (processor sharing) and on a network of equal-capacity links it
-// is classic max-min fair bandwidth; in general it equalises dominant shares (DRF).
+// tasks get equal shares (processor sharing), on a network of equal-capacity links it is
+// classic max-min fair bandwidth, and in general it equalises dominant shares (DRF).
 //
-// Cost. An event re-solves only the connected components (tasks linked through shared
-// resources) that the event touched, and a task's remaining work is brought up to date only
-// when its speed really changes. Work unrelated to a task therefore never touches its
-// arithmetic: adding unrelated tasks to a graph leaves the related times identical, bit for
-// bit, and an event costs O(demands in the touched components · log resources).
+// Cost. A resource's user list is kept in the order the last solve froze its users, so the
+// levels along it never decrease and each entry carries the usage of the entries before it.
+// Progressive filling has a useful property: the tasks frozen below level L are frozen by
+// resources that none of the tasks at L or above touch, so removing a task frozen at L, or
+// adding one that will freeze at L or above, leaves every task below L exactly as it was.
+// An event therefore re-solves only, per touched component, the tasks at or above the
+// lowest level it removed (everything when a task starts there): a binary search finds
+// where they begin in each list, and the prefix below is reused with its usage. A task's
+// remaining work is brought up to date only when its speed really changes. Work unrelated to
+// a task thus never touches its arithmetic: adding unrelated tasks to a graph leaves the
+// related times identical, bit for bit.
 #include "harness/sim/engine.hpp"
 
 #include <algorithm>
@@ -52,6 +58,7 @@ constexpr double kTimeTol = 1e-12;
 // Saturation levels this close (relative) are the same level: the tasks they freeze get the
 // very same speed, so symmetric tasks stay bit-identical and end in the same event.
 constexpr double kLevelTol = 1e-12;
+constexpr double kInf = std::numeric_limits<double>::infinity();
 
 std::string task_label(const Task& t, std::size_t id) {
   return "task '" + t.name + "' (id " + std::to_string(id) + ")";
@@ -61,124 +68,88 @@ std::string task_label(const Task& t, std::size_t id) {
 
 int class_index(WorkClass c) { return static_cast<int>(c); }
 
-// Indexed binary min-heap of active tasks keyed by (predicted end, id). A speed change moves
-// a task in place instead of leaving stale entries behind, so the heap never holds more
-// than the active tasks however many times their speeds change.
-class FinishHeap {
- public:
-  explicit FinishHeap(const std::vector<double>& key, std::size_t n) : key_(key), pos_(n, -1) {}
-  bool empty() const { return heap_.empty(); }
-  int top() const { return heap_.front(); }
-  bool contains(int i) const { return pos_[static_cast<std::size_t>(i)] >= 0; }
-  void update(int i) {  // insert, or restore order after key_[i] changed
-    auto& p = pos_[static_cast<std::size_t>(i)];
-    if (p < 0) {
-      p = static_cast<int>(heap_.size());
-      heap_.push_back(i);
-    }
-    sift_down(sift_up(static_cast<std::size_t>(p)));
-  }
-  int pop() {
-    const int i = heap_.front();
-    erase(i);
-    return i;
-  }
-  void erase(int i) {
-    const auto p = static_cast<std::size_t>(pos_[static_cast<std::size_t>(i)]);
-    pos_[static_cast<std::size_t>(i)] = -1;
-    const int last = heap_.back();
-    heap_.pop_back();
-    if (last == i) return;
-    heap_[p] = last;
-    pos_[static_cast<std::size_t>(last)] = static_cast<int>(p);
-    sift_down(sift_up(p));
-  }
+enum State : std::uint8_t { waiting, scheduled, active, done };
 
- private:
-  bool less(int a, int b) const {
-    const double ka = key_[static_cast<std::size_t>(a)], kb = key_[static_cast<std::size_t>(b)];
-    return ka < kb || (ka == kb && a < b);
-  }
-  void place(std::size_t p, int i) {
-    heap_[p] = i;
-    pos_[static_cast<std::size_t>(i)] = static_cast<int>(p);
-  }
-  std::size_t sift_up(std::size_t p) {
-    const int i = heap_[p];
-    while (p > 0) {
-      const std::size_t parent = (p - 1) / 2;
-      if (!less(i, heap_[parent])) break;
-      place(p, heap_[parent]);
-      p = parent;
-    }
-    place(p, i);
-    return p;
-  }
-  std::size_t sift_down(std::size_t p) {
-    const int i = heap_[p];
-    const std::size_t n = heap_.size();
-    for (;;) {
-      std::size_t c = 2 * p + 1;
-      if (c >= n) break;
-      if (c + 1 < n && less(heap_[c + 1], heap_[c])) ++c;
-      if (!less(heap_[c], i)) break;
-      place(p, heap_[c]);
-      p = c;
-    }
-    place(p, i);
-    return p;
-  }
-
-  const std::vector<double>& key_;
-  std::vector<int> pos_;
-  std::vector<int> heap_;
+// What an event touches of a task, in one cache line.
+struct Hot {
+  double rem = 0;    // remaining alone-time at tlast
+  double tlast = 0;  // when rem was last brought up to date
+  double x = 0;      // current speed (fair speed times interference)
+  double fair = 0;   // speed from progressive filling
+  std::uint32_t slot_begin = 0, slot_end = 0;  // its demands in slots_
+  std::uint32_t seen = 0, frozen = 0;          // epoch stamps of the current solve
+  std::uint32_t slot = 0;                      // index in the active arrays while active
+  std::uint32_t local = 0;                     // index in the component being solved
+  std::int32_t gpu = -1;
+  std::uint8_t cls = 0;
+  State state = waiting;
 };
 
-// One run of the engine over a validated graph. Everything is indexed by task, resource or
-// demand-slot id in plain vectors; nothing depends on hashing or addresses.
+struct Slot {
+  int res;
+  double share;  // fraction of the resource's capacity used at speed 1
+};
+
+// An entry of a resource's user list: the task, its share, the level it was frozen at
+// (infinity until its first solve) and the usage of all entries before it.
+struct Entry {
+  int task;
+  double share;
+  double level;
+  double cum;
+};
+
+// One run of the engine over a validated graph. Everything is indexed by task or resource id
+// in plain vectors; nothing depends on hashing or addresses.
 class Simulation {
  public:
   Simulation(const std::vector<Task>& tasks, const std::vector<double>& cap, const double* factor)
-      : tasks_(tasks), cap_(cap), factor_(factor), n_(tasks.size()), nr_(cap.size()),
-        finish_heap_(pred_, tasks.size()) {}
+      : tasks_(tasks), cap_(cap), factor_(factor), n_(tasks.size()), nr_(cap.size()), hot_(tasks.size()) {}
 
   void run(std::vector<double>& ready, std::vector<double>& start, std::vector<double>& end,
            std::vector<double>& busy);
 
  private:
-  enum State : unsigned char { waiting, scheduled, active, done };
-  using Event = std::pair<double, int>;  // (start time, task id)
+  using Start = std::pair<double, int>;  // (start time, task id)
   struct Level {
     double level;
-    int res;
+    int res;              // global id: ties go to the lower id
+    std::uint32_t local;  // index in the component
     std::uint32_t version;
     bool operator>(const Level& o) const { return level > o.level || (level == o.level && res > o.res); }
   };
+  // Per-resource bookkeeping of the current event.
+  struct ResScratch {
+    double theta = 0;  // lowest level removed from the resource in this event (0: a task started)
+    std::uint32_t dirty = 0, seen = 0;
+    std::uint32_t local = 0;  // index in the component being solved
+  };
+  // A (task, resource) pair of the component being solved, in local indices.
+  struct Link {
+    std::uint32_t local;
+    double share;
+  };
 
   void build();
+  void next_epoch();
   void release(int i);
   void activate(int i, double t);
   void finish(int i, double t);
-  void mark_resource(int r);
+  void mark_resource(int r, double theta);
   void mark_gpu(int g);
-  void solve_component(int r0);
-  void freeze(int i, double level);
-  void mark_update(int i);
-  bool slowed(int i) const;
+  void split(int r, double theta);
+  void solve_component(int r0, double t);
+  void freeze(std::uint32_t k, double level);
+  double speed_factor(const Hot& h) const;
   void set_speed(int i, double x, double t);
-  std::size_t slot_begin(int i) const { return slot_off_[static_cast<std::size_t>(i)]; }
-  std::size_t slot_end(int i) const { return slot_off_[static_cast<std::size_t>(i) + 1]; }
 
   const std::vector<Task>& tasks_;
   const std::vector<double>& cap_;
   const double* factor_;
   std::size_t n_, nr_;
 
-  // Graph, flattened. A demand slot is one (task, resource) pair with a positive amount.
-  std::vector<std::size_t> slot_off_;  // task -> its slots [off[i], off[i+1])
-  std::vector<int> slot_res_, slot_task_;
-  std::vector<double> slot_share_;     // s: fraction of the capacity used at full speed
-  std::vector<std::size_t> slot_pos_;  // index of the slot in its resource's user list
+  // Graph, flattened.
+  std::vector<Slot> slots_;            // demands with a positive share, per task contiguous
   std::vector<double> alone_;          // T_i
   std::vector<std::size_t> dep_off_;   // task -> tasks that depend on it
   std::vector<int> dependents_;
@@ -186,40 +157,49 @@ class Simulation {
   int ngpu_ = 0;
 
   // Task state.
-  std::vector<State> state_;
+  std::vector<Hot> hot_;
   std::vector<double> ready_, start_, end_;
-  std::vector<double> rem_;    // remaining alone-time at tlast_
-  std::vector<double> tlast_;
-  std::vector<double> x_;      // current speed (after interference)
-  std::vector<double> fair_;   // fair speed from progressive filling (before interference)
-  std::vector<double> pred_;   // predicted end at the current speed
-  FinishHeap finish_heap_;
-  std::priority_queue<Event, std::vector<Event>, std::greater<>> starts_;
+  // Active tasks, densely, with their predicted ends (infinity until their first solve). The
+  // next end is found by scanning these: an event changes the speeds of a large part of the
+  // tasks it re-solves, and a scan of a few thousand contiguous doubles costs less than
+  // keeping a heap ordered through hundreds of key changes per event.
+  std::vector<double> pred_;
+  std::vector<int> active_;
+  std::priority_queue<Start, std::vector<Start>, std::greater<>> starts_;
 
-  // Resource state.
-  std::vector<std::vector<int>> users_;  // active slots on the resource
+  // Resource state: user lists in freeze order (finished tasks are dropped when the list is
+  // next split), the usage their entries add up to, active users, busy time.
+  std::vector<std::vector<Entry>> users_;
+  std::vector<double> total_;
+  std::vector<int> alive_;
   std::vector<double> busy_, busy_since_;
+  std::vector<ResScratch> res_;
 
   // Interference state: active tasks per (gpu, class), and the classed tasks per GPU.
   std::vector<int> class_count_;
   std::vector<std::vector<int>> gpu_tasks_;
   std::vector<std::size_t> gpu_pos_;
+  std::vector<std::uint32_t> gpu_dirty_;
 
   // Per-event scratch, reset by bumping epoch_ instead of clearing arrays.
-  std::uint64_t epoch_ = 0;
-  std::vector<std::uint64_t> res_dirty_, res_seen_, gpu_dirty_, task_seen_, task_frozen_, task_upd_;
-  std::vector<int> dirty_res_, dirty_gpu_, update_;
+  std::uint32_t epoch_ = 0;
+  std::vector<int> dirty_res_, dirty_gpu_;
+
+  // The component being solved, in local indices so that the filling works on small,
+  // contiguous arrays: its resources and their unfrozen users (comp_res_, user_off_, users_of_,
+  // in breadth-first order), its tasks and their resources (comp_tasks_, link_off_, links_).
   std::vector<int> comp_res_, comp_tasks_;
-  std::vector<double> fill_w_, fill_used_;  // unfrozen share sum, frozen usage, per resource
-  std::vector<int> fill_unfrozen_;
-  std::vector<std::uint32_t> fill_version_;
+  std::vector<std::size_t> user_off_, link_off_;
+  std::vector<Link> users_of_, links_;
+  std::vector<double> l_w_, l_total_, l_fair_;  // unfrozen shares, usage; fair level or -1
+  std::vector<int> l_unfrozen_;
+  std::vector<std::uint32_t> l_version_, batch_;
   std::vector<Level> fill_heap_;
 };
 
 void Simulation::build() {
   // Demands: drop zero amounts, merge repeated resources (sorted by id so the order in which
   // a task lists them does not matter), and express each as a share of the alone speed.
-  slot_off_.assign(n_ + 1, 0);
   alone_.assign(n_, 0);
   std::vector<std::pair<int, double>> dem;
   for (std::size_t i = 0; i < n_; ++i) {
@@ -240,18 +220,18 @@ void Simulation::build() {
     if (!std::isfinite(t_alone))
       bad(task_label(tasks_[i], i) + " would take longer than the largest representable time");
     alone_[i] = t_alone;
+    Hot& h = hot_[i];
+    h.slot_begin = static_cast<std::uint32_t>(slots_.size());
     for (const auto& [r, a] : dem) {
       // A share that underflows to 0 is no demand (and an alone time of 0 is no work).
       const double share = t_alone > 0 ? (a / cap_[static_cast<std::size_t>(r)]) / t_alone : 0.0;
-      if (!(share > 0)) continue;
-      slot_res_.push_back(r);
-      slot_task_.push_back(static_cast<int>(i));
-      slot_share_.push_back(share);
+      if (share > 0) slots_.push_back({r, share});
     }
-    slot_off_[i + 1] = slot_res_.size();
-    ngpu_ = std::max(ngpu_, tasks_[i].gpu + 1);
+    h.slot_end = static_cast<std::uint32_t>(slots_.size());
+    h.gpu = tasks_[i].cls == WorkClass::none ? -1 : std::max(-1, tasks_[i].gpu);
+    h.cls = static_cast<std::uint8_t>(class_index(tasks_[i].cls));
+    ngpu_ = std::max(ngpu_, h.gpu + 1);
   }
-  slot_pos_.assign(slot_res_.size(), 0);
 
   // Reverse edges, counting repeated dependencies as often as they are listed (each end
   // decrements pending_ once per listing).
@@ -268,38 +248,40 @@ void Simulation::build() {
   for (std::size_t i = 0; i < n_; ++i)
     for (int d : tasks_[i].deps) dependents_[fill[static_cast<std::size_t>(d)]++] = static_cast<int>(i);
 
-  state_.assign(n_, waiting);
   ready_.assign(n_, 0);
   start_.assign(n_, 0);
   end_.assign(n_, 0);
-  rem_.assign(n_, 0);
-  tlast_.assign(n_, 0);
-  x_.assign(n_, 0);
-  fair_.assign(n_, 0);
-  pred_.assign(n_, 0);
   users_.assign(nr_, {});
+  total_.assign(nr_, 0);
+  alive_.assign(nr_, 0);
   busy_.assign(nr_, 0);
   busy_since_.assign(nr_, 0);
+  res_.assign(nr_, {});
   class_count_.assign(static_cast<std::size_t>(ngpu_) * 4, 0);
   gpu_tasks_.assign(static_cast<std::size_t>(ngpu_), {});
   gpu_pos_.assign(n_, 0);
-  res_dirty_.assign(nr_, 0);
-  res_seen_.assign(nr_, 0);
   gpu_dirty_.assign(static_cast<std::size_t>(ngpu_), 0);
-  task_seen_.assign(n_, 0);
-  task_frozen_.assign(n_, 0);
-  task_upd_.assign(n_, 0);
-  fill_w_.assign(nr_, 0);
-  fill_used_.assign(nr_, 0);
-  fill_unfrozen_.assign(nr_, 0);
-  fill_version_.assign(nr_, 0);
 }
 
-void Simulation::mark_resource(int r) {
-  auto& stamp = res_dirty_[static_cast<std::size_t>(r)];
-  if (stamp == epoch_) return;
-  stamp = epoch_;
-  dirty_res_.push_back(r);
+// Stamps compare equal to epoch_ only within one event; on the (theoretical) wrap-around
+// every stamp is cleared so that none can match by accident.
+void Simulation::next_epoch() {
+  if (++epoch_ != 0) return;
+  for (Hot& h : hot_) h.seen = h.frozen = 0;
+  for (ResScratch& r : res_) r.dirty = r.seen = 0;
+  std::fill(gpu_dirty_.begin(), gpu_dirty_.end(), 0u);
+  epoch_ = 1;
+}
+
+void Simulation::mark_resource(int r, double theta) {
+  ResScratch& s = res_[static_cast<std::size_t>(r)];
+  if (s.dirty != epoch_) {
+    s.dirty = epoch_;
+    s.theta = theta;
+    dirty_res_.push_back(r);
+  } else {
+    s.theta = std::min(s.theta, theta);
+  }
 }
 
 void Simulation::mark_gpu(int g) {
@@ -307,13 +289,6 @@ void Simulation::mark_gpu(int g) {
   if (stamp == epoch_) return;
   stamp = epoch_;
   dirty_gpu_.push_back(g);
-}
-
-void Simulation::mark_update(int i) {
-  auto& stamp = task_upd_[static_cast<std::size_t>(i)];
-  if (stamp == epoch_) return;
-  stamp = epoch_;
-  update_.push_back(i);
 }
 
 // Dependency i has ended: its dependents whose last dependency it was are scheduled to
@@ -325,7 +300,7 @@ void Simulation::release(int i) {
     ready_[j] = std::max(ready_[j], e);
     if (--pending_[j] == 0) {
       start_[j] = ready_[j] + tasks_[j].latency;
-      state_[j] = scheduled;
+      hot_[j].state = scheduled;
       starts_.emplace(start_[j], static_cast<int>(j));
     }
   }
@@ -333,176 +308,214 @@ void Simulation::release(int i) {
 
 void Simulation::activate(int i, double t) {
   const auto u = static_cast<std::size_t>(i);
-  if (slot_begin(i) == slot_end(i)) {  // no work: ends as it starts
+  Hot& h = hot_[u];
+  if (h.slot_begin == h.slot_end) {  // no work: ends as it starts
     end_[u] = t;
-    state_[u] = done;
+    h.state = done;
     release(i);
     return;
   }
-  state_[u] = active;
-  rem_[u] = alone_[u];
-  tlast_[u] = t;
-  x_[u] = 0;
-  fair_[u] = 0;
-  for (std::size_t s = slot_begin(i); s < slot_end(i); ++s) {
-    const int r = slot_res_[s];
-    auto& list = users_[static_cast<std::size_t>(r)];
-    if (list.empty()) busy_since_[static_cast<std::size_t>(r)] = t;
-    slot_pos_[s] = list.size();
-    list.push_back(static_cast<int>(s));
-    mark_resource(r);
+  h.state = active;
+  h.rem = alone_[u];
+  h.tlast = t;
+  h.x = 0;
+  h.fair = 0;
+  h.slot = static_cast<std::uint32_t>(active_.size());
+  active_.push_back(i);
+  pred_.push_back(kInf);
+  for (std::uint32_t s = h.slot_begin; s < h.slot_end; ++s) {
+    const auto r = static_cast<std::size_t>(slots_[s].res);
+    users_[r].push_back({i, slots_[s].share, kInf, total_[r]});
+    if (alive_[r]++ == 0) busy_since_[r] = t;
+    mark_resource(slots_[s].res, 0.0);  // a new user: the whole component is re-solved
   }
-  const Task& task = tasks_[u];
-  if (task.gpu >= 0 && task.cls != WorkClass::none) {
-    auto& list = gpu_tasks_[static_cast<std::size_t>(task.gpu)];
+  if (h.gpu >= 0) {
+    auto& list = gpu_tasks_[static_cast<std::size_t>(h.gpu)];
     gpu_pos_[u] = list.size();
     list.push_back(i);
-    if (++class_count_[static_cast<std::size_t>(task.gpu) * 4 + class_index(task.cls)] == 1) mark_gpu(task.gpu);
+    if (++class_count_[static_cast<std::size_t>(h.gpu) * 4 + h.cls] == 1) mark_gpu(h.gpu);
   }
-  mark_update(i);
 }
 
 void Simulation::finish(int i, double t) {
   const auto u = static_cast<std::size_t>(i);
+  Hot& h = hot_[u];
   end_[u] = t;
-  state_[u] = done;
-  if (finish_heap_.contains(i)) finish_heap_.erase(i);
-  for (std::size_t s = slot_begin(i); s < slot_end(i); ++s) {
-    const int r = slot_res_[s];
-    auto& list = users_[static_cast<std::size_t>(r)];
-    const int moved = list.back();
-    list[slot_pos_[s]] = moved;
-    slot_pos_[static_cast<std::size_t>(moved)] = slot_pos_[s];
-    list.pop_back();
-    if (list.empty()) busy_[static_cast<std::size_t>(r)] += t - busy_since_[static_cast<std::size_t>(r)];
-    mark_resource(r);
+  h.state = done;
+  const int moved = active_.back();
+  active_[h.slot] = moved;
+  pred_[h.slot] = pred_.back();
+  hot_[static_cast<std::size_t>(moved)].slot = h.slot;
+  active_.pop_back();
+  pred_.pop_back();
+  for (std::uint32_t s = h.slot_begin; s < h.slot_end; ++s) {
+    const auto r = static_cast<std::size_t>(slots_[s].res);
+    if (--alive_[r] == 0) busy_[r] += t - busy_since_[r];
+    mark_resource(slots_[s].res, h.fair);  // tasks below its level keep their speeds
   }
-  const Task& task = tasks_[u];
-  if (task.gpu >= 0 && task.cls != WorkClass::none) {
-    auto& list = gpu_tasks_[static_cast<std::size_t>(task.gpu)];
-    const int moved = list.back();
-    list[gpu_pos_[u]] = moved;
-    gpu_pos_[static_cast<std::size_t>(moved)] = gpu_pos_[u];
+  if (h.gpu >= 0) {
+    auto& list = gpu_tasks_[static_cast<std::size_t>(h.gpu)];
+    const int last = list.back();
+    list[gpu_pos_[u]] = last;
+    gpu_pos_[static_cast<std::size_t>(last)] = gpu_pos_[u];
     list.pop_back();
-    if (--class_count_[static_cast<std::size_t>(task.gpu) * 4 + class_index(task.cls)] == 0) mark_gpu(task.gpu);
+    if (--class_count_[static_cast<std::size_t>(h.gpu) * 4 + h.cls] == 0) mark_gpu(h.gpu);
   }
   release(i);
 }
 
-void Simulation::freeze(int i, double level) {
-  task_frozen_[static_cast<std::size_t>(i)] = epoch_;
-  fair_[static_cast<std::size_t>(i)] = level;
-  for (std::size_t s = slot_begin(i); s < slot_end(i); ++s) {
-    const auto r = static_cast<std::size_t>(slot_res_[s]);
-    fill_used_[r] += level * slot_share_[s];
-    fill_w_[r] -= slot_share_[s];
-    --fill_unfrozen_[r];
+// Splits resource r's list at level theta: the entries below stay (their tasks keep their
+// speeds; their usage is the cum of the first entry left out), the active users at or above
+// become the unfrozen users of this solve, and finished tasks are dropped. A user seen for
+// the first time joins the component with its resources (breadth first, through comp_res_).
+void Simulation::split(int r, double theta) {
+  const auto u = static_cast<std::size_t>(r);
+  auto& list = users_[u];
+  const auto at = std::lower_bound(list.begin(), list.end(), theta,
+                                   [](const Entry& e, double th) { return e.level < th; });
+  if (at != list.end()) total_[u] = at->cum;
+  user_off_.push_back(users_of_.size());
+  double w = 0;
+  int count = 0;
+  for (auto it = at; it != list.end(); ++it) {
+    Hot& h = hot_[static_cast<std::size_t>(it->task)];
+    if (h.state != active) continue;
+    if (h.seen != epoch_) {
+      h.seen = epoch_;
+      h.local = static_cast<std::uint32_t>(comp_tasks_.size());
+      comp_tasks_.push_back(it->task);
+      link_off_.push_back(links_.size());
+      for (std::uint32_t k = h.slot_begin; k < h.slot_end; ++k) {
+        ResScratch& other = res_[static_cast<std::size_t>(slots_[k].res)];
+        if (other.seen != epoch_) {
+          other.seen = epoch_;
+          other.local = static_cast<std::uint32_t>(comp_res_.size());
+          comp_res_.push_back(slots_[k].res);
+        }
+        links_.push_back({other.local, slots_[k].share});
+      }
+    }
+    users_of_.push_back({h.local, it->share});
+    w += it->share;
+    ++count;
+  }
+  list.erase(at, list.end());
+  l_w_.push_back(w);
+  l_total_.push_back(total_[u]);
+  l_unfrozen_.push_back(count);
+}
+
+// Freezes local task k at the level: its entries go to the end of its resources' lists (the
+// lists stay in freeze order) and its usage moves from "unfrozen" to "frozen" there.
+void Simulation::freeze(std::uint32_t k, double level) {
+  l_fair_[k] = level;
+  const int task = comp_tasks_[k];
+  for (std::size_t e = link_off_[k]; e < link_off_[k + 1]; ++e) {
+    const std::uint32_t j = links_[e].local;
+    const double share = links_[e].share;
+    users_[static_cast<std::size_t>(comp_res_[j])].push_back({task, share, level, l_total_[j]});
+    l_total_[j] += level * share;
+    l_w_[j] -= share;
+    --l_unfrozen_[j];
   }
 }
 
-// Progressive filling over the component of resource r0: every unfrozen task's speed rises
-// together; the resource whose level (1 - frozen usage) / (unfrozen shares) is lowest
-// saturates first and freezes its unfrozen users at that level. A resource's level only
-// rises as its users freeze elsewhere (they freeze at levels no higher than its own), so a
-// heap key is a lower bound: a popped resource whose current level exceeds the next key goes
-// back with the new key. The level that freezes tasks is recomputed exactly from the user
-// list, not from the running sums, so long runs do not accumulate rounding.
-void Simulation::solve_component(int r0) {
+// Re-solves the tasks at or above level theta connected to resource r0, then gives them
+// their new speeds. Progressive filling: every unfrozen task's speed rises together; the
+// resource whose level (1 - usage of its frozen users) / (shares of its unfrozen users) is
+// lowest saturates first and freezes its unfrozen users at that level. A resource's level
+// only rises as its users freeze elsewhere (they freeze at levels no higher than its own), so
+// a heap key is a lower bound: a popped resource whose current level exceeds the next key
+// goes back with the new key. The level that freezes tasks sums the unfrozen shares afresh,
+// so long runs do not accumulate the rounding of the running sum.
+void Simulation::solve_component(int r0, double t) {
+  const double theta = res_[static_cast<std::size_t>(r0)].theta;
   comp_res_.clear();
   comp_tasks_.clear();
-  res_seen_[static_cast<std::size_t>(r0)] = epoch_;
+  user_off_.clear();
+  link_off_.clear();
+  users_of_.clear();
+  links_.clear();
+  l_w_.clear();
+  l_total_.clear();
+  l_unfrozen_.clear();
+  ResScratch& root = res_[static_cast<std::size_t>(r0)];
+  root.seen = epoch_;
+  root.local = 0;
   comp_res_.push_back(r0);
-  for (std::size_t q = 0; q < comp_res_.size(); ++q) {
-    for (int s : users_[static_cast<std::size_t>(comp_res_[q])]) {
-      const int i = slot_task_[static_cast<std::size_t>(s)];
-      if (task_seen_[static_cast<std::size_t>(i)] == epoch_) continue;
-      task_seen_[static_cast<std::size_t>(i)] = epoch_;
-      comp_tasks_.push_back(i);
-      for (std::size_t k = slot_begin(i); k < slot_end(i); ++k) {
-        const auto r = static_cast<std::size_t>(slot_res_[k]);
-        if (res_seen_[r] == epoch_) continue;
-        res_seen_[r] = epoch_;
-        comp_res_.push_back(static_cast<int>(r));
-      }
-    }
-  }
+  for (std::size_t q = 0; q < comp_res_.size(); ++q) split(comp_res_[q], theta);
+  user_off_.push_back(users_of_.size());
+  link_off_.push_back(links_.size());
+  if (comp_tasks_.empty()) return;
 
+  const std::size_t m = comp_res_.size();
+  l_fair_.assign(comp_tasks_.size(), -1.0);
+  l_version_.assign(m, 0);
   fill_heap_.clear();
-  for (int r : comp_res_) {
-    const auto u = static_cast<std::size_t>(r);
-    double w = 0;
-    for (int s : users_[u]) w += slot_share_[static_cast<std::size_t>(s)];
-    fill_w_[u] = w;
-    fill_used_[u] = 0;
-    fill_unfrozen_[u] = static_cast<int>(users_[u].size());
-    fill_heap_.push_back({1 / w, r, ++fill_version_[u]});
-  }
+  for (std::size_t j = 0; j < m; ++j)
+    if (l_unfrozen_[j] > 0)
+      fill_heap_.push_back({(1 - l_total_[j]) / l_w_[j], comp_res_[j], static_cast<std::uint32_t>(j), 0});
   std::make_heap(fill_heap_.begin(), fill_heap_.end(), std::greater<>{});
-  auto pop = [&] {
+
+  std::size_t unfrozen = comp_tasks_.size();
+  double level = theta;
+  while (unfrozen > 0) {
     std::pop_heap(fill_heap_.begin(), fill_heap_.end(), std::greater<>{});
     Level e = fill_heap_.back();
     fill_heap_.pop_back();
-    return e;
-  };
-  auto push = [&](Level e) {
-    fill_heap_.push_back(e);
-    std::push_heap(fill_heap_.begin(), fill_heap_.end(), std::greater<>{});
-  };
-
-  std::size_t unfrozen = comp_tasks_.size();
-  double level = 0;
-  while (unfrozen > 0) {
-    const Level e = pop();
-    const auto r = static_cast<std::size_t>(e.res);
-    if (e.version != fill_version_[r] || fill_unfrozen_[r] == 0) continue;
+    const std::uint32_t j = e.local;
+    if (e.version != l_version_[j] || l_unfrozen_[j] == 0) continue;
     if (!fill_heap_.empty()) {
-      const double estimate = fill_w_[r] > 0 ? (1 - fill_used_[r]) / fill_w_[r] : e.level;
+      const double estimate = l_w_[j] > 0 ? (1 - l_total_[j]) / l_w_[j] : e.level;
       if (estimate > fill_heap_.front().level * (1 + kLevelTol)) {
-        push({estimate, e.res, ++fill_version_[r]});
+        e.level = estimate;
+        e.version = ++l_version_[j];
+        fill_heap_.push_back(e);
+        std::push_heap(fill_heap_.begin(), fill_heap_.end(), std::greater<>{});
         continue;
       }
     }
-    double used = 0, w = 0;
-    for (int s : users_[r]) {
-      const auto i = static_cast<std::size_t>(slot_task_[static_cast<std::size_t>(s)]);
-      if (task_frozen_[i] == epoch_)
-        used += fair_[i] * slot_share_[static_cast<std::size_t>(s)];
-      else
-        w += slot_share_[static_cast<std::size_t>(s)];
-    }
-    const double l = (1 - used) / w;
-    // Levels only rise; within kLevelTol they are equal (also absorbs rounding that would
-    // make a later level a hair lower than an earlier one).
+    double w = 0;
+    batch_.clear();
+    for (std::size_t x = user_off_[j]; x < user_off_[j + 1]; ++x)
+      if (l_fair_[users_of_[x].local] < 0) {
+        w += users_of_[x].share;
+        batch_.push_back(users_of_[x].local);
+      }
+    const double l = (1 - l_total_[j]) / w;
+    // Levels only rise; within kLevelTol they are equal (this also absorbs rounding that
+    // would put a later level a hair below an earlier one, or below theta).
     if (l > level * (1 + kLevelTol)) level = l;
-    for (int s : users_[r]) {
-      const int i = slot_task_[static_cast<std::size_t>(s)];
-      if (task_frozen_[static_cast<std::size_t>(i)] == epoch_) continue;
-      freeze(i, level);
-      --unfrozen;
-    }
+    for (std::uint32_t k : batch_) freeze(k, level);
+    unfrozen -= batch_.size();
   }
-  for (int i : comp_tasks_) mark_update(i);
+
+  for (std::size_t j = 0; j < m; ++j) total_[static_cast<std::size_t>(comp_res_[j])] = l_total_[j];
+  for (std::size_t k = 0; k < comp_tasks_.size(); ++k) {
+    const int i = comp_tasks_[k];
+    Hot& h = hot_[static_cast<std::size_t>(i)];
+    h.fair = l_fair_[k];
+    set_speed(i, h.fair * speed_factor(h), t);
+  }
 }
 
-bool Simulation::slowed(int i) const {
-  const Task& t = tasks_[static_cast<std::size_t>(i)];
-  if (t.gpu < 0 || t.cls == WorkClass::none) return false;
-  const std::size_t base = static_cast<std::size_t>(t.gpu) * 4;
+double Simulation::speed_factor(const Hot& h) const {
+  if (h.gpu < 0) return 1.0;
+  const std::size_t base = static_cast<std::size_t>(h.gpu) * 4;
   for (int c = 1; c < 4; ++c)
-    if (c != class_index(t.cls) && class_count_[base + static_cast<std::size_t>(c)] > 0) return true;
-  return false;
+    if (c != h.cls && class_count_[base + static_cast<std::size_t>(c)] > 0) return factor_[h.cls];
+  return 1.0;
 }
 
 // A task's remaining work is advanced only here, when its speed really changes, so the
 // arithmetic of its progress depends on its own speed history alone.
 void Simulation::set_speed(int i, double x, double t) {
-  const auto u = static_cast<std::size_t>(i);
-  if (x == x_[u]) return;
-  if (x_[u] > 0) rem_[u] = std::max(0.0, rem_[u] - x_[u] * (t - tlast_[u]));
-  tlast_[u] = t;
-  x_[u] = x;
-  pred_[u] = t + rem_[u] / x;
-  finish_heap_.update(i);
+  Hot& h = hot_[static_cast<std::size_t>(i)];
+  if (x == h.x) return;
+  if (h.x > 0) h.rem = std::max(0.0, h.rem - h.x * (t - h.tlast));
+  h.tlast = t;
+  h.x = x;
+  pred_[h.slot] = t + h.rem / x;
 }
 
 void Simulation::run(std::vector<double>& ready, std::vector<double>& start, std::vector<double>& end,
@@ -511,25 +524,38 @@ void Simulation::run(std::vector<double>& ready, std::vector<double>& start, std
   for (std::size_t i = 0; i < n_; ++i)
     if (pending_[i] == 0) {
       start_[i] = tasks_[i].latency;
-      state_[i] = scheduled;
+      hot_[i].state = scheduled;
       starts_.emplace(start_[i], static_cast<int>(i));
     }
 
   std::vector<int> due;
   for (;;) {
-    double t = std::numeric_limits<double>::infinity();
+    double t = kInf;
     if (!starts_.empty()) t = starts_.top().first;
-    if (!finish_heap_.empty()) t = std::min(t, pred_[static_cast<std::size_t>(finish_heap_.top())]);
-    if (!(t < std::numeric_limits<double>::infinity())) break;
-    ++epoch_;
+    {
+      // Four independent minima: the scan then runs at load speed instead of waiting on
+      // one chain of comparisons.
+      double m0 = kInf, m1 = kInf, m2 = kInf, m3 = kInf;
+      const std::size_t np = pred_.size();
+      std::size_t k = 0;
+      for (; k + 4 <= np; k += 4) {
+        m0 = pred_[k] < m0 ? pred_[k] : m0;
+        m1 = pred_[k + 1] < m1 ? pred_[k + 1] : m1;
+        m2 = pred_[k + 2] < m2 ? pred_[k + 2] : m2;
+        m3 = pred_[k + 3] < m3 ? pred_[k + 3] : m3;
+      }
+      for (; k < np; ++k) m0 = pred_[k] < m0 ? pred_[k] : m0;
+      t = std::min({t, m0, m1, m2, m3});
+    }
+    if (!(t < kInf)) break;
+    next_epoch();
     dirty_res_.clear();
     dirty_gpu_.clear();
-    update_.clear();
 
     // 1. Tasks due now end, in id order.
     due.clear();
-    while (!finish_heap_.empty() && pred_[static_cast<std::size_t>(finish_heap_.top())] <= t)
-      due.push_back(finish_heap_.pop());
+    for (std::size_t k = 0; k < pred_.size(); ++k)
+      if (pred_[k] <= t) due.push_back(active_[k]);
     std::sort(due.begin(), due.end());
     for (int i : due) finish(i, t);
 
@@ -548,10 +574,9 @@ void Simulation::run(std::vector<double>& ready, std::vector<double>& start, std
       }
       due.clear();
       for (; swept < dirty_res_.size(); ++swept)
-        for (int s : users_[static_cast<std::size_t>(dirty_res_[swept])]) {
-          const int i = slot_task_[static_cast<std::size_t>(s)];
-          if (finish_heap_.contains(i) && pred_[static_cast<std::size_t>(i)] <= horizon) due.push_back(i);
-        }
+        for (const Entry& e : users_[static_cast<std::size_t>(dirty_res_[swept])])
+          if (const Hot& h = hot_[static_cast<std::size_t>(e.task)]; h.state == active && pred_[h.slot] <= horizon)
+            due.push_back(e.task);
       if (!due.empty()) {
         std::sort(due.begin(), due.end());
         due.erase(std::unique(due.begin(), due.end()), due.end());
@@ -561,22 +586,24 @@ void Simulation::run(std::vector<double>& ready, std::vector<double>& start, std
       if (!changed) break;
     }
 
-    // 3. New fair speeds in the touched components; interference on the touched GPUs.
+    // 3. New fair speeds in the touched components, lowest removed level first (a solve from
+    //    a lower level covers everything one from a higher level would); then interference
+    //    on the touched GPUs.
+    std::sort(dirty_res_.begin(), dirty_res_.end(), [&](int a, int b) {
+      const double ta = res_[static_cast<std::size_t>(a)].theta, tb = res_[static_cast<std::size_t>(b)].theta;
+      return ta < tb || (ta == tb && a < b);
+    });
     for (int r : dirty_res_)
-      if (res_seen_[static_cast<std::size_t>(r)] != epoch_ && !users_[static_cast<std::size_t>(r)].empty())
-        solve_component(r);
+      if (res_[static_cast<std::size_t>(r)].seen != epoch_) solve_component(r, t);
     for (int g : dirty_gpu_)
-      for (int i : gpu_tasks_[static_cast<std::size_t>(g)]) mark_update(i);
-    for (int i : update_) {
-      const auto u = static_cast<std::size_t>(i);
-      if (state_[u] != active) continue;
-      const double f = slowed(i) ? factor_[class_index(tasks_[u].cls)] : 1.0;
-      set_speed(i, fair_[u] * f, t);
-    }
+      for (int i : gpu_tasks_[static_cast<std::size_t>(g)]) {
+        const Hot& h = hot_[static_cast<std::size_t>(i)];
+        set_speed(i, h.fair * speed_factor(h), t);
+      }
   }
 
   for (std::size_t i = 0; i < n_; ++i)
-    if (state_[i] != done) bad("internal error: " + task_label(tasks_[i], i) + " never ended");
+    if (hot_[i].state != done) bad("internal error: " + task_label(tasks_[i], i) + " never ended");
   ready = std::move(ready_);
   start = std::move(start_);
   end = std::move(end_);

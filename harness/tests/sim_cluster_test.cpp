@@ -7,6 +7,7 @@
 //   build/harness/tests/sim_cluster_test --gtest_filter='ClusterErrors*'
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdlib>
 #include <filesystem>
@@ -484,6 +485,12 @@ TEST_F(ClusterTest, BadProfileFiles) {
                      {"device", "H100"},
                      {"gemm", {{{"m", 64}, {"n", 64}, {"k", 64}, {"dtype", "bf16"}, {"seconds", 1e-6}}}}};
   EXPECT_EQ(load_profile(write("good.json", good)).name, "good");
+  // What `moelab calibrate` adds: how it measured, and collectives for validating the sim.
+  json full = good;
+  full["mode"] = "measured";
+  full["backend"] = "cuda";
+  full["collectives"] = {{{"op", "all_to_all_v"}, {"ranks", 8}, {"bytes_per_peer", 4096}, {"seconds", 1e-4}, {"busbw", 3e8}}};
+  EXPECT_EQ(load_profile(write("full.json", full)).device, "H100");
   EXPECT_HAS(error_of([&] { (void)load_profile((tmp() / "missing.json").string()); }),
              "missing.json: cannot open calibration profile");
   EXPECT_HAS(error_of([&] { (void)load_profile(write("bad.json", std::string("{\"schema\": "))); }),
@@ -505,6 +512,9 @@ TEST_F(ClusterTest, BadProfileFiles) {
   EXPECT_HAS(bad([](json& j) { j["gemm"][0]["secs"] = 1; }), "p.json: unknown field \"gemm[0].secs\"");
   EXPECT_HAS(bad([](json& j) { j["gemm"] = 3; }), "p.json: gemm: expected an array");
   EXPECT_HAS(bad([](json& j) { j["h2d_bw"] = -5e9; }), "p.json: h2d_bw = -5000000000.0 must be >= 0");
+  EXPECT_HAS(bad([](json& j) { j["collectives"] = {{{"op", "all_to_all_v"}, {"ranks", 8}, {"bytes_per_peer", 64}, {"seconds", 0}}}; }),
+             "p.json: collectives[0].seconds = 0 must be > 0");
+  EXPECT_HAS(bad([](json& j) { j["mode"] = "simulated"; }), "p.json: mode = \"simulated\" is not one of measured");
 }
 
 }  // namespace

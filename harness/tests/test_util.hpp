@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <sstream>
@@ -23,6 +24,8 @@ inline std::uint64_t fresh_seed() {
   std::random_device rd;
   const std::uint64_t seed = (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
   ::testing::Test::RecordProperty("seed", std::to_string(seed));
+  std::printf("seed %llu (MOELAB_TEST_SEED=%llu replays it)\n", static_cast<unsigned long long>(seed),
+              static_cast<unsigned long long>(seed));
   return seed;
 }
 

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# harness/tests/cli_sim_test.sh — the simulated path through the real command line:
+# calibrate (cpu) -> profile -> sim run with it; a routing trace recorded on cpu replayed
+# by the sim; determinism of simulated results; bad cluster/profile input.
+#   bash harness/tests/cli_sim_test.sh build/harness/moelab /tmp/workdir
+set -u
+moelab="$1"
+work="$2"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+tiny="$root/experiments/workloads/tiny.json"
+small="$root/experiments/workloads/small.json"
+rm -rf "$work" && mkdir -p "$work"
+pass=0
+fail=0
+ok() { pass=$((pass + 1)); echo "ok   $1"; }
+bad() { fail=$((fail + 1)); echo "FAIL $1"; }
+py=/usr/bin/python3
+jget() { "$py" -c "import json,sys; d=json.load(open(sys.argv[1])); print(eval('d' + sys.argv[2]))" "$1" "$2"; }
+
+# 1. calibrate the cpu backend, run the sim with the profile
+if "$moelab" calibrate --backend cpu --quick --name cpu-test --out "$work/profile.json" >"$work/cal.log" 2>&1 &&
+   [ "$(jget "$work/profile.json" "['schema']")" = "moelab.profile/1" ]; then ok "calibrate writes a profile"; else bad "calibrate"; cat "$work/cal.log"; fi
+if "$moelab" run --workload "$tiny" --impl fastmoe --backend sim --cluster dgx-a100x1 --profile "$work/profile.json" \
+     --out "$work/sim-prof.json" >"$work/simprof.log" 2>&1 &&
+   [ "$(jget "$work/sim-prof.json" "['mode']")" = "simulated" ] &&
+   [ "$(jget "$work/sim-prof.json" "['calibration']")" = "cpu-test" ]; then ok "sim run with a profile is labelled simulated + calibration"; else bad "sim with profile"; cat "$work/simprof.log"; fi
+
+# 2. a routing trace recorded on cpu, replayed by the sim on one rank: same tokens per expert
+"$moelab" run --workload "$tiny" --impl fastmoe --backend cpu --record-routing "$work/trace.json" --out "$work/cpu.json" >"$work/rec.log" 2>&1
+"$moelab" run --workload "$tiny" --impl fastmoe --backend sim --cluster dgx-a100x1 --ranks 1 --routing "trace:$work/trace.json" \
+  --out "$work/replay.json" >"$work/replay.log" 2>&1
+a=$(jget "$work/cpu.json" "['metrics']['routing']['recv_per_local_expert']" 2>/dev/null)
+b=$(jget "$work/replay.json" "['metrics']['routing']['recv_per_local_expert']" 2>/dev/null)
+if [ -n "$a" ] && [ "$a" = "$b" ]; then ok "recorded routing replays exactly ($a)"; else bad "routing replay: cpu $a vs sim $b"; cat "$work/rec.log" "$work/replay.log"; fi
+
+# 3. determinism: two simulated runs, identical metrics
+for i in 1 2; do
+  "$moelab" run --workload "$small" --impl fastmoe --backend sim --cluster dgx-a100x2 --routing zipf:1.2 \
+    --trace "$work/t$i.json" --out "$work/det$i.json" >/dev/null 2>&1
+done
+if [ "$(jget "$work/det1.json" "['metrics']")" = "$(jget "$work/det2.json" "['metrics']")" ] &&
+   cmp -s "$work/t1.json" "$work/t2.json"; then ok "simulated results and traces are deterministic"; else bad "determinism"; fi
+if [ "$(jget "$work/det1.json" "['world_size']")" = "16" ] && [ "$(jget "$work/det1.json" "['cluster']['name']")" = "dgx-a100x2" ]; then
+  ok "result records the cluster model and 16 ranks"; else bad "cluster in result"; fi
+
+# 4. bad input: exit 2, a message naming the thing, no result file
+expect_2() {  # name, grep pattern, args...
+  local name="$1" pat="$2"
+  shift 2
+  rm -f "$work/bad.json"
+  "$moelab" run --workload "$tiny" --impl fastmoe --out "$work/bad.json" "$@" >"$work/bad.out" 2>"$work/bad.err"
+  local rc=$?
+  if [ $rc -eq 2 ] && grep -q -- "$pat" "$work/bad.err" && [ ! -e "$work/bad.json" ]; then ok "$name"; else bad "$name (rc $rc: $(cat "$work/bad.err"))"; fi
+}
+expect_2 "unknown cluster" "dgx-a100x8" --backend sim --cluster nosuch
+expect_2 "sim without a cluster" "--cluster" --backend sim
+echo '{"schema": "moelab.profile/1", "gemm": "x"}' >"$work/badprof.json"
+expect_2 "malformed profile" "badprof.json" --backend sim --cluster dgx-a100x1 --profile "$work/badprof.json"
+expect_2 "bad routing model" "zipf" --backend sim --cluster dgx-a100x1 --routing zipf:-2
+expect_2 "more ranks than the cluster" "--ranks" --backend sim --cluster dgx-a100x1 --ranks 9
+expect_2 "cluster flags without sim" "sim" --backend cpu --cluster dgx-a100x1
+
+echo "$pass passed, $fail failed"
+[ "$fail" -eq 0 ]
