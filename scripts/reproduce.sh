@@ -10,9 +10,10 @@
 # What runs where:
 #   cpu backend   always; 1 rank and 4 MPI ranks (mpirun --oversubscribe)
 #   cuda backend  when a CUDA device is present (single GPU)
+#   sim backend   always: the paper clusters (experiments/hardware/clusters), datasheet
+#                 calibration unless a profile is committed for the cluster's GPU
 #   a real cluster: launch the same binary under your mpirun/srun with a host list, e.g.
 #     mpirun -np 16 --hostfile hosts build/harness/moelab run --backend cuda --workload W --impl fastmoe
-# The simulated paper clusters (the sim backend) are not part of this version yet.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${BUILD_DIR:-$root/build}"
@@ -31,7 +32,7 @@ done
 "$root/scripts/setup.sh"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$build" -j "$(nproc)" --target moelab moelab_bench_cpu
+cmake --build "$build" -j "$(nproc)" --target moelab moelab_bench_cpu moelab_bench_sim
 moelab="$build/harness/moelab"
 
 cpu_workloads=(tiny small)
@@ -43,6 +44,9 @@ done
 if "$moelab" list 2>/dev/null | grep -q "cuda   available"; then
   runs+=("cuda 1 small" "cuda 1 gpt3-xl-e64-16k")
 fi
+sim_runs=("dgx-a100x8 small" "dgx-a100x8 gpt3-xl-e64-16k")
+[ "$quick" = 1 ] && sim_runs=("dgx-a100x1 small")
+for r in "${sim_runs[@]}"; do runs+=("sim:${r% *} 0 ${r#* }"); done
 
 total=${#runs[@]}
 i=0
@@ -51,9 +55,19 @@ summary=()
 for r in "${runs[@]}"; do
   read -r backend np w <<<"$r"
   i=$((i + 1))
-  dest="$out/measured/$backend/$w-fastmoe-np$np.json"
-  echo "[$i/$total] $w on $backend, $np rank(s) -> ${dest#$root/}"
-  if [ "$np" = 1 ]; then
+  if [ "${backend%%:*}" = sim ]; then
+    dest="$out/simulated/${backend#sim:}/$w-fastmoe.json"
+    echo "[$i/$total] $w simulated on ${backend#sim:} -> ${dest#$root/}"
+  else
+    dest="$out/measured/$backend/$w-fastmoe-np$np.json"
+    echo "[$i/$total] $w on $backend, $np rank(s) -> ${dest#$root/}"
+  fi
+  if [ "${backend%%:*}" = sim ]; then
+    # Simulated steps differ only by their routing draw: three are enough.
+    cluster="${backend#sim:}"
+    "$moelab" run --workload "$root/experiments/workloads/$w.json" --impl fastmoe --backend sim --cluster "$cluster" \
+      --steps 3 --out "$dest" --trace "$out/simulated/$cluster/$w-fastmoe.trace.json"
+  elif [ "$np" = 1 ]; then
     "$moelab" run --workload "$root/experiments/workloads/$w.json" --impl fastmoe --backend "$backend" --out "$dest"
   else
     mpirun --oversubscribe -np "$np" "$moelab" run --workload "$root/experiments/workloads/$w.json" \
@@ -73,4 +87,5 @@ echo "measured results (fastmoe baseline):"
 printf '%-22s %-5s %3s  %s\n' workload back ranks file
 for s in "${summary[@]}"; do echo "$s"; done
 echo "cpu micro-benchmarks: ${out#$root/}/bench/cpu_blocks.json"
-echo "simulated paper clusters: not available in this version (no sim backend yet)"
+echo "simulator speed: ${out#$root/}/bench/sim.json"
+"$build/harness/moelab_bench_sim" --benchmark_out="$out/bench/sim.json" --benchmark_out_format=json >/dev/null

@@ -163,8 +163,9 @@ void build_step(Engine& e, int chunks, bool skew, bool pair_links) {
       fwd_out[static_cast<std::size_t>(c)].push_back(
           elementwise("unpermute." + tag, g, 2 * rows_in * row, {combined[g]}));
   }
-  // Backward, chunk by chunk: unpermute grad, combine grad, fc2 grads (data and weight),
-  // activation grad, fc1 grads, dispatch grad, permute grad; then the gate's backward.
+  // Backward (after the whole forward, i.e. the loss), chunk by chunk: unpermute grad,
+  // combine grad, fc2 grads (data and weight), activation grad, fc1 grads, dispatch grad,
+  // permute grad; then the gate's backward.
   std::vector<int> last_bwd(kGpus);
   for (int c = 0; c < chunks; ++c) {
     const std::string tag = "c" + std::to_string(c);

@@ -13,6 +13,7 @@
 //   comm      with several ranks (mpirun), all-to-all-v of several sizes: recorded for
 //             reference (the cluster models keep the link figures)
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -102,9 +103,16 @@ int calibrate_command(const std::vector<std::string>& args) {
   std::vector<DType> dtypes = {DType::f32};
   if (b->supports(DType::bf16)) dtypes.push_back(DType::bf16);
   json gemm = json::array();
+  // Each expert GEMM appears in two shapes: [rows, k] x [k, n] (forward, data gradients) and
+  // [k, rows] x [rows, n] (weight gradients, inner dimension = rows).
+  std::vector<std::array<std::int64_t, 3>> shapes;
+  for (auto r : rows)
+    for (auto [k, n] : mk) {
+      shapes.push_back({r, n, k});
+      shapes.push_back({k, n, r});
+    }
   for (DType t : dtypes)
-    for (auto m : rows)
-      for (auto [k, n] : mk) {
+    for (auto [m, n, k] : shapes) {
         Tensor A = b->empty({m, k}, t, MemCategory::buffers, s), B = b->empty({k, n}, t, MemCategory::buffers, s),
                C = b->empty({m, n}, t, MemCategory::buffers, s);
         for (Tensor* x : {&A, &B, &C}) b->fill_zero(s, *x);

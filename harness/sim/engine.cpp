@@ -12,17 +12,16 @@
 // tasks get equal shares (processor sharing), on a network of equal-capacity links it is
 // classic max-min fair bandwidth, and in general it equalises dominant shares (DRF).
 //
-// Cost. A resource's user list is kept in the order the last solve froze its users, so the
-// levels along it never decrease and each entry carries the usage of the entries before it.
-// Progressive filling has a useful property: the tasks frozen below level L are frozen by
-// resources that none of the tasks at L or above touch, so removing a task frozen at L, or
-// adding one that will freeze at L or above, leaves every task below L exactly as it was.
-// An event therefore re-solves only, per touched component, the tasks at or above the
-// lowest level it removed (everything when a task starts there): a binary search finds
-// where they begin in each list, and the prefix below is reused with its usage. A task's
-// remaining work is brought up to date only when its speed really changes. Work unrelated to
-// a task thus never touches its arithmetic: adding unrelated tasks to a graph leaves the
-// related times identical, bit for bit.
+// Cost. Progressive filling has a useful property: the tasks frozen below level L are frozen
+// by resources on which a task frozen at L never reached saturation, so removing a task
+// frozen at L leaves every task below L exactly as it was. An event
+// therefore re-solves, per touched component (tasks linked through shared resources), only
+// the tasks at or above the lowest level it removed (all of them when a task starts there);
+// the others enter the solve as fixed usage. A task's remaining work is brought up to date
+// only when its speed really changes. Work unrelated to a task thus never touches its
+// arithmetic: adding unrelated tasks to a graph leaves the related times identical, bit for
+// bit. An event costs O(links of the re-solved tasks · log resources) plus a scan of the
+// active tasks' predicted ends.
 #include "harness/sim/engine.hpp"
 
 #include <algorithm>
@@ -77,7 +76,7 @@ struct Hot {
   double x = 0;      // current speed (fair speed times interference)
   double fair = 0;   // speed from progressive filling
   std::uint32_t slot_begin = 0, slot_end = 0;  // its demands in slots_
-  std::uint32_t seen = 0, frozen = 0;          // epoch stamps of the current solve
+  std::uint32_t seen = 0;                      // epoch stamp: in the component being solved
   std::uint32_t slot = 0;                      // index in the active arrays while active
   std::uint32_t local = 0;                     // index in the component being solved
   std::int32_t gpu = -1;
@@ -90,13 +89,11 @@ struct Slot {
   double share;  // fraction of the resource's capacity used at speed 1
 };
 
-// An entry of a resource's user list: the task, its share, the level it was frozen at
-// (infinity until its first solve) and the usage of all entries before it.
-struct Entry {
+// An active user of a resource: the task, which of its slots this is, and its share.
+struct User {
   int task;
+  std::uint32_t slot;
   double share;
-  double level;
-  double cum;
 };
 
 // One run of the engine over a validated graph. Everything is indexed by task or resource id
@@ -111,12 +108,13 @@ class Simulation {
 
  private:
   using Start = std::pair<double, int>;  // (start time, task id)
+  // A resource in the filling's heap. Equal levels may pop in either order: the tasks they
+  // freeze get the same level either way (kLevelTol), and the heap's order is itself a
+  // deterministic function of the component.
   struct Level {
     double level;
-    int res;              // global id: ties go to the lower id
     std::uint32_t local;  // index in the component
-    std::uint32_t version;
-    bool operator>(const Level& o) const { return level > o.level || (level == o.level && res > o.res); }
+    bool operator>(const Level& o) const { return level > o.level; }
   };
   // Per-resource bookkeeping of the current event.
   struct ResScratch {
@@ -137,9 +135,9 @@ class Simulation {
   void finish(int i, double t);
   void mark_resource(int r, double theta);
   void mark_gpu(int g);
-  void split(int r, double theta);
   void solve_component(int r0, double t);
-  void freeze(std::uint32_t k, double level);
+  void sift_level(std::size_t p);
+  void pop_level();
   double speed_factor(const Hot& h) const;
   void set_speed(int i, double x, double t);
 
@@ -167,16 +165,15 @@ class Simulation {
   std::vector<int> active_;
   std::priority_queue<Start, std::vector<Start>, std::greater<>> starts_;
 
-  // Resource state: user lists in freeze order (finished tasks are dropped when the list is
-  // next split), the usage their entries add up to, active users, busy time.
-  std::vector<std::vector<Entry>> users_;
-  std::vector<double> total_;
-  std::vector<int> alive_;
+  // Resource state: active users (any order), busy time.
+  std::vector<std::vector<User>> users_;
+  std::vector<std::uint32_t> user_pos_;  // per slot: its index in its resource's user list
   std::vector<double> busy_, busy_since_;
   std::vector<ResScratch> res_;
 
   // Interference state: active tasks per (gpu, class), and the classed tasks per GPU.
   std::vector<int> class_count_;
+  std::vector<std::uint8_t> class_mask_;  // per GPU: bit c set while a task of class c runs
   std::vector<std::vector<int>> gpu_tasks_;
   std::vector<std::size_t> gpu_pos_;
   std::vector<std::uint32_t> gpu_dirty_;
@@ -188,12 +185,13 @@ class Simulation {
   // The component being solved, in local indices so that the filling works on small,
   // contiguous arrays: its resources and their unfrozen users (comp_res_, user_off_, users_of_,
   // in breadth-first order), its tasks and their resources (comp_tasks_, link_off_, links_).
+  // All are sized once for the whole graph: no growth checks in the inner loops.
   std::vector<int> comp_res_, comp_tasks_;
   std::vector<std::size_t> user_off_, link_off_;
   std::vector<Link> users_of_, links_;
   std::vector<double> l_w_, l_total_, l_fair_;  // unfrozen shares, usage; fair level or -1
   std::vector<int> l_unfrozen_;
-  std::vector<std::uint32_t> l_version_, batch_;
+  std::vector<std::uint32_t> batch_;
   std::vector<Level> fill_heap_;
 };
 
@@ -252,22 +250,33 @@ void Simulation::build() {
   start_.assign(n_, 0);
   end_.assign(n_, 0);
   users_.assign(nr_, {});
-  total_.assign(nr_, 0);
-  alive_.assign(nr_, 0);
+  user_pos_.assign(slots_.size(), 0);
   busy_.assign(nr_, 0);
   busy_since_.assign(nr_, 0);
   res_.assign(nr_, {});
   class_count_.assign(static_cast<std::size_t>(ngpu_) * 4, 0);
+  class_mask_.assign(static_cast<std::size_t>(ngpu_), 0);
   gpu_tasks_.assign(static_cast<std::size_t>(ngpu_), {});
   gpu_pos_.assign(n_, 0);
   gpu_dirty_.assign(static_cast<std::size_t>(ngpu_), 0);
+  comp_res_.assign(nr_, 0);
+  comp_tasks_.assign(n_, 0);
+  user_off_.assign(nr_ + 1, 0);
+  link_off_.assign(n_ + 1, 0);
+  users_of_.assign(slots_.size(), {});
+  links_.assign(slots_.size(), {});
+  l_w_.assign(nr_, 0);
+  l_total_.assign(nr_, 0);
+  l_unfrozen_.assign(nr_, 0);
+  l_fair_.assign(n_, 0);
+  batch_.assign(n_, 0);
 }
 
 // Stamps compare equal to epoch_ only within one event; on the (theoretical) wrap-around
 // every stamp is cleared so that none can match by accident.
 void Simulation::next_epoch() {
   if (++epoch_ != 0) return;
-  for (Hot& h : hot_) h.seen = h.frozen = 0;
+  for (Hot& h : hot_) h.seen = 0;
   for (ResScratch& r : res_) r.dirty = r.seen = 0;
   std::fill(gpu_dirty_.begin(), gpu_dirty_.end(), 0u);
   epoch_ = 1;
@@ -325,15 +334,19 @@ void Simulation::activate(int i, double t) {
   pred_.push_back(kInf);
   for (std::uint32_t s = h.slot_begin; s < h.slot_end; ++s) {
     const auto r = static_cast<std::size_t>(slots_[s].res);
-    users_[r].push_back({i, slots_[s].share, kInf, total_[r]});
-    if (alive_[r]++ == 0) busy_since_[r] = t;
+    if (users_[r].empty()) busy_since_[r] = t;
+    user_pos_[s] = static_cast<std::uint32_t>(users_[r].size());
+    users_[r].push_back({i, s, slots_[s].share});
     mark_resource(slots_[s].res, 0.0);  // a new user: the whole component is re-solved
   }
   if (h.gpu >= 0) {
     auto& list = gpu_tasks_[static_cast<std::size_t>(h.gpu)];
     gpu_pos_[u] = list.size();
     list.push_back(i);
-    if (++class_count_[static_cast<std::size_t>(h.gpu) * 4 + h.cls] == 1) mark_gpu(h.gpu);
+    if (++class_count_[static_cast<std::size_t>(h.gpu) * 4 + h.cls] == 1) {
+      class_mask_[static_cast<std::size_t>(h.gpu)] |= static_cast<std::uint8_t>(1u << h.cls);
+      mark_gpu(h.gpu);
+    }
   }
 }
 
@@ -350,7 +363,12 @@ void Simulation::finish(int i, double t) {
   pred_.pop_back();
   for (std::uint32_t s = h.slot_begin; s < h.slot_end; ++s) {
     const auto r = static_cast<std::size_t>(slots_[s].res);
-    if (--alive_[r] == 0) busy_[r] += t - busy_since_[r];
+    auto& list = users_[r];
+    const User last = list.back();
+    list[user_pos_[s]] = last;
+    user_pos_[last.slot] = user_pos_[s];
+    list.pop_back();
+    if (list.empty()) busy_[r] += t - busy_since_[r];
     mark_resource(slots_[s].res, h.fair);  // tasks below its level keep their speeds
   }
   if (h.gpu >= 0) {
@@ -359,152 +377,178 @@ void Simulation::finish(int i, double t) {
     list[gpu_pos_[u]] = last;
     gpu_pos_[static_cast<std::size_t>(last)] = gpu_pos_[u];
     list.pop_back();
-    if (--class_count_[static_cast<std::size_t>(h.gpu) * 4 + h.cls] == 0) mark_gpu(h.gpu);
+    if (--class_count_[static_cast<std::size_t>(h.gpu) * 4 + h.cls] == 0) {
+      class_mask_[static_cast<std::size_t>(h.gpu)] &= static_cast<std::uint8_t>(~(1u << h.cls));
+      mark_gpu(h.gpu);
+    }
   }
   release(i);
 }
 
-// Splits resource r's list at level theta: the entries below stay (their tasks keep their
-// speeds; their usage is the cum of the first entry left out), the active users at or above
-// become the unfrozen users of this solve, and finished tasks are dropped. A user seen for
-// the first time joins the component with its resources (breadth first, through comp_res_).
-void Simulation::split(int r, double theta) {
-  const auto u = static_cast<std::size_t>(r);
-  auto& list = users_[u];
-  const auto at = std::lower_bound(list.begin(), list.end(), theta,
-                                   [](const Entry& e, double th) { return e.level < th; });
-  if (at != list.end()) total_[u] = at->cum;
-  user_off_.push_back(users_of_.size());
-  double w = 0;
-  int count = 0;
-  for (auto it = at; it != list.end(); ++it) {
-    Hot& h = hot_[static_cast<std::size_t>(it->task)];
-    if (h.state != active) continue;
-    if (h.seen != epoch_) {
-      h.seen = epoch_;
-      h.local = static_cast<std::uint32_t>(comp_tasks_.size());
-      comp_tasks_.push_back(it->task);
-      link_off_.push_back(links_.size());
-      for (std::uint32_t k = h.slot_begin; k < h.slot_end; ++k) {
-        ResScratch& other = res_[static_cast<std::size_t>(slots_[k].res)];
-        if (other.seen != epoch_) {
-          other.seen = epoch_;
-          other.local = static_cast<std::uint32_t>(comp_res_.size());
-          comp_res_.push_back(slots_[k].res);
-        }
-        links_.push_back({other.local, slots_[k].share});
-      }
-    }
-    users_of_.push_back({h.local, it->share});
-    w += it->share;
-    ++count;
+// The filling's min-heap of resources by level (std::greater order on Level).
+void Simulation::sift_level(std::size_t p) {
+  const std::size_t size = fill_heap_.size();
+  const Level e = fill_heap_[p];
+  for (;;) {
+    std::size_t c = 2 * p + 1;
+    if (c >= size) break;
+    if (c + 1 < size) c += fill_heap_[c] > fill_heap_[c + 1] ? 1 : 0;
+    if (!(e > fill_heap_[c])) break;
+    fill_heap_[p] = fill_heap_[c];
+    p = c;
   }
-  list.erase(at, list.end());
-  l_w_.push_back(w);
-  l_total_.push_back(total_[u]);
-  l_unfrozen_.push_back(count);
+  fill_heap_[p] = e;
 }
 
-// Freezes local task k at the level: its entries go to the end of its resources' lists (the
-// lists stay in freeze order) and its usage moves from "unfrozen" to "frozen" there.
-void Simulation::freeze(std::uint32_t k, double level) {
-  l_fair_[k] = level;
-  const int task = comp_tasks_[k];
-  for (std::size_t e = link_off_[k]; e < link_off_[k + 1]; ++e) {
-    const std::uint32_t j = links_[e].local;
-    const double share = links_[e].share;
-    users_[static_cast<std::size_t>(comp_res_[j])].push_back({task, share, level, l_total_[j]});
-    l_total_[j] += level * share;
-    l_w_[j] -= share;
-    --l_unfrozen_[j];
-  }
+void Simulation::pop_level() {
+  fill_heap_.front() = fill_heap_.back();
+  fill_heap_.pop_back();
+  if (!fill_heap_.empty()) sift_level(0);
 }
 
 // Re-solves the tasks at or above level theta connected to resource r0, then gives them
-// their new speeds. Progressive filling: every unfrozen task's speed rises together; the
-// resource whose level (1 - usage of its frozen users) / (shares of its unfrozen users) is
-// lowest saturates first and freezes its unfrozen users at that level. A resource's level
-// only rises as its users freeze elsewhere (they freeze at levels no higher than its own), so
-// a heap key is a lower bound: a popped resource whose current level exceeds the next key
-// goes back with the new key. The level that freezes tasks sums the unfrozen shares afresh,
-// so long runs do not accumulate the rounding of the running sum.
+// their new speeds. This is the engine's inner loop; it works through raw pointers held in
+// locals so that the compiler need not reload them after every store.
+//
+// 1. Gathering. Each resource's users are split at theta: those below keep their speeds
+//    (their usage is summed as frozen), those at or above are the unfrozen users of this
+//    solve. A user seen for the first time joins the component with its resources (breadth
+//    first). Everything is numbered locally, so the filling works on small contiguous arrays.
+// 2. Progressive filling. Every unfrozen task's speed rises together; the resource whose
+//    level (1 - usage of its frozen users) / (shares of its unfrozen users) is lowest
+//    saturates first and freezes its unfrozen users at that level. A resource's level only
+//    rises as its users freeze elsewhere (they freeze at levels no higher than its own), so a
+//    heap key is a lower bound: if the top's current level exceeds the next key, it moves
+//    down with the new key. The level that freezes tasks sums the unfrozen shares afresh, so
+//    long runs do not accumulate the rounding of the running sum.
 void Simulation::solve_component(int r0, double t) {
+  const std::uint32_t epoch = epoch_;
   const double theta = res_[static_cast<std::size_t>(r0)].theta;
-  comp_res_.clear();
-  comp_tasks_.clear();
-  user_off_.clear();
-  link_off_.clear();
-  users_of_.clear();
-  links_.clear();
-  l_w_.clear();
-  l_total_.clear();
-  l_unfrozen_.clear();
-  ResScratch& root = res_[static_cast<std::size_t>(r0)];
-  root.seen = epoch_;
-  root.local = 0;
-  comp_res_.push_back(r0);
-  for (std::size_t q = 0; q < comp_res_.size(); ++q) split(comp_res_[q], theta);
-  user_off_.push_back(users_of_.size());
-  link_off_.push_back(links_.size());
-  if (comp_tasks_.empty()) return;
+  Hot* const hot = hot_.data();
+  const Slot* const slots = slots_.data();
+  ResScratch* const res = res_.data();
+  int* const comp_res = comp_res_.data();
+  int* const comp_tasks = comp_tasks_.data();
+  std::size_t* const user_off = user_off_.data();
+  std::size_t* const link_off = link_off_.data();
+  Link* const users_of = users_of_.data();
+  Link* const links = links_.data();
+  double* const lw = l_w_.data();
+  double* const ltotal = l_total_.data();
+  int* const lunfrozen = l_unfrozen_.data();
 
-  const std::size_t m = comp_res_.size();
-  l_fair_.assign(comp_tasks_.size(), -1.0);
-  l_version_.assign(m, 0);
-  fill_heap_.clear();
-  for (std::size_t j = 0; j < m; ++j)
-    if (l_unfrozen_[j] > 0)
-      fill_heap_.push_back({(1 - l_total_[j]) / l_w_[j], comp_res_[j], static_cast<std::uint32_t>(j), 0});
-  std::make_heap(fill_heap_.begin(), fill_heap_.end(), std::greater<>{});
+  std::size_t m = 0, n = 0, nu = 0, nl = 0;
+  res[r0].seen = epoch;
+  res[r0].local = 0;
+  comp_res[m++] = r0;
+  for (std::size_t j = 0; j < m; ++j) {
+    const auto& list = users_[static_cast<std::size_t>(comp_res[j])];
+    user_off[j] = nu;
+    const std::size_t first = nu;
+    double w = 0, used = 0;
+    for (const User& us : list) {
+      Hot& h = hot[us.task];
+      if (h.seen != epoch) {
+        if (h.fair < theta) {  // keeps its speed
+          used += h.fair * us.share;
+          continue;
+        }
+        h.seen = epoch;
+        h.local = static_cast<std::uint32_t>(n);
+        comp_tasks[n] = us.task;
+        link_off[n++] = nl;
+        for (std::uint32_t k = h.slot_begin; k < h.slot_end; ++k) {
+          ResScratch& other = res[slots[k].res];
+          if (other.seen != epoch) {
+            other.seen = epoch;
+            other.local = static_cast<std::uint32_t>(m);
+            comp_res[m++] = slots[k].res;
+          }
+          links[nl++] = {other.local, slots[k].share};
+        }
+      }
+      users_of[nu++] = {h.local, us.share};
+      w += us.share;
+    }
+    lw[j] = w;
+    ltotal[j] = used;
+    lunfrozen[j] = static_cast<int>(nu - first);
+  }
+  user_off[m] = nu;
+  link_off[n] = nl;
 
-  std::size_t unfrozen = comp_tasks_.size();
-  double level = theta;
-  while (unfrozen > 0) {
-    std::pop_heap(fill_heap_.begin(), fill_heap_.end(), std::greater<>{});
-    Level e = fill_heap_.back();
-    fill_heap_.pop_back();
-    const std::uint32_t j = e.local;
-    if (e.version != l_version_[j] || l_unfrozen_[j] == 0) continue;
-    if (!fill_heap_.empty()) {
-      const double estimate = l_w_[j] > 0 ? (1 - l_total_[j]) / l_w_[j] : e.level;
-      if (estimate > fill_heap_.front().level * (1 + kLevelTol)) {
-        e.level = estimate;
-        e.version = ++l_version_[j];
-        fill_heap_.push_back(e);
-        std::push_heap(fill_heap_.begin(), fill_heap_.end(), std::greater<>{});
+  if (n > 0) {
+    double* const fair = l_fair_.data();
+    std::uint32_t* const batch = batch_.data();
+    std::fill_n(fair, n, -1.0);
+    fill_heap_.clear();
+    // A resource whose level starts above 1 never saturates first: each task's binding
+    // resource (share 1) has a level of at most 1, so every user freezes before it fills.
+    for (std::size_t j = 0; j < m; ++j)
+      if (const double start_level = (1 - ltotal[j]) / lw[j]; lunfrozen[j] > 0 && start_level <= 1)
+        fill_heap_.push_back({start_level, static_cast<std::uint32_t>(j)});
+    std::make_heap(fill_heap_.begin(), fill_heap_.end(), std::greater<>{});
+
+    std::size_t unfrozen = n;
+    double level = theta;
+    while (unfrozen > 0) {
+      const std::uint32_t j = fill_heap_.front().local;
+      if (lunfrozen[j] == 0) {  // all its users froze elsewhere
+        pop_level();
         continue;
       }
-    }
-    double w = 0;
-    batch_.clear();
-    for (std::size_t x = user_off_[j]; x < user_off_[j + 1]; ++x)
-      if (l_fair_[users_of_[x].local] < 0) {
-        w += users_of_[x].share;
-        batch_.push_back(users_of_[x].local);
+      const std::size_t size = fill_heap_.size();
+      if (size > 1) {
+        const double estimate = lw[j] > 0 ? (1 - ltotal[j]) / lw[j] : fill_heap_.front().level;
+        double next = fill_heap_[1].level;
+        if (size > 2 && fill_heap_[2].level < next) next = fill_heap_[2].level;
+        if (estimate > next * (1 + kLevelTol)) {
+          fill_heap_.front().level = estimate;
+          sift_level(0);
+          continue;
+        }
       }
-    const double l = (1 - l_total_[j]) / w;
-    // Levels only rise; within kLevelTol they are equal (this also absorbs rounding that
-    // would put a later level a hair below an earlier one, or below theta).
-    if (l > level * (1 + kLevelTol)) level = l;
-    for (std::uint32_t k : batch_) freeze(k, level);
-    unfrozen -= batch_.size();
+      pop_level();
+      // Branch-free: whether a user is still unfrozen is as good as random.
+      double w = 0;
+      std::size_t nb = 0;
+      for (std::size_t x = user_off[j]; x < user_off[j + 1]; ++x) {
+        const bool open = fair[users_of[x].local] < 0;
+        w += open ? users_of[x].share : 0.0;
+        batch[nb] = users_of[x].local;
+        nb += open ? 1 : 0;
+      }
+      const double l = (1 - ltotal[j]) / w;
+      // Levels only rise; within kLevelTol they are equal (this also absorbs rounding that
+      // would put a later level a hair below an earlier one, or below theta).
+      if (l > level * (1 + kLevelTol)) level = l;
+      for (std::size_t b = 0; b < nb; ++b) {
+        const std::uint32_t k = batch[b];
+        fair[k] = level;
+        for (std::size_t e = link_off[k]; e < link_off[k + 1]; ++e) {
+          const std::uint32_t jj = links[e].local;
+          ltotal[jj] += level * links[e].share;
+          lw[jj] -= links[e].share;
+          --lunfrozen[jj];
+        }
+      }
+      unfrozen -= nb;
+    }
   }
 
-  for (std::size_t j = 0; j < m; ++j) total_[static_cast<std::size_t>(comp_res_[j])] = l_total_[j];
-  for (std::size_t k = 0; k < comp_tasks_.size(); ++k) {
-    const int i = comp_tasks_[k];
-    Hot& h = hot_[static_cast<std::size_t>(i)];
+  for (std::size_t k = 0; k < n; ++k) {
+    const int i = comp_tasks[k];
+    Hot& h = hot[i];
     h.fair = l_fair_[k];
     set_speed(i, h.fair * speed_factor(h), t);
   }
 }
 
+// Interference: slowed by its class's factor while another class runs on its GPU.
 double Simulation::speed_factor(const Hot& h) const {
   if (h.gpu < 0) return 1.0;
-  const std::size_t base = static_cast<std::size_t>(h.gpu) * 4;
-  for (int c = 1; c < 4; ++c)
-    if (c != h.cls && class_count_[base + static_cast<std::size_t>(c)] > 0) return factor_[h.cls];
-  return 1.0;
+  const unsigned others = class_mask_[static_cast<std::size_t>(h.gpu)] & ~(1u << h.cls);
+  return others != 0 ? factor_[h.cls] : 1.0;
 }
 
 // A task's remaining work is advanced only here, when its speed really changes, so the
@@ -574,9 +618,8 @@ void Simulation::run(std::vector<double>& ready, std::vector<double>& start, std
       }
       due.clear();
       for (; swept < dirty_res_.size(); ++swept)
-        for (const Entry& e : users_[static_cast<std::size_t>(dirty_res_[swept])])
-          if (const Hot& h = hot_[static_cast<std::size_t>(e.task)]; h.state == active && pred_[h.slot] <= horizon)
-            due.push_back(e.task);
+        for (const User& us : users_[static_cast<std::size_t>(dirty_res_[swept])])
+          if (pred_[hot_[static_cast<std::size_t>(us.task)].slot] <= horizon) due.push_back(us.task);
       if (!due.empty()) {
         std::sort(due.begin(), due.end());
         due.erase(std::unique(due.begin(), due.end()), due.end());
@@ -603,7 +646,8 @@ void Simulation::run(std::vector<double>& ready, std::vector<double>& start, std
   }
 
   for (std::size_t i = 0; i < n_; ++i)
-    if (hot_[i].state != done) bad("internal error: " + task_label(tasks_[i], i) + " never ended");
+    if (hot_[i].state != done)
+      throw std::logic_error("sim::Engine: internal error: " + task_label(tasks_[i], i) + " never ended");
   ready = std::move(ready_);
   start = std::move(start_);
   end = std::move(end_);

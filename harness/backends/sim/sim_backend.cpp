@@ -441,12 +441,17 @@ class SimBackendImpl final : public Backend {
     t.latency = cls == sim::WorkClass::none ? 0.0 : topo_.launch_latency();
     return t;
   }
-  // A memory-bound kernel: its bytes at the effective HBM bandwidth.
+  // A memory-bound kernel: its bytes at the effective HBM bandwidth. With a profile, data
+  // movement (copies, permutes, the gate) runs at the measured device-copy rate and
+  // elementwise math (activations) at the measured elementwise rate: on a GPU both are
+  // memory-bound and close, on a CPU the activation's erf makes the second much lower.
   LocalTask memory_bound(std::string nm, const OpCost& cost) {
     LocalTask t = op(std::move(nm), cost, sim::WorkClass::compute);
     const double bytes = cost.bytes_read + cost.bytes_written;
     const double hbm_bw = c_.opt.cluster.gpu.hbm_bw;
-    t.demands = {{topo_.hbm(rank()), bytes * hbm_bw / topo_.mem_bw_effective()}};
+    double bw = topo_.mem_bw_effective();
+    if (c_.opt.profile && cost.kind != OpKind::elementwise && c_.opt.profile->d2d_bw > 0) bw = c_.opt.profile->d2d_bw;
+    t.demands = {{topo_.hbm(rank()), bytes * hbm_bw / bw}};
     return t;
   }
   int issue(Stream& s, LocalTask t) {

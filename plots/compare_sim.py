@@ -1,0 +1,71 @@
+#!/usr/bin/python3
+"""plots/compare_sim.py — measured vs simulated, configuration by configuration.
+
+    /usr/bin/python3 plots/compare_sim.py results/validation/cpu
+
+Reads DIR/measured/c*.json and DIR/simulated/c*.json (written by scripts/validate_sim.sh),
+writes DIR/comparison.json and prints a table: step time and the four phases, measured,
+simulated and |sim - measured| / measured, then the median and worst step-time error.
+Standard library only.
+"""
+import glob
+import json
+import os
+import statistics
+import sys
+
+
+def main(d):
+    rows = []
+    for m_path in sorted(glob.glob(os.path.join(d, "measured", "c*.json"))):
+        if m_path.endswith(".routing.json"):
+            continue
+        s_path = os.path.join(d, "simulated", os.path.basename(m_path))
+        if not os.path.exists(s_path):
+            sys.exit(f"compare_sim.py: {s_path} is missing")
+        m, s = json.load(open(m_path)), json.load(open(s_path))
+        if m.get("mode") != "measured" or s.get("mode") != "simulated":
+            sys.exit(f"compare_sim.py: {m_path} must be measured and {s_path} simulated")
+        row = {"workload": m["workload"]["name"],
+               "measured_step_s": m["metrics"]["step_time_s"]["median"],
+               "simulated_step_s": s["metrics"]["step_time_s"]["median"],
+               "phases": {}}
+        row["step_error"] = abs(row["simulated_step_s"] - row["measured_step_s"]) / row["measured_step_s"]
+        for p in ("gate", "dispatch", "experts", "combine"):
+            mv, sv = m["metrics"]["phases_s"].get(p, 0.0), s["metrics"]["phases_s"].get(p, 0.0)
+            row["phases"][p] = {"measured_s": mv, "simulated_s": sv,
+                                "error": abs(sv - mv) / mv if mv > 0 else None}
+        rows.append(row)
+    if not rows:
+        sys.exit(f"compare_sim.py: no measured results under {d}/measured")
+    errors = [r["step_error"] for r in rows]
+    first_m = json.load(open(sorted(p for p in glob.glob(os.path.join(d, "measured", "c*.json"))
+                                    if not p.endswith(".routing.json"))[0]))
+    first_s = json.load(open(os.path.join(d, "simulated", os.path.basename(
+        sorted(p for p in glob.glob(os.path.join(d, "measured", "c*.json")) if not p.endswith(".routing.json"))[0]))))
+    summary = {"schema": "moelab.sim-validation/1",
+               "mode": "comparison of measured and simulated",
+               "device": first_m["device"], "backend": first_m["backend"], "commit": first_m["commit"],
+               "date": first_m["date"], "cluster_model": first_s["cluster"]["name"],
+               "calibration": first_s["calibration"],
+               "median_step_error": statistics.median(errors), "worst_step_error": max(errors),
+               "configurations": rows}
+    tmp = os.path.join(d, "comparison.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=2)
+    os.replace(tmp, os.path.join(d, "comparison.json"))
+    print(f"{'workload':28} {'measured ms':>12} {'simulated ms':>13} {'error':>7}   experts err  dispatch err")
+    for r in rows:
+        pe = r["phases"]["experts"]["error"]
+        pd = r["phases"]["dispatch"]["error"]
+        fmt = lambda e: f"{100 * e:6.1f}%" if e is not None else "    -"
+        print(f"{r['workload']:28} {1e3 * r['measured_step_s']:12.3f} {1e3 * r['simulated_step_s']:13.3f} "
+              f"{100 * r['step_error']:6.1f}%   {fmt(pe)}      {fmt(pd)}")
+    print(f"median step error {100 * summary['median_step_error']:.1f}%, "
+          f"worst {100 * summary['worst_step_error']:.1f}% ({summary['device']}, {summary['calibration']})")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    main(sys.argv[1])
