@@ -9,8 +9,9 @@
 //
 // Arguments: chunks (MPipeMoE-style pipelining: each all-to-all and expert GEMM split into
 // that many pieces, so communication overlaps computation and interference applies), skew
-// (0: every flow of an all-to-all carries the same bytes; 1: every flow a different size,
-// the worst case, where each flow's end is an event of its own), links (0: per-GPU ports
+// (0: every flow of an all-to-all carries the same bytes; 1: each flow carries a random whole
+// number of tokens, 0.25 to 1.75 times the mean, as a random routing gives: nearly every
+// flow's end is then an event of its own, the engine's worst case), links (0: per-GPU ports
 // only, 384 resources; 1: also one resource per ordered GPU pair, 4,416 resources).
 // Only Engine::run() is timed; the graph is built once. Counters: tasks, resources, events
 // (distinct start and end instants) and the simulated step time.
@@ -29,11 +30,6 @@
 namespace {
 
 using namespace moelab::sim;
-
-struct StepGraph {
-  Engine engine;
-  std::size_t events = 0;
-};
 
 // Figures of an A100 node (SXM, NVSwitch, one 200 Gb/s NIC per GPU): only their orders of
 // magnitude matter here.
@@ -167,11 +163,12 @@ void build_step(Engine& e, int chunks, bool skew, bool pair_links) {
   // combine grad, fc2 grads (data and weight), activation grad, fc1 grads, dispatch grad,
   // permute grad; then the gate's backward.
   std::vector<int> last_bwd(kGpus);
+  const std::vector<int>& loss = fwd_out[static_cast<std::size_t>(chunks - 1)];
   for (int c = 0; c < chunks; ++c) {
     const std::string tag = "c" + std::to_string(c);
     std::vector<int> ungrad(kGpus), fc1w(kGpus);
     for (int g = 0; g < kGpus; ++g)
-      ungrad[g] = elementwise("unpermute.bwd." + tag, g, 2 * rows_in * row, {fwd_out[static_cast<std::size_t>(chunks - 1)][g]});
+      ungrad[g] = elementwise("unpermute.bwd." + tag, g, 2 * rows_in * row, {loss[static_cast<std::size_t>(g)]});
     const auto cgrad = all_to_all("combine.bwd." + tag, ungrad, row);
     for (int g = 0; g < kGpus; ++g) {
       gemm("fc2.dgrad." + tag, g, rows_expert, kFfn, kHidden, {cgrad[g]});

@@ -28,13 +28,7 @@ std::string utc_now_iso8601() {
   return buf;
 }
 
-std::string build_commit() {
-#ifdef MOELAB_GIT_COMMIT
-  return MOELAB_GIT_COMMIT;
-#else
-  return "unknown";
-#endif
-}
+// build_commit() is generated at build time (cmake/build_info.cmake).
 
 namespace {
 

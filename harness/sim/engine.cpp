@@ -12,16 +12,16 @@
 // tasks get equal shares (processor sharing), on a network of equal-capacity links it is
 // classic max-min fair bandwidth, and in general it equalises dominant shares (DRF).
 //
-// Cost. Progressive filling has a useful property: the tasks frozen below level L are frozen
-// by resources on which a task frozen at L never reached saturation, so removing a task
-// frozen at L leaves every task below L exactly as it was. An event
-// therefore re-solves, per touched component (tasks linked through shared resources), only
-// the tasks at or above the lowest level it removed (all of them when a task starts there);
-// the others enter the solve as fixed usage. A task's remaining work is brought up to date
-// only when its speed really changes. Work unrelated to a task thus never touches its
-// arithmetic: adding unrelated tasks to a graph leaves the related times identical, bit for
-// bit. An event costs O(links of the re-solved tasks · log resources) plus a scan of the
-// active tasks' predicted ends.
+// Cost. Progressive filling has a useful property: the tasks frozen below level L were frozen
+// by resources that saturated below L, and a task frozen at L uses none of those (it would
+// have frozen there), so removing a task frozen at L leaves every task below L exactly as it
+// was. An event therefore re-solves, per touched component (tasks linked through shared
+// resources), only the tasks at or above the lowest level it removed (all of them when a
+// task starts there); the others enter the solve as fixed usage. A task's remaining work is
+// brought up to date only when its speed really changes. Work unrelated to a task thus never
+// touches its arithmetic: adding unrelated tasks to a graph leaves the related times
+// identical, bit for bit. An event costs O(links of the re-solved tasks · log resources) plus
+// a scan of the active tasks' predicted ends.
 #include "harness/sim/engine.hpp"
 
 #include <algorithm>
