@@ -44,7 +44,7 @@ done
 if "$moelab" list 2>/dev/null | grep -q "cuda   available"; then
   runs+=("cuda 1 small" "cuda 1 gpt3-xl-e64-16k")
 fi
-sim_runs=("dgx-a100x8 small" "dgx-a100x8 gpt3-xl-e64-16k")
+sim_runs=("dgx-a100x2 small" "pcie-a30x1 tiny" "dgx-a100x8 gpt3-xl-e64-16k")
 [ "$quick" = 1 ] && sim_runs=("dgx-a100x1 small")
 for r in "${sim_runs[@]}"; do runs+=("sim:${r% *} 0 ${r#* }"); done
 
@@ -63,10 +63,10 @@ for r in "${runs[@]}"; do
     echo "[$i/$total] $w on $backend, $np rank(s) -> ${dest#$root/}"
   fi
   if [ "${backend%%:*}" = sim ]; then
-    # Simulated steps differ only by their routing draw: three are enough.
+    # Simulated steps differ only by their routing draw: two are enough (and keep traces small).
     cluster="${backend#sim:}"
     "$moelab" run --workload "$root/experiments/workloads/$w.json" --impl fastmoe --backend sim --cluster "$cluster" \
-      --steps 3 --out "$dest" --trace "$out/simulated/$cluster/$w-fastmoe.trace.json"
+      --steps 2 --out "$dest" --trace "$out/simulated/$cluster/$w-fastmoe.trace.json"
   elif [ "$np" = 1 ]; then
     "$moelab" run --workload "$root/experiments/workloads/$w.json" --impl fastmoe --backend "$backend" --out "$dest"
   else

@@ -628,7 +628,7 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
       std::printf("routing trace   %s\n", opt.record_routing.c_str());
     }
     if (!opt.trace.empty()) {
-      write_json_atomic(opt.trace, trace);
+      write_json_atomic(opt.trace, trace, -1);
       std::printf("trace           %s\n", opt.trace.c_str());
     }
     write_json_atomic(opt.out, result);

@@ -38,10 +38,10 @@ namespace {
 
 }  // namespace
 
-void write_json_atomic(const std::string& path, const nlohmann::json& j) {
+void write_json_atomic(const std::string& path, const nlohmann::json& j, int indent) {
   namespace fs = std::filesystem;
   // Invalid UTF-8 (a device name, say) is replaced rather than making the whole write fail.
-  const std::string text = j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+  const std::string text = j.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 
   const fs::path dest(path);
   const fs::path folder = dest.has_parent_path() ? dest.parent_path() : fs::path(".");

@@ -13,8 +13,9 @@ namespace moelab {
 
 std::string utc_now_iso8601();   // "2026-11-22T02:13:00Z"
 std::string build_commit();      // the commit the binary was built from ("-dirty": with local changes)
-// Writes j (pretty-printed, 2 spaces) to path atomically; creates parent folders. Throws
-// std::runtime_error naming the path on any failure, leaving no file behind.
-void write_json_atomic(const std::string& path, const nlohmann::json& j);
+// Writes j to path atomically (pretty-printed with `indent` spaces; -1: compact, for large
+// files such as traces); creates parent folders. Throws std::runtime_error naming the path on
+// any failure, leaving no file behind.
+void write_json_atomic(const std::string& path, const nlohmann::json& j, int indent = 2);
 
 }  // namespace moelab
