@@ -11,21 +11,6 @@
 
 namespace moelab {
 
-struct MoELayer::Saved {
-  Tensor x;                     // [T,M]   layer input
-  Tensor noise_raw, eps;        // [T,E]   fp32, noisy gate only
-  Tensor probs;                 // [T,E]   fp32
-  Tensor topk_idx, topk_w;      // [T,k]   int32 / fp32
-  Tensor slot;                  // [T,k]   int32 row in T_I, -1 = dropped
-  Tensor routed_frac, aux_loss; // [E], [1] fp32
-  Tensor t_di;                  // [R,M]   rows received by the local experts
-  Tensor t_m;                   // [R,H]   FC1 output before the activation
-  Tensor t_o;                   // [N,M]   expert outputs back at their source rank
-  std::vector<Segment> sends;   // dispatch: T_I segments to each (peer, local expert of peer)
-  std::vector<Segment> recvs;   // dispatch: T_DI segments from each (peer, my local expert)
-  std::vector<std::int64_t> rows_per_local;  // [El]
-  std::vector<std::int64_t> local_offset;    // [El] first row of each local expert in T_DI
-};
 
 MoELayer::MoELayer(Backend& backend, Communicator& comm, const ModelConfig& cfg)
     : b_(backend), comm_(comm), cfg_(cfg) {
@@ -99,10 +84,142 @@ std::vector<GemmProblem> per_expert(const std::vector<std::int64_t>& rows, const
 }
 }  // namespace
 
+// ---- gate: logits [T,E] -> probs, top-k, capacity, slots ----------------------------------
+// Fills the gate part of saved_ and routing_. The layer's one host synchronisation is here:
+// the counts size the all-to-all-v.
+void MoELayer::gate_phase(const Tensor& x) {
+  const std::int64_t T = x.dim(0), M = cfg_.d_model, E = cfg_.num_experts;
+  const int k = cfg_.top_k;
+  Stream& c = *compute_;
+  Saved& sv = *saved_;
+  PhaseScope ph(b_, "gate");
+  Tensor logits = b_.empty({T, E}, DType::f32, MemCategory::buffers, c);
+  b_.gemm(c, {false, false, T, E, M, x, params_.w_gate, logits, 1.0f, 0.0f}, "gate_logits");
+  if (cfg_.noisy_gate) {
+    sv.noise_raw = b_.empty({T, E}, DType::f32, MemCategory::activations, c);
+    b_.gemm(c, {false, false, T, E, M, x, params_.w_noise, sv.noise_raw, 1.0f, 0.0f}, "gate_noise_logits");
+    sv.eps = b_.empty({T, E}, DType::f32, MemCategory::activations, c);
+    if (b_.has_data()) {  // the noise is drawn on the host so that tests can replay it
+      Rng rng(Rng::mix(noise_seed_, static_cast<std::uint64_t>(comm_.rank()), step_));
+      last_eps_.resize(static_cast<std::size_t>(T * E));
+      for (auto& v : last_eps_) v = static_cast<float>(rng.normal());
+      b_.upload(last_eps_, sv.eps);
+    }
+    Tensor noisy = b_.empty({T, E}, DType::f32, MemCategory::buffers, c);
+    b_.noisy_logits(c, logits, sv.noise_raw, sv.eps, noisy);
+    logits = noisy;
+  }
+  GateForward g;
+  g.logits = logits;
+  g.top_k = k;
+  g.capacity = cfg_.capacity(T);
+  g.renormalize = cfg_.renormalize;
+  g.probs = sv.probs = b_.empty({T, E}, DType::f32, MemCategory::activations, c);
+  g.topk_idx = sv.topk_idx = b_.empty({T, k}, DType::i32, MemCategory::activations, c);
+  g.topk_w = sv.topk_w = b_.empty({T, k}, DType::f32, MemCategory::activations, c);
+  g.slot = sv.slot = b_.empty({T, k}, DType::i32, MemCategory::activations, c);
+  g.counts = b_.empty({E}, DType::i32, MemCategory::buffers, c);
+  g.routed_frac = sv.routed_frac = b_.empty({E}, DType::f32, MemCategory::activations, c);
+  g.aux_loss = sv.aux_loss = b_.empty({1}, DType::f32, MemCategory::activations, c);
+  b_.gate_forward(c, g);
+  // The one host synchronisation of the layer: the counts size the all-to-all-v.
+  const auto counts = b_.download_i32(g.counts);
+  // f_e * T * k is exact in fp32 for any T*k below 2^24
+  const auto frac = b_.download(g.routed_frac);
+  routing_.routed_per_expert.assign(static_cast<std::size_t>(E), 0);
+  for (std::size_t e = 0; e < frac.size(); ++e)
+    routing_.routed_per_expert[e] = std::llround(static_cast<double>(frac[e]) * static_cast<double>(T * k));
+  routing_.capacity = g.capacity;
+  routing_.sent_per_expert.assign(counts.begin(), counts.end());
+  const std::int64_t kept = std::accumulate(routing_.sent_per_expert.begin(), routing_.sent_per_expert.end(),
+                                            std::int64_t{0});
+  routing_.dropped = T * k - kept;
+}
+
+// ---- experts, forward: per local expert l, rows [off_l, off_l + r_l) ------------------------
+// T_M = T_DI·W1_l [r,H]; A = act(T_M) (a temporary); T_DO = A·W2_l [r,M].
+void MoELayer::experts_forward(Stream& c, const Tensor& t_di, const std::vector<std::int64_t>& rows,
+                               const std::vector<std::int64_t>& off, Tensor& t_m, Tensor& t_do) {
+  const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden, R = t_di.dim(0);
+  b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+    return GemmProblem{false, false, r, H, M, t_di.rows(o, r), params_.w1.select(l), t_m.rows(o, r), 1, 0};
+  }), "fc1");
+  Tensor a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
+  b_.activation_forward(c, cfg_.activation, t_m, a);
+  b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+    return GemmProblem{false, false, r, M, H, a.rows(o, r), params_.w2.select(l), t_do.rows(o, r), 1, 0};
+  }), "fc2");
+}
+
+// ---- experts, backward: the mirror of experts_forward, A recomputed from T_M ---------------
+// dA = dT_DO·W2^T; dW2 += A^T·dT_DO; dT_M = dA * act'(T_M); dW1 += T_DI^T·dT_M;
+// dT_DI = dT_M·W1^T.
+void MoELayer::experts_backward(Stream& c, const Tensor& t_di, const Tensor& t_m, const Tensor& d_t_do,
+                                const std::vector<std::int64_t>& rows, const std::vector<std::int64_t>& off,
+                                Tensor& d_t_di) {
+  const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden, R = t_di.dim(0);
+  Tensor a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
+  b_.activation_forward(c, cfg_.activation, t_m, a);
+  Tensor d_a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
+  // dA = dT_DO · W2^T                [r,M]x[M,H]
+  b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+    return GemmProblem{false, true, r, H, M, d_t_do.rows(o, r), params_.w2.select(l), d_a.rows(o, r), 1, 0};
+  }), "fc2_dgrad");
+  // dW2 += A^T · dT_DO               [H,r]x[r,M]
+  b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+    return GemmProblem{true, false, H, M, r, a.rows(o, r), d_t_do.rows(o, r), grads_.w2.select(l), 1, 1};
+  }), "fc2_wgrad");
+  // dT_M = dA * act'(T_M), in place
+  b_.activation_backward(c, cfg_.activation, t_m, d_a, d_a);
+  // dW1 += T_DI^T · dT_M             [M,r]x[r,H]
+  b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+    return GemmProblem{true, false, M, H, r, t_di.rows(o, r), d_a.rows(o, r), grads_.w1.select(l), 1, 1};
+  }), "fc1_wgrad");
+  // dT_DI = dT_M · W1^T              [r,H]x[H,M]
+  b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+    return GemmProblem{false, true, r, M, H, d_a.rows(o, r), params_.w1.select(l), d_t_di.rows(o, r), 1, 0};
+  }), "fc1_dgrad");
+}
+
+// ---- gate backward: d_logits, then dWg, dWn and the gate's share of dx (accumulated) --------
+void MoELayer::gate_backward_phase(const Tensor& d_w, float grad_aux, Tensor& dx) {
+  Saved& sv = *saved_;
+  const std::int64_t T = sv.x.dim(0), M = cfg_.d_model, E = cfg_.num_experts;
+  Stream& c = *compute_;
+  PhaseScope ph(b_, "gate");
+  GateBackward g;
+  g.probs = sv.probs;
+  g.topk_idx = sv.topk_idx;
+  g.topk_w = sv.topk_w;
+  g.routed_frac = sv.routed_frac;
+  g.renormalize = cfg_.renormalize;
+  g.d_topk_w = d_w;
+  g.grad_aux = grad_aux;
+  g.d_logits = b_.empty({T, E}, DType::f32, MemCategory::buffers, c);
+  b_.gate_backward(c, g);
+  // The gate GEMMs run in the layer's dtype (bf16 gradients as under autocast).
+  auto in_dtype = [&](const Tensor& f32) {
+    if (cfg_.dtype == DType::f32) return f32;
+    Tensor t = b_.empty(f32.shape(), cfg_.dtype, MemCategory::buffers, c);
+    b_.copy(c, f32, t);
+    return t;
+  };
+  const Tensor d_logits = in_dtype(g.d_logits);
+  b_.gemm(c, {true, false, M, E, T, sv.x, d_logits, grads_.w_gate, 1, 1}, "gate_wgrad");
+  b_.gemm(c, {false, true, T, M, E, d_logits, params_.w_gate, dx, 1, 1}, "gate_dgrad");
+  if (cfg_.noisy_gate) {
+    Tensor d_noise = b_.empty({T, E}, DType::f32, MemCategory::buffers, c);
+    b_.noisy_logits_backward(c, g.d_logits, sv.noise_raw, sv.eps, d_noise);
+    const Tensor d_noise_x = in_dtype(d_noise);
+    b_.gemm(c, {true, false, M, E, T, sv.x, d_noise_x, grads_.w_noise, 1, 1}, "gate_noise_wgrad");
+    b_.gemm(c, {false, true, T, M, E, d_noise_x, params_.w_noise, dx, 1, 1}, "gate_noise_dgrad");
+  }
+}
+
 Tensor MoELayer::forward(const Tensor& x) {
-  const std::int64_t T = x.dim(0), M = cfg_.d_model, H = cfg_.d_hidden, E = cfg_.num_experts;
+  const std::int64_t T = x.dim(0), M = cfg_.d_model, H = cfg_.d_hidden;
   const std::int64_t El = local_experts_;
-  const int k = cfg_.top_k, ep = comm_.size();
+  const int ep = comm_.size();
   if (x.ndim() != 2 || x.dim(1) != M || x.dtype() != cfg_.dtype)
     throw ConfigError("MoE layer input " + x.describe() + " does not match d_model = " + std::to_string(M) +
                       ", dtype " + dtype_name(cfg_.dtype));
@@ -112,51 +229,7 @@ Tensor MoELayer::forward(const Tensor& x) {
   sv.x = x;
   ++step_;
 
-  // ---- gate: logits [T,E] -> probs, top-k, capacity, slots ------------------------------
-  {
-    PhaseScope ph(b_, "gate");
-    Tensor logits = b_.empty({T, E}, DType::f32, MemCategory::buffers, c);
-    b_.gemm(c, {false, false, T, E, M, x, params_.w_gate, logits, 1.0f, 0.0f}, "gate_logits");
-    if (cfg_.noisy_gate) {
-      sv.noise_raw = b_.empty({T, E}, DType::f32, MemCategory::activations, c);
-      b_.gemm(c, {false, false, T, E, M, x, params_.w_noise, sv.noise_raw, 1.0f, 0.0f}, "gate_noise_logits");
-      sv.eps = b_.empty({T, E}, DType::f32, MemCategory::activations, c);
-      if (b_.has_data()) {  // the noise is drawn on the host so that tests can replay it
-        Rng rng(Rng::mix(noise_seed_, static_cast<std::uint64_t>(comm_.rank()), step_));
-        last_eps_.resize(static_cast<std::size_t>(T * E));
-        for (auto& v : last_eps_) v = static_cast<float>(rng.normal());
-        b_.upload(last_eps_, sv.eps);
-      }
-      Tensor noisy = b_.empty({T, E}, DType::f32, MemCategory::buffers, c);
-      b_.noisy_logits(c, logits, sv.noise_raw, sv.eps, noisy);
-      logits = noisy;
-    }
-    GateForward g;
-    g.logits = logits;
-    g.top_k = k;
-    g.capacity = cfg_.capacity(T);
-    g.renormalize = cfg_.renormalize;
-    g.probs = sv.probs = b_.empty({T, E}, DType::f32, MemCategory::activations, c);
-    g.topk_idx = sv.topk_idx = b_.empty({T, k}, DType::i32, MemCategory::activations, c);
-    g.topk_w = sv.topk_w = b_.empty({T, k}, DType::f32, MemCategory::activations, c);
-    g.slot = sv.slot = b_.empty({T, k}, DType::i32, MemCategory::activations, c);
-    g.counts = b_.empty({E}, DType::i32, MemCategory::buffers, c);
-    g.routed_frac = sv.routed_frac = b_.empty({E}, DType::f32, MemCategory::activations, c);
-    g.aux_loss = sv.aux_loss = b_.empty({1}, DType::f32, MemCategory::activations, c);
-    b_.gate_forward(c, g);
-    // The one host synchronisation of the layer: the counts size the all-to-all-v.
-    const auto counts = b_.download_i32(g.counts);
-    // f_e * T * k is exact in fp32 for any T*k below 2^24
-    const auto frac = b_.download(g.routed_frac);
-    routing_.routed_per_expert.assign(static_cast<std::size_t>(E), 0);
-    for (std::size_t e = 0; e < frac.size(); ++e)
-      routing_.routed_per_expert[e] = std::llround(static_cast<double>(frac[e]) * static_cast<double>(T * k));
-    routing_.capacity = g.capacity;
-    routing_.sent_per_expert.assign(counts.begin(), counts.end());
-    const std::int64_t kept = std::accumulate(routing_.sent_per_expert.begin(), routing_.sent_per_expert.end(),
-                                              std::int64_t{0});
-    routing_.dropped = T * k - kept;
-  }
+  gate_phase(x);
 
   // ---- dispatch: permute to T_I [N,M], exchange counts, all-to-all-v to T_DI [R,M] ------
   Tensor t_i;
@@ -201,22 +274,11 @@ Tensor MoELayer::forward(const Tensor& x) {
   }
 
   // ---- experts: T_M = T_DI·W1, A = act(T_M), T_DO = A·W2 per local expert ---------------
-  Tensor t_do;
+  sv.t_m = b_.empty({sv.t_di.dim(0), H}, cfg_.dtype, MemCategory::activations, c);
+  Tensor t_do = b_.empty({sv.t_di.dim(0), M}, cfg_.dtype, MemCategory::buffers, c);
   {
     PhaseScope ph(b_, "experts");
-    const std::int64_t R = sv.t_di.dim(0);
-    sv.t_m = b_.empty({R, H}, cfg_.dtype, MemCategory::activations, c);
-    auto fc1 = per_expert(sv.rows_per_local, sv.local_offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
-      return GemmProblem{false, false, r, H, M, sv.t_di.rows(o, r), params_.w1.select(l), sv.t_m.rows(o, r), 1, 0};
-    });
-    b_.grouped_gemm(c, fc1, "fc1");
-    Tensor a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
-    b_.activation_forward(c, cfg_.activation, sv.t_m, a);
-    t_do = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
-    auto fc2 = per_expert(sv.rows_per_local, sv.local_offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
-      return GemmProblem{false, false, r, M, H, a.rows(o, r), params_.w2.select(l), t_do.rows(o, r), 1, 0};
-    });
-    b_.grouped_gemm(c, fc2, "fc2");
+    experts_forward(c, sv.t_di, sv.rows_per_local, sv.local_offset, sv.t_m, t_do);
   }
 
   // ---- combine: all-to-all-v back to T_O [N,M], unpermute with the gate weights ----------
@@ -237,7 +299,7 @@ Tensor MoELayer::forward(const Tensor& x) {
 Tensor MoELayer::backward(const Tensor& dy, float grad_aux) {
   MOELAB_CHECK(saved_ != nullptr, "MoELayer::backward called without a forward");
   Saved& sv = *saved_;
-  const std::int64_t T = sv.x.dim(0), M = cfg_.d_model, H = cfg_.d_hidden, E = cfg_.num_experts;
+  const std::int64_t T = sv.x.dim(0), M = cfg_.d_model;
   const std::int64_t N = sv.t_o.dim(0), R = sv.t_di.dim(0);
   const int k = cfg_.top_k;
   if (dy.ndim() != 2 || dy.dim(0) != T || dy.dim(1) != M || dy.dtype() != cfg_.dtype)
@@ -263,29 +325,7 @@ Tensor MoELayer::backward(const Tensor& dy, float grad_aux) {
   Tensor d_t_di = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
   {
     PhaseScope ph(b_, "experts");
-    Tensor a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
-    b_.activation_forward(c, cfg_.activation, sv.t_m, a);
-    Tensor d_a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
-    const auto& rows = sv.rows_per_local;
-    const auto& off = sv.local_offset;
-    // dA = dT_DO · W2^T                [r,M]x[M,H]
-    b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
-      return GemmProblem{false, true, r, H, M, d_t_do.rows(o, r), params_.w2.select(l), d_a.rows(o, r), 1, 0};
-    }), "fc2_dgrad");
-    // dW2 += A^T · dT_DO               [H,r]x[r,M]
-    b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
-      return GemmProblem{true, false, H, M, r, a.rows(o, r), d_t_do.rows(o, r), grads_.w2.select(l), 1, 1};
-    }), "fc2_wgrad");
-    // dT_M = dA * act'(T_M), in place
-    b_.activation_backward(c, cfg_.activation, sv.t_m, d_a, d_a);
-    // dW1 += T_DI^T · dT_M             [M,r]x[r,H]
-    b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
-      return GemmProblem{true, false, M, H, r, sv.t_di.rows(o, r), d_a.rows(o, r), grads_.w1.select(l), 1, 1};
-    }), "fc1_wgrad");
-    // dT_DI = dT_M · W1^T              [r,H]x[H,M]
-    b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
-      return GemmProblem{false, true, r, M, H, d_a.rows(o, r), params_.w1.select(l), d_t_di.rows(o, r), 1, 0};
-    }), "fc1_dgrad");
+    experts_backward(c, sv.t_di, sv.t_m, d_t_do, sv.rows_per_local, sv.local_offset, d_t_di);
   }
 
   // ---- dispatch backward: all-to-all-v back to the source ranks, un-permute -------------
@@ -301,37 +341,7 @@ Tensor MoELayer::backward(const Tensor& dy, float grad_aux) {
     b_.permute_backward(c, d_t_i, sv.slot, dx);
   }
 
-  // ---- gate backward: d_logits, then dWg, dWn and the gate's share of dx ----------------
-  {
-    PhaseScope ph(b_, "gate");
-    GateBackward g;
-    g.probs = sv.probs;
-    g.topk_idx = sv.topk_idx;
-    g.topk_w = sv.topk_w;
-    g.routed_frac = sv.routed_frac;
-    g.renormalize = cfg_.renormalize;
-    g.d_topk_w = d_w;
-    g.grad_aux = grad_aux;
-    g.d_logits = b_.empty({T, E}, DType::f32, MemCategory::buffers, c);
-    b_.gate_backward(c, g);
-    // The gate GEMMs run in the layer's dtype (bf16 gradients as under autocast).
-    auto in_dtype = [&](const Tensor& f32) {
-      if (cfg_.dtype == DType::f32) return f32;
-      Tensor t = b_.empty(f32.shape(), cfg_.dtype, MemCategory::buffers, c);
-      b_.copy(c, f32, t);
-      return t;
-    };
-    const Tensor d_logits = in_dtype(g.d_logits);
-    b_.gemm(c, {true, false, M, E, T, sv.x, d_logits, grads_.w_gate, 1, 1}, "gate_wgrad");
-    b_.gemm(c, {false, true, T, M, E, d_logits, params_.w_gate, dx, 1, 1}, "gate_dgrad");
-    if (cfg_.noisy_gate) {
-      Tensor d_noise = b_.empty({T, E}, DType::f32, MemCategory::buffers, c);
-      b_.noisy_logits_backward(c, g.d_logits, sv.noise_raw, sv.eps, d_noise);
-      const Tensor d_noise_x = in_dtype(d_noise);
-      b_.gemm(c, {true, false, M, E, T, sv.x, d_noise_x, grads_.w_noise, 1, 1}, "gate_noise_wgrad");
-      b_.gemm(c, {false, true, T, M, E, d_noise_x, params_.w_noise, dx, 1, 1}, "gate_noise_dgrad");
-    }
-  }
+  gate_backward_phase(d_w, grad_aux, dx);
   saved_.reset();  // frees the activations, ordered after everything above on the compute stream
   return dx;
 }

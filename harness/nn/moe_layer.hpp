@@ -51,7 +51,7 @@ class MoELayer {
   // streams (compute, dispatch, combine) and duplicates comm for the dispatch and combine
   // channels so that a scheduler may overlap them.
   MoELayer(Backend& backend, Communicator& comm, const ModelConfig& cfg);
-  ~MoELayer();
+  virtual ~MoELayer();
 
   // Deterministic in (seed, global expert id): the same experts get the same weights
   // whatever the EP degree. PyTorch-Linear-style U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
@@ -60,9 +60,9 @@ class MoELayer {
 
   // x [T,M] -> y [T,M]. Issues work on the layer's streams and returns without waiting.
   // With a noisy gate, eps [T,E] is drawn from Rng(mix(noise_seed, rank, step)).
-  Tensor forward(const Tensor& x);
+  virtual Tensor forward(const Tensor& x);
   // dy [T,M] -> dx [T,M]; accumulates into grads(). grad_aux = dL/d aux_loss.
-  Tensor backward(const Tensor& dy, float grad_aux);
+  virtual Tensor backward(const Tensor& dy, float grad_aux);
 
   float aux_loss();                      // of the last forward (synchronises)
   // The six expert GEMMs per local expert of one forward+backward with the last forward's
@@ -79,8 +79,36 @@ class MoELayer {
   Stream& compute_stream() { return *compute_; }
   void set_noise_seed(std::uint64_t s) { noise_seed_ = s; }
 
- private:
-  struct Saved;  // tensors kept from forward for backward
+ protected:
+  // ---- the phases, for schedules that reorder dispatch, experts and combine (MPipeMoE,
+  //      FasterMoE derive from this layer and keep its gate and experts) ------------------
+  struct Saved {
+    Tensor x;                     // [T,M]   layer input
+    Tensor noise_raw, eps;        // [T,E]   fp32, noisy gate only
+    Tensor probs;                 // [T,E]   fp32
+    Tensor topk_idx, topk_w;      // [T,k]   int32 / fp32
+    Tensor slot;                  // [T,k]   int32 row in T_I, -1 = dropped
+    Tensor routed_frac, aux_loss; // [E], [1] fp32
+    Tensor t_di;                  // [R,M]   rows received by the local experts
+    Tensor t_m;                   // [R,H]   FC1 output before the activation
+    Tensor t_o;                   // [N,M]   expert outputs back at their source rank
+    std::vector<Segment> sends;   // dispatch: T_I segments to each (peer, local expert of peer)
+    std::vector<Segment> recvs;   // dispatch: T_DI segments from each (peer, my local expert)
+    std::vector<std::int64_t> rows_per_local;  // [El]
+    std::vector<std::int64_t> local_offset;    // [El] first row of each local expert in T_DI
+  };
+
+  // gate on x: fills saved_ (probs, top-k, slots, routed fractions, aux loss) and routing_
+  // (counts per expert, synchronising the compute stream to read them).
+  void gate_phase(const Tensor& x);
+  // The experts on rows [off_l, off_l + rows_l) of each local expert l, on stream c.
+  void experts_forward(Stream& c, const Tensor& t_di, const std::vector<std::int64_t>& rows,
+                       const std::vector<std::int64_t>& off, Tensor& t_m, Tensor& t_do);
+  void experts_backward(Stream& c, const Tensor& t_di, const Tensor& t_m, const Tensor& d_t_do,
+                        const std::vector<std::int64_t>& rows, const std::vector<std::int64_t>& off, Tensor& d_t_di);
+  // d_w [T,k] -> d_logits -> dW_gate, dW_noise, and the gate's share added into dx.
+  void gate_backward_phase(const Tensor& d_w, float grad_aux, Tensor& dx);
+
   Backend& b_;
   Communicator& comm_;
   std::unique_ptr<Communicator> dispatch_comm_, combine_comm_;
