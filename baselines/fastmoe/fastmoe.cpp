@@ -19,6 +19,7 @@ class FastMoE final : public MoEImpl {
   MoEParams& grads() override { return layer_.grads(); }
   const RoutingStats& routing() const override { return layer_.routing(); }
   std::vector<GemmProblem> expert_gemms() override { return layer_.expert_gemm_problems(); }
+  MoELayer& layer() override { return layer_; }
   nlohmann::json report() override { return {{"schedule", "unpipelined expert parallelism"}}; }
 
  private:

@@ -26,6 +26,8 @@ class MoEImpl {
   virtual const RoutingStats& routing() const = 0;
   // The GEMMs of the experts in the last forward+backward, for the bare-library yardstick.
   virtual std::vector<GemmProblem> expert_gemms() = 0;
+  // The layer whose parameters, gate and experts this implementation schedules.
+  virtual MoELayer& layer() = 0;
   // Implementation-specific facts for the result file (chosen n, strategy, ...).
   virtual nlohmann::json report() { return nlohmann::json::object(); }
 };

@@ -1,6 +1,6 @@
-// harness/tests/moe_layer_mpi_test.cpp — the MoE layer on N MPI ranks (expert parallelism
-// EP = N, cpu backend, Open MPI all-to-all-v) gives the same outputs and gradients as the
-// single-process layer and the float64 reference.
+// harness/tests/moe_layer_mpi_test.cpp — every MoE implementation (FastMoE, FasterMoE,
+// MPipeMoE, ...) on N MPI ranks (expert parallelism EP = N, cpu backend, Open MPI) gives the
+// same outputs and gradients as the single-process layer and the float64 reference.
 //   mpirun --oversubscribe -np 4 build/harness/tests/moe_layer_mpi_test
 // Every rank holds different tokens (and a different, awkward count of them). Since inputs
 // and parameters are functions of the seed, each rank can rebuild every other rank's tokens
@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "harness/comm/world.hpp"
+#include "harness/nn/moe_impl.hpp"
 #include "harness/nn/moe_layer.hpp"
 #include "harness/tests/moe_reference.hpp"
 #include "harness/tests/test_util.hpp"
@@ -31,7 +32,19 @@ ModelConfig config(bool noisy) {
 
 std::int64_t tokens_of(int rank) { return 23 + 11 * rank; }  // different and odd on each rank
 
-class MoELayerMpi : public ::testing::TestWithParam<bool> {};
+// (implementation, its options): every schedule must compute the same function.
+struct ImplCase {
+  std::string name;
+  nlohmann::json options;
+};
+const std::vector<ImplCase>& impl_cases() {
+  static const std::vector<ImplCase> cases = {
+      {"fastmoe", nlohmann::json::object()},
+  };
+  return cases;
+}
+
+class MoELayerMpi : public ::testing::TestWithParam<std::tuple<bool, std::size_t>> {};
 
 // fp32 and float64 may route a token differently when two of its gate probabilities are
 // within rounding of each other. Every rank can rebuild every rank's inputs, so all ranks
@@ -64,7 +77,9 @@ std::uint64_t agreed_seed_without_near_ties(const ModelConfig& cfg, int size) {
 }
 
 TEST_P(MoELayerMpi, MatchesSingleProcessAndFloat64Reference) {
-  const bool noisy = GetParam();
+  const bool noisy = std::get<0>(GetParam());
+  const ImplCase& ic = impl_cases()[std::get<1>(GetParam())];
+  SCOPED_TRACE(ic.name + " " + ic.options.dump());
   const ModelConfig cfg = config(noisy);
   const int rank = world_rank(), size = world_size();
   const std::uint64_t seed = agreed_seed_without_near_ties(cfg, size);
@@ -74,10 +89,11 @@ TEST_P(MoELayerMpi, MatchesSingleProcessAndFloat64Reference) {
   ASSERT_EQ(comm->size(), size);
 
   // ---- the expert-parallel layer on all ranks ------------------------------------------
-  MoELayer layer(*b, *comm, cfg);
+  auto impl = make_impl(ic.name, *b, *comm, cfg, ic.options);
+  MoEImpl& layer = *impl;
   layer.init_parameters(seed);
-  layer.set_noise_seed(Rng::mix(seed, 5));
-  Stream& s = layer.compute_stream();
+  layer.layer().set_noise_seed(Rng::mix(seed, 5));
+  Stream& s = b->default_stream();
   const std::int64_t T = tokens_of(rank), M = cfg.d_model;
   auto x_of = [&](int r) { return test::uniform(static_cast<std::size_t>(tokens_of(r) * M), Rng::mix(seed, 100 + r)); };
   auto dy_of = [&](int r) { return test::uniform(static_cast<std::size_t>(tokens_of(r) * M), Rng::mix(seed, 200 + r)); };
@@ -118,7 +134,7 @@ TEST_P(MoELayerMpi, MatchesSingleProcessAndFloat64Reference) {
       mine = R;
       my_grads = G;
       if (noisy) {
-        EXPECT_EQ(test::to_double(layer.last_noise()), eps);
+        EXPECT_EQ(test::to_double(layer.layer().last_noise()), eps);
       }
       // the single-process layer on this rank's tokens
       Stream& s1 = single.compute_stream();
@@ -143,7 +159,7 @@ TEST_P(MoELayerMpi, MatchesSingleProcessAndFloat64Reference) {
   EXPECT_TRUE(test::all_close("dx", dx_h, my_grads.dx, 1e-4));
   EXPECT_TRUE(test::all_close("dW_gate", dwg_h, my_grads.dwg, 1e-4));
   // this rank's experts: a slice of the global expert gradients
-  const std::int64_t El = layer.local_experts(), H = cfg.d_hidden;
+  const std::int64_t El = layer.layer().local_experts(), H = cfg.d_hidden;
   const auto off = static_cast<std::ptrdiff_t>(rank * El * M * H), len = static_cast<std::ptrdiff_t>(El * M * H);
   EXPECT_TRUE(test::all_close("dW1", dw1_h, {sum.dw1.begin() + off, sum.dw1.begin() + off + len}, 1e-4));
   EXPECT_TRUE(test::all_close("dW2", dw2_h, {sum.dw2.begin() + off, sum.dw2.begin() + off + len}, 1e-4));
@@ -153,8 +169,15 @@ TEST_P(MoELayerMpi, MatchesSingleProcessAndFloat64Reference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Gate, MoELayerMpi, ::testing::Values(false, true),
-                         [](const auto& tp) { return tp.param ? "noisy" : "plain"; });
+INSTANTIATE_TEST_SUITE_P(Impls, MoELayerMpi,
+                         ::testing::Combine(::testing::Values(false, true),
+                                            ::testing::Range(std::size_t{0}, impl_cases().size())),
+                         [](const auto& tp) {
+                           std::string n = impl_cases()[std::get<1>(tp.param)].name + "_" +
+                                           std::to_string(std::get<1>(tp.param)) +
+                                           (std::get<0>(tp.param) ? "_noisy" : "_plain");
+                           return n;
+                         });
 
 }  // namespace
 }  // namespace moelab
@@ -162,6 +185,7 @@ INSTANTIATE_TEST_SUITE_P(Gate, MoELayerMpi, ::testing::Values(false, true),
 int main(int argc, char** argv) {
   moelab::init_world(&argc, &argv);
   ::testing::InitGoogleTest(&argc, argv);
+  moelab::register_builtin_impls();
   // One seed for all ranks, fresh each run (rank 0 draws it).
   {
     auto b = moelab::make_backend("cpu");
