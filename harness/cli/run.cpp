@@ -60,6 +60,7 @@ void print_run_help(std::FILE* to) {
       "\n"
       "  --workload FILE   workload JSON (experiments/workloads/*.json)\n"
       "  --impl NAME       implementation (moelab list shows them)\n"
+      "  --impl-options JSON  the implementation's options, e.g. '{\"partitions\": 4}' for mpipemoe\n"
       "  --backend NAME    cpu, cuda, or sim (a simulated cluster, all ranks in this process)\n"
       "  --cluster NAME    sim: cluster model (experiments/hardware/clusters/NAME.json)\n"
       "  --profile FILE    sim: calibration profile from `moelab calibrate` (default: datasheet)\n"
@@ -99,6 +100,7 @@ std::string strf(const char* fmt, ...) {
 struct RunOptions {
   std::string workload, impl, backend, out, trace;
   std::string cluster, profile, routing = "uniform", record_routing;  // sim; trace recorder
+  nlohmann::json impl_options = nlohmann::json::object();
   int steps = 0;  // 0: the workload's
   int ranks = 0;  // sim: 0 = every GPU of the cluster
   bool help = false;
@@ -148,6 +150,15 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       o.routing = take();
     else if (flag == "--record-routing")
       o.record_routing = take();
+    else if (flag == "--impl-options") {
+      const std::string v = take();
+      try {
+        o.impl_options = nlohmann::json::parse(v);
+      } catch (const nlohmann::json::exception& e) {
+        throw ConfigError("--impl-options '" + v + "': malformed JSON: " + e.what());
+      }
+      if (!o.impl_options.is_object()) throw ConfigError("--impl-options '" + v + "': expected a JSON object");
+    }
     else if (flag == "--ranks") {
       const std::string v = take();
       char* end = nullptr;
@@ -380,7 +391,7 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
   Backend* backend = &b;
   Communicator* comm = &c;
   const int rank = c.rank(), world = c.size();
-  auto impl = make_impl(opt.impl, *backend, *comm, w.model);
+  auto impl = make_impl(opt.impl, *backend, *comm, w.model, opt.impl_options);
 
   // From here on every rank has accepted the input; an error is a failure of the run.
   try {

@@ -40,6 +40,11 @@ struct ImplCase {
 const std::vector<ImplCase>& impl_cases() {
   static const std::vector<ImplCase> cases = {
       {"fastmoe", nlohmann::json::object()},
+      {"fastermoe", {{"group_size", 2}}},
+      {"fastermoe", {{"group_size", 1}}},
+        {"mpipemoe", {{"partitions", 1}}},
+      {"mpipemoe", {{"partitions", 3}}},
+      {"mpipemoe", {{"partitions", "auto"}, {"min_partition_tokens", 4}}},
   };
   return cases;
 }
