@@ -4,15 +4,19 @@
 #include "impls/mpipemoe/mpipemoe.hpp"
 #include "harness/nn/moe_impl.hpp"
 
+#include <mutex>
+
 namespace moelab {
 
 void register_builtin_impls() {
-  static bool done = false;
-  if (done) return;
-  done = true;
-  register_fastmoe();
-  register_fastermoe();
-  register_mpipemoe();
+  // Simulated ranks are threads: registration must happen exactly once, and nobody may see a
+  // half-filled registry.
+  static std::once_flag once;
+  std::call_once(once, [] {
+    register_fastmoe();
+    register_fastermoe();
+    register_mpipemoe();
+  });
 }
 
 }  // namespace moelab

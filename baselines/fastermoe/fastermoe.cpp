@@ -311,21 +311,12 @@ std::vector<GemmProblem> FasterMoELayer::step_gemm_problems() {
 }
 
 // ---- the MoEImpl adapter -----------------------------------------------------------------
-class FasterMoE final : public MoEImpl {
+class FasterMoE final : public LayerBackedImpl<FasterMoELayer> {
  public:
   FasterMoE(Backend& b, Communicator& c, const ModelConfig& m, const GroupPlan& plan)
-      : plan_(plan), layer_(b, c, m, plan.group_size) {}
+      : LayerBackedImpl(b, c, m, plan.group_size), plan_(plan) {}
   std::string name() const override { return "fastermoe"; }
-  void init_parameters(std::uint64_t seed) override { layer_.init_parameters(seed); }
-  void zero_grad() override { layer_.zero_grad(); }
-  Tensor forward(const Tensor& x) override { return layer_.forward(x); }
-  Tensor backward(const Tensor& dy, float grad_aux) override { return layer_.backward(dy, grad_aux); }
-  float aux_loss() override { return layer_.aux_loss(); }
-  MoEParams& params() override { return layer_.params(); }
-  MoEParams& grads() override { return layer_.grads(); }
-  const RoutingStats& routing() const override { return layer_.routing(); }
   std::vector<GemmProblem> expert_gemms() override { return layer_.step_gemm_problems(); }
-  MoELayer& layer() override { return layer_; }
   nlohmann::json report() override {
     nlohmann::json r = {{"schedule", "FasterMoE smart schedule"}, {"group_size", plan_.group_size},
                         {"steps", plan_.steps}};
@@ -339,7 +330,6 @@ class FasterMoE final : public MoEImpl {
 
  private:
   GroupPlan plan_;
-  FasterMoELayer layer_;
 };
 
 }  // namespace

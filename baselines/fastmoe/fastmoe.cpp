@@ -6,24 +6,12 @@
 namespace moelab {
 namespace {
 
-class FastMoE final : public MoEImpl {
+class FastMoE final : public LayerBackedImpl<MoELayer> {
  public:
-  FastMoE(Backend& b, Communicator& c, const ModelConfig& m) : layer_(b, c, m) {}
+  using LayerBackedImpl::LayerBackedImpl;
   std::string name() const override { return "fastmoe"; }
-  void init_parameters(std::uint64_t seed) override { layer_.init_parameters(seed); }
-  void zero_grad() override { layer_.zero_grad(); }
-  Tensor forward(const Tensor& x) override { return layer_.forward(x); }
-  Tensor backward(const Tensor& dy, float grad_aux) override { return layer_.backward(dy, grad_aux); }
-  float aux_loss() override { return layer_.aux_loss(); }
-  MoEParams& params() override { return layer_.params(); }
-  MoEParams& grads() override { return layer_.grads(); }
-  const RoutingStats& routing() const override { return layer_.routing(); }
   std::vector<GemmProblem> expert_gemms() override { return layer_.expert_gemm_problems(); }
-  MoELayer& layer() override { return layer_; }
   nlohmann::json report() override { return {{"schedule", "unpipelined expert parallelism"}}; }
-
- private:
-  MoELayer layer_;
 };
 
 }  // namespace

@@ -32,6 +32,27 @@ class MoEImpl {
   virtual nlohmann::json report() { return nlohmann::json::object(); }
 };
 
+// The part of MoEImpl every implementation built on a layer (MoELayer or a schedule derived
+// from it) forwards unchanged; an implementation adds its name, report and GEMM list.
+template <class Layer>
+class LayerBackedImpl : public MoEImpl {
+ public:
+  template <class... Args>
+  explicit LayerBackedImpl(Args&&... args) : layer_(std::forward<Args>(args)...) {}
+  void init_parameters(std::uint64_t seed) override { layer_.init_parameters(seed); }
+  void zero_grad() override { layer_.zero_grad(); }
+  Tensor forward(const Tensor& x) override { return layer_.forward(x); }
+  Tensor backward(const Tensor& dy, float grad_aux) override { return layer_.backward(dy, grad_aux); }
+  float aux_loss() override { return layer_.aux_loss(); }
+  MoEParams& params() override { return layer_.params(); }
+  MoEParams& grads() override { return layer_.grads(); }
+  const RoutingStats& routing() const override { return layer_.routing(); }
+  MoELayer& layer() override { return layer_; }
+
+ protected:
+  Layer layer_;
+};
+
 using ImplFactory = std::function<std::unique_ptr<MoEImpl>(Backend&, Communicator&, const ModelConfig&,
                                                            const nlohmann::json& options)>;
 

@@ -45,6 +45,10 @@ const std::vector<ImplCase>& impl_cases() {
         {"mpipemoe", {{"partitions", 1}}},
       {"mpipemoe", {{"partitions", 3}}},
       {"mpipemoe", {{"partitions", "auto"}, {"min_partition_tokens", 4}}},
+      {"mpipemoe", {{"partitions", 2}, {"strategy", "S1"}}},
+      {"mpipemoe", {{"partitions", 2}, {"strategy", "S2"}}},
+      {"mpipemoe", {{"partitions", 2}, {"strategy", "S3"}}},
+      {"mpipemoe", {{"partitions", 2}, {"strategy", "S4"}}},
   };
   return cases;
 }

@@ -1,15 +1,20 @@
 // impls/mpipemoe/mpipemoe.cpp — see mpipemoe.hpp. Sections follow the data:
 //   1. the partition plan: which rows of T_I each partition sends where (host)
-//   2. forward: S_p / C_p / R_p on three streams
+//   2. forward: S_p / C_p / R_p on three streams (no reuse: every partition its own tensors)
 //   3. backward: the mirror
-//   4. options, the granularity search, registration
+//   4. memory reuse (§III-C) and the restore strategies S1–S4 (§III-D): forward, backward,
+//      and the strategy of a forward (fixed, or chosen by Eq. 10, §III-E)
+//   5. options and registration
 #include "impls/mpipemoe/mpipemoe.hpp"
 
 #include <algorithm>
 #include <numeric>
+#include <sstream>
 
 #include "harness/runtime/error.hpp"
 #include "impls/mpipemoe/granularity.hpp"
+#include "impls/mpipemoe/memory_model.hpp"
+#include "impls/mpipemoe/strategy.hpp"
 
 namespace moelab {
 namespace {
@@ -30,12 +35,39 @@ struct Plan {
   std::vector<Partition> parts;
 };
 
+// Memory reuse (§III-C): instead of one T_DI_p, T_M_p, T_DO_p per partition, rotating buffers
+// sized for the largest partition — two for T_DI and T_DO (one communicated while the other
+// is computed on), one for T_M — used by partition p as buffer p % 2 (T_M: the only one).
+// They and the offloaded copies live from forward to backward.
+struct ReuseState {
+  std::int64_t r_max = 0;           // rows of the largest partition
+  Tensor t_di[2];                   // [r_max,M] activations (the restored T_DI in backward)
+  Tensor t_m;                       // [r_max,H] activations (the restored T_M in backward)
+  Tensor t_i;                       // [N,M] kept for S2/S4: the dispatch is re-run from it
+  std::vector<Tensor> host_di, host_m;  // [R_p,M] / [R_p,H] pinned host, per partition (offload)
+};
+
+// Options of the strategy choice.
+struct StrategyOptions {
+  std::string strategy = "none";    // none, S1..S4, auto
+  Throughputs w = default_throughputs();
+  MemoryBudget budget;              // host_memory_gb / memory_gb; 0: unlimited
+};
+
 }  // namespace
 
 class MPipeMoE final : public MoELayer, public MoEImpl {
  public:
-  MPipeMoE(Backend& b, Communicator& c, const ModelConfig& m, int fixed_n, int max_n, std::int64_t min_rows)
-      : MoELayer(b, c, m), fixed_n_(fixed_n), search_(max_n, min_rows) {}
+  MPipeMoE(Backend& b, Communicator& c, const ModelConfig& m, int fixed_n, int max_n, std::int64_t min_rows,
+           StrategyOptions so)
+      : MoELayer(b, c, m), fixed_n_(fixed_n), search_(max_n, min_rows), so_(std::move(so)) {}
+  // Queued work may still wait on events of the pool: let it drain before they go.
+  ~MPipeMoE() override {
+    try {
+      b_.synchronize();
+    } catch (...) {  // a failed op was reported to whoever synchronised last; nothing to add
+    }
+  }
 
   // ---- MoEImpl ------------------------------------------------------------------------------
   std::string name() const override { return "mpipemoe"; }
@@ -48,10 +80,35 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
   std::vector<GemmProblem> expert_gemms() override { return expert_gemm_problems(); }
   MoELayer& layer() override { return *this; }
   nlohmann::json report() override {
-    return {{"schedule", "MPipeMoE pipelining (no memory reuse)"},
-            {"partitions", fixed_n_ > 0 ? nlohmann::json(fixed_n_) : nlohmann::json("auto")},
-            {"last_n", plan_.n},
-            {"granularity_search", search_.report()}};
+    nlohmann::json r = {{"schedule", so_.strategy == "none" ? "MPipeMoE pipelining (no memory reuse)"
+                                                            : "MPipeMoE pipelining with memory reuse"},
+                        {"partitions", fixed_n_ > 0 ? nlohmann::json(fixed_n_) : nlohmann::json("auto")},
+                        {"last_n", plan_.n},
+                        {"strategy", so_.strategy},
+                        {"granularity_search", search_.report()}};
+    if (!strategy_.empty()) {
+      r["last_strategy"] = strategy_;
+      // §III-C's model for the last forward (one rank's view, B = T·k), bytes.
+      r["memory_model"] = {{"paper_act_plus_buf_bytes", memory_.paper_bytes},
+                           {"predicted_act_plus_buf_bytes", memory_.predicted_bytes},
+                           {"host_pinned_bytes", memory_.host_bytes},
+                           {"saving_ratio_phi", memory_.phi}};
+    }
+    if (so_.strategy != "none" && plan_.n == 1)
+      r["note"] = "memory reuse with n = 1 saves nothing: one partition has nothing to rotate with";
+    if (!costs_.empty()) {
+      nlohmann::json all = nlohmann::json::object();
+      for (const auto& c : costs_)
+        all[c.strategy] = {{"cost_s", c.cost_s}, {"comp_s", c.comp_s}, {"comm_s", c.comm_s}, {"mem_s", c.mem_s},
+                           {"device_bytes", c.device_bytes}, {"host_bytes", c.host_bytes}, {"fits", c.fits}};
+      r["strategy_costs"] = all;  // Eq. 10 per strategy, per partition, forward + backward
+      for (const auto& c : costs_)
+        if (c.strategy == strategy_) r["chosen_cost_s"] = c.cost_s;
+      r["throughputs"] = {{"comp_flops", so_.w.comp_flops}, {"comm_bytes", so_.w.comm_bytes},
+                          {"mem_bytes", so_.w.mem_bytes}, {"sigma", so_.w.sigma}, {"mu", so_.w.mu},
+                          {"eta", so_.w.eta}};
+    }
+    return r;
   }
 
   Tensor forward(const Tensor& x) override {
@@ -74,6 +131,21 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
  private:
   Tensor pipelined_forward(const Tensor& x, int n);
   void make_plan(int n, std::int64_t T);
+  // The strategy of this forward: the fixed one, or Eq. 10's choice; host memory checked.
+  void resolve_strategy(std::int64_t T, int n);
+  void reuse_forward(Tensor& t_i, Tensor& t_o);          // §4: S_p / C_p / R_p on rotating buffers
+  void reuse_backward(const Tensor& d_t_o, Tensor& d_t_i);    // §4: restore, then the mirror
+  void fc1(Stream& c, const Tensor& t_di, const Partition& P, Tensor& t_m);  // T_M = T_DI·W1
+  // An event recorded on s now (nullptr-safe waits below); from the per-pass pool.
+  Event* mark(Stream& s) {
+    if (next_event_ == events_.size()) events_.push_back(b_.create_event());
+    Event* e = events_[next_event_++].get();
+    b_.record(*e, s);
+    return e;
+  }
+  void after(Stream& s, Event* e) {
+    if (e) b_.wait(s, *e);
+  }
   // One timed forward at n (the granularity search's trial), the same on every rank.
   double trial(const Tensor& x, int n) {
     comm_.barrier();
@@ -95,6 +167,13 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
 
   int fixed_n_;
   GranularitySearch search_;
+  StrategyOptions so_;
+  std::string strategy_;                 // of the last forward ("none" or S1..S4)
+  std::vector<StrategyCost> costs_;      // Eq. 10 of the last forward, S1–S4
+  MemoryPrediction memory_;              // the memory model of the last forward's strategy
+  ReuseState rz_;
+  Stream* h2d_ = nullptr;                // host copies (S1–S3), created on first use
+  Stream* d2h_ = nullptr;
   Plan plan_;
   std::vector<std::unique_ptr<Event>> events_;  // one per ordering edge of a pass, reused
   std::size_t next_event_ = 0;
@@ -181,6 +260,7 @@ Tensor MPipeMoE::pipelined_forward(const Tensor& x, int n) {
   const std::int64_t T = x.dim(0), M = cfg_.d_model, H = cfg_.d_hidden;
   if (x.ndim() != 2 || x.dim(1) != M || x.dtype() != cfg_.dtype)
     throw ConfigError("MoE layer input " + x.describe() + " does not match d_model = " + std::to_string(M));
+  resolve_strategy(T, n);  // before any work: a host budget that does not fit is a ConfigError
   Stream& c = *compute_;
   saved_ = std::make_unique<Saved>();
   Saved& sv = *saved_;
@@ -192,38 +272,51 @@ Tensor MPipeMoE::pipelined_forward(const Tensor& x, int n) {
   const auto& sent = routing_.sent_per_expert;
   const std::int64_t N = std::accumulate(sent.begin(), sent.end(), std::int64_t{0});
   Tensor t_i;
-  std::vector<Tensor> t_do(static_cast<std::size_t>(n));
-  {
-    PhaseScope ph(b_, "dispatch");
-    make_plan(n, T);
-    t_i = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
-    b_.permute(c, x, sv.slot, t_i);
-    // Every buffer the other streams touch is allocated here, before the event they wait on
-    // (stream-ordered allocation).
-    sv.t_o = b_.empty({N, M}, cfg_.dtype, MemCategory::activations, c);
+  if (strategy_ != "none") {
+    {
+      PhaseScope ph(b_, "dispatch");
+      make_plan(n, T);
+      // T_I [N,M]: an activation when backward re-runs the dispatch from it (S2, S4).
+      t_i = b_.empty({N, M}, cfg_.dtype,
+                     recommunicates(strategy_) ? MemCategory::activations : MemCategory::buffers, c);
+      b_.permute(c, x, sv.slot, t_i);
+      sv.t_o = b_.empty({N, M}, cfg_.dtype, MemCategory::activations, c);
+    }
+    reuse_forward(t_i, sv.t_o);
+  } else {
+    std::vector<Tensor> t_do(static_cast<std::size_t>(n));
+    {
+      PhaseScope ph(b_, "dispatch");
+      make_plan(n, T);
+      t_i = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
+      b_.permute(c, x, sv.slot, t_i);
+      // Every buffer the other streams touch is allocated here, before the event they wait on
+      // (stream-ordered allocation).
+      sv.t_o = b_.empty({N, M}, cfg_.dtype, MemCategory::activations, c);
+      for (int p = 0; p < n; ++p) {
+        Partition& P = plan_.parts[static_cast<std::size_t>(p)];
+        P.t_di = b_.empty({P.R, M}, cfg_.dtype, MemCategory::activations, c);
+        P.t_m = b_.empty({P.R, H}, cfg_.dtype, MemCategory::activations, c);
+        t_do[static_cast<std::size_t>(p)] = b_.empty({P.R, M}, cfg_.dtype, MemCategory::buffers, c);
+      }
+      stream_event_order(c, *dispatch_);
+    }
     for (int p = 0; p < n; ++p) {
       Partition& P = plan_.parts[static_cast<std::size_t>(p)];
-      P.t_di = b_.empty({P.R, M}, cfg_.dtype, MemCategory::activations, c);
-      P.t_m = b_.empty({P.R, H}, cfg_.dtype, MemCategory::activations, c);
-      t_do[static_cast<std::size_t>(p)] = b_.empty({P.R, M}, cfg_.dtype, MemCategory::buffers, c);
-    }
-    stream_event_order(c, *dispatch_);
-  }
-  for (int p = 0; p < n; ++p) {
-    Partition& P = plan_.parts[static_cast<std::size_t>(p)];
-    {
-      PhaseScope ph(b_, "dispatch");  // S_p
-      dispatch_comm_->all_to_all_v(*dispatch_, t_i, P.sends, P.t_di, P.recvs);
-      stream_event_order(*dispatch_, c);
-    }
-    {
-      PhaseScope ph(b_, "experts");  // C_p
-      experts_forward(c, P.t_di, P.rows, P.offset, P.t_m, t_do[static_cast<std::size_t>(p)]);
-      stream_event_order(c, *combine_);
-    }
-    {
-      PhaseScope ph(b_, "combine");  // R_p
-      combine_comm_->all_to_all_v(*combine_, t_do[static_cast<std::size_t>(p)], P.recvs, sv.t_o, P.sends);
+      {
+        PhaseScope ph(b_, "dispatch");  // S_p
+        dispatch_comm_->all_to_all_v(*dispatch_, t_i, P.sends, P.t_di, P.recvs);
+        stream_event_order(*dispatch_, c);
+      }
+      {
+        PhaseScope ph(b_, "experts");  // C_p
+        experts_forward(c, P.t_di, P.rows, P.offset, P.t_m, t_do[static_cast<std::size_t>(p)]);
+        stream_event_order(c, *combine_);
+      }
+      {
+        PhaseScope ph(b_, "combine");  // R_p
+        combine_comm_->all_to_all_v(*combine_, t_do[static_cast<std::size_t>(p)], P.recvs, sv.t_o, P.sends);
+      }
     }
   }
   Tensor y = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
@@ -245,55 +338,306 @@ Tensor MPipeMoE::backward(const Tensor& dy, float grad_aux) {
   Saved& sv = *saved_;
   const std::int64_t T = sv.x.dim(0), M = cfg_.d_model, N = sv.t_o.dim(0);
   const int k = cfg_.top_k, n = plan_.n;
+  if (dy.ndim() != 2 || dy.dim(0) != T || dy.dim(1) != M || dy.dtype() != cfg_.dtype)
+    throw ConfigError("MoE layer output gradient " + dy.describe() + " does not match the forward's output [" +
+                      std::to_string(T) + ", " + std::to_string(M) + "]");
   Stream& c = *compute_;
   next_event_ = 0;
   Tensor d_w = b_.empty({T, k}, DType::f32, MemCategory::buffers, c);
   Tensor d_t_o = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
   Tensor d_t_i = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
-  std::vector<Tensor> d_t_do(static_cast<std::size_t>(n)), d_t_di(static_cast<std::size_t>(n));
-  for (int p = 0; p < n; ++p) {
-    const std::int64_t R = plan_.parts[static_cast<std::size_t>(p)].R;
-    d_t_do[static_cast<std::size_t>(p)] = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
-    d_t_di[static_cast<std::size_t>(p)] = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
-  }
-  {
-    PhaseScope ph(b_, "combine");
-    b_.unpermute_backward(c, dy, sv.t_o, sv.slot, sv.topk_w, d_t_o, d_w);
-    stream_event_order(c, *combine_);
-    stream_event_order(c, *dispatch_);
-  }
-  for (int p = 0; p < n; ++p) {
-    Partition& P = plan_.parts[static_cast<std::size_t>(p)];
+  if (strategy_ != "none") {
     {
-      PhaseScope ph(b_, "combine");  // R'_p: output gradients to the experts
-      combine_comm_->all_to_all_v(*combine_, d_t_o, P.sends, d_t_do[static_cast<std::size_t>(p)], P.recvs);
-      stream_event_order(*combine_, c);
+      PhaseScope ph(b_, "combine");
+      b_.unpermute_backward(c, dy, sv.t_o, sv.slot, sv.topk_w, d_t_o, d_w);
+    }
+    reuse_backward(d_t_o, d_t_i);
+  } else {
+    std::vector<Tensor> d_t_do(static_cast<std::size_t>(n)), d_t_di(static_cast<std::size_t>(n));
+    for (int p = 0; p < n; ++p) {
+      const std::int64_t R = plan_.parts[static_cast<std::size_t>(p)].R;
+      d_t_do[static_cast<std::size_t>(p)] = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
+      d_t_di[static_cast<std::size_t>(p)] = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
     }
     {
-      PhaseScope ph(b_, "experts");  // C'_p
-      experts_backward(c, P.t_di, P.t_m, d_t_do[static_cast<std::size_t>(p)], P.rows, P.offset,
-                       d_t_di[static_cast<std::size_t>(p)]);
+      PhaseScope ph(b_, "combine");
+      b_.unpermute_backward(c, dy, sv.t_o, sv.slot, sv.topk_w, d_t_o, d_w);
+      stream_event_order(c, *combine_);
       stream_event_order(c, *dispatch_);
     }
+    for (int p = 0; p < n; ++p) {
+      Partition& P = plan_.parts[static_cast<std::size_t>(p)];
+      {
+        PhaseScope ph(b_, "combine");  // R'_p: output gradients to the experts
+        combine_comm_->all_to_all_v(*combine_, d_t_o, P.sends, d_t_do[static_cast<std::size_t>(p)], P.recvs);
+        stream_event_order(*combine_, c);
+      }
+      {
+        PhaseScope ph(b_, "experts");  // C'_p
+        experts_backward(c, P.t_di, P.t_m, d_t_do[static_cast<std::size_t>(p)], P.rows, P.offset,
+                         d_t_di[static_cast<std::size_t>(p)]);
+        stream_event_order(c, *dispatch_);
+      }
+      {
+        PhaseScope ph(b_, "dispatch");  // S'_p: input gradients back to the tokens' ranks
+        dispatch_comm_->all_to_all_v(*dispatch_, d_t_di[static_cast<std::size_t>(p)], P.recvs, d_t_i, P.sends);
+      }
+    }
     {
-      PhaseScope ph(b_, "dispatch");  // S'_p: input gradients back to the tokens' ranks
-      dispatch_comm_->all_to_all_v(*dispatch_, d_t_di[static_cast<std::size_t>(p)], P.recvs, d_t_i, P.sends);
+      PhaseScope ph(b_, "dispatch");
+      stream_event_order(*dispatch_, c);
+      stream_event_order(*combine_, c);
     }
   }
   Tensor dx = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
   {
     PhaseScope ph(b_, "dispatch");
-    stream_event_order(*dispatch_, c);
-    stream_event_order(*combine_, c);
     b_.permute_backward(c, d_t_i, sv.slot, dx);
   }
   gate_backward_phase(d_w, grad_aux, dx);
   saved_.reset();
   for (auto& P : plan_.parts) P.t_di = P.t_m = Tensor();
+  rz_ = ReuseState{};  // rotating buffers, T_I and host copies: freed after their last use above
   return dx;
 }
 
-// ---- 4. options and registration --------------------------------------------------------------
+// ---- 4. memory reuse (§III-C) and the restore strategies (§III-D) ------------------------------
+// Partition p uses rotating buffer p % 2 of T_DI, T_DO (and in backward dT_DI, dT_DO) and the
+// one T_M. A buffer is overwritten only after its previous user finished, by events:
+//   forward   S_p  (dispatch) waits C_{p-2} and the offload of T_DI_{p-2}  (T_DI[p%2])
+//             C_p  (compute)  waits S_p, R_{p-2} (T_DO[p%2]) and the offload of T_M_{p-1} (T_M)
+//             R_p  (combine)  waits C_p;   offloads (d2h) wait S_p / C_p
+//   backward  restore T_DI_p (h2d copy or dispatch re-run) waits C'_{p-2}; restore T_M_p (h2d)
+//             waits C'_{p-1}; R'_p waits C'_{p-2} (dT_DO[p%2]); C'_p waits R'_p, the restores
+//             and S'_{p-2} (dT_DI[p%2]); S'_p waits C'_p.
+// Every wait points at work issued earlier, so no stream can wait on a later one.
+namespace {
+Event* at(const std::vector<Event*>& v, int i) { return i >= 0 ? v[static_cast<std::size_t>(i)] : nullptr; }
+}  // namespace
+
+void MPipeMoE::fc1(Stream& c, const Tensor& t_di, const Partition& P, Tensor& t_m) {
+  // T_M = T_DI·W1 per local expert l on rows [off_l, off_l + r_l): [r,M]x[M,H] — exactly the
+  // forward's FC1 (pre-activation), so the recomputed T_M equals the forward's bit for bit.
+  const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
+  std::vector<GemmProblem> ps;
+  for (std::size_t l = 0; l < P.rows.size(); ++l) {
+    const std::int64_t r = P.rows[l], o = P.offset[l];
+    if (r > 0)
+      ps.push_back({false, false, r, H, M, t_di.rows(o, r), params_.w1.select(static_cast<std::int64_t>(l)),
+                    t_m.rows(o, r), 1, 0});
+  }
+  b_.grouped_gemm(c, ps, "fc1_recompute");
+}
+
+void MPipeMoE::reuse_forward(Tensor& t_i, Tensor& t_o) {
+  const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
+  const int n = plan_.n, nb = std::min(n, 2);
+  Stream& c = *compute_;
+  if (!h2d_) h2d_ = &b_.create_stream(StreamRole::h2d, "h2d");
+  if (!d2h_) d2h_ = &b_.create_stream(StreamRole::d2h, "d2h");
+  const bool off_di = offloads_t_di(strategy_), off_m = offloads_t_m(strategy_);
+
+  // ---- buffers: allocated on the compute stream before the other streams' first wait ----
+  rz_ = ReuseState{};
+  for (const auto& P : plan_.parts) rz_.r_max = std::max(rz_.r_max, P.R);
+  Tensor t_do[2];
+  for (int i = 0; i < nb; ++i) {
+    rz_.t_di[i] = b_.empty({rz_.r_max, M}, cfg_.dtype, MemCategory::activations, c);  // [r_max,M]
+    t_do[i] = b_.empty({rz_.r_max, M}, cfg_.dtype, MemCategory::buffers, c);          // [r_max,M]
+  }
+  rz_.t_m = b_.empty({rz_.r_max, H}, cfg_.dtype, MemCategory::activations, c);         // [r_max,H]
+  if (recommunicates(strategy_)) rz_.t_i = t_i;  // S2, S4: backward re-runs S_p from T_I
+  for (const auto& P : plan_.parts) {             // pinned host copies, [R_p,M] / [R_p,H]
+    if (off_di)
+      rz_.host_di.push_back(b_.empty({P.R, M}, cfg_.dtype, MemCategory::host_pinned, c, MemSpace::host_pinned));
+    if (off_m)
+      rz_.host_m.push_back(b_.empty({P.R, H}, cfg_.dtype, MemCategory::host_pinned, c, MemSpace::host_pinned));
+  }
+  {
+    PhaseScope ph(b_, "dispatch");
+    Event* ready = mark(c);
+    after(*dispatch_, ready);
+    after(*d2h_, ready);
+  }
+
+  std::vector<Event*> s_done(static_cast<std::size_t>(n)), c_done(s_done), r_done(s_done), di_saved(s_done),
+      m_saved(s_done);
+  for (int p = 0; p < n; ++p) {
+    const Partition& P = plan_.parts[static_cast<std::size_t>(p)];
+    const auto i = static_cast<std::size_t>(p % 2);
+    Tensor di = rz_.t_di[i].rows(0, P.R), m = rz_.t_m.rows(0, P.R), dout = t_do[i].rows(0, P.R);
+    {
+      PhaseScope ph(b_, "dispatch");  // S_p: T_I segments -> T_DI[p%2]
+      after(*dispatch_, at(c_done, p - 2));    // C_{p-2} has read this buffer
+      after(*dispatch_, at(di_saved, p - 2));  // and its offload has copied it out
+      dispatch_comm_->all_to_all_v(*dispatch_, t_i, P.sends, di, P.recvs);
+      s_done[static_cast<std::size_t>(p)] = mark(*dispatch_);
+    }
+    if (off_di) {
+      PhaseScope ph(b_, "offload");  // S1, S3: T_DI_p -> pinned host [R_p,M]
+      after(*d2h_, s_done[static_cast<std::size_t>(p)]);
+      b_.copy(*d2h_, di, rz_.host_di[static_cast<std::size_t>(p)]);
+      di_saved[static_cast<std::size_t>(p)] = mark(*d2h_);
+    }
+    {
+      PhaseScope ph(b_, "experts");  // C_p: T_M = T_DI·W1, T_DO = act(T_M)·W2
+      after(c, s_done[static_cast<std::size_t>(p)]);
+      after(c, at(r_done, p - 2));   // R_{p-2} has sent T_DO[p%2]
+      after(c, at(m_saved, p - 1));  // the offload of T_M_{p-1} has copied the one T_M out
+      experts_forward(c, di, P.rows, P.offset, m, dout);
+      c_done[static_cast<std::size_t>(p)] = mark(c);
+    }
+    if (off_m) {
+      PhaseScope ph(b_, "offload");  // S1, S2: T_M_p -> pinned host [R_p,H]
+      after(*d2h_, c_done[static_cast<std::size_t>(p)]);
+      b_.copy(*d2h_, m, rz_.host_m[static_cast<std::size_t>(p)]);
+      m_saved[static_cast<std::size_t>(p)] = mark(*d2h_);
+    }
+    {
+      PhaseScope ph(b_, "combine");  // R_p: T_DO[p%2] -> T_O segments
+      after(*combine_, c_done[static_cast<std::size_t>(p)]);
+      combine_comm_->all_to_all_v(*combine_, dout, P.recvs, t_o, P.sends);
+      r_done[static_cast<std::size_t>(p)] = mark(*combine_);
+    }
+  }
+  // The compute stream (where T_I, T_DO and the buffers are freed) waits for every stream.
+  PhaseScope ph(b_, "combine");
+  stream_event_order(*combine_, c);
+  stream_event_order(*dispatch_, c);
+  stream_event_order(*d2h_, c);
+}
+
+void MPipeMoE::reuse_backward(const Tensor& d_t_o, Tensor& d_t_i) {
+  const std::int64_t M = cfg_.d_model;
+  const int n = plan_.n, nb = std::min(n, 2);
+  Stream& c = *compute_;
+  const bool off_di = offloads_t_di(strategy_), off_m = offloads_t_m(strategy_), recomm = recommunicates(strategy_),
+             recomp = recomputes(strategy_);
+  Tensor d_t_do[2], d_t_di[2];  // rotating gradient buffers [r_max,M]
+  for (int i = 0; i < nb; ++i) {
+    d_t_do[i] = b_.empty({rz_.r_max, M}, cfg_.dtype, MemCategory::buffers, c);
+    d_t_di[i] = b_.empty({rz_.r_max, M}, cfg_.dtype, MemCategory::buffers, c);
+  }
+  {
+    PhaseScope ph(b_, "combine");
+    Event* ready = mark(c);  // dT_O written, buffers allocated
+    after(*combine_, ready);
+    after(*dispatch_, ready);
+    after(*h2d_, ready);
+  }
+  std::vector<Event*> di_back(static_cast<std::size_t>(n)), m_back(di_back), rp_done(di_back), cp_done(di_back),
+      sp_done(di_back);
+
+  // ---- restore T_DI_p into T_DI[p%2]: S1/S3 fetch the host copy, S2/S4 re-run S_p ----------
+  auto restore_di = [&](int p) {
+    const Partition& P = plan_.parts[static_cast<std::size_t>(p)];
+    Tensor di = rz_.t_di[static_cast<std::size_t>(p % 2)].rows(0, P.R);
+    if (off_di) {
+      PhaseScope ph(b_, "fetch");
+      after(*h2d_, at(cp_done, p - 2));  // C'_{p-2} has read this buffer
+      b_.copy(*h2d_, rz_.host_di[static_cast<std::size_t>(p)], di);
+      di_back[static_cast<std::size_t>(p)] = mark(*h2d_);
+    } else if (recomm) {
+      PhaseScope ph(b_, "dispatch");  // the forward's S_p again, from the kept T_I
+      after(*dispatch_, at(cp_done, p - 2));
+      dispatch_comm_->all_to_all_v(*dispatch_, rz_.t_i, P.sends, di, P.recvs);
+      di_back[static_cast<std::size_t>(p)] = mark(*dispatch_);
+    }
+  };
+  // ---- restore T_M_p into the one T_M: S1/S2 fetch the host copy (S3/S4 recompute in C'_p)
+  auto restore_m = [&](int p) {
+    PhaseScope ph(b_, "fetch");
+    const Partition& P = plan_.parts[static_cast<std::size_t>(p)];
+    Tensor m = rz_.t_m.rows(0, P.R);
+    after(*h2d_, at(cp_done, p - 1));  // C'_{p-1} has read the one T_M
+    b_.copy(*h2d_, rz_.host_m[static_cast<std::size_t>(p)], m);
+    m_back[static_cast<std::size_t>(p)] = mark(*h2d_);
+  };
+
+  restore_di(0);
+  for (int p = 0; p < n; ++p) {
+    const Partition& P = plan_.parts[static_cast<std::size_t>(p)];
+    const auto i = static_cast<std::size_t>(p % 2);
+    Tensor di = rz_.t_di[i].rows(0, P.R), m = rz_.t_m.rows(0, P.R);
+    Tensor ddo = d_t_do[i].rows(0, P.R), ddi = d_t_di[i].rows(0, P.R);
+    {
+      PhaseScope ph(b_, "combine");  // R'_p: dT_O segments -> dT_DO[p%2]
+      after(*combine_, at(cp_done, p - 2));
+      combine_comm_->all_to_all_v(*combine_, d_t_o, P.sends, ddo, P.recvs);
+      rp_done[static_cast<std::size_t>(p)] = mark(*combine_);
+    }
+    if (p + 1 < n) restore_di(p + 1);  // prefetch: overlaps C'_p
+    if (off_m) restore_m(p);
+    {
+      PhaseScope ph(b_, "experts");  // C'_p
+      after(c, rp_done[static_cast<std::size_t>(p)]);
+      after(c, di_back[static_cast<std::size_t>(p)]);
+      after(c, m_back[static_cast<std::size_t>(p)]);
+      after(c, at(sp_done, p - 2));  // S'_{p-2} has sent dT_DI[p%2]
+      if (recomp) fc1(c, di, P, m);  // S3, S4: T_M recomputed from the restored T_DI
+      experts_backward(c, di, m, ddo, P.rows, P.offset, ddi);
+      cp_done[static_cast<std::size_t>(p)] = mark(c);
+    }
+    {
+      PhaseScope ph(b_, "dispatch");  // S'_p: dT_DI[p%2] -> dT_I segments
+      after(*dispatch_, cp_done[static_cast<std::size_t>(p)]);
+      dispatch_comm_->all_to_all_v(*dispatch_, ddi, P.recvs, d_t_i, P.sends);
+      sp_done[static_cast<std::size_t>(p)] = mark(*dispatch_);
+    }
+  }
+  PhaseScope ph(b_, "dispatch");
+  stream_event_order(*dispatch_, c);
+  stream_event_order(*combine_, c);
+  stream_event_order(*h2d_, c);
+}
+
+void MPipeMoE::resolve_strategy(std::int64_t T, int n) {
+  const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
+  auto need = [&](const std::string& s) {
+    MemoryModelInput in;
+    in.T = T;
+    in.top_k = cfg_.top_k;
+    in.E = cfg_.num_experts;
+    in.M = M;
+    in.H = H;
+    in.n = n;
+    in.strategy = s;
+    in.elem_bytes = static_cast<double>(dtype_size(cfg_.dtype));
+    in.local_experts = local_experts_;
+    return predict_memory(in);
+  };
+  strategy_ = so_.strategy;
+  costs_.clear();
+  if (strategy_ == "none") {
+    memory_ = need(strategy_);
+    return;
+  }
+  // Eq. 10 for a partition of b = T·k/n rows, memory needs from the memory model: the choice
+  // under "auto", and for the report under a fixed strategy.
+  std::array<MemoryNeed, 4> needs;
+  for (std::size_t i = 0; i < needs.size(); ++i) {
+    const auto pr = need(strategy_names()[i + 1]);
+    needs[i] = {pr.predicted_bytes, pr.host_bytes};
+  }
+  const double b = static_cast<double>(T * cfg_.top_k) / n, eb = static_cast<double>(dtype_size(cfg_.dtype));
+  const double Md = static_cast<double>(M), Hd = static_cast<double>(H);
+  if (so_.strategy == "auto") {
+    strategy_ = choose_strategy(so_.w, b, Md, Hd, so_.budget, needs, &costs_, eb);
+    memory_ = need(strategy_);
+    return;
+  }
+  choose_strategy(so_.w, b, Md, Hd, MemoryBudget{}, needs, &costs_, eb);
+  memory_ = need(strategy_);
+  const double host = memory_.host_bytes;
+  if (so_.budget.host_bytes > 0 && host > so_.budget.host_bytes) {
+    std::ostringstream m;
+    m << "mpipemoe: strategy = \"" << strategy_ << "\" offloads " << host / 1e9
+      << " GB of T_DI/T_M to pinned host memory, more than host_memory_gb = " << so_.budget.host_bytes / 1e9;
+    throw ConfigError(m.str());
+  }
+}
+
+// ---- 5. options and registration --------------------------------------------------------------
 namespace {
 int int_option(const nlohmann::json& o, const char* key, int dflt, int lo) {
   if (!o.contains(key)) return dflt;
@@ -303,20 +647,69 @@ int int_option(const nlohmann::json& o, const char* key, int dflt, int lo) {
                       std::to_string(lo));
   return v.get<int>();
 }
+
+double positive_option(const nlohmann::json& o, const char* key, double dflt) {
+  if (!o.contains(key)) return dflt;
+  const auto& v = o[key];
+  if (!v.is_number() || !(v.get<double>() > 0))
+    throw ConfigError(std::string("mpipemoe: ") + key + " = " + v.dump() + ": expected a positive number");
+  return v.get<double>();
+}
 }  // namespace
 
 std::unique_ptr<MoEImpl> make_mpipemoe(Backend& b, Communicator& c, const ModelConfig& m, const nlohmann::json& options) {
   const nlohmann::json o = options.is_null() ? nlohmann::json::object() : options;
   if (!o.is_object()) throw ConfigError("mpipemoe: options must be a JSON object, got " + o.dump());
+  static const char* known[] = {"partitions", "max_partitions", "min_partition_tokens", "reuse", "strategy",
+                                "comp_tflops", "comm_gbps", "mem_gbps", "sigma", "mu", "eta", "host_memory_gb",
+                                "memory_gb"};
   for (const auto& [key, v] : o.items())
-    if (key != "partitions" && key != "max_partitions" && key != "min_partition_tokens")
-      throw ConfigError("mpipemoe: unknown option \"" + key + "\" (known: partitions, max_partitions, min_partition_tokens)");
+    if (std::find_if(std::begin(known), std::end(known), [&](const char* k) { return key == k; }) == std::end(known))
+      throw ConfigError("mpipemoe: unknown option \"" + key +
+                        "\" (known: partitions, max_partitions, min_partition_tokens, reuse, strategy, comp_tflops, "
+                        "comm_gbps, mem_gbps, sigma, mu, eta, host_memory_gb, memory_gb)");
   int n = 0;  // auto
   if (o.contains("partitions") && !(o["partitions"].is_string() && o["partitions"] == "auto"))
     n = int_option(o, "partitions", 0, 1);
   const int max_n = int_option(o, "max_partitions", 16, 1);
   const int min_rows = int_option(o, "min_partition_tokens", 64, 1);
-  return std::make_unique<MPipeMoE>(b, c, m, n, max_n, min_rows);
+
+  // Memory reuse and the restore strategy: "strategy" names it; "reuse": true alone means
+  // reuse with the adaptive choice (Eq. 10); neither means no reuse (pipelining only).
+  StrategyOptions so;
+  if (o.contains("reuse") && !o["reuse"].is_boolean())
+    throw ConfigError("mpipemoe: reuse = " + o["reuse"].dump() + ": expected true or false");
+  const bool reuse = o.contains("reuse") && o["reuse"].get<bool>();
+  if (o.contains("strategy")) {
+    const auto& v = o["strategy"];
+    const std::string s = v.is_string() ? v.get<std::string>() : std::string();
+    const auto& names = strategy_names();
+    if (s != "auto" && std::find(names.begin(), names.end(), s) == names.end())
+      throw ConfigError("mpipemoe: strategy = " + v.dump() + ": expected one of none, S1, S2, S3, S4, auto");
+    so.strategy = s;
+  } else if (reuse) {
+    so.strategy = "auto";
+  }
+  if (o.contains("reuse") && !reuse && so.strategy != "none")
+    throw ConfigError("mpipemoe: reuse = false contradicts strategy = \"" + so.strategy + "\" (S1–S4 reuse buffers)");
+  if (reuse && so.strategy == "none")
+    throw ConfigError("mpipemoe: reuse = true contradicts strategy = \"none\" (no reuse)");
+  // Throughputs for Eq. 10; the defaults are the assumptions of default_throughputs().
+  const Throughputs d = default_throughputs();
+  so.w.comp_flops = positive_option(o, "comp_tflops", d.comp_flops / 1e12) * 1e12;
+  so.w.comm_bytes = positive_option(o, "comm_gbps", d.comm_bytes / 1e9) * 1e9;
+  so.w.mem_bytes = positive_option(o, "mem_gbps", d.mem_bytes / 1e9) * 1e9;
+  so.w.sigma = positive_option(o, "sigma", d.sigma);
+  so.w.mu = positive_option(o, "mu", d.mu);
+  so.w.eta = positive_option(o, "eta", d.eta);
+  for (const char* f : {"sigma", "mu", "eta"})
+    if (o.contains(f) && o[f].get<double>() > 1)
+      throw ConfigError(std::string("mpipemoe: ") + f + " = " + o[f].dump() + ": an interference factor is at most 1");
+  // Budgets (0: unlimited): pinned host memory of the node for the offloads, and device
+  // memory for activations + buffers (used by "auto").
+  so.budget.host_bytes = o.contains("host_memory_gb") ? positive_option(o, "host_memory_gb", 0) * 1e9 : 0;
+  so.budget.device_bytes = o.contains("memory_gb") ? positive_option(o, "memory_gb", 0) * 1e9 : 0;
+  return std::make_unique<MPipeMoE>(b, c, m, n, max_n, min_rows, std::move(so));
 }
 
 void register_mpipemoe() { register_impl("mpipemoe", make_mpipemoe); }

@@ -1,9 +1,15 @@
 // impls/mpipemoe/mpipemoe_test.cpp — MPipeMoE's pipelined layer computes exactly the
 // unpipelined layer's function (n = 1 bit for bit; n > 1 to fp32 summation order), its
 // granularity search follows Algorithm 1, bad options are clear errors, and on a simulated
-// DGX A100 the pipeline overlaps communication with the experts.
+// DGX A100 the pipeline overlaps communication with the experts. Memory reuse: every restore
+// strategy S1–S4 computes the same function, Eq. 10 picks the strategy the paper's regimes
+// call for, and the measured peak of activations + buffers agrees with the memory model
+// (Eq. 1–6) within 5% on the sim and cpu backends.
 //   ctest --test-dir build -R mpipemoe
 #include <gtest/gtest.h>
+
+#include <cstdio>
+#include <map>
 
 #include "harness/backends/sim/sim_backend.hpp"
 #include "harness/metrics/overlap.hpp"
@@ -11,6 +17,8 @@
 #include "harness/runtime/error.hpp"
 #include "harness/tests/test_util.hpp"
 #include "impls/mpipemoe/granularity.hpp"
+#include "impls/mpipemoe/memory_model.hpp"
+#include "impls/mpipemoe/strategy.hpp"
 
 namespace moelab {
 namespace {
@@ -140,6 +148,7 @@ TEST(MPipeMoE, OverlapsCommunicationOnASimulatedCluster) {
     o.cluster = sim::load_cluster("dgx-a100x1");
     SimCluster cluster(o);
     double t = 0, ov = 0;
+    register_builtin_impls();  // once, here: the registry is not safe to fill from the rank threads
     cluster.run([&](Backend& b, Communicator& c) {
       ModelConfig m;
       m.d_model = 1024;
@@ -147,7 +156,6 @@ TEST(MPipeMoE, OverlapsCommunicationOnASimulatedCluster) {
       m.num_experts = 8;
       m.top_k = 1;
       m.dtype = DType::bf16;
-      register_builtin_impls();
       auto layer = make_impl(impl, b, c, m, options);
       Tensor x = b.empty({16384, m.d_model}, m.dtype, MemCategory::activations, b.default_stream());
       c.barrier();
@@ -171,6 +179,291 @@ TEST(MPipeMoE, OverlapsCommunicationOnASimulatedCluster) {
   EXPECT_LT(ov1, 0.01);
   EXPECT_GT(ov4, 0.3);
   EXPECT_LT(t4, t1);
+}
+
+// ---- memory reuse and the restore strategies ---------------------------------------------------
+
+TEST(MPipeMoE, EveryStrategyComputesTheSameFunction) {
+  const std::uint64_t seed = test::fresh_seed();
+  const Outputs a = run("fastmoe", {}, 37, seed);
+  for (const char* s : {"S1", "S2", "S3", "S4"})
+    for (int n : {2, 3}) {
+      const Outputs b = run("mpipemoe", {{"partitions", n}, {"strategy", s}}, 37, seed);
+      SCOPED_TRACE(std::string(s) + ", n = " + std::to_string(n));
+      EXPECT_TRUE(test::all_close("y", b.y, test::to_double(a.y), 1e-5));
+      EXPECT_TRUE(test::all_close("dx", b.dx, test::to_double(a.dx), 1e-5));
+      EXPECT_TRUE(test::all_close("dW_gate", b.dwg, test::to_double(a.dwg), 1e-5));
+      EXPECT_TRUE(test::all_close("dW1", b.dw1, test::to_double(a.dw1), 1e-5));
+      EXPECT_TRUE(test::all_close("dW2", b.dw2, test::to_double(a.dw2), 1e-5));
+    }
+  // "auto" and "reuse": true run one of them; n = 1 with reuse is allowed.
+  for (const nlohmann::json& o : {nlohmann::json{{"partitions", 3}, {"strategy", "auto"}},
+                                  nlohmann::json{{"partitions", 2}, {"reuse", true}},
+                                  nlohmann::json{{"partitions", 1}, {"strategy", "S1"}}}) {
+    const Outputs b = run("mpipemoe", o, 37, seed);
+    SCOPED_TRACE(o.dump());
+    EXPECT_TRUE(test::all_close("y", b.y, test::to_double(a.y), 1e-5));
+    EXPECT_TRUE(test::all_close("dx", b.dx, test::to_double(a.dx), 1e-5));
+    EXPECT_TRUE(test::all_close("dW1", b.dw1, test::to_double(a.dw1), 1e-5));
+  }
+}
+
+TEST(MPipeMoE, ReportNamesTheStrategyAndItsCost) {
+  auto b = make_backend("cpu");
+  auto comm = make_self_communicator(*b);
+  register_builtin_impls();
+  auto run_one = [&](const nlohmann::json& o) {
+    auto layer = make_impl("mpipemoe", *b, *comm, model(), o);
+    layer->init_parameters(3);
+    Tensor x = b->empty({24, 12}, DType::f32, MemCategory::activations, b->default_stream());
+    b->fill_zero(b->default_stream(), x);
+    Tensor y = layer->forward(x);
+    Tensor dx = layer->backward(y, 0.0f);
+    b->synchronize();
+    return layer->report();
+  };
+  const auto r = run_one({{"partitions", 2}, {"strategy", "auto"}});
+  ASSERT_TRUE(r.contains("strategy_costs")) << r.dump();
+  EXPECT_EQ(r["strategy_costs"].size(), 4u);
+  const std::string chosen = r["last_strategy"];
+  for (const auto& [name, c] : r["strategy_costs"].items())
+    EXPECT_LE(r["chosen_cost_s"].get<double>(), c["cost_s"].get<double>()) << name;
+  EXPECT_EQ(r["chosen_cost_s"].get<double>(), r["strategy_costs"][chosen]["cost_s"].get<double>());
+  EXPECT_GT(r["memory_model"]["saving_ratio_phi"].get<double>(), 0.0);
+  EXPECT_TRUE(run_one({{"partitions", 1}, {"strategy", "S3"}}).contains("note"));
+  EXPECT_FALSE(run_one({{"partitions", 2}, {"strategy", "S3"}}).contains("note"));
+}
+
+TEST(MPipeMoE, BadStrategyOptionsAreClearErrors) {
+  auto b = make_backend("cpu");
+  auto comm = make_self_communicator(*b);
+  register_builtin_impls();
+  auto expect_error = [&](const nlohmann::json& o, const std::string& needle) {
+    try {
+      make_impl("mpipemoe", *b, *comm, model(), o);
+      ADD_FAILURE() << "no error for " << o.dump();
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error({{"strategy", "S5"}}, "strategy = \"S5\"");
+  expect_error({{"strategy", 1}}, "strategy = 1");
+  expect_error({{"reuse", "yes"}}, "reuse = \"yes\"");
+  expect_error({{"reuse", false}, {"strategy", "S2"}}, "strategy = \"S2\"");
+  expect_error({{"reuse", true}, {"strategy", "none"}}, "strategy = \"none\"");
+  expect_error({{"sigma", 1.5}}, "sigma = 1.5");
+  expect_error({{"comm_gbps", 0}}, "comm_gbps = 0");
+  expect_error({{"host_memory_gb", -1}}, "host_memory_gb = -1");
+  // Offloads that need more pinned host memory than the node has: refused when the tokens are
+  // known, before any work (nothing issued, nothing allocated).
+  for (const char* s : {"S1", "S2", "S3"}) {
+    auto layer =
+        make_impl("mpipemoe", *b, *comm, model(), {{"partitions", 2}, {"strategy", s}, {"host_memory_gb", 1e-9}});
+    Tensor x = b->empty({24, 12}, DType::f32, MemCategory::activations, b->default_stream());
+    b->synchronize();
+    const std::size_t before = b->memory().in_use_total();
+    try {
+      layer->forward(x);
+      ADD_FAILURE() << "no error for " << s << " with 1 byte of host memory";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("host_memory_gb = 1e-09"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(s), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(b->memory().in_use_total(), before);
+  }
+  // S4 needs no host memory.
+  auto s4 =
+      make_impl("mpipemoe", *b, *comm, model(), {{"partitions", 2}, {"strategy", "S4"}, {"host_memory_gb", 1e-9}});
+  Tensor x = b->empty({24, 12}, DType::f32, MemCategory::activations, b->default_stream());
+  b->fill_zero(b->default_stream(), x);
+  EXPECT_NO_THROW(s4->forward(x));
+  b->synchronize();
+}
+
+// On a simulated DGX A100 (8 ranks) every strategy runs its extra work on the streams the
+// paper puts it on, saves memory against no reuse, and costs time against it (§IV: MPipeMoE
+// is slower than PipeMoE).
+TEST(MPipeMoE, StrategiesOnASimulatedCluster) {
+  struct Result {
+    double step = 0;
+    std::size_t peak = 0;
+    std::map<std::string, int> per_stream;  // ops per stream name
+  };
+  auto step = [](const std::string& strategy) {
+    SimOptions o;
+    o.cluster = sim::load_cluster("dgx-a100x1");
+    SimCluster cluster(o);
+    Result r;
+    register_builtin_impls();  // once, here: the registry is not safe to fill from the rank threads
+    cluster.run([&](Backend& b, Communicator& c) {
+      ModelConfig m;
+      m.d_model = 1024;
+      m.d_hidden = 4096;
+      m.num_experts = 8;
+      m.top_k = 1;
+      auto layer = make_impl("mpipemoe", b, c, m, {{"partitions", 4}, {"strategy", strategy}});
+      Tensor x = b.empty({16384, m.d_model}, m.dtype, MemCategory::activations, b.default_stream());
+      c.barrier();
+      b.clear_timeline();
+      b.memory().reset_peak();
+      const double t0 = b.now();
+      Tensor y = layer->forward(x);
+      Tensor dx = layer->backward(y, 0.0f);
+      b.synchronize();
+      c.barrier();
+      if (c.rank() == 0) {
+        r.step = b.now() - t0;
+        r.peak = b.memory().peak_device();
+        for (const auto& op : b.timeline()) ++r.per_stream[op.stream_name];
+      }
+    });
+    std::printf("  %-4s step %.3f ms, peak %.1f MiB\n", strategy.c_str(), 1e3 * r.step,
+                static_cast<double>(r.peak) / (1 << 20));
+    return r;
+  };
+  const Result none = step("none");
+  for (const char* s : {"S1", "S2", "S3", "S4"}) {
+    SCOPED_TRACE(s);
+    const Result r = step(s);
+    EXPECT_LT(r.peak, none.peak);
+    EXPECT_GE(r.step, none.step * (1 - 1e-9));
+    const std::string st = s;
+    EXPECT_EQ(r.per_stream.count("d2h") > 0, offloads_t_di(st) || offloads_t_m(st));
+    EXPECT_EQ(r.per_stream.count("h2d") > 0, offloads_t_di(st) || offloads_t_m(st));
+    if (recommunicates(st)) {  // S_p re-run in backward: one more all-to-all per partition
+      EXPECT_EQ(r.per_stream.at("dispatch"), none.per_stream.at("dispatch") + 4);
+    }
+  }
+}
+
+// Eq. 10 picks the strategy the paper's regimes call for. A partition of b = 2048 tokens of
+// MoE-BERT-L (M = 1024, H = 4096), fp32.
+TEST(StrategyChoice, EachStrategyWinsInItsRegime) {
+  const double b = 2048, M = 1024, H = 4096;
+  const std::array<MemoryNeed, 4> needs{};  // no budget in play
+  auto pick = [&](double tflops, double comm_gbps, double mem_gbps) {
+    const Throughputs w{tflops * 1e12, comm_gbps * 1e9, mem_gbps * 1e9, 0.9, 0.9, 0.9};
+    std::vector<StrategyCost> costs;
+    const std::string s = choose_strategy(w, b, M, H, MemoryBudget{}, needs, &costs);
+    for (const auto& c : costs)
+      std::printf("  %s: comp %.3g s, comm %.3g s, mem %.3g s -> %.3g s\n", c.strategy.c_str(), c.comp_s, c.comm_s,
+                  c.mem_s, c.cost_s);
+    return s;
+  };
+  // Fast host copies, compute-bound GEMMs: offloading both (S1) beats any recompute.
+  EXPECT_EQ(pick(20, 400, 400), "S1");
+  // Fast host copies, a slow network: S1 avoids the extra all-to-all of S2/S4.
+  EXPECT_EQ(pick(400, 5, 400), "S1");
+  // Slow host copies, fast compute and network: recompute and re-communicate (S4).
+  EXPECT_EQ(pick(400, 400, 2), "S4");
+  // Slow host copies, fast compute, the network the bottleneck: S3 (one T_DI copy, no extra
+  // all-to-all) beats S4's extra all-to-all.
+  EXPECT_EQ(pick(400, 10, 12), "S3");
+  // Compute-bound with fast copies, but host memory short: S1 needs B(M+H) of pinned host
+  // memory, S2 only B·H; with room for neither, S4 (no host memory at all).
+  const Throughputs w{20e12, 400e9, 400e9, 0.9, 0.9, 0.9};
+  std::array<MemoryNeed, 4> host{MemoryNeed{1, 5}, MemoryNeed{1, 4}, MemoryNeed{1, 1}, MemoryNeed{1, 0}};
+  EXPECT_EQ(choose_strategy(w, b, M, H, MemoryBudget{0, 4.5}, host), "S2");
+  EXPECT_EQ(choose_strategy(w, b, M, H, MemoryBudget{0, 0.5}, host), "S4");
+  // Nothing fits the device budget: a ConfigError naming it.
+  try {
+    choose_strategy(w, b, M, H, MemoryBudget{0.5e9, 0}, {MemoryNeed{1e9, 0}, MemoryNeed{1e9, 0}, MemoryNeed{1e9, 0},
+                                                         MemoryNeed{1e9, 0}});
+    ADD_FAILURE() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("memory_gb = 0.5"), std::string::npos) << e.what();
+  }
+  // Q: the table of §III-D, forward + backward.
+  EXPECT_EQ(work_vector("S1"), (std::array<double, 3>{6, 4, 10}));
+  EXPECT_EQ(work_vector("S4"), (std::array<double, 3>{7, 5, 0}));
+}
+
+// The measured peak of activations + buffers of one forward + backward agrees with the memory
+// model (Eq. 1–6 plus the named layout terms of memory_model.cpp) within 5%.
+struct MemCase {
+  const char* model;
+  std::int64_t M, H, E;
+  int k;
+  std::int64_t T;
+  int n;
+  const char* strategy;
+};
+
+double measured_act_buf(Backend& b, Communicator& c, const MemCase& mc) {
+  ModelConfig m;
+  m.d_model = mc.M;
+  m.d_hidden = mc.H;
+  m.num_experts = mc.E;
+  m.top_k = mc.k;
+  m.capacity_factor = 0;  // no dropping: B = T·k
+  register_builtin_impls();
+  auto layer = make_impl("mpipemoe", b, c, m, {{"partitions", mc.n}, {"strategy", mc.strategy}});
+  layer->init_parameters(5);
+  Stream& s = b.default_stream();
+  Tensor x = b.empty({mc.T, mc.M}, DType::f32, MemCategory::activations, s);
+  Tensor dy = b.empty({mc.T, mc.M}, DType::f32, MemCategory::activations, s);
+  if (b.has_data()) {
+    b.upload(test::uniform(static_cast<std::size_t>(mc.T * mc.M), 11), x);
+    b.upload(test::uniform(static_cast<std::size_t>(mc.T * mc.M), 12), dy);
+  }
+  b.synchronize();
+  b.memory().reset_peak();
+  Tensor y = layer->forward(x);
+  Tensor dx = layer->backward(dy, 0.0f);
+  b.synchronize();
+  const auto at = b.memory().at_peak();
+  // dx is the layer's result, allocated after the peak (the model counts y, x, dy, not dx).
+  return static_cast<double>(at[static_cast<std::size_t>(MemCategory::activations)] +
+                             at[static_cast<std::size_t>(MemCategory::buffers)]);
+}
+
+void expect_model_agrees(const std::string& backend, const MemCase& mc, double measured) {
+  MemoryModelInput in;
+  in.T = mc.T;
+  in.top_k = mc.k;
+  in.E = mc.E;
+  in.M = mc.M;
+  in.H = mc.H;
+  in.n = mc.n;
+  in.strategy = mc.strategy;
+  const MemoryPrediction p = predict_memory(in);
+  // Eq. 6 from Eq. 1, 4 and 5.
+  EXPECT_DOUBLE_EQ(p.phi, (p.delta_act + p.delta_buf) / (p.m_ms + p.m_act_pipe + p.m_buf_pipe));
+  std::printf("%-4s %-10s T=%-6lld n=%d %-4s paper %.4g B, predicted %.4g B, measured %.4g B (%+.2f%%)\n",
+              backend.c_str(), mc.model, static_cast<long long>(mc.T), mc.n, mc.strategy, p.paper_bytes,
+              p.predicted_bytes, measured, 100 * (measured / p.predicted_bytes - 1));
+  EXPECT_NEAR(measured / p.predicted_bytes, 1.0, 0.05) << backend << " " << mc.model << " n=" << mc.n << " "
+                                                       << mc.strategy;
+}
+
+TEST(MemoryModel, PeakAgreesWithThePaperOnSimAndCpu) {
+  // Paper-scale models on the sim backend (shapes only, one simulated A100).
+  const MemCase sim_cases[] = {{"GPT3-S", 768, 3072, 64, 1, 8192, 4, "none"},
+                               {"GPT3-S", 768, 3072, 64, 1, 8192, 4, "S1"},
+                               {"BERT-L", 1024, 4096, 64, 1, 16384, 2, "S2"},
+                               {"BERT-L", 1024, 4096, 64, 1, 16384, 4, "S3"},
+                               {"GPT3-XL", 2048, 8192, 64, 1, 8192, 3, "S4"},
+                               {"GPT3-XL", 2048, 8192, 64, 1, 8192, 3, "none"}};
+  for (const auto& mc : sim_cases) {
+    SimOptions o;
+    o.cluster = sim::load_cluster("dgx-a100x1");
+    o.ranks = 1;
+    SimCluster cluster(o);
+    double measured = 0;
+    cluster.run([&](Backend& b, Communicator& c) { measured = measured_act_buf(b, c, mc); });
+    expect_model_agrees("sim", mc, measured);
+  }
+  // Small models with real data on the cpu backend.
+  const MemCase cpu_cases[] = {{"small", 64, 256, 8, 1, 240, 2, "none"},
+                               {"small", 64, 256, 8, 2, 240, 3, "S1"},
+                               {"small", 64, 256, 8, 1, 240, 4, "S2"},
+                               {"small", 64, 256, 8, 2, 240, 2, "S3"},
+                               {"small", 64, 256, 8, 1, 240, 4, "S4"}};
+  for (const auto& mc : cpu_cases) {
+    auto b = make_backend("cpu");
+    auto comm = make_self_communicator(*b);
+    expect_model_agrees("cpu", mc, measured_act_buf(*b, *comm, mc));
+  }
 }
 
 }  // namespace

@@ -1,0 +1,63 @@
+// impls/mpipemoe/memory_model.cpp — see memory_model.hpp.
+//
+// The predicted peak is that of one forward + backward, reached in backward while the last
+// partition's experts run: every kept activation, every gradient buffer, and the experts'
+// temporaries of one partition are alive at once (the forward holds less: T_I and T_DO
+// instead of the output gradients).
+#include "impls/mpipemoe/memory_model.hpp"
+
+#include <algorithm>
+
+#include "impls/mpipemoe/strategy.hpp"
+
+namespace moelab {
+
+MemoryPrediction predict_memory(const MemoryModelInput& in) {
+  MemoryPrediction p;
+  const double B = static_cast<double>(in.T) * in.top_k, M = static_cast<double>(in.M),
+               H = static_cast<double>(in.H), n = in.n, eb = in.elem_bytes;
+  const bool reuse = in.strategy != "none";
+  const double b = B / n;  // the paper's partition
+  const double b_max = in.b_max > 0 ? static_cast<double>(in.b_max)
+                                    : static_cast<double>((static_cast<std::int64_t>(B) + in.n - 1) / in.n);
+  p.B = B;
+  p.m_act_pipe = p.m_buf_pipe = 4 * B * M + B * H;  // Eq. 4
+  if (reuse) {
+    // Eq. 5. With n = 1 there is one buffer of each, not two: nothing saved, nothing added.
+    p.delta_act = p.delta_buf = in.n >= 2 ? B * (2 * M * (n - 2) / n + H * (n - 1) / n) : 0;
+  }
+  // Eq. 1 (weights, gradients and Adam's two moments) and Eq. 6.
+  p.m_ms = 4 * (static_cast<double>(in.E) * M + static_cast<double>(in.local_experts) * 2 * H * M);
+  p.phi = (p.delta_act + p.delta_buf) / (p.m_ms + p.m_act_pipe + p.m_buf_pipe);
+  p.paper_bytes = (p.m_act_pipe + p.m_buf_pipe - p.delta_act - p.delta_buf) * eb;
+
+  // The paper's size of one kept tensor (and of its gradient): [B,M] / [B,H] without reuse,
+  // its rotating buffers with reuse.
+  const double t_do = reuse && in.n >= 2 ? 2 * b * M : B * M;
+  const double t_m = reuse ? b * H : B * H;
+  auto add = [&](std::string name, double bytes) { p.adjustments.emplace_back(std::move(name), bytes); };
+  // T_I is not kept: the permute's backward needs only the slots. S2/S4 keep it to re-run
+  // the dispatch all-to-all in backward.
+  if (!recommunicates(in.strategy)) add("T_I not kept for backward", -B * M * eb);
+  // T_DO is freed after the forward's combine: backward needs only T_DI and T_M.
+  add("T_DO not kept for backward", -t_do * eb);
+  // dT_M: the experts' backward holds the recomputed activation A and dA (dT_M in place) of
+  // one partition at a time, [b_max,H] each, instead of the paper's dT_M.
+  add("dT_M: A and dA of one partition instead of the paper's dT_M", (2 * b_max * H - t_m) * eb);
+  // Rotating buffers hold the largest partition, not B/n rows: T_DI ×2, T_M, dT_DI ×2, dT_DO ×2.
+  if (reuse) add("rotating buffers sized for the largest partition", (b_max - b) * (6 * M + H) * eb);
+  // The layer's input x, output y and the output gradient dy [T,M] (activations).
+  add("x, y, dy [T,M]", 3.0 * static_cast<double>(in.T) * M * eb);
+  // The gate's tensors (fp32/int32): probs [T,E], top-k index, weight, slot [T,k], routed
+  // fractions [E], aux loss [1]; in backward the gate-weight gradient [T,k].
+  add("gate: probs [T,E], topk/slot [T,k] x3, d_w [T,k], f_e [E], aux [1]",
+      4.0 * (static_cast<double>(in.T) * static_cast<double>(in.E) + 4.0 * static_cast<double>(in.T) * in.top_k +
+             static_cast<double>(in.E) + 1));
+  p.predicted_bytes = p.paper_bytes;
+  for (const auto& a : p.adjustments) p.predicted_bytes += a.second;
+  // Host: every partition's offloaded T_DI [b,M] and/or T_M [b,H].
+  p.host_bytes = ((offloads_t_di(in.strategy) ? B * M : 0) + (offloads_t_m(in.strategy) ? B * H : 0)) * eb;
+  return p;
+}
+
+}  // namespace moelab

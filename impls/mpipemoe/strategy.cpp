@@ -1,0 +1,75 @@
+// impls/mpipemoe/strategy.cpp — see strategy.hpp.
+#include "impls/mpipemoe/strategy.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <sstream>
+
+#include "harness/runtime/error.hpp"
+
+namespace moelab {
+
+Throughputs default_throughputs() { return {156e12 * 0.8, 25e9, 24e9, 0.9, 0.9, 0.9}; }
+
+bool offloads_t_di(const std::string& s) { return s == "S1" || s == "S3"; }
+bool offloads_t_m(const std::string& s) { return s == "S1" || s == "S2"; }
+bool recommunicates(const std::string& s) { return s == "S2" || s == "S4"; }
+bool recomputes(const std::string& s) { return s == "S3" || s == "S4"; }
+
+std::array<double, 3> work_vector(const std::string& s) {
+  // Q_forward + Q_backward (mpipemoe.md, §III-D table).
+  if (s == "none") return {2 + 4, 2 + 2, 0 + 0};
+  if (s == "S1") return {2 + 4, 2 + 2, 5 + 5};
+  if (s == "S2") return {2 + 4, 2 + 3, 4 + 4};
+  if (s == "S3") return {2 + 5, 2 + 2, 1 + 1};
+  if (s == "S4") return {2 + 5, 2 + 3, 0 + 0};
+  throw ConfigError("mpipemoe: strategy = \"" + s + "\": expected one of none, S1, S2, S3, S4, auto");
+}
+
+StrategyCost strategy_cost(const std::string& s, const Throughputs& w, double b, double M, double H,
+                           double elem_bytes) {
+  const auto q = work_vector(s);
+  StrategyCost c;
+  c.strategy = s;
+  const double v_comp = b * H * M;                // multiply-adds of one GEMM of the partition
+  const double v_comm = b * M * elem_bytes;       // bytes of one all-to-all of the partition
+  const double v_mem = v_comm;                    // bytes of one T_DI copy (T_M counts 4 in q3)
+  c.comp_s = q[0] * v_comp / (w.sigma * w.comp_flops / 2);  // FLOP/s -> multiply-adds/s
+  c.comm_s = q[1] * v_comm / (w.mu * w.comm_bytes);
+  c.mem_s = q[2] * v_mem / (w.eta * w.mem_bytes);
+  c.cost_s = std::max({c.comp_s, c.comm_s, c.mem_s});  // Eq. 10
+  return c;
+}
+
+std::string choose_strategy(const Throughputs& w, double b, double M, double H, const MemoryBudget& budget,
+                            const std::array<MemoryNeed, 4>& needs, std::vector<StrategyCost>* costs,
+                            double elem_bytes) {
+  std::string best;
+  double best_cost = std::numeric_limits<double>::infinity();
+  if (costs) costs->clear();
+  for (std::size_t i = 0; i < needs.size(); ++i) {
+    StrategyCost c = strategy_cost(strategy_names()[i + 1], w, b, M, H, elem_bytes);
+    c.device_bytes = needs[i].device_bytes;
+    c.host_bytes = needs[i].host_bytes;
+    c.fits = (budget.device_bytes <= 0 || c.device_bytes <= budget.device_bytes) &&
+             (budget.host_bytes <= 0 || c.host_bytes <= budget.host_bytes);
+    if (c.fits && c.cost_s < best_cost) {
+      best_cost = c.cost_s;
+      best = c.strategy;
+    }
+    if (costs) costs->push_back(c);
+  }
+  if (best.empty()) {
+    std::ostringstream m;
+    m << "mpipemoe: no restore strategy fits the memory budget (device "
+      << (budget.device_bytes > 0 ? "memory_gb = " : "unlimited");
+    if (budget.device_bytes > 0) m << budget.device_bytes / 1e9;
+    m << ", host " << (budget.host_bytes > 0 ? "host_memory_gb = " : "unlimited");
+    if (budget.host_bytes > 0) m << budget.host_bytes / 1e9;
+    m << ")";
+    throw ConfigError(m.str());
+  }
+  return best;
+}
+
+}  // namespace moelab
