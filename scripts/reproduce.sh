@@ -78,6 +78,22 @@ for r in "${runs[@]}"; do
   echo "    elapsed $((now - start)) s, about $(( (now - start) * (total - i) / i )) s left"
 done
 
+# Every schedule and restore strategy for real: 4 MPI ranks on the cpu backend, tiny
+# workload, each with its measured timeline (Chrome trace).
+sched_dir="$out/measured/cpu/schedules"
+mkdir -p "$sched_dir"
+schedules=("fastmoe fastmoe {}" "fastermoe-g2 fastermoe {\"group_size\":2}" "mpipemoe-n2 mpipemoe {\"partitions\":2}"
+           "mpipemoe-auto mpipemoe {\"partitions\":\"auto\",\"min_partition_tokens\":64}")
+for st in S1 S2 S3 S4; do schedules+=("mpipemoe-n2-$st mpipemoe {\"partitions\":2,\"strategy\":\"$st\"}"); done
+j=0
+for sc in "${schedules[@]}"; do
+  read -r label impl opts <<<"$sc"
+  j=$((j + 1))
+  echo "[schedule $j/${#schedules[@]}] $label ($impl $opts) on cpu, 4 ranks -> ${sched_dir#$root/}/$label.json"
+  mpirun --oversubscribe -np 4 "$moelab" run --workload "$root/experiments/workloads/tiny.json" --impl "$impl" \
+    --impl-options "$opts" --backend cpu --out "$sched_dir/$label.json" --trace "$sched_dir/$label.trace.json" >/dev/null
+done
+
 mkdir -p "$out/bench"
 "$build/harness/moelab_bench_cpu" --benchmark_min_time=0.05 \
   --benchmark_out="$out/bench/cpu_blocks.json" --benchmark_out_format=json >/dev/null
