@@ -117,7 +117,10 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
     if (n <= 0) {
       // Trials are forward passes too; they must not advance the gate noise of training.
       const std::uint64_t step = step_;
-      n = search_.choose(T, [&](int trial_n) { return trial(x, trial_n); });
+      // Ranks may hold different token counts; the search and its bounds must see one value on
+      // every rank, or they would run different numbers of trials: the smallest count.
+      const auto B = static_cast<std::int64_t>(-comm_.all_reduce_max(-static_cast<double>(T)));
+      n = search_.choose(B, [&](int trial_n) { return trial(x, trial_n); });
       step_ = step;
     }
     if (n > std::max<std::int64_t>(T, 1))
@@ -148,6 +151,7 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
   }
   // One timed forward at n (the granularity search's trial), the same on every rank.
   double trial(const Tensor& x, int n) {
+    b_.synchronize();  // work queued before the trial (zero fills, say) is not the trial's
     comm_.barrier();
     const double t0 = b_.now();
     pipelined_forward(x, n);
