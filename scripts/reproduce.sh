@@ -95,7 +95,7 @@ for sc in "${schedules[@]}"; do
 done
 
 mkdir -p "$out/bench"
-"$build/harness/moelab_bench_cpu" --benchmark_min_time=0.05 \
+"$build/harness/moelab_bench_cpu" --benchmark_min_time=0.05 --benchmark_context=mode=measured \
   --benchmark_out="$out/bench/cpu_blocks.json" --benchmark_out_format=json >/dev/null
 
 echo
@@ -104,4 +104,4 @@ printf '%-22s %-5s %3s  %s\n' workload back ranks file
 for s in "${summary[@]}"; do echo "$s"; done
 echo "cpu micro-benchmarks: ${out#$root/}/bench/cpu_blocks.json"
 echo "simulator speed: ${out#$root/}/bench/sim.json"
-"$build/harness/moelab_bench_sim" --benchmark_out="$out/bench/sim.json" --benchmark_out_format=json >/dev/null
+"$build/harness/moelab_bench_sim" --benchmark_context=mode=measured --benchmark_context=what=host_seconds_of_the_simulator --benchmark_out="$out/bench/sim.json" --benchmark_out_format=json >/dev/null
