@@ -639,6 +639,12 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
       std::printf("routing trace   %s\n", opt.record_routing.c_str());
     }
     if (!opt.trace.empty()) {
+      // The trace says how it was obtained, like every result (Perfetto ignores the key).
+      trace["otherData"] = {{"mode", result["mode"]},         {"backend", result["backend"]},
+                            {"device", result["device"]},     {"cluster", platform.cluster.is_null() ? json(nullptr) : platform.cluster["name"]},
+                            {"calibration", result["calibration"]}, {"commit", result["commit"]},
+                            {"date", result["date"]},         {"workload", w.name},
+                            {"impl", opt.impl}};
       write_json_atomic(opt.trace, trace, -1);
       std::printf("trace           %s\n", opt.trace.c_str());
     }
