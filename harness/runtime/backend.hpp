@@ -90,6 +90,19 @@ struct GateBackward {
   Tensor d_logits;                 // out [T,E] fp32
 };
 
+// What a backend knows of its machine, for cost models that choose a schedule (MPipeMoE's
+// Eq. 10, §III-E). Every field 0 = unknown; `source` says where the known ones come from.
+// sim: its cluster model (and calibration profile); cuda: the device's memory; cpu: nothing.
+struct MachineRates {
+  double gemm_flops = 0;       // FLOP/s of the asked GEMM shape and dtype, alone on the device
+  double a2a_bytes = 0;        // one rank's send bytes per second in an all-to-all over the world
+  double host_copy_bytes = 0;  // pinned host <-> device, bytes/s per rank and direction
+  double sigma = 0, mu = 0, eta = 0;  // interference: rate kept by compute / network / host copies
+  double device_memory_bytes = 0;     // capacity of one device
+  double host_memory_bytes = 0;       // host memory per rank (the node's / its GPUs)
+  std::string source;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -161,6 +174,12 @@ class Backend {
   // issued one by one with nothing of moelab around them: the yardstick for the experts'
   // time (cpu: cblas_sgemm; cuda: cublasGemmEx). Synchronises the device.
   virtual double time_bare_gemms(std::span<const GemmProblem> problems, int reps) = 0;
+
+  // The machine's rates (see MachineRates); gemm_flops for an [m,k]x[k,n] GEMM in dtype t.
+  virtual MachineRates machine_rates(std::int64_t m, std::int64_t n, std::int64_t k, DType t) const {
+    (void)m, (void)n, (void)k, (void)t;
+    return {};
+  }
 
   // ---- timeline ------------------------------------------------------------------------
   // Ops issued while a PhaseScope is alive carry its label in the timeline.

@@ -8,7 +8,11 @@
 #include "impls/mpipemoe/mpipemoe.hpp"
 
 #include <algorithm>
+#include <limits>
+#include <map>
 #include <numeric>
+#include <optional>
+#include <span>
 #include <sstream>
 
 #include "harness/runtime/error.hpp"
@@ -42,16 +46,28 @@ struct Plan {
 struct ReuseState {
   std::int64_t r_max = 0;           // rows of the largest partition
   Tensor t_di[2];                   // [r_max,M] activations (the restored T_DI in backward)
-  Tensor t_m;                       // [r_max,H] activations (the restored T_M in backward)
+  Tensor t_m[2];                    // [r_max,H] activations (the restored T_M in backward);
+                                    // the second only with t_m_buffers = 2
+  int nm = 1;                       // T_M buffers in use: partition p uses t_m[p % nm]
   Tensor t_i;                       // [N,M] kept for S2/S4: the dispatch is re-run from it
   std::vector<Tensor> host_di, host_m;  // [R_p,M] / [R_p,H] pinned host, per partition (offload)
 };
 
-// Options of the strategy choice.
+// Options of the strategy choice. Eq. 10's figures and the budgets come, in this order, from
+// an explicit option, the backend's machine model (sim: the cluster model and calibration
+// profile), a measurement (the GEMM rate, by time_bare_gemms), or default_throughputs().
 struct StrategyOptions {
   std::string strategy = "none";    // none, S1..S4, auto
-  Throughputs w = default_throughputs();
-  MemoryBudget budget;              // host_memory_gb / memory_gb; 0: unlimited
+  int t_m_buffers = 1;              // 1: the paper's one T_M; 2: double-buffered (not in the paper)
+  std::optional<double> comp_flops, comm_bytes, mem_bytes, sigma, mu, eta;  // options
+  std::optional<double> host_bytes, device_bytes;  // host_memory_gb / memory_gb
+};
+
+// The figures Eq. 10 used for one partition size, each with where it came from.
+struct Rates {
+  Throughputs w;
+  MemoryBudget budget;
+  std::map<std::string, std::string> source;  // figure -> "option", the machine model, ...
 };
 
 }  // namespace
@@ -85,6 +101,7 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
                         {"partitions", fixed_n_ > 0 ? nlohmann::json(fixed_n_) : nlohmann::json("auto")},
                         {"last_n", plan_.n},
                         {"strategy", so_.strategy},
+                        {"t_m_buffers", so_.t_m_buffers},
                         {"granularity_search", search_.report()}};
     if (!strategy_.empty()) {
       r["last_strategy"] = strategy_;
@@ -104,9 +121,11 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
       r["strategy_costs"] = all;  // Eq. 10 per strategy, per partition, forward + backward
       for (const auto& c : costs_)
         if (c.strategy == strategy_) r["chosen_cost_s"] = c.cost_s;
-      r["throughputs"] = {{"comp_flops", so_.w.comp_flops}, {"comm_bytes", so_.w.comm_bytes},
-                          {"mem_bytes", so_.w.mem_bytes}, {"sigma", so_.w.sigma}, {"mu", so_.w.mu},
-                          {"eta", so_.w.eta}};
+      const Rates& w = rates_.at(rates_key_);
+      r["throughputs"] = {{"comp_flops", w.w.comp_flops}, {"comm_bytes", w.w.comm_bytes},
+                          {"mem_bytes", w.w.mem_bytes}, {"sigma", w.w.sigma}, {"mu", w.w.mu},
+                          {"eta", w.w.eta}, {"source", w.source}};
+      r["budget"] = {{"device_bytes", w.budget.device_bytes}, {"host_bytes", w.budget.host_bytes}};
     }
     return r;
   }
@@ -136,6 +155,8 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
   void make_plan(int n, std::int64_t T);
   // The strategy of this forward: the fixed one, or Eq. 10's choice; host memory checked.
   void resolve_strategy(std::int64_t T, int n);
+  // Eq. 10's throughputs and the memory budgets for partitions of b rows (cached per b).
+  const Rates& rates_for(std::int64_t b);
   void reuse_forward(Tensor& t_i, Tensor& t_o);          // §4: S_p / C_p / R_p on rotating buffers
   void reuse_backward(const Tensor& d_t_o, Tensor& d_t_i);    // §4: restore, then the mirror
   void fc1(Stream& c, const Tensor& t_di, const Partition& P, Tensor& t_m);  // T_M = T_DI·W1
@@ -174,6 +195,8 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
   StrategyOptions so_;
   std::string strategy_;                 // of the last forward ("none" or S1..S4)
   std::vector<StrategyCost> costs_;      // Eq. 10 of the last forward, S1–S4
+  std::map<std::int64_t, Rates> rates_;  // by partition rows
+  std::int64_t rates_key_ = 0;           // of the last forward
   MemoryPrediction memory_;              // the memory model of the last forward's strategy
   ReuseState rz_;
   Stream* h2d_ = nullptr;                // host copies (S1–S3), created on first use
@@ -449,7 +472,9 @@ void MPipeMoE::reuse_forward(Tensor& t_i, Tensor& t_o) {
     rz_.t_di[i] = b_.empty({rz_.r_max, M}, cfg_.dtype, MemCategory::activations, c);  // [r_max,M]
     t_do[i] = b_.empty({rz_.r_max, M}, cfg_.dtype, MemCategory::buffers, c);          // [r_max,M]
   }
-  rz_.t_m = b_.empty({rz_.r_max, H}, cfg_.dtype, MemCategory::activations, c);         // [r_max,H]
+  rz_.nm = std::min(nb, so_.t_m_buffers);
+  for (int i = 0; i < rz_.nm; ++i)
+    rz_.t_m[i] = b_.empty({rz_.r_max, H}, cfg_.dtype, MemCategory::activations, c);     // [r_max,H]
   if (recommunicates(strategy_)) rz_.t_i = t_i;  // S2, S4: backward re-runs S_p from T_I
   for (const auto& P : plan_.parts) {             // pinned host copies, [R_p,M] / [R_p,H]
     if (off_di)
@@ -469,7 +494,7 @@ void MPipeMoE::reuse_forward(Tensor& t_i, Tensor& t_o) {
   for (int p = 0; p < n; ++p) {
     const Partition& P = plan_.parts[static_cast<std::size_t>(p)];
     const auto i = static_cast<std::size_t>(p % 2);
-    Tensor di = rz_.t_di[i].rows(0, P.R), m = rz_.t_m.rows(0, P.R), dout = t_do[i].rows(0, P.R);
+    Tensor di = rz_.t_di[i].rows(0, P.R), m = rz_.t_m[p % rz_.nm].rows(0, P.R), dout = t_do[i].rows(0, P.R);
     {
       PhaseScope ph(b_, "dispatch");  // S_p: T_I segments -> T_DI[p%2]
       after(*dispatch_, at(c_done, p - 2));    // C_{p-2} has read this buffer
@@ -487,7 +512,7 @@ void MPipeMoE::reuse_forward(Tensor& t_i, Tensor& t_o) {
       PhaseScope ph(b_, "experts");  // C_p: T_M = T_DI·W1, T_DO = act(T_M)·W2
       after(c, s_done[static_cast<std::size_t>(p)]);
       after(c, at(r_done, p - 2));   // R_{p-2} has sent T_DO[p%2]
-      after(c, at(m_saved, p - 1));  // the offload of T_M_{p-1} has copied the one T_M out
+      after(c, at(m_saved, p - rz_.nm));  // the offload of T_M_{p-nm} has copied this T_M out
       experts_forward(c, di, P.rows, P.offset, m, dout);
       c_done[static_cast<std::size_t>(p)] = mark(c);
     }
@@ -548,21 +573,24 @@ void MPipeMoE::reuse_backward(const Tensor& d_t_o, Tensor& d_t_i) {
       di_back[static_cast<std::size_t>(p)] = mark(*dispatch_);
     }
   };
-  // ---- restore T_M_p into the one T_M: S1/S2 fetch the host copy (S3/S4 recompute in C'_p)
+  // ---- restore T_M_p into T_M[p%nm]: S1/S2 fetch the host copy (S3/S4 recompute in C'_p)
   auto restore_m = [&](int p) {
     PhaseScope ph(b_, "fetch");
     const Partition& P = plan_.parts[static_cast<std::size_t>(p)];
-    Tensor m = rz_.t_m.rows(0, P.R);
-    after(*h2d_, at(cp_done, p - 1));  // C'_{p-1} has read the one T_M
+    Tensor m = rz_.t_m[p % rz_.nm].rows(0, P.R);
+    after(*h2d_, at(cp_done, p - rz_.nm));  // C'_{p-nm} has read this T_M
     b_.copy(*h2d_, rz_.host_m[static_cast<std::size_t>(p)], m);
     m_back[static_cast<std::size_t>(p)] = mark(*h2d_);
   };
 
+  // With one T_M its restore waits for C'_{p-1}; with two it is prefetched like T_DI.
+  const bool prefetch_m = off_m && rz_.nm == 2;
   restore_di(0);
+  if (prefetch_m) restore_m(0);
   for (int p = 0; p < n; ++p) {
     const Partition& P = plan_.parts[static_cast<std::size_t>(p)];
     const auto i = static_cast<std::size_t>(p % 2);
-    Tensor di = rz_.t_di[i].rows(0, P.R), m = rz_.t_m.rows(0, P.R);
+    Tensor di = rz_.t_di[i].rows(0, P.R), m = rz_.t_m[p % rz_.nm].rows(0, P.R);
     Tensor ddo = d_t_do[i].rows(0, P.R), ddi = d_t_di[i].rows(0, P.R);
     {
       PhaseScope ph(b_, "combine");  // R'_p: dT_O segments -> dT_DO[p%2]
@@ -571,7 +599,8 @@ void MPipeMoE::reuse_backward(const Tensor& d_t_o, Tensor& d_t_i) {
       rp_done[static_cast<std::size_t>(p)] = mark(*combine_);
     }
     if (p + 1 < n) restore_di(p + 1);  // prefetch: overlaps C'_p
-    if (off_m) restore_m(p);
+    if (prefetch_m && p + 1 < n) restore_m(p + 1);
+    if (off_m && !prefetch_m) restore_m(p);
     {
       PhaseScope ph(b_, "experts");  // C'_p
       after(c, rp_done[static_cast<std::size_t>(p)]);
@@ -608,6 +637,7 @@ void MPipeMoE::resolve_strategy(std::int64_t T, int n) {
     in.strategy = s;
     in.elem_bytes = static_cast<double>(dtype_size(cfg_.dtype));
     in.local_experts = local_experts_;
+    in.t_m_buffers = so_.t_m_buffers;
     return predict_memory(in);
   };
   strategy_ = so_.strategy;
@@ -625,20 +655,86 @@ void MPipeMoE::resolve_strategy(std::int64_t T, int n) {
   }
   const double b = static_cast<double>(T * cfg_.top_k) / n, eb = static_cast<double>(dtype_size(cfg_.dtype));
   const double Md = static_cast<double>(M), Hd = static_cast<double>(H);
+  rates_key_ = (T * cfg_.top_k + n - 1) / n;
+  const Rates& r = rates_for(rates_key_);
   if (so_.strategy == "auto") {
-    strategy_ = choose_strategy(so_.w, b, Md, Hd, so_.budget, needs, &costs_, eb);
+    strategy_ = choose_strategy(r.w, b, Md, Hd, r.budget, needs, &costs_, eb);
     memory_ = need(strategy_);
     return;
   }
-  choose_strategy(so_.w, b, Md, Hd, MemoryBudget{}, needs, &costs_, eb);
+  choose_strategy(r.w, b, Md, Hd, MemoryBudget{}, needs, &costs_, eb);
   memory_ = need(strategy_);
   const double host = memory_.host_bytes;
-  if (so_.budget.host_bytes > 0 && host > so_.budget.host_bytes) {
+  if (r.budget.host_bytes > 0 && host > r.budget.host_bytes) {
     std::ostringstream m;
     m << "mpipemoe: strategy = \"" << strategy_ << "\" offloads " << host / 1e9
-      << " GB of T_DI/T_M to pinned host memory, more than host_memory_gb = " << so_.budget.host_bytes / 1e9;
+      << " GB of T_DI/T_M to pinned host memory per rank, more than a rank may use: ";
+    if (so_.host_bytes)
+      m << "host_memory_gb = " << r.budget.host_bytes / 1e9;
+    else
+      m << r.budget.host_bytes / 1e9 << " GB, its share of the host's memory (" << r.source.at("host_bytes") << ")";
     throw ConfigError(m.str());
   }
+}
+
+const Rates& MPipeMoE::rates_for(std::int64_t b) {
+  if (auto it = rates_.find(b); it != rates_.end()) return it->second;
+  const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
+  // One FC1 GEMM of the partition: its rows spread over the local experts.
+  const std::int64_t rows = std::max<std::int64_t>(b / std::max<std::int64_t>(local_experts_, 1), 1);
+  const MachineRates mr = b_.machine_rates(rows, H, M, cfg_.dtype);
+  const Throughputs dflt = default_throughputs();
+  Rates r;
+  auto pick = [&](const char* fig, const std::optional<double>& opt, const char* opt_name, double machine,
+                  double fallback, const std::string& fallback_src) {
+    if (opt) {
+      r.source[fig] = std::string("option ") + opt_name;
+      return *opt;
+    }
+    if (machine > 0) {
+      r.source[fig] = mr.source;
+      return machine;
+    }
+    r.source[fig] = fallback_src;
+    return fallback;
+  };
+  double measured = 0;
+  std::string measured_src = "default_throughputs() (assumed)";
+  if (!so_.comp_flops && !(mr.gemm_flops > 0)) {
+    // The paper measures W_comp: time this rank's FC1 of one partition with the GEMM library.
+    Stream& c = *compute_;
+    Tensor a = b_.empty({rows, M}, cfg_.dtype, MemCategory::buffers, c);
+    Tensor out = b_.empty({rows, H}, cfg_.dtype, MemCategory::buffers, c);
+    b_.fill_zero(c, a);
+    const GemmProblem g{false, false, rows, H, M, a, params_.w1.select(0), out, 1, 0};
+    const double secs = b_.time_bare_gemms(std::span<const GemmProblem>(&g, 1), 3);
+    if (secs > 0) {
+      measured = 2.0 * static_cast<double>(rows) * static_cast<double>(H) * static_cast<double>(M) / secs;
+      measured_src = "measured: time_bare_gemms [" + std::to_string(rows) + "," + std::to_string(M) + "]x[" +
+                     std::to_string(M) + "," + std::to_string(H) + "] on " + b_.name();
+    }
+  }
+  r.w.comp_flops = pick("comp_flops", so_.comp_flops, "comp_tflops", mr.gemm_flops,
+                        measured > 0 ? measured : dflt.comp_flops, measured_src);
+  // One rank has no all-to-all to speak of: its "network" is a local copy, never the bottleneck.
+  const double solo = comm_.size() == 1 ? std::numeric_limits<double>::infinity() : 0;
+  r.w.comm_bytes = pick("comm_bytes", so_.comm_bytes, "comm_gbps", solo > 0 ? solo : mr.a2a_bytes, dflt.comm_bytes,
+                        "default_throughputs() (assumed)");
+  if (solo > 0 && !so_.comm_bytes) r.source["comm_bytes"] = "one rank: no network traffic";
+  r.w.mem_bytes = pick("mem_bytes", so_.mem_bytes, "mem_gbps", mr.host_copy_bytes, dflt.mem_bytes,
+                       "default_throughputs() (assumed)");
+  r.w.sigma = pick("sigma", so_.sigma, "sigma", mr.sigma, dflt.sigma, "default_throughputs() (assumed)");
+  r.w.mu = pick("mu", so_.mu, "mu", mr.mu, dflt.mu, "default_throughputs() (assumed)");
+  r.w.eta = pick("eta", so_.eta, "eta", mr.eta, dflt.eta, "default_throughputs() (assumed)");
+  // Budgets: the host's memory per rank; the device's capacity less what is in use now
+  // (weights, gradients, the layer's input). Unknown: unlimited.
+  r.budget.host_bytes = pick("host_bytes", so_.host_bytes, "host_memory_gb", mr.host_memory_bytes, 0, "unlimited");
+  // (A device already full leaves a budget of one byte: nothing fits, and "auto" says so.)
+  const double free_dev = mr.device_memory_bytes > 0
+                              ? std::max(mr.device_memory_bytes - static_cast<double>(b_.memory().device_in_use()), 1.0)
+                              : 0;
+  r.budget.device_bytes = pick("device_bytes", so_.device_bytes, "memory_gb", free_dev, 0, "unlimited");
+  return rates_.emplace(b, std::move(r)).first->second;
 }
 
 // ---- 5. options and registration --------------------------------------------------------------
@@ -666,12 +762,12 @@ std::unique_ptr<MoEImpl> make_mpipemoe(Backend& b, Communicator& c, const ModelC
   if (!o.is_object()) throw ConfigError("mpipemoe: options must be a JSON object, got " + o.dump());
   static const char* known[] = {"partitions", "max_partitions", "min_partition_tokens", "reuse", "strategy",
                                 "comp_tflops", "comm_gbps", "mem_gbps", "sigma", "mu", "eta", "host_memory_gb",
-                                "memory_gb"};
+                                "memory_gb", "t_m_buffers"};
   for (const auto& [key, v] : o.items())
     if (std::find_if(std::begin(known), std::end(known), [&](const char* k) { return key == k; }) == std::end(known))
       throw ConfigError("mpipemoe: unknown option \"" + key +
                         "\" (known: partitions, max_partitions, min_partition_tokens, reuse, strategy, comp_tflops, "
-                        "comm_gbps, mem_gbps, sigma, mu, eta, host_memory_gb, memory_gb)");
+                        "comm_gbps, mem_gbps, sigma, mu, eta, host_memory_gb, memory_gb, t_m_buffers)");
   int n = 0;  // auto
   if (o.contains("partitions") && !(o["partitions"].is_string() && o["partitions"] == "auto"))
     n = int_option(o, "partitions", 0, 1);
@@ -698,21 +794,31 @@ std::unique_ptr<MoEImpl> make_mpipemoe(Backend& b, Communicator& c, const ModelC
     throw ConfigError("mpipemoe: reuse = false contradicts strategy = \"" + so.strategy + "\" (S1–S4 reuse buffers)");
   if (reuse && so.strategy == "none")
     throw ConfigError("mpipemoe: reuse = true contradicts strategy = \"none\" (no reuse)");
-  // Throughputs for Eq. 10; the defaults are the assumptions of default_throughputs().
-  const Throughputs d = default_throughputs();
-  so.w.comp_flops = positive_option(o, "comp_tflops", d.comp_flops / 1e12) * 1e12;
-  so.w.comm_bytes = positive_option(o, "comm_gbps", d.comm_bytes / 1e9) * 1e9;
-  so.w.mem_bytes = positive_option(o, "mem_gbps", d.mem_bytes / 1e9) * 1e9;
-  so.w.sigma = positive_option(o, "sigma", d.sigma);
-  so.w.mu = positive_option(o, "mu", d.mu);
-  so.w.eta = positive_option(o, "eta", d.eta);
+  so.t_m_buffers = int_option(o, "t_m_buffers", 1, 1);
+  if (so.t_m_buffers > 2)
+    throw ConfigError("mpipemoe: t_m_buffers = " + o["t_m_buffers"].dump() + ": expected 1 (the paper's) or 2");
+  if (o.contains("t_m_buffers") && so.strategy == "none")
+    throw ConfigError("mpipemoe: t_m_buffers = " + o["t_m_buffers"].dump() +
+                      " needs memory reuse (a strategy S1-S4 or auto): without reuse every partition keeps its T_M");
+  // Eq. 10's figures and the budgets when given; otherwise the machine model's, a
+  // measurement, or default_throughputs() (MPipeMoE::rates_for).
+  auto given = [&](const char* key, double scale) -> std::optional<double> {
+    if (!o.contains(key)) return std::nullopt;
+    return positive_option(o, key, 0) * scale;
+  };
+  so.comp_flops = given("comp_tflops", 1e12);
+  so.comm_bytes = given("comm_gbps", 1e9);
+  so.mem_bytes = given("mem_gbps", 1e9);
+  so.sigma = given("sigma", 1);
+  so.mu = given("mu", 1);
+  so.eta = given("eta", 1);
   for (const char* f : {"sigma", "mu", "eta"})
     if (o.contains(f) && o[f].get<double>() > 1)
       throw ConfigError(std::string("mpipemoe: ") + f + " = " + o[f].dump() + ": an interference factor is at most 1");
-  // Budgets (0: unlimited): pinned host memory of the node for the offloads, and device
-  // memory for activations + buffers (used by "auto").
-  so.budget.host_bytes = o.contains("host_memory_gb") ? positive_option(o, "host_memory_gb", 0) * 1e9 : 0;
-  so.budget.device_bytes = o.contains("memory_gb") ? positive_option(o, "memory_gb", 0) * 1e9 : 0;
+  // Budgets: pinned host memory a rank may use for the offloads (its share of the node's),
+  // and device memory for activations + buffers (used by "auto").
+  so.host_bytes = given("host_memory_gb", 1e9);
+  so.device_bytes = given("memory_gb", 1e9);
   return std::make_unique<MPipeMoE>(b, c, m, n, max_n, min_rows, std::move(so));
 }
 

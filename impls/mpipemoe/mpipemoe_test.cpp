@@ -196,8 +196,12 @@ TEST(MPipeMoE, EveryStrategyComputesTheSameFunction) {
       EXPECT_TRUE(test::all_close("dW1", b.dw1, test::to_double(a.dw1), 1e-5));
       EXPECT_TRUE(test::all_close("dW2", b.dw2, test::to_double(a.dw2), 1e-5));
     }
-  // "auto" and "reuse": true run one of them; n = 1 with reuse is allowed.
+  // "auto" and "reuse": true run one of them; n = 1 with reuse is allowed; a second T_M buffer
+  // changes the schedule, not the function.
   for (const nlohmann::json& o : {nlohmann::json{{"partitions", 3}, {"strategy", "auto"}},
+                                  nlohmann::json{{"partitions", 3}, {"strategy", "S1"}, {"t_m_buffers", 2}},
+                                  nlohmann::json{{"partitions", 4}, {"strategy", "S2"}, {"t_m_buffers", 2}},
+                                  nlohmann::json{{"partitions", 2}, {"strategy", "S3"}, {"t_m_buffers", 2}},
                                   nlohmann::json{{"partitions", 2}, {"reuse", true}},
                                   nlohmann::json{{"partitions", 1}, {"strategy", "S1"}}}) {
     const Outputs b = run("mpipemoe", o, 37, seed);
@@ -254,6 +258,9 @@ TEST(MPipeMoE, BadStrategyOptionsAreClearErrors) {
   expect_error({{"sigma", 1.5}}, "sigma = 1.5");
   expect_error({{"comm_gbps", 0}}, "comm_gbps = 0");
   expect_error({{"host_memory_gb", -1}}, "host_memory_gb = -1");
+  expect_error({{"strategy", "S1"}, {"t_m_buffers", 3}}, "t_m_buffers = 3");
+  expect_error({{"strategy", "S1"}, {"t_m_buffers", 0}}, "t_m_buffers = 0");
+  expect_error({{"partitions", 2}, {"t_m_buffers", 2}}, "t_m_buffers = 2 needs memory reuse");
   // Offloads that need more pinned host memory than the node has: refused when the tokens are
   // known, before any work (nothing issued, nothing allocated).
   for (const char* s : {"S1", "S2", "S3"}) {
@@ -289,7 +296,7 @@ TEST(MPipeMoE, StrategiesOnASimulatedCluster) {
     std::size_t peak = 0;
     std::map<std::string, int> per_stream;  // ops per stream name
   };
-  auto step = [](const std::string& strategy) {
+  auto step = [](const std::string& strategy, int t_m_buffers = 1) {
     SimOptions o;
     o.cluster = sim::load_cluster("dgx-a100x1");
     SimCluster cluster(o);
@@ -301,7 +308,9 @@ TEST(MPipeMoE, StrategiesOnASimulatedCluster) {
       m.d_hidden = 4096;
       m.num_experts = 8;
       m.top_k = 1;
-      auto layer = make_impl("mpipemoe", b, c, m, {{"partitions", 4}, {"strategy", strategy}});
+      nlohmann::json opt = {{"partitions", 4}, {"strategy", strategy}};
+      if (t_m_buffers != 1) opt["t_m_buffers"] = t_m_buffers;
+      auto layer = make_impl("mpipemoe", b, c, m, opt);
       Tensor x = b.empty({16384, m.d_model}, m.dtype, MemCategory::activations, b.default_stream());
       c.barrier();
       b.clear_timeline();
@@ -317,7 +326,7 @@ TEST(MPipeMoE, StrategiesOnASimulatedCluster) {
         for (const auto& op : b.timeline()) ++r.per_stream[op.stream_name];
       }
     });
-    std::printf("  %-4s step %.3f ms, peak %.1f MiB\n", strategy.c_str(), 1e3 * r.step,
+    std::printf("  %-4s T_M x%d step %.3f ms, peak %.1f MiB\n", strategy.c_str(), t_m_buffers, 1e3 * r.step,
                 static_cast<double>(r.peak) / (1 << 20));
     return r;
   };
@@ -333,7 +342,67 @@ TEST(MPipeMoE, StrategiesOnASimulatedCluster) {
     if (recommunicates(st)) {  // S_p re-run in backward: one more all-to-all per partition
       EXPECT_EQ(r.per_stream.at("dispatch"), none.per_stream.at("dispatch") + 4);
     }
+    // With one T_M buffer, T_M_p's offload (S1, S2) delays FC1 of partition p+1 and its
+    // fetch waits for C'_{p-1}; a second buffer lets both run beside the compute: faster, at
+    // the cost of one [b,H] buffer (16384/8 tokens per expert-rank... 4 partitions of 4096
+    // rows x 4096 fp32 = 64 MiB).
+    if (offloads_t_m(st)) {
+      const Result two = step(s, 2);
+      EXPECT_LT(two.step, r.step * 0.9);
+      EXPECT_NEAR(static_cast<double>(two.peak) - static_cast<double>(r.peak), 4096.0 * 4096 * 4, 4096.0 * 4096 * 4 * 0.05);
+    }
   }
+}
+
+// Eq. 10's throughputs and budgets come from the backend's machine model when it has one (the
+// sim's cluster model), an explicit option overrides them, and the report says which.
+TEST(MPipeMoE, SelectorTakesItsRatesFromTheClusterModel) {
+  auto report = [](const nlohmann::json& extra) {
+    SimOptions o;
+    o.cluster = sim::load_cluster("dgx-a100x2");
+    SimCluster cluster(o);
+    nlohmann::json r;
+    MachineRates mr;
+    register_builtin_impls();
+    cluster.run([&](Backend& b, Communicator& c) {
+      ModelConfig m;
+      m.d_model = 1024;
+      m.d_hidden = 4096;
+      m.num_experts = 16;
+      nlohmann::json opt = {{"partitions", 4}, {"strategy", "auto"}};
+      opt.update(extra);
+      auto layer = make_impl("mpipemoe", b, c, m, opt);
+      Tensor x = b.empty({8192, m.d_model}, m.dtype, MemCategory::activations, b.default_stream());
+      Tensor y = layer->forward(x);
+      Tensor dx = layer->backward(y, 0.0f);
+      b.synchronize();
+      if (c.rank() == 0) {
+        r = layer->report();
+        mr = b.machine_rates(8192 / 4, 4096, 1024, m.dtype);  // one expert per rank: b rows
+      }
+    });
+    return std::make_pair(r, mr);
+  };
+  const auto [r, mr] = report(nlohmann::json::object());
+  const auto& w = r.at("throughputs");
+  // 16 ranks on 2 nodes: 8 of 16 destinations across InfiniBand (one 25 GB/s NIC per GPU), 7
+  // over NVLink (300 GB/s): the NIC bounds the rank at 25 GB/s / (8/16) = 50 GB/s.
+  const sim::ClusterModel cm = sim::load_cluster("dgx-a100x2");
+  EXPECT_NEAR(w.at("comm_bytes").get<double>(), cm.node.nic_bw * cm.node.nics / cm.node.gpus * 2, 1);
+  EXPECT_DOUBLE_EQ(w.at("comm_bytes").get<double>(), mr.a2a_bytes);
+  EXPECT_DOUBLE_EQ(w.at("comp_flops").get<double>(), mr.gemm_flops);
+  EXPECT_LT(mr.gemm_flops, cm.peak_flops(DType::f32));
+  EXPECT_DOUBLE_EQ(w.at("mem_bytes").get<double>(), cm.node.host_copy_bw);
+  EXPECT_DOUBLE_EQ(w.at("sigma").get<double>(), cm.interference.sigma);
+  EXPECT_DOUBLE_EQ(r.at("budget").at("host_bytes").get<double>(), cm.node.host_memory_bytes / cm.node.gpus);
+  EXPECT_LT(r.at("budget").at("device_bytes").get<double>(), cm.gpu.memory_bytes);
+  EXPECT_NE(w.at("source").at("comm_bytes").get<std::string>().find("dgx-a100x2"), std::string::npos);
+  // An option wins and is named.
+  const auto [r2, mr2] = report({{"comm_gbps", 7}, {"eta", 0.5}});
+  EXPECT_DOUBLE_EQ(r2.at("throughputs").at("comm_bytes").get<double>(), 7e9);
+  EXPECT_EQ(r2.at("throughputs").at("source").at("comm_bytes"), "option comm_gbps");
+  EXPECT_DOUBLE_EQ(r2.at("throughputs").at("eta").get<double>(), 0.5);
+  EXPECT_DOUBLE_EQ(r2.at("throughputs").at("comp_flops").get<double>(), mr.gemm_flops);
 }
 
 // Eq. 10 picks the strategy the paper's regimes call for. A partition of b = 2048 tokens of
@@ -387,6 +456,7 @@ struct MemCase {
   std::int64_t T;
   int n;
   const char* strategy;
+  int t_m_buffers = 1;
 };
 
 double measured_act_buf(Backend& b, Communicator& c, const MemCase& mc) {
@@ -397,7 +467,9 @@ double measured_act_buf(Backend& b, Communicator& c, const MemCase& mc) {
   m.top_k = mc.k;
   m.capacity_factor = 0;  // no dropping: B = T·k
   register_builtin_impls();
-  auto layer = make_impl("mpipemoe", b, c, m, {{"partitions", mc.n}, {"strategy", mc.strategy}});
+  nlohmann::json o = {{"partitions", mc.n}, {"strategy", mc.strategy}};
+  if (mc.t_m_buffers != 1) o["t_m_buffers"] = mc.t_m_buffers;
+  auto layer = make_impl("mpipemoe", b, c, m, o);
   layer->init_parameters(5);
   Stream& s = b.default_stream();
   Tensor x = b.empty({mc.T, mc.M}, DType::f32, MemCategory::activations, s);
@@ -426,11 +498,12 @@ void expect_model_agrees(const std::string& backend, const MemCase& mc, double m
   in.H = mc.H;
   in.n = mc.n;
   in.strategy = mc.strategy;
+  in.t_m_buffers = mc.t_m_buffers;
   const MemoryPrediction p = predict_memory(in);
   // Eq. 6 from Eq. 1, 4 and 5.
   EXPECT_DOUBLE_EQ(p.phi, (p.delta_act + p.delta_buf) / (p.m_ms + p.m_act_pipe + p.m_buf_pipe));
-  std::printf("%-4s %-10s T=%-6lld n=%d %-4s paper %.4g B, predicted %.4g B, measured %.4g B (%+.2f%%)\n",
-              backend.c_str(), mc.model, static_cast<long long>(mc.T), mc.n, mc.strategy, p.paper_bytes,
+  std::printf("%-4s %-10s T=%-6lld n=%d %-4s T_Mx%d paper %.4g B, predicted %.4g B, measured %.4g B (%+.2f%%)\n",
+              backend.c_str(), mc.model, static_cast<long long>(mc.T), mc.n, mc.strategy, mc.t_m_buffers, p.paper_bytes,
               p.predicted_bytes, measured, 100 * (measured / p.predicted_bytes - 1));
   EXPECT_NEAR(measured / p.predicted_bytes, 1.0, 0.05) << backend << " " << mc.model << " n=" << mc.n << " "
                                                        << mc.strategy;
@@ -443,7 +516,8 @@ TEST(MemoryModel, PeakAgreesWithThePaperOnSimAndCpu) {
                                {"BERT-L", 1024, 4096, 64, 1, 16384, 2, "S2"},
                                {"BERT-L", 1024, 4096, 64, 1, 16384, 4, "S3"},
                                {"GPT3-XL", 2048, 8192, 64, 1, 8192, 3, "S4"},
-                               {"GPT3-XL", 2048, 8192, 64, 1, 8192, 3, "none"}};
+                               {"GPT3-XL", 2048, 8192, 64, 1, 8192, 3, "none"},
+                               {"GPT3-XL", 2048, 8192, 64, 1, 8192, 4, "S1", 2}};
   for (const auto& mc : sim_cases) {
     SimOptions o;
     o.cluster = sim::load_cluster("dgx-a100x1");
@@ -458,7 +532,8 @@ TEST(MemoryModel, PeakAgreesWithThePaperOnSimAndCpu) {
                                {"small", 64, 256, 8, 2, 240, 3, "S1"},
                                {"small", 64, 256, 8, 1, 240, 4, "S2"},
                                {"small", 64, 256, 8, 2, 240, 2, "S3"},
-                               {"small", 64, 256, 8, 1, 240, 4, "S4"}};
+                               {"small", 64, 256, 8, 1, 240, 4, "S4"},
+                               {"small", 64, 256, 8, 1, 240, 3, "S2", 2}};
   for (const auto& mc : cpu_cases) {
     auto b = make_backend("cpu");
     auto comm = make_self_communicator(*b);

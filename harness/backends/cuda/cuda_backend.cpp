@@ -174,6 +174,7 @@ class CudaBackend final : public Backend {
     char mem[32];
     std::snprintf(mem, sizeof mem, " (%.1f GiB)", static_cast<double>(prop.totalGlobalMem) / (1024.0 * 1024 * 1024));
     device_name_ = std::string(prop.name) + mem;
+    device_memory_bytes_ = static_cast<double>(prop.totalGlobalMem);
 
     // The pool keeps freed blocks instead of returning them to the driver at every sync:
     // cudaMallocAsync then costs ~1 us in steady state, like a caching allocator.
@@ -209,6 +210,13 @@ class CudaBackend final : public Backend {
 
   std::string name() const override { return "cuda"; }
   std::string device_name() const override { return device_name_; }
+  // The device's memory; rates are measured by whoever needs them (time_bare_gemms).
+  MachineRates machine_rates(std::int64_t, std::int64_t, std::int64_t, DType) const override {
+    MachineRates r;
+    r.device_memory_bytes = device_memory_bytes_;
+    r.source = "cudaGetDeviceProperties (memory only)";
+    return r;
+  }
   bool supports(DType t) const override {
     return t == DType::f32 || t == DType::bf16 || t == DType::i32 || t == DType::i64;
   }
@@ -710,6 +718,7 @@ class CudaBackend final : public Backend {
   CudaOptions opt_;
   std::chrono::steady_clock::time_point t0_;
   std::string device_name_;
+  double device_memory_bytes_ = 0;
   std::mutex mu_;
   std::vector<std::unique_ptr<CudaStream>> streams_;
   cudaStream_t clock_stream_ = nullptr;

@@ -315,6 +315,41 @@ class SimBackendImpl final : public Backend {
     for (const auto& p : problems) seconds += topo_.gemm_seconds(p.m, p.n, p.k, p.a.defined() ? p.a.dtype() : DType::f32);
     return seconds;
   }
+  // The cluster model's rates (the profile's where it measured them). The all-to-all rate is
+  // the bottleneck of a rank whose send bytes spread evenly over the world's n ranks (ranks
+  // fill nodes in order): S(n-g)/n bytes leave the node through its share of the NICs,
+  // S(g-1)/n stay on NVLink (or the GPU's PCIe link, and S(g-p)/n cross the PCIe switch
+  // uplink its p GPUs share), g = ranks on the node. Latency is left out: Eq. 10 is a
+  // bandwidth model.
+  MachineRates machine_rates(std::int64_t m, std::int64_t n, std::int64_t k, DType t) const override {
+    const sim::ClusterModel& cm = c_.opt.cluster;
+    const sim::NodeSpec& nd = cm.node;
+    MachineRates r;
+    const double secs = topo_.gemm_seconds(m, n, k, t);
+    if (secs > 0) r.gemm_flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) / secs;
+    const double world = c_.n, g = std::min(nd.gpus, c_.n);
+    const bool pcie = nd.intra == "pcie";
+    const double link = pcie ? nd.pcie_bw : nd.nvlink_bw;
+    const double inter = (world - g) / world, intra = (g - 1) / world;
+    double per_byte = (intra + (pcie ? inter : 0.0)) / link;  // seconds per send byte on the GPU's link
+    if (inter > 0) per_byte = std::max(per_byte, inter / (nd.nic_bw * nd.nics / nd.gpus));
+    if (pcie && g > nd.gpus_per_pcie_switch)
+      per_byte = std::max(per_byte, nd.gpus_per_pcie_switch * (g - nd.gpus_per_pcie_switch) / world /
+                                        nd.pcie_switch_uplink_bw);
+    if (per_byte > 0) r.a2a_bytes = 1.0 / per_byte;
+    const auto* prof = c_.opt.profile ? &*c_.opt.profile : nullptr;
+    const double h2d = prof && prof->h2d_bw > 0 ? prof->h2d_bw : nd.host_copy_bw;
+    const double d2h = prof && prof->d2h_bw > 0 ? prof->d2h_bw : nd.host_copy_bw;
+    r.host_copy_bytes = std::min(h2d, d2h);
+    r.sigma = cm.interference.sigma;
+    r.mu = cm.interference.mu;
+    r.eta = cm.interference.eta;
+    r.device_memory_bytes = cm.gpu.memory_bytes;
+    r.host_memory_bytes = nd.host_memory_bytes / nd.gpus;
+    r.source = "cluster model " + cm.name + " (" + (prof ? "profile " + prof->name : std::string("datasheet")) +
+               ", " + std::to_string(c_.n) + " ranks)";
+    return r;
+  }
   void noisy_logits(Stream& s, const Tensor& clean, const Tensor&, const Tensor&, Tensor&) override {
     issue(s, memory_bound("noisy_logits", cost_elementwise(clean.numel(), DType::f32, 3, 1, 6)));
   }
