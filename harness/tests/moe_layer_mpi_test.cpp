@@ -51,6 +51,7 @@ const std::vector<ImplCase>& impl_cases() {
       {"mpipemoe", {{"partitions", 2}, {"strategy", "S4"}}},
       {"mpipemoe", {{"partitions", 3}, {"strategy", "S1"}, {"t_m_buffers", 2}}},
       {"mpipemoe", {{"partitions", 3}, {"strategy", "S2"}, {"t_m_buffers", 2}}},
+      {"mpipemoe", {{"partitions", 2}, {"strategy", "auto"}}},
   };
   return cases;
 }

@@ -156,7 +156,8 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
   // The strategy of this forward: the fixed one, or Eq. 10's choice; host memory checked.
   void resolve_strategy(std::int64_t T, int n);
   // Eq. 10's throughputs and the memory budgets for partitions of b rows (cached per b).
-  const Rates& rates_for(std::int64_t b);
+  // agree: every rank calls it at once and all take the smallest figures.
+  const Rates& rates_for(std::int64_t b, bool agree);
   void reuse_forward(Tensor& t_i, Tensor& t_o);          // §4: S_p / C_p / R_p on rotating buffers
   void reuse_backward(const Tensor& d_t_o, Tensor& d_t_i);    // §4: restore, then the mirror
   void fc1(Stream& c, const Tensor& t_di, const Partition& P, Tensor& t_m);  // T_M = T_DI·W1
@@ -624,11 +625,16 @@ void MPipeMoE::reuse_backward(const Tensor& d_t_o, Tensor& d_t_i) {
   stream_event_order(*h2d_, c);
 }
 
-void MPipeMoE::resolve_strategy(std::int64_t T, int n) {
+void MPipeMoE::resolve_strategy(std::int64_t T_local, int n) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
-  auto need = [&](const std::string& s) {
+  // Every rank must run the same strategy (S2/S4 add collectives). Under "auto" the choice is
+  // made for the largest token count over ranks (its memory must fit everywhere) from rates
+  // the ranks agree on (rates_for); a fixed strategy needs no agreement.
+  const bool agree = so_.strategy == "auto" && comm_.size() > 1;
+  const std::int64_t T = agree ? static_cast<std::int64_t>(comm_.all_reduce_max(static_cast<double>(T_local))) : T_local;
+  auto need = [&](const std::string& s, std::int64_t tokens) {
     MemoryModelInput in;
-    in.T = T;
+    in.T = tokens;
     in.top_k = cfg_.top_k;
     in.E = cfg_.num_experts;
     in.M = M;
@@ -643,27 +649,27 @@ void MPipeMoE::resolve_strategy(std::int64_t T, int n) {
   strategy_ = so_.strategy;
   costs_.clear();
   if (strategy_ == "none") {
-    memory_ = need(strategy_);
+    memory_ = need(strategy_, T_local);
     return;
   }
   // Eq. 10 for a partition of b = T·k/n rows, memory needs from the memory model: the choice
   // under "auto", and for the report under a fixed strategy.
   std::array<MemoryNeed, 4> needs;
   for (std::size_t i = 0; i < needs.size(); ++i) {
-    const auto pr = need(strategy_names()[i + 1]);
+    const auto pr = need(strategy_names()[i + 1], T);
     needs[i] = {pr.predicted_bytes, pr.host_bytes};
   }
   const double b = static_cast<double>(T * cfg_.top_k) / n, eb = static_cast<double>(dtype_size(cfg_.dtype));
   const double Md = static_cast<double>(M), Hd = static_cast<double>(H);
   rates_key_ = (T * cfg_.top_k + n - 1) / n;
-  const Rates& r = rates_for(rates_key_);
+  const Rates& r = rates_for(rates_key_, agree);
   if (so_.strategy == "auto") {
     strategy_ = choose_strategy(r.w, b, Md, Hd, r.budget, needs, &costs_, eb);
-    memory_ = need(strategy_);
+    memory_ = need(strategy_, T_local);
     return;
   }
   choose_strategy(r.w, b, Md, Hd, MemoryBudget{}, needs, &costs_, eb);
-  memory_ = need(strategy_);
+  memory_ = need(strategy_, T_local);
   const double host = memory_.host_bytes;
   if (r.budget.host_bytes > 0 && host > r.budget.host_bytes) {
     std::ostringstream m;
@@ -677,7 +683,7 @@ void MPipeMoE::resolve_strategy(std::int64_t T, int n) {
   }
 }
 
-const Rates& MPipeMoE::rates_for(std::int64_t b) {
+const Rates& MPipeMoE::rates_for(std::int64_t b, bool agree) {
   if (auto it = rates_.find(b); it != rates_.end()) return it->second;
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
   // One FC1 GEMM of the partition: its rows spread over the local experts.
@@ -734,6 +740,17 @@ const Rates& MPipeMoE::rates_for(std::int64_t b) {
                               ? std::max(mr.device_memory_bytes - static_cast<double>(b_.memory().device_in_use()), 1.0)
                               : 0;
   r.budget.device_bytes = pick("device_bytes", so_.device_bytes, "memory_gb", free_dev, 0, "unlimited");
+  if (agree) {
+    // A measured GEMM rate, the memory in use: they may differ between ranks. Every rank takes
+    // the smallest (0, unlimited, only where every rank has no budget).
+    auto least = [&](double& v) {
+      v = -comm_.all_reduce_max(-(v > 0 ? v : std::numeric_limits<double>::max()));
+      if (v == std::numeric_limits<double>::max()) v = 0;
+    };
+    for (double* v : {&r.w.comp_flops, &r.w.comm_bytes, &r.w.mem_bytes, &r.w.sigma, &r.w.mu, &r.w.eta,
+                      &r.budget.device_bytes, &r.budget.host_bytes})
+      least(*v);
+  }
   return rates_.emplace(b, std::move(r)).first->second;
 }
 
