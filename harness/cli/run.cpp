@@ -391,6 +391,7 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
   Backend* backend = &b;
   Communicator* comm = &c;
   const int rank = c.rank(), world = c.size();
+  backend->set_allow_tf32(w.model.allow_tf32);
   auto impl = make_impl(opt.impl, *backend, *comm, w.model, opt.impl_options);
 
   // From here on every rank has accepted the input; an error is a failure of the run.

@@ -34,7 +34,7 @@ ModelConfig parse_model_at(const json& j, const std::string& origin, const std::
   if (!j.is_object()) fail(origin, name + ": expected an object, got " + show(j));
   Fields f(j, origin, prefix,
            {"name", "description", "d_model", "d_hidden", "num_experts", "top_k", "capacity_factor", "activation",
-            "noisy_gate", "renormalize", "dtype"});
+            "noisy_gate", "renormalize", "dtype", "allow_tf32"});
   ModelConfig m;
   m.name = f.string_or("name", m.name);
   (void)f.string_or("description", "");
@@ -53,6 +53,10 @@ ModelConfig parse_model_at(const json& j, const std::string& origin, const std::
   m.noisy_gate = f.boolean_or("noisy_gate", m.noisy_gate);
   m.renormalize = f.boolean_or("renormalize", m.renormalize);
   m.dtype = parse_dtype(f.choice_or("dtype", dtype_name(m.dtype), {"fp32", "bf16"}));
+  m.allow_tf32 = f.boolean_or("allow_tf32", m.allow_tf32);
+  if (m.allow_tf32 && m.dtype != DType::f32)
+    fail(origin, f.path("allow_tf32") + " = true applies to fp32 GEMMs, but " + f.path("dtype") + " = \"" +
+                     dtype_name(m.dtype) + "\"");
   return m;
 }
 
@@ -124,7 +128,7 @@ void validate_for_world(const WorkloadConfig& w, int world_size) {
 }
 
 json to_json(const ModelConfig& m) {
-  return {{"name", m.name},
+  json j = {{"name", m.name},
           {"d_model", m.d_model},
           {"d_hidden", m.d_hidden},
           {"num_experts", m.num_experts},
@@ -134,6 +138,8 @@ json to_json(const ModelConfig& m) {
           {"noisy_gate", m.noisy_gate},
           {"renormalize", m.renormalize},
           {"dtype", dtype_name(m.dtype)}};
+  if (m.allow_tf32) j["allow_tf32"] = true;  // only when set: older result files stay as they were
+  return j;
 }
 
 json to_json(const WorkloadConfig& w) {

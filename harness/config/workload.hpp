@@ -33,6 +33,10 @@ struct ModelConfig {
   bool noisy_gate = false;       // Shazeer noisy top-k: logits += N(0,1) * softplus(x W_noise)
   bool renormalize = false;      // gate weights renormalised over the k chosen experts
   DType dtype = DType::f32;
+  // fp32 GEMMs may run on TF32 tensor cores (PyTorch's torch.backends.cuda.matmul.allow_tf32,
+  // True by default until PyTorch 1.12): cuda uses CUBLAS_COMPUTE_32F_FAST_TF32, the sim
+  // prices them at the GPU's TF32 peak, cpu computes fp32 exactly (TF32 is not emulated).
+  bool allow_tf32 = false;
 
   // Per-expert capacity for T tokens on a rank: ceil(cf * k * T / E), or 0 (unlimited).
   std::int64_t capacity(std::int64_t tokens) const;

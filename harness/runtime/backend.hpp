@@ -181,6 +181,11 @@ class Backend {
     return {};
   }
 
+  // fp32 GEMMs on TF32 tensor cores (ModelConfig::allow_tf32): cuda switches cuBLAS's compute
+  // type, sim prices them at the TF32 peak, cpu ignores it (exact fp32).
+  virtual void set_allow_tf32(bool on) { allow_tf32_ = on; }
+  bool allow_tf32() const { return allow_tf32_; }
+
   // ---- timeline ------------------------------------------------------------------------
   // Ops issued while a PhaseScope is alive carry its label in the timeline.
   void set_phase(std::string phase) { phase_ = std::move(phase); }
@@ -198,6 +203,7 @@ class Backend {
   MemoryTracker memory_;
   std::string phase_ = "other";
   int rank_ = 0;
+  bool allow_tf32_ = false;
   Stream* default_stream_ = nullptr;
 };
 

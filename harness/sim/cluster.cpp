@@ -604,14 +604,15 @@ Route Topology::device_to_host(int rank) const {
   return r;
 }
 
-double Topology::gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DType t) const {
+double Topology::gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DType t, bool tf32) const {
   if (m < 0 || n < 0 || k < 0)
     throw std::invalid_argument("Topology::gemm_seconds: negative size " + std::to_string(m) + "x" + std::to_string(n) +
                                 "x" + std::to_string(k));
   if (m == 0 || n == 0 || k == 0) return 0.0;
   const double dm = static_cast<double>(m), dn = static_cast<double>(n), dk = static_cast<double>(k);
   const double flops = 2.0 * dm * dn * dk;
-  if (profile_) {
+  const bool on_tf32 = tf32 && t == DType::f32;
+  if (profile_ && !on_tf32) {
     // The measured shape nearest in log space: GEMM efficiency depends on the ratios of the
     // sizes, not their differences, so 512 is as far from 256 as 8192 is from 4096.
     const GemmSample* best = nullptr;
@@ -635,7 +636,7 @@ double Topology::gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DT
   }
   const double d = static_cast<double>(std::min({m, n, k}));
   const double eff = m_.efficiency.gemm_max * d / (d + m_.efficiency.gemm_half_dim);
-  return flops / (m_.peak_flops(t) * eff);
+  return flops / ((on_tf32 ? m_.gpu.flops_tf32 : m_.peak_flops(t)) * eff);
 }
 
 double Topology::mem_bw_effective() const {

@@ -127,8 +127,10 @@ class Topology {
 
   // Seconds a GEMM [m,k]x[k,n] takes alone: profile (nearest measured shape, scaled by FLOPs)
   // or 2mnk / (peak(dtype) * eff(m,n,k)). The sim charges sm(rank) with these seconds, so
-  // that sharing and interference apply to them.
-  double gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DType t) const;
+  // that sharing and interference apply to them. tf32: an fp32 GEMM on TF32 tensor cores,
+  // priced at the GPU's TF32 peak on the datasheet curve (a profile's fp32 samples are
+  // strict fp32 and do not apply).
+  double gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DType t, bool tf32 = false) const;
   double mem_bw_effective() const;   // bytes/s for memory-bound kernels
   double launch_latency() const;
   const ClusterModel& model() const { return m_; }

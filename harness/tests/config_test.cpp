@@ -162,6 +162,13 @@ TEST(Workload, ToJsonRoundTrips) {
   EXPECT_EQ(b.seed, 18446744073709551615ull);
   EXPECT_EQ(b.expert_parallel, 2);
   EXPECT_EQ(parse_model(to_json(a.model), "m.json").d_hidden, a.model.d_hidden);
+  // allow_tf32 is written only when set, and read back.
+  EXPECT_FALSE(to_json(a.model).contains("allow_tf32"));
+  j["model"]["dtype"] = "fp32";
+  j["model"]["allow_tf32"] = true;
+  const WorkloadConfig t = parse_workload(j, "t.json");
+  EXPECT_TRUE(t.model.allow_tf32);
+  EXPECT_TRUE(parse_workload(to_json(t), "t2.json").model.allow_tf32);
 }
 
 TEST(Workload, CapacityIsCeilOfFactorTimesFairShare) {
@@ -251,6 +258,13 @@ const BadCase kBadCases[] = {
     {"UnknownDtype",
      [](json& j) { j["model"]["dtype"] = "fp16"; },
      {"model.dtype = \"fp16\" is not one of fp32, bf16"}},
+    {"Tf32WithBf16",
+     [](json& j) {
+       j["model"]["dtype"] = "bf16";
+       j["model"]["allow_tf32"] = true;
+     },
+     {"model.allow_tf32 = true applies to fp32 GEMMs", "model.dtype = \"bf16\""}},
+    {"Tf32String", [](json& j) { j["model"]["allow_tf32"] = "on"; }, {"model.allow_tf32: expected true or false"}},
     {"NoisyGateString",
      [](json& j) { j["model"]["noisy_gate"] = "yes"; },
      {"model.noisy_gate: expected true or false, got \"yes\""}},

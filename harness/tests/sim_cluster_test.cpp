@@ -279,6 +279,9 @@ TEST_F(ClusterTest, GemmSecondsFromTheDatasheetCurve) {
   const double eff = 0.8 * 1024.0 / 1152.0;
   EXPECT_DOUBLE_EQ(t.gemm_seconds(4096, 1024, 2048, DType::bf16), 2.0 * 4096 * 1024 * 2048 / (312e12 * eff));
   EXPECT_DOUBLE_EQ(t.gemm_seconds(4096, 2048, 1024, DType::f32), 2.0 * 4096 * 1024 * 2048 / (19.5e12 * eff));
+  // fp32 on TF32 tensor cores (allow_tf32): the TF32 peak; bf16 is unaffected by the flag.
+  EXPECT_DOUBLE_EQ(t.gemm_seconds(4096, 2048, 1024, DType::f32, true), 2.0 * 4096 * 1024 * 2048 / (156e12 * eff));
+  EXPECT_DOUBLE_EQ(t.gemm_seconds(4096, 1024, 2048, DType::bf16, true), t.gemm_seconds(4096, 1024, 2048, DType::bf16));
   EXPECT_EQ(t.gemm_seconds(0, 1024, 1024, DType::bf16), 0.0);
   EXPECT_EQ(t.gemm_seconds(1024, 1024, 0, DType::bf16), 0.0);
   EXPECT_THROW((void)t.gemm_seconds(-1, 1, 1, DType::bf16), std::invalid_argument);

@@ -711,7 +711,7 @@ class CudaBackend final : public Backend {
 
   // GEMM helpers (see grouped_gemm).
   cublasComputeType_t compute_type(DType ab) const {
-    return (ab == DType::f32 && opt_.allow_tf32) ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    return (ab == DType::f32 && (opt_.allow_tf32 || allow_tf32_)) ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   }
   void gemm_one(cublasHandle_t h, const GemmProblem& p);
 

@@ -304,7 +304,7 @@ class SimBackendImpl final : public Backend {
     const OpCost cost = cost_grouped_gemm(problems);
     LocalTask t = op(nm, cost, sim::WorkClass::compute);
     double seconds = 0;
-    for (const auto& p : problems) seconds += topo_.gemm_seconds(p.m, p.n, p.k, p.a.defined() ? p.a.dtype() : DType::f32);
+    for (const auto& p : problems) seconds += topo_.gemm_seconds(p.m, p.n, p.k, p.a.defined() ? p.a.dtype() : DType::f32, allow_tf32_);
     t.latency = topo_.launch_latency() * static_cast<double>(std::max<std::int64_t>(cost.launches, 1));
     t.demands = {{topo_.sm(rank()), seconds}, {topo_.hbm(rank()), cost.bytes_read + cost.bytes_written}};
     issue(s, std::move(t));
@@ -312,7 +312,7 @@ class SimBackendImpl final : public Backend {
   double time_bare_gemms(std::span<const GemmProblem> problems, int) override {
     double seconds = 0;
     // Back-to-back library calls hide their launches behind the previous kernel: the GPU time.
-    for (const auto& p : problems) seconds += topo_.gemm_seconds(p.m, p.n, p.k, p.a.defined() ? p.a.dtype() : DType::f32);
+    for (const auto& p : problems) seconds += topo_.gemm_seconds(p.m, p.n, p.k, p.a.defined() ? p.a.dtype() : DType::f32, allow_tf32_);
     return seconds;
   }
   // The cluster model's rates (the profile's where it measured them). The all-to-all rate is
@@ -325,7 +325,7 @@ class SimBackendImpl final : public Backend {
     const sim::ClusterModel& cm = c_.opt.cluster;
     const sim::NodeSpec& nd = cm.node;
     MachineRates r;
-    const double secs = topo_.gemm_seconds(m, n, k, t);
+    const double secs = topo_.gemm_seconds(m, n, k, t, allow_tf32_);
     if (secs > 0) r.gemm_flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) / secs;
     const double world = c_.n, g = std::min(nd.gpus, c_.n);
     const bool pcie = nd.intra == "pcie";
