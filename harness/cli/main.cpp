@@ -118,6 +118,12 @@ int main(int argc, char** argv) {
   } catch (const Unsupported& e) {
     if (world_rank() == 0) std::fprintf(stderr, "moelab: error: %s\n", e.what());
     code = 2;
+  } catch (const OutOfMemory& e) {
+    // The configuration does not fit: exit 3 (scripts record such a point as out of memory).
+    std::fprintf(stderr, "moelab: error: %s\n", e.what());
+    std::fflush(stderr);
+    if (world_size() > 1) abort_world(3);
+    code = 3;
   } catch (const std::exception& e) {
     // CommError and everything else: this rank cannot go on, and the others may be
     // waiting for it in a collective, so the whole world is stopped.

@@ -4,6 +4,8 @@
 //              message names the field and the offending value.
 // CommError    a collective failed; the message names the rank and the call.
 // Unsupported  a valid request this backend cannot serve (bf16 on cpu, for example).
+// OutOfMemory  the device (real, or the sim's GPU model) has no room for an allocation: exit
+//              code 3, the message names the rank, the request and the capacity.
 #pragma once
 #include <stdexcept>
 #include <string>
@@ -17,6 +19,9 @@ struct CommError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 struct Unsupported : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+struct OutOfMemory : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 

@@ -61,5 +61,19 @@ expect_2 "bad routing model" "zipf" --backend sim --cluster dgx-a100x1 --routing
 expect_2 "more ranks than the cluster" "--ranks" --backend sim --cluster dgx-a100x1 --ranks 9
 expect_2 "cluster flags without sim" "sim" --backend cpu --cluster dgx-a100x1
 
+# 5. a configuration that does not fit the simulated GPU's memory: exit 3, the rank and the
+# capacity named, no result file. One A100-40GB rank holding 64 experts of 8192x32768 fp32
+# weights (2 x 64 x 1 GiB) cannot even hold its parameters.
+cat >"$work/huge.json" <<'JSON'
+{"name": "huge", "model": {"d_model": 8192, "d_hidden": 32768, "num_experts": 64, "top_k": 1, "dtype": "fp32"},
+ "tokens_per_rank": 1024}
+JSON
+rm -f "$work/oom.json"
+"$moelab" run --workload "$work/huge.json" --impl fastmoe --backend sim --cluster dgx-a100x1 --ranks 1 \
+  --out "$work/oom.json" >"$work/oom.out" 2>"$work/oom.err"
+rc=$?
+if [ $rc -eq 3 ] && grep -q "rank 0: out of device memory" "$work/oom.err" && grep -q "A100-SXM4-40GB" "$work/oom.err" &&
+   [ ! -e "$work/oom.json" ]; then ok "out of simulated device memory: exit 3, no file"; else bad "oom (rc $rc: $(cat "$work/oom.err"))"; fi
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -591,10 +591,10 @@ class CudaBackend final : public Backend {
         space == MemSpace::device ? cudaMallocAsync(&p, bytes, native(s)) : cudaMallocHost(&p, bytes);
     if (err != cudaSuccess) {
       cudaGetLastError();  // an allocation failure is not sticky; clear it
-      throw std::runtime_error(std::string("cuda: cannot allocate ") + std::to_string(bytes) + " bytes of " +
-                               (space == MemSpace::device ? "device" : "pinned host") + " memory on " +
-                               device_name_ + " (" + std::to_string(memory_.device_in_use()) +
-                               " bytes tracked in use): " + cudaGetErrorString(err));
+      throw OutOfMemory("rank " + std::to_string(rank()) + ": cuda: cannot allocate " + std::to_string(bytes) +
+                        " bytes of " + (space == MemSpace::device ? "device" : "pinned host") + " memory on " +
+                        device_name_ + " (" + std::to_string(memory_.device_in_use()) +
+                        " bytes tracked in use): " + cudaGetErrorString(err));
     }
     return p;
   }

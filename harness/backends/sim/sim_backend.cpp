@@ -12,6 +12,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -451,7 +452,19 @@ class SimBackendImpl final : public Backend {
   const sim::Topology& topology() const { return topo_; }
 
  protected:
-  void* raw_alloc(std::size_t bytes, MemSpace, Stream&) override {
+  void* raw_alloc(std::size_t bytes, MemSpace space, Stream&) override {
+    // The GPU model's memory is finite: a run that would not fit on the real GPU stops here.
+    const double cap = c_.opt.cluster.gpu.memory_bytes;
+    if (space == MemSpace::device && static_cast<double>(memory_.device_in_use() + bytes) > cap) {
+      char msg[512];
+      std::snprintf(msg, sizeof msg,
+                    "rank %d: out of device memory: %.3f GiB requested (phase \"%s\") with %.3f GiB in use, "
+                    "more than the %.3f GiB of the simulated %s",
+                    rank(), static_cast<double>(bytes) / (1 << 30), phase().c_str(),
+                    static_cast<double>(memory_.device_in_use()) / (1 << 30), cap / (1 << 30),
+                    c_.opt.cluster.gpu.name.c_str());
+      throw OutOfMemory(msg);
+    }
     // Small tensors (counts, scalars, routing fractions) keep real bytes; the rest is virtual.
     return bytes <= kRealBytes ? std::calloc(1, bytes) : nullptr;
   }
