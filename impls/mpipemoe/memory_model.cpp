@@ -48,7 +48,7 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   if (reuse) add("rotating buffers sized for the largest partition", (b_max - b) * (6 * M + H) * eb);
   // t_m_buffers = 2 (not in the paper): a second T_M so that offloading T_M_p overlaps the
   // next partition's FC1 instead of delaying it.
-  if (reuse && in.n >= 2 && in.t_m_buffers == 2) add("second T_M buffer (t_m_buffers = 2)", b_max * H * eb);
+  if (offloads_t_m(in.strategy) && in.n >= 2 && in.t_m_buffers == 2) add("second T_M buffer (t_m_buffers = 2)", b_max * H * eb);
   // The layer's input x, output y and the output gradient dy [T,M] (activations).
   add("x, y, dy [T,M]", 3.0 * static_cast<double>(in.T) * M * eb);
   // The gate's tensors (fp32/int32): probs [T,E], top-k index, weight, slot [T,k], routed

@@ -58,7 +58,8 @@ struct ReuseState {
 // profile), a measurement (the GEMM rate, by time_bare_gemms), or default_throughputs().
 struct StrategyOptions {
   std::string strategy = "none";    // none, S1..S4, auto
-  int t_m_buffers = 1;              // 1: the paper's one T_M; 2: double-buffered (not in the paper)
+  int t_m_buffers = 1;              // 1: the paper's one T_M; 2: double-buffered when T_M is offloaded
+                                    // (S1, S2; not in the paper)
   std::optional<double> comp_flops, comm_bytes, mem_bytes, sigma, mu, eta;  // options
   std::optional<double> host_bytes, device_bytes;  // host_memory_gb / memory_gb
 };
@@ -473,7 +474,7 @@ void MPipeMoE::reuse_forward(Tensor& t_i, Tensor& t_o) {
     rz_.t_di[i] = b_.empty({rz_.r_max, M}, cfg_.dtype, MemCategory::activations, c);  // [r_max,M]
     t_do[i] = b_.empty({rz_.r_max, M}, cfg_.dtype, MemCategory::buffers, c);          // [r_max,M]
   }
-  rz_.nm = std::min(nb, so_.t_m_buffers);
+  rz_.nm = off_m ? std::min(nb, so_.t_m_buffers) : 1;  // a second T_M helps only its offload (S1, S2)
   for (int i = 0; i < rz_.nm; ++i)
     rz_.t_m[i] = b_.empty({rz_.r_max, H}, cfg_.dtype, MemCategory::activations, c);     // [r_max,H]
   if (recommunicates(strategy_)) rz_.t_i = t_i;  // S2, S4: backward re-runs S_p from T_I

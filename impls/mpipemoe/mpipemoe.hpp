@@ -25,13 +25,23 @@
 //   With reuse, T_DI and T_DO rotate through two buffers and T_M through one, each sized for
 //   the largest partition; events order every overwrite after the buffer's previous user.
 //   Reuse with n = 1 is allowed but saves nothing (the report says so).
-//   Eq. 10's inputs: "comp_tflops" (GEMM TFLOP/s), "comm_gbps" (all-to-all GB/s per rank),
-//       "mem_gbps" (host copy GB/s), "sigma", "mu", "eta" (interference factors in (0,1]).
-//       Assumed when absent: an A100 at 156 TFLOP/s × 0.8, a 25 GB/s NIC, 24 GB/s PCIe, 0.9
-//       each — datasheet figures, not measurements.
-//   "host_memory_gb": pinned host memory available for offloads; a strategy needing more is a
-//       ConfigError before any work (absent: unlimited). "memory_gb": device memory for
-//       activations + buffers, a constraint on "auto" (absent: unlimited).
+//   "t_m_buffers": 1 (the paper's, default) or 2. With one T_M, offloading T_M_p (S1, S2)
+//       must finish before FC1 of partition p+1 overwrites it, and its fetch in backward waits
+//       for C'_{p-1}: the copies run in series with the compute, which Eq. 10 does not model.
+//       Two T_M buffers let them overlap, for one more [b,H] buffer (not in the paper; S3/S4
+//       recompute T_M and keep one buffer whatever this says).
+//   Eq. 10's inputs, each overriding what the backend knows (Backend::machine_rates: the sim's
+//       cluster model and profile; cuda: the device's memory) or measures (W_comp: the
+//       partition's FC1 timed by time_bare_gemms): "comp_tflops" (GEMM TFLOP/s), "comm_gbps"
+//       (all-to-all GB/s per rank), "mem_gbps" (host copy GB/s), "sigma", "mu", "eta"
+//       (interference factors in (0,1]). What neither gives is assumed (default_throughputs:
+//       a 25 GB/s NIC, 24 GB/s PCIe, 0.9 each); the report names each figure's source.
+//   "host_memory_gb": pinned host memory a rank may use for offloads (default: the node's host
+//       memory / its GPUs from the machine model, else unlimited); a strategy needing more is
+//       a ConfigError before any work. "memory_gb": device memory for activations + buffers,
+//       a constraint on "auto" (default: the device's capacity less what is in use).
+//   Under "auto" the ranks agree: the choice is made for the largest token count over ranks
+//   with the smallest rates and budgets, so every rank runs the same strategy.
 //   The report gives the strategy of the last forward, its memory model (§III-C: the paper's
 //   and the predicted peak of activations + buffers, pinned host bytes, φ of Eq. 6) and, with
 //   reuse, every strategy's Eq. 10 cost and the chosen one's.
