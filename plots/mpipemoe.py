@@ -6,7 +6,7 @@
 
 Reads the summary written by scripts/run_suite.py. Per model and cluster one PNG,
 results/figures/mpipemoe-<model>.png (…-<model>-<cluster>.png for clusters other than the
-paper's when several are in the summary): one row per dtype; left, the speed-ups of PipeMoE and
+paper's): one row per dtype; left, the speed-ups of PipeMoE and
 MPipeMoE over FastMoE and FasterMoE per token count (bars, a dashed line at 1x); right, peak
 device memory of every implementation per token count (bars, GiB). Each figure is labelled
 "simulated: <cluster>, <calibration> calibration, commit <commit>". A system without results
@@ -19,6 +19,8 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import moelab_results as mr  # noqa: E402
 PAPER_CLUSTER = "dgx-a100x8"
 IMPL_COLOURS = {"FastMoE": "#7f7f7f", "FasterMoE": "#bcbd22", "PipeMoE": "#1f77b4", "MPipeMoE": "#d62728"}
 PAIR_STYLE = {  # (system, baseline) -> colour, hatch
@@ -63,7 +65,7 @@ def main():
                 labels.append(l)
     systems = [l for l in ("PipeMoE", "MPipeMoE") if l in labels]
     baselines = [l for l in ("FastMoE", "FasterMoE") if l in labels]
-    skipped = {x["impl"]: x["reason"] for x in s.get("skipped", [])}
+    skipped = {x["impl"]: x["reason"] for x in s.get("skipped", []) if "impl" in x}
     os.makedirs(a.out_dir, exist_ok=True)
     commit = s.get("commit") or "unknown"
     written = []
@@ -140,10 +142,9 @@ def main():
                          f"{s.get('calibration') or 'datasheet'} calibration, commit {commit}",
                          x=0.01, ha="left", fontsize=10)
             fig.tight_layout(rect=(0, 0, 1, 0.96))
-            name = f"mpipemoe-{model}.png" if (cluster == PAPER_CLUSTER or len(clusters) == 1) \
-                else f"mpipemoe-{model}-{cluster}.png"
+            name = f"mpipemoe-{model}.png" if cluster == PAPER_CLUSTER else f"mpipemoe-{model}-{cluster}.png"
             path = os.path.join(a.out_dir, name)
-            fig.savefig(path, dpi=110)
+            mr.save_figure(fig, path, 110)
             plt.close(fig)
             written.append(path)
     for p in written:

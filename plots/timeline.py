@@ -9,23 +9,43 @@ One row per stream of the rank (compute, dispatch, combine, ...), in the trace's
 each op a bar coloured by its phase (gate, dispatch, experts, combine). Several traces become
 panels stacked on one shared time axis, so their lengths compare directly. With --results (the
 result JSON of each run) a panel's title gives its step time, its overlap limit
-max(comm, compute) and how far above that limit the step is.
+max(comm, compute) and how far above that limit the step is. The title may name the first
+trace's provenance (its "otherData", written by moelab run --trace): {mode}, {backend},
+{device}, {cluster}, {calibration}, {commit}, {date}, {workload}, {impl}.
 Needs matplotlib (Debian: apt-get install python3-matplotlib).
 """
 import argparse
 import json
+import os
 import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import moelab_results as mr  # noqa: E402
 
 PHASE_COLOURS = {"gate": "#8c8c8c", "dispatch": "#1f77b4", "experts": "#ff7f0e", "combine": "#2ca02c"}
 EXTRA_COLOURS = ["#9467bd", "#d62728", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
 
 
-def load_rank(path, rank):
+def load_trace(path):
     try:
         with open(path) as f:
-            trace = json.load(f)
+            return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         sys.exit(f"timeline.py: cannot read the trace {path}: {e}")
+
+
+def provenance_title(title, path):
+    """The title with {mode}, {commit}, ... replaced from the trace's otherData."""
+    trace = load_trace(path)
+    other = trace.get("otherData", {}) if isinstance(trace, dict) else {}
+    for k in ("mode", "backend", "device", "cluster", "calibration", "commit", "date", "workload", "impl"):
+        title = title.replace("{" + k + "}", str(other.get(k) if other.get(k) is not None else "unknown"))
+    return title
+
+
+def load_rank(path, rank):
+    trace = load_trace(path)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     names, order, ops = {}, {}, []
     for e in events:
@@ -101,13 +121,13 @@ def main():
     axes[-1, 0].set_xlabel("time in the step (ms)")
     top = 1.0
     if a.title:
-        fig.suptitle(a.title, x=0.01, y=0.995, ha="left", va="top", fontsize=10)
+        fig.suptitle(provenance_title(a.title, a.traces[0]), x=0.01, y=0.995, ha="left", va="top", fontsize=10)
         top -= 0.35 / fig.get_figheight()
     fig.legend(handles=[Patch(facecolor=colours[p], edgecolor="black", label=f"phase: {p}") for p in seen],
                loc="upper left", bbox_to_anchor=(0.01, top), ncol=len(seen), fontsize=9, frameon=False)
     top -= 0.35 / fig.get_figheight()
     fig.tight_layout(rect=(0, 0, 1, top))
-    fig.savefig(a.out, dpi=130)
+    mr.save_figure(fig, a.out, 130)
     print(f"timeline.py: wrote {a.out}")
 
 

@@ -1,33 +1,50 @@
 #!/usr/bin/env bash
-# scripts/reproduce.sh — install what is missing, build, and run the main job: every workload
-# in experiments/workloads through every implementation on what this machine has, writing
-# result JSON files (each says measured or simulated, on what, at which commit) and a summary.
+# scripts/reproduce.sh — install what is missing, build, run every registered experiment suite
+# (experiments/*/suite.json), the micro-benchmarks, the figures and the report, and finish
+# with the table of paper claims against ours.
 #
-#   scripts/reproduce.sh                 # everything this machine can run
-#   scripts/reproduce.sh --quick         # the small workloads only
-#   scripts/reproduce.sh --out DIR       # results under DIR instead of results/
+#   scripts/reproduce.sh                    # everything this machine can run (~20 min on 2 cores)
+#   scripts/reproduce.sh --quick            # each suite's reduced subset (~1-2 min)
+#   scripts/reproduce.sh --suite mpipemoe   # one suite (repeatable)
+#   scripts/reproduce.sh --out DIR          # results, figures and RESULTS.md under DIR, not results/
+#   scripts/reproduce.sh --update-baseline  # accept simulated results that differ from the committed ones
+#   scripts/reproduce.sh --hostfile FILE    # also the suites' runs on a real cluster (see below)
 #
-# What runs where:
-#   cpu backend   always; 1 rank and 4 MPI ranks (mpirun --oversubscribe)
-#   cuda backend  when a CUDA device is present (single GPU)
-#   sim backend   always: the paper clusters (experiments/hardware/clusters), datasheet
-#                 calibration unless a profile is committed for the cluster's GPU
-#   a real cluster: launch the same binary under your mpirun/srun with a host list, e.g.
+# What runs where (each suite says which of its runs go where):
+#   sim backend   always: the paper clusters (experiments/hardware/clusters), datasheet calibration
+#   cpu backend   always; several ranks with mpirun --oversubscribe
+#   cuda backend  when `moelab list` reports a CUDA device; otherwise listed as skipped
+#   a real cluster: runs whose "ranks" is "hostfile" get one rank per slot of FILE, launched
+#     as `mpirun --hostfile FILE -np <slots> moelab run ...` (the binary must be at the same
+#     path on every host, e.g. a shared file system); or launch one workload by hand:
 #     mpirun -np 16 --hostfile hosts build/harness/moelab run --backend cuda --workload W --impl fastmoe
+#
+# Simulated results are deterministic. A simulated result that differs from the one under the
+# results folder is not written over it: the difference is printed, the new file is kept
+# under <out>/candidate/, the rest still runs, and the exit code is 1; rerun with
+# --update-baseline to accept it. Measured results are always written (they vary).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${BUILD_DIR:-$root/build}"
 out="$root/results"
+py=/usr/bin/python3
+[ -x "$py" ] || py=python3
+suite_args=()
+run_args=()
 quick=0
 while [ $# -gt 0 ]; do
   case "$1" in
-    --quick) quick=1 ;;
-    --out) out="$2"; shift ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    --quick) quick=1; run_args+=(--quick) ;;
+    --suite) suite_args+=(--suite "$2"); shift ;;
+    --out) out="$(mkdir -p "$2" && cd "$2" && pwd)"; shift ;;
+    --update-baseline) run_args+=(--update-baseline) ;;
+    --hostfile) run_args+=(--hostfile "$2"); shift ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "reproduce.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
+t0=$(date +%s)
 
 "$root/scripts/setup.sh"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -35,73 +52,54 @@ cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$build" -j "$(nproc)" --target moelab moelab_bench_cpu moelab_bench_sim
 moelab="$build/harness/moelab"
 
-cpu_workloads=(tiny small)
-[ "$quick" = 1 ] && cpu_workloads=(tiny)
-runs=()
-for w in "${cpu_workloads[@]}"; do
-  for np in 1 4; do runs+=("cpu $np $w"); done
-done
-if "$moelab" list 2>/dev/null | grep -q "cuda   available"; then
-  runs+=("cuda 1 small" "cuda 1 gpt3-xl-e64-16k")
-fi
-sim_runs=("dgx-a100x2 small" "pcie-a30x1 tiny" "dgx-a100x8 gpt3-xl-e64-16k")
-[ "$quick" = 1 ] && sim_runs=("dgx-a100x1 small")
-for r in "${sim_runs[@]}"; do runs+=("sim:${r% *} 0 ${r#* }"); done
-
-total=${#runs[@]}
-i=0
-start=$(date +%s)
-summary=()
-for r in "${runs[@]}"; do
-  read -r backend np w <<<"$r"
-  i=$((i + 1))
-  if [ "${backend%%:*}" = sim ]; then
-    dest="$out/simulated/${backend#sim:}/$w-fastmoe.json"
-    echo "[$i/$total] $w simulated on ${backend#sim:} -> ${dest#$root/}"
-  else
-    dest="$out/measured/$backend/$w-fastmoe-np$np.json"
-    echo "[$i/$total] $w on $backend, $np rank(s) -> ${dest#$root/}"
-  fi
-  if [ "${backend%%:*}" = sim ]; then
-    # Simulated steps differ only by their routing draw: two are enough (and keep traces small).
-    cluster="${backend#sim:}"
-    "$moelab" run --workload "$root/experiments/workloads/$w.json" --impl fastmoe --backend sim --cluster "$cluster" \
-      --steps 2 --out "$dest" --trace "$out/simulated/$cluster/$w-fastmoe.trace.json"
-  elif [ "$np" = 1 ]; then
-    "$moelab" run --workload "$root/experiments/workloads/$w.json" --impl fastmoe --backend "$backend" --out "$dest"
-  else
-    mpirun --oversubscribe -np "$np" "$moelab" run --workload "$root/experiments/workloads/$w.json" \
-      --impl fastmoe --backend "$backend" --out "$dest"
-  fi
-  summary+=("$(printf '%-22s %-5s %3s  %s' "$w" "$backend" "$np" "${dest#$root/}")")
-  now=$(date +%s)
-  echo "    elapsed $((now - start)) s, about $(( (now - start) * (total - i) / i )) s left"
-done
-
-# Every schedule and restore strategy for real: 4 MPI ranks on the cpu backend, tiny
-# workload, each with its measured timeline (Chrome trace).
-sched_dir="$out/measured/cpu/schedules"
-mkdir -p "$sched_dir"
-schedules=("fastmoe fastmoe {}" "fastermoe-g2 fastermoe {\"group_size\":2}" "mpipemoe-n2 mpipemoe {\"partitions\":2}"
-           "mpipemoe-auto mpipemoe {\"partitions\":\"auto\",\"min_partition_tokens\":64}")
-for st in S1 S2 S3 S4; do schedules+=("mpipemoe-n2-$st mpipemoe {\"partitions\":2,\"strategy\":\"$st\"}"); done
-j=0
-for sc in "${schedules[@]}"; do
-  read -r label impl opts <<<"$sc"
-  j=$((j + 1))
-  echo "[schedule $j/${#schedules[@]}] $label ($impl $opts) on cpu, 4 ranks -> ${sched_dir#$root/}/$label.json"
-  mpirun --oversubscribe -np 4 "$moelab" run --workload "$root/experiments/workloads/tiny.json" --impl "$impl" \
-    --impl-options "$opts" --backend cpu --out "$sched_dir/$label.json" --trace "$sched_dir/$label.trace.json" >/dev/null
-done
-
-mkdir -p "$out/bench"
-"$build/harness/moelab_bench_cpu" --benchmark_min_time=0.05 --benchmark_context=mode=measured \
-  --benchmark_out="$out/bench/cpu_blocks.json" --benchmark_out_format=json >/dev/null
+echo
+echo "== suites"
+suites_rc=0
+"$py" "$root/scripts/run_suite.py" "${suite_args[@]}" "${run_args[@]}" --out "$out" --moelab "$moelab" || suites_rc=$?
 
 echo
-echo "measured results (fastmoe baseline):"
-printf '%-22s %-5s %3s  %s\n' workload back ranks file
-for s in "${summary[@]}"; do echo "$s"; done
-echo "cpu micro-benchmarks: ${out#$root/}/bench/cpu_blocks.json"
-echo "simulator speed: ${out#$root/}/bench/sim.json"
-"$build/harness/moelab_bench_sim" --benchmark_context=mode=measured --benchmark_context=what=host_seconds_of_the_simulator --benchmark_out="$out/bench/sim.json" --benchmark_out_format=json >/dev/null
+echo "== micro-benchmarks (measured, written always; the comparison is informational)"
+mkdir -p "$out/bench"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+min_time=0.05
+[ "$quick" = 1 ] && min_time=0.01
+echo "[bench 1/2] cpu building blocks -> ${out#$root/}/bench/cpu_blocks.json"
+"$build/harness/moelab_bench_cpu" --benchmark_min_time=$min_time --benchmark_context=mode=measured \
+  --benchmark_out="$tmp/cpu_blocks.json" --benchmark_out_format=json >/dev/null 2>&1
+if [ -f "$out/bench/cpu_blocks.json" ]; then
+  "$py" "$root/scripts/compare_results.py" --bench "$out/bench/cpu_blocks.json" "$tmp/cpu_blocks.json" || true
+fi
+mv "$tmp/cpu_blocks.json" "$out/bench/cpu_blocks.json"
+if [ "$quick" = 1 ]; then
+  echo "[bench 2/2] simulator speed: skipped with --quick"
+else
+  echo "[bench 2/2] simulator speed -> ${out#$root/}/bench/sim.json"
+  "$build/harness/moelab_bench_sim" --benchmark_context=mode=measured --benchmark_context=what=host_seconds_of_the_simulator \
+    --benchmark_out="$tmp/sim.json" --benchmark_out_format=json >/dev/null 2>&1
+  mv "$tmp/sim.json" "$out/bench/sim.json"
+fi
+
+echo
+echo "== figures and report"
+figures_rc=0
+"$py" "$root/plots/figures.py" --results "$out" "${suite_args[@]}" || figures_rc=$?
+if [ "$out" = "$root/results" ]; then
+  # The committed report covers every suite (the committed summaries of those not run now).
+  "$py" "$root/plots/report.py" --results "$out" --out "$root/docs/RESULTS.md" || figures_rc=$?
+else
+  "$py" "$root/plots/report.py" --results "$out" --out "$out/RESULTS.md" "${suite_args[@]}" || figures_rc=$?
+  echo
+  echo "== against the committed results (informational with --out)"
+  "$py" "$root/scripts/compare_results.py" "$root/results" "$out" 2>&1 | grep -v '^MEASURED' || true
+fi
+
+"$py" "$root/scripts/claims.py" --results "$out" "${suite_args[@]}"
+echo
+echo "reproduce.sh: done in $(( ($(date +%s) - t0) / 60 ))m$(printf %02d $(( ($(date +%s) - t0) % 60 )))s; results under ${out#$root/}"
+if [ "$suites_rc" != 0 ]; then
+  echo "reproduce.sh: some runs failed or simulated results differ from those under ${out#$root/} (see above);" >&2
+  echo "  the new files are under ${out#$root/}/candidate/. If the change is intended, rerun with --update-baseline." >&2
+  exit 1
+fi
+[ "$figures_rc" = 0 ] || { echo "reproduce.sh: a figure or the report failed (see above)" >&2; exit 1; }

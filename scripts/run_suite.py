@@ -1,57 +1,52 @@
 #!/usr/bin/python3
-"""scripts/run_suite.py — run an experiment suite (experiments/<paper>/suite.json) on the sim backend.
+"""scripts/run_suite.py — run experiment suites (experiments/<name>/suite.json) into the result store.
 
-    /usr/bin/python3 scripts/run_suite.py                      # the MPipeMoE suite, every point
-    /usr/bin/python3 scripts/run_suite.py --quick              # its reduced subset (about a minute)
-    /usr/bin/python3 scripts/run_suite.py --suite FILE --out DIR --moelab build/harness/moelab
-    /usr/bin/python3 scripts/run_suite.py --list               # the points, without running them
+    /usr/bin/python3 scripts/run_suite.py                          # every registered suite, in full
+    /usr/bin/python3 scripts/run_suite.py --suite mpipemoe --quick # one suite's reduced subset
+    /usr/bin/python3 scripts/run_suite.py --backends sim --quick --out /tmp/r   # what CI runs
+    /usr/bin/python3 scripts/run_suite.py --list                   # the runs, without running them
+    /usr/bin/python3 scripts/run_suite.py --update-baseline        # accept changed simulated results
 
-For every point (sweep x cluster x model x dtype x tokens per GPU) and every implementation of
-the suite it writes the workload file (DIR/workloads/), runs
+A suite is data (docs/RESULTS-SCHEMA.md, "Suite files"): a "grid" of generated workloads
+(models x clusters x dtypes x tokens per GPU, on the sim backend) and/or "runs" of workload
+files on any backend (sim with cluster models; cpu with MPI ranks under mpirun; cuda when
+`moelab list` reports a device; "hostfile" ranks on a real cluster with --hostfile). Every
+entry a machine cannot run (cuda without a device, an option the binary rejects, a backend
+left out by --backends) is listed as skipped, on stdout and in the summary; nothing is
+skipped silently. A run that fails is reported with the end of its output, recorded in the
+summary, and makes the exit code 1; the other runs go on.
 
-    moelab run --backend sim --cluster C --workload W --impl I --impl-options O --steps 1 --out F
+Where things go (OUT = --out, default results/): every run is written first under
+OUT/candidate/<its path>, with OUT/candidate/<suite out>/summary.json per suite. Then the
+candidate is merged into OUT (scripts/compare_results.py, install): measured results are
+always written; a simulated result (deterministic) is written when it is new, left alone
+when it equals the one in OUT within 1e-9 relative, and when it differs it stays under
+OUT/candidate/ and the difference is printed, unless --update-baseline is given. A quick
+summary is never written over a full one. Exit code 1 when something differs or failed.
 
-and keeps the result at DIR/<cluster>/<model>-<dtype>-T<tokens per rank>-<label>.json. Then it
-writes DIR/summary.json: per point the step time, peak memory, overlap ratio and chosen number
-of partitions of every implementation, the speed-ups and memory savings of the paper's systems
-against the baselines, and the table of the paper's claims against ours.
-
-An implementation entry with "requires_option": K is probed first (a one-rank run of a tiny
-layer with the entry's options); if the installed moelab rejects option K, every point of that
-entry is skipped and listed, with the entry's "skip_note", on stdout and in summary.json.
-Nothing is skipped silently. A failing moelab run stops the suite with its exit code and the
-end of its output. Standard library only.
+Progress: one line per run with the suite, runs done / total, elapsed time and time left.
+Standard library only.
 """
 import argparse
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moelab_results as mr  # noqa: E402
+import compare_results  # noqa: E402
+
+ROOT = mr.ROOT
 
 
-def die(msg, code=1):
+def die(msg, code=2):
     print(f"run_suite.py: {msg}", file=sys.stderr)
     sys.exit(code)
-
-
-def write_json(path, obj):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=os.path.dirname(path))
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    os.chmod(tmp, 0o644)  # mkstemp creates 0600
-    os.replace(tmp, path)
-
-
-def rel(path):
-    p = os.path.relpath(path, ROOT)
-    return path if p.startswith("..") else p
 
 
 def fmt_s(s):
@@ -59,53 +54,56 @@ def fmt_s(s):
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
-# ---- the suite ------------------------------------------------------------------------------
-
-def load_suite(path):
-    try:
-        with open(path) as f:
-            suite = json.load(f)
-    except OSError as e:
-        die(f"cannot read the suite {path}: {e.strerror}", 2)
-    except json.JSONDecodeError as e:
-        die(f"{path}: malformed JSON: {e}", 2)
-    for key in ("name", "models", "impls", "sweeps", "clusters", "workload_defaults"):
-        if key not in suite:
-            die(f"{path}: missing field \"{key}\"", 2)
-    labels = [i["label"] for i in suite["impls"]]
-    if len(set(labels)) != len(labels):
-        die(f"{path}: impls: labels must be unique, got {labels}", 2)
-    return suite
+def rel_to(path, base):
+    p = os.path.relpath(path, base)
+    return path if p.startswith("..") else p
 
 
-def points_of(suite, quick):
-    """Every (sweep, cluster, model, dtype, tokens per GPU) of the run, in order."""
-    models = {m["name"]: m for m in suite["models"]}
-    clusters = {c["name"]: c for c in suite["clusters"]}
-    sweeps = [suite["quick"]] if quick else suite["sweeps"]
-    as_gpus = suite.get("global_tokens_as_gpus")
-    pts = []
-    for sw in sweeps:
+# ---- expanding a suite into runs ------------------------------------------------------------
+
+def grid_points(suite, quick):
+    """Every (sweep, cluster, model, dtype, tokens per GPU) of the grid, in order, no repeats."""
+    g = suite.get("grid")
+    if not g:
+        return []
+    clusters = {c["name"]: c for c in g["clusters"]}
+    as_gpus = g.get("global_tokens_as_gpus")
+    pts, seen = [], set()
+    for sw in (g.get("quick_sweeps", []) if quick else g["sweeps"]):
         for cname in sw["clusters"]:
-            if cname not in clusters:
-                die(f"sweep {sw['name']}: cluster {cname} is not in the suite's \"clusters\"", 2)
             gpus = clusters[cname]["gpus"]
             for mname in sw["models"]:
-                if mname not in models:
-                    die(f"sweep {sw['name']}: model {mname} is not in the suite's \"models\"", 2)
                 for dtype in sw["dtypes"]:
                     for b in sw["tokens_per_gpu"]:
-                        tpr = b * as_gpus // gpus if as_gpus else b
                         if as_gpus and (b * as_gpus) % gpus:
-                            die(f"sweep {sw['name']}: {b} * {as_gpus} tokens do not split over {gpus} GPUs", 2)
+                            raise mr.SchemaError(f"{suite['_path']}: sweep {sw['name']}: {b} * {as_gpus} tokens "
+                                                 f"do not split over {gpus} GPUs of {cname}")
+                        tpr = b * as_gpus // gpus if as_gpus else b
+                        key = (cname, mname, dtype, tpr)
+                        if key in seen:
+                            continue
+                        seen.add(key)
                         pts.append({"sweep": sw["name"], "cluster": cname, "gpus": gpus, "model": mname,
                                     "dtype": dtype, "tokens_per_gpu": b, "tokens_per_rank": tpr,
                                     "global_tokens": tpr * gpus})
-    return pts, models
+    return pts
 
 
-def workload_for(suite, model, dtype, tokens_per_rank):
-    d = suite["workload_defaults"]
+def check_quick_subset(suite):
+    """The quick subset's points must be points of the full run (same files), so that a quick
+    run compares with the committed full results point by point."""
+    full = {(p["cluster"], p["model"], p["dtype"], p["tokens_per_rank"]) for p in grid_points(suite, False)}
+    for p in grid_points(suite, True):
+        if (p["cluster"], p["model"], p["dtype"], p["tokens_per_rank"]) not in full:
+            raise mr.SchemaError(f"{suite['_path']}: grid.quick_sweeps: {p['cluster']} {p['model']} {p['dtype']} "
+                                 f"B={p['tokens_per_gpu']} is not a point of grid.sweeps (a quick point must be "
+                                 f"one of the full run's, so that it has a committed result to compare with)")
+
+
+def grid_workload(suite, model_name, dtype, tokens_per_rank):
+    g = suite["grid"]
+    model = next(m for m in g["models"] if m["name"] == model_name)
+    d = g["workload_defaults"]
     name = f"{model['name']}-{dtype}-T{tokens_per_rank}"
     return name, {
         "name": name,
@@ -125,43 +123,165 @@ def workload_for(suite, model, dtype, tokens_per_rank):
     }
 
 
-# ---- running moelab -------------------------------------------------------------------------
+def resolve_workload(suite, spec):
+    """(name, path of an existing file or None, generated workload or None)."""
+    if isinstance(spec, dict):
+        name, wl = grid_workload(suite, spec["model"], spec["dtype"], spec["tokens_per_rank"])
+        return name, None, wl
+    path = os.path.join(ROOT, spec) if "/" in spec or spec.endswith(".json") else \
+        os.path.join(mr.EXPERIMENTS, "workloads", spec + ".json")
+    if not os.path.exists(path):
+        raise mr.SchemaError(f"{suite['_path']}: workload \"{spec}\": no file {rel_to(path, ROOT)}")
+    return os.path.splitext(os.path.basename(path))[0], path, None
 
-def run_moelab(moelab, args):
+
+def expand(suite, quick):
+    """Every job of the suite (grid points x grid impls, then the runs), in order."""
+    impls = {im["label"]: im for im in suite["impls"]}
+    jobs = []
+    g = suite.get("grid")
+    for p in grid_points(suite, quick):
+        name, wl = grid_workload(suite, p["model"], p["dtype"], p["tokens_per_rank"])
+        for label in g["impls"]:
+            jobs.append({"suite": suite["name"], "kind": "grid", "point": p, "impl": impls[label],
+                         "backend": "sim", "cluster": p["cluster"], "ranks": None,
+                         "workload": name, "workload_file": None, "workload_gen": wl,
+                         "steps": g["workload_defaults"]["steps"], "trace": False,
+                         "dest": f"{suite['out']}/{p['cluster']}/{name}-{label}"})
+    for r in suite.get("runs", []):
+        q = r.get("quick", False)
+        if quick and not q:
+            continue
+        r = {**r, **q} if (quick and isinstance(q, dict)) else r
+        clusters = r.get("clusters") or [None]
+        ranks = r.get("ranks") or [None]
+        for spec in r["workloads"]:
+            name, path, gen = resolve_workload(suite, spec)
+            for label in r["impls"]:
+                for cl in clusters:
+                    for n in ranks:
+                        jobs.append({"suite": suite["name"], "kind": "run", "run": r["id"], "impl": impls[label],
+                                     "backend": r["backend"], "cluster": cl, "ranks": n,
+                                     "workload": name, "workload_file": path, "workload_gen": gen,
+                                     "steps": r.get("steps"), "trace": bool(r.get("trace")),
+                                     "path_template": r["path"]})
+    return jobs
+
+
+# ---- what this machine can run --------------------------------------------------------------
+
+def hostfile_slots(path):
+    n = 0
+    with open(path) as f:
+        for line in f:
+            line = line.split("#")[0].split()
+            if not line:
+                continue
+            slots = [w for w in line[1:] if w.startswith("slots=")]
+            n += int(slots[0].split("=")[1]) if slots else 1
+    return n
+
+
+class Machine:
+    def __init__(self, moelab, backends, hostfile):
+        self.moelab = moelab
+        self.backends = backends
+        self.hostfile = hostfile
+        self.mpirun = shutil.which("mpirun")
+        self.cuda_line = "not checked"
+        self.cuda_device = None
+        p = subprocess.run([moelab, "list"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in p.stdout.splitlines():
+            if line.strip().startswith("cuda "):
+                self.cuda_line = line.strip()
+                if "cuda   available:" in line:
+                    self.cuda_device = line.split("available:", 1)[1].strip()
+        self.slots = hostfile_slots(hostfile) if hostfile else None
+
+    def why_not(self, job):
+        """None if the job can run here, else why not."""
+        b = job["backend"]
+        if b not in self.backends:
+            return f"backend {b} not selected (--backends {','.join(self.backends)})"
+        if b == "cuda" and not self.cuda_device:
+            return f"no CUDA device here (moelab list: \"{self.cuda_line}\")"
+        if job["ranks"] == "hostfile" and not self.hostfile:
+            return "needs a real cluster: pass --hostfile FILE (mpirun host list)"
+        n = self.nranks(job)
+        if n and n > 1 and not self.mpirun:
+            return f"{n} ranks need mpirun, which is not installed"
+        return None
+
+    def nranks(self, job):
+        return self.slots if job["ranks"] == "hostfile" else job["ranks"]
+
+
+def run_moelab(cmd):
     try:
-        p = subprocess.run([moelab, "run"] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     except OSError as e:
-        die(f"cannot start {moelab}: {e.strerror}")
-    return p
+        die(f"cannot start {cmd[0]}: {e.strerror}")
 
 
-def fail_run(cmd, p, what):
-    tail = "\n".join((p.stdout.strip().splitlines() + p.stderr.strip().splitlines())[-15:])
-    die(f"moelab failed on {what} (exit code {p.returncode}):\n  {' '.join(cmd)}\n{tail}", p.returncode or 1)
+def tail_of(p, n=15):
+    return "\n".join((p.stdout.strip().splitlines() + p.stderr.strip().splitlines())[-n:])
 
 
-def probe(moelab, impl, tmpdir, cluster):
-    """Does the installed moelab accept impl's options? A one-rank run of a tiny layer."""
+def probe(machine, impl, tmpdir, cluster):
+    """Does the installed moelab accept impl's options? A one-rank sim run of a tiny layer."""
     wl = os.path.join(tmpdir, "probe.json")
-    write_json(wl, {"name": "probe", "model": {"d_model": 16, "d_hidden": 64, "num_experts": 8, "top_k": 1,
-                                                "capacity_factor": 0, "dtype": "fp32"},
-                    "tokens_per_rank": 256, "steps": 1, "warmup": 1, "seed": 1})
-    args = ["--workload", wl, "--impl", impl["impl"], "--impl-options", json.dumps(impl["options"]),
-            "--backend", "sim", "--cluster", cluster, "--ranks", "1", "--out", os.path.join(tmpdir, "probe-out.json")]
-    p = run_moelab(moelab, args)
+    mr.write_json(wl, {"name": "probe", "model": {"d_model": 16, "d_hidden": 64, "num_experts": 8, "top_k": 1,
+                                                   "capacity_factor": 0, "dtype": "fp32"},
+                       "tokens_per_rank": 256, "steps": 1, "warmup": 1, "seed": 1})
+    cmd = [machine.moelab, "run", "--workload", wl, "--impl", impl["impl"], "--impl-options",
+           json.dumps(impl["options"]), "--backend", "sim", "--cluster", cluster, "--ranks", "1",
+           "--out", os.path.join(tmpdir, "probe-out.json")]
+    p = run_moelab(cmd)
     if p.returncode == 0:
-        return True, ""
+        return None
     msg = (p.stderr.strip() or p.stdout.strip()).splitlines()
     msg = msg[-1] if msg else ""
-    key = impl["requires_option"]
-    if p.returncode == 2 and f'"{key}"' in msg:
-        return False, msg
-    fail_run([moelab, "run"] + args, p, f"the probe of {impl['label']}")
+    if p.returncode == 2 and f'"{impl["requires_option"]}"' in msg:
+        return f"{impl.get('skip_note', 'skipped')} (moelab said: {msg})"
+    die(f"the probe of {impl['label']} failed (exit code {p.returncode}):\n  {' '.join(cmd)}\n{tail_of(p)}", 1)
 
 
-# ---- the summary ----------------------------------------------------------------------------
+# ---- one run --------------------------------------------------------------------------------
+
+def destination(job, machine):
+    if job["kind"] == "grid":
+        return job["dest"]
+    dev = mr.slug(mr.device_class(machine.cuda_device)) if job["backend"] == "cuda" and machine.cuda_device else "none"
+    return job["path_template"].format(workload=job["workload"], impl=job["impl"]["label"],
+                                       ranks=machine.nranks(job) or 1, cluster=job["cluster"] or "",
+                                       backend=job["backend"], device=dev)
+
+
+def command(job, machine, wl_path, dest):
+    im = job["impl"]
+    cmd = [machine.moelab, "run", "--workload", wl_path, "--impl", im["impl"]]
+    if im["options"]:
+        cmd += ["--impl-options", json.dumps(im["options"], separators=(",", ":"))]
+    cmd += ["--backend", job["backend"]]
+    if job["cluster"]:
+        cmd += ["--cluster", job["cluster"]]
+    n = machine.nranks(job)
+    if job["backend"] == "sim" and n:
+        cmd += ["--ranks", str(n)]
+    if job["steps"]:
+        cmd += ["--steps", str(job["steps"])]
+    cmd += ["--out", dest + ".json"]
+    if job["trace"]:
+        cmd += ["--trace", dest + ".trace.json"]
+    if job["backend"] != "sim" and n and (n > 1 or job["ranks"] == "hostfile"):
+        launch = [machine.mpirun] + (["--hostfile", machine.hostfile] if machine.hostfile and job["ranks"] == "hostfile"
+                                     else ["--oversubscribe"]) + ["-np", str(n)]
+        cmd = launch + cmd
+    return cmd
+
 
 def figures(res):
+    """The figures of one result that a summary keeps (see docs/RESULTS-SCHEMA.md)."""
     m = res["metrics"]
     rep = res.get("impl_report") or {}
     n = rep.get("last_n", rep.get("partitions"))
@@ -181,6 +301,8 @@ def figures(res):
     return out
 
 
+# ---- the summary ----------------------------------------------------------------------------
+
 def comparisons(results, systems, baselines):
     sp, ms = {}, {}
     for s in systems:
@@ -195,16 +317,18 @@ def claims_table(suite, points):
     c = suite.get("claims")
     if not c:
         return []
-    tol = c.get("size_tolerance", 0.25)
-    paper_cluster = suite["clusters"][0]["name"]
+    tol = c["size_tolerance"]
+    setup = c.get("paper_setup") or {}
+    in_setup = (lambda p: all(p.get(k) == v for k, v in setup.items())) if setup else (lambda p: False)
     rows = []
     for item in c["items"]:
         key = f"{item['system']}_vs_{item['versus']}"
         field = "speedup" if item["metric"] == "speedup" else "memory_saving"
         row = dict(item)
+        row["mode"] = "simulated"  # claims are judged on the grid, which runs on the sim backend
+        row["paper_setup"] = setup
         row["ours"] = {}
-        for scope, keep in (("paper_setup", lambda p: p["cluster"] == paper_cluster and p["dtype"] == "fp32"),
-                            ("all_points", lambda p: True)):
+        for scope, keep in (("paper_setup", in_setup), ("all_points", lambda p: True)):
             vals = [p[field][key] for p in points if keep(p) and key in p[field]]
             if not vals:
                 row["ours"][scope] = {"points": 0}
@@ -231,158 +355,269 @@ def claims_table(suite, points):
     return rows
 
 
-def print_claims(rows):
-    if not rows:
-        return
-    print("\nclaims (paper vs ours; ours on the paper's setup, dgx-a100x8 fp32, when run, else on every point):")
-    print(f"  {'claim':60} {'paper':>7} {'ours':>7} {'pts':>4}  verdict")
-    for r in rows:
-        o = r["ours"][r["compared_on"]]
-        fmtv = (lambda v: f"{v:.2f}x") if r["metric"] == "speedup" else (lambda v: f"{100 * v:.0f}%")
-        ours = fmtv(o["value"]) if o["points"] else "-"
-        print(f"  {r['text'][:60]:60} {fmtv(r['paper']):>7} {ours:>7} {o['points']:>4}  {r['verdict']}")
-
-
-# ---- main -----------------------------------------------------------------------------------
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", default=os.path.join(ROOT, "experiments", "mpipemoe", "suite.json"))
-    ap.add_argument("--quick", action="store_true", help="the suite's reduced subset (its \"quick\" sweep)")
-    ap.add_argument("--out", help="output folder (default results/simulated/<suite name>)")
-    ap.add_argument("--moelab", default=os.environ.get("MOELAB", os.path.join(ROOT, "build", "harness", "moelab")),
-                    help="the moelab binary (default $MOELAB, else build/harness/moelab)")
-    ap.add_argument("--list", action="store_true", help="print the points and exit")
-    a = ap.parse_args()
-
-    suite = load_suite(a.suite)
-    out = os.path.abspath(a.out or os.path.join(ROOT, "results", "simulated", suite["name"]))
-    pts, models = points_of(suite, a.quick)
-    impls = suite["impls"]
-    subset = "quick" if a.quick else "full"
-    if a.list:
-        for p in pts:
-            print(f"{p['sweep']:14} {p['cluster']:11} {p['model']:12} {p['dtype']:5} B={p['tokens_per_gpu']:<6} "
-                  f"tokens/rank={p['tokens_per_rank']}")
-        print(f"{len(pts)} points x {len(impls)} implementations")
-        return
-    if not (os.path.isfile(a.moelab) and os.access(a.moelab, os.X_OK)):
-        die(f"no moelab binary at {a.moelab}: build it (cmake --build build --target moelab) or pass --moelab PATH", 2)
-
-    # Probe the entries that need an option the binary may not have.
-    skip = {}
-    with tempfile.TemporaryDirectory(prefix="run_suite.") as tmp:
-        for impl in impls:
-            if impl.get("requires_option"):
-                ok, msg = probe(a.moelab, impl, tmp, pts[0]["cluster"])
-                if not ok:
-                    skip[impl["label"]] = f"{impl.get('skip_note', 'skipped')} (moelab said: {msg})"
-    for label, why in skip.items():
-        print(f"[{suite['name']}] {label}: {why}")
-
-    jobs, skipped = [], []
-    for p in pts:
-        for impl in impls:
-            (skipped if impl["label"] in skip else jobs).append((p, impl))
-    total = len(jobs)
-    print(f"[{suite['name']} {subset}] {len(pts)} points x {len(impls)} implementations: {total} runs, "
-          f"{len(skipped)} skipped; moelab {a.moelab}; results under {rel(out)}")
-
-    wl_dir = os.path.join(out, "workloads")
-    start = time.time()
-    cost = {}  # (cluster, impl label) -> host seconds of the runs so far
-    results = {}
-    for i, (p, impl) in enumerate(jobs):
-        wname, wl = workload_for(suite, models[p["model"]], p["dtype"], p["tokens_per_rank"])
-        wl_path = os.path.join(wl_dir, wname + ".json")
-        if not os.path.exists(wl_path) or json.load(open(wl_path)) != wl:
-            write_json(wl_path, wl)
-        dest = os.path.join(out, p["cluster"], f"{wname}-{impl['label']}.json")
-        args = ["--workload", wl_path, "--impl", impl["impl"], "--backend", "sim", "--cluster", p["cluster"],
-                "--steps", str(suite["workload_defaults"]["steps"]), "--out", dest]
-        if impl["options"]:
-            args[4:4] = ["--impl-options", json.dumps(impl["options"], separators=(",", ":"))]
-        t0 = time.time()
-        proc = run_moelab(a.moelab, args)
-        dt = time.time() - t0
-        if proc.returncode != 0:
-            fail_run([a.moelab, "run"] + args, proc,
-                     f"{p['cluster']} {wname} {impl['label']} (run {i + 1} of {total})")
-        cost.setdefault((p["cluster"], impl["label"]), []).append(dt)
-        with open(dest) as f:
-            res = json.load(f)
-        fig = figures(res)
-        fig["file"] = rel(dest)
-        results.setdefault(id(p), {})[impl["label"]] = fig
-        p.setdefault("_meta", {"commit": res.get("commit"), "calibration": res.get("calibration"),
-                               "routing_model": res.get("routing_model"), "date": res.get("date")})
-        # time left: the mean host time of each (cluster, impl) so far, else of all runs
-        elapsed = time.time() - start
-        mean_all = elapsed / (i + 1)
-        left = 0.0
-        for q, im in jobs[i + 1:]:
-            c = cost.get((q["cluster"], im["label"]))
-            left += sum(c) / len(c) if c else mean_all
-        n = f", n={fig['partitions']}" if "partitions" in fig and impl["impl"] == "mpipemoe" else ""
-        print(f"[{suite['name']} {subset} {i + 1}/{total}] {p['cluster']} {wname} {impl['label']}: "
-              f"step {fig['step_time_s'] * 1e3:.2f} ms, peak {fig['peak_memory_bytes'] / 2**30:.2f} GiB{n} "
-              f"({dt:.1f} s) | elapsed {fmt_s(elapsed)}, about {fmt_s(left)} left", flush=True)
-
-    # ---- summary.json
-    systems = [i["label"] for i in impls if i["impl"] == "mpipemoe"]
-    baselines = [i["label"] for i in impls if i["impl"] != "mpipemoe"]
-    rows, meta = [], {}
-    for p in pts:
-        r = results.get(id(p), {})
-        meta = p.pop("_meta", meta)
-        sp, ms = comparisons(r, systems, baselines)
-        rows.append({**p, "results": r, "speedup": sp, "memory_saving": ms,
-                     "skipped": [im["label"] for im in impls if im["label"] in skip]})
-    claims = claims_table(suite, rows)
+def summarize(suite, jobs, subset, host_seconds):
+    """The suite's moelab.suite-summary/1 from its finished jobs."""
+    grid_impls = suite["grid"]["impls"] if suite.get("grid") else []
+    by_label = {im["label"]: im for im in suite["impls"]}
+    systems = [l for l in grid_impls if by_label[l]["kind"] == "system"]
+    baselines = [l for l in grid_impls if by_label[l]["kind"] == "baseline"]
+    points, runs = {}, []
+    done = [j["result"] for j in jobs if j.get("result") is not None]
+    modes = {r["mode"] for r in done}
+    sim = [r for r in done if r["mode"] == "simulated"]
+    for j in jobs:
+        res = j.get("result")
+        if j["kind"] == "grid":
+            p = points.setdefault(id(j["point"]), {**j["point"], "results": {}, "failed": {}, "skipped": []})
+            if res is not None:
+                p["results"][j["impl"]["label"]] = {**figures(res), "file": j["file"]}
+            elif j.get("failed"):
+                p["failed"][j["impl"]["label"]] = j["failed"]
+            elif j.get("skipped"):
+                p["skipped"].append(j["impl"]["label"])
+            continue
+        row = {"id": j["run"], "impl": j["impl"]["label"], "impl_name": j["impl"]["impl"],
+               "options": j["impl"]["options"], "workload": j["workload"], "backend": j["backend"],
+               "cluster": j["cluster"], "ranks": j["ranks"]}
+        if res is not None:
+            row.update(mode=res["mode"], device=res["device"], calibration=res["calibration"],
+                       world_size=res["world_size"], file=j["file"], results=figures(res))
+        elif j.get("failed"):
+            row.update(skipped=f"failed: {j['failed']}", failed=True)
+        else:
+            row["skipped"] = j.get("skipped") or "not run"
+        runs.append(row)
+    rows = []
+    for p in points.values():
+        sp, ms = comparisons(p["results"], systems, baselines)
+        if not p["failed"]:
+            del p["failed"]
+        rows.append({**p, "speedup": sp, "memory_saving": ms})
+    skipped = {}
+    for j in jobs:
+        if j.get("skipped"):
+            what = (f"impl {j['impl']['label']}" if j["kind"] == "grid" else f"run {j['run']}")
+            key = (what, j["skipped"])
+            skipped[key] = skipped.get(key, 0) + 1
     summary = {
-        "schema": "moelab.suite-summary/1",
+        "schema": mr.SUMMARY_SCHEMA,
         "suite": suite["name"],
-        "suite_file": rel(os.path.abspath(a.suite)),
+        "suite_file": rel_to(os.path.abspath(suite["_path"]), ROOT),
         "subset": subset,
-        "mode": "simulated",
-        "backend": "sim",
-        "calibration": meta.get("calibration"),
-        "routing_model": meta.get("routing_model"),
-        "commit": meta.get("commit"),
+        "mode": "none" if not modes else modes.pop() if len(modes) == 1 else "mixed",
+        "backends": sorted({j["backend"] for j in jobs if j.get("result") is not None}),
+        "calibration": sim[0]["calibration"] if sim else None,
+        "routing_model": sim[0].get("routing_model") if sim else None,
+        "commit": done[0]["commit"] if done else None,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "host_seconds": round(time.time() - start, 1),
+        "host_seconds": round(host_seconds, 1),
+        "paths": "every \"file\" is relative to the results folder",
         "definitions": {
             "speedup": "step time of the baseline / step time of the system (one forward + backward of the MoE layer, slowest rank)",
             "memory_saving": "1 - peak device memory of the system / that of the baseline (the highest rank's peak over the timed step as the tracked allocator counts it: weights, gradients, activations and buffers; no optimizer states, which the paper's M_ms includes for Adam)",
             "partitions": "n used in the timed step (impl_report.last_n); chosen by the online granularity search for \"partitions\": \"auto\"",
             "overlap_ratio": "communication hidden behind computation / all communication, summed over ranks",
         },
-        "dtype_notes": suite.get("dtypes"),
-        "tokens_rule": suite.get("tokens_rule"),
-        "skipped": [{"impl": label, "reason": why,
-                     "points": sum(1 for q, im in skipped if im["label"] == label)} for label, why in skip.items()],
+        "dtype_notes": (suite.get("grid") or {}).get("dtype_notes"),
+        "tokens_rule": (suite.get("grid") or {}).get("tokens_rule"),
+        "skipped": [{**({"impl": w[5:]} if w.startswith("impl ") else {"run": w[4:]}), "reason": why, "count": n}
+                    for (w, why), n in skipped.items()],
         "points": rows,
-        "claims": claims,
+        "runs": runs,
+        "claims": claims_table(suite, rows),
     }
-    sum_path = os.path.join(out, "summary.json")
-    write_json(sum_path, summary)
+    return summary
 
-    # ---- the table on stdout
-    print(f"\n{'cluster':11} {'model':12} {'dtype':5} {'B':>6}  " +
-          "  ".join(f"{l:>9}" for l in [i['label'] for i in impls if i['label'] not in skip]) +
-          "   ms/step; speed-up and memory saving vs FastMoE / FasterMoE")
-    for r in rows:
-        ts = "  ".join(f"{r['results'][l]['step_time_s'] * 1e3:9.2f}" if l in r["results"] else f"{'-':>9}"
-                       for l in [i["label"] for i in impls if i["label"] not in skip])
-        ext = "; ".join(f"{k.replace('_vs_', '/')} {v:.2f}x {100 * r['memory_saving'][k]:+.0f}%"
-                        for k, v in r["speedup"].items())
-        print(f"{r['cluster']:11} {r['model']:12} {r['dtype']:5} {r['tokens_per_gpu']:>6}  {ts}   {ext}")
-    print_claims(claims)
-    if skipped:
-        print(f"\nskipped {len(skipped)} runs: " + "; ".join(f"{l} ({s['points']} points)" for l, s in
-                                                            ((s['impl'], s) for s in summary['skipped'])))
-    print(f"\nsummary: {rel(sum_path)} ({total} runs in {fmt_s(time.time() - start)})")
+
+def print_tables(suite, summary):
+    s = summary
+    grid_impls = suite["grid"]["impls"] if suite.get("grid") else []
+    if s["points"]:
+        shown = [l for l in grid_impls if any(l in p["results"] for p in s["points"])]
+        print(f"\n{'cluster':11} {'model':12} {'dtype':5} {'B':>6}  " + "  ".join(f"{l:>9}" for l in shown) +
+              "   ms/step; speed-up and memory saving of each system vs each baseline")
+        for r in s["points"]:
+            ts = "  ".join(f"{r['results'][l]['step_time_s'] * 1e3:9.2f}" if l in r["results"] else f"{'-':>9}"
+                           for l in shown)
+            ext = "; ".join(f"{k.replace('_vs_', '/')} {v:.2f}x {100 * r['memory_saving'][k]:+.0f}%"
+                            for k, v in r["speedup"].items())
+            print(f"{r['cluster']:11} {r['model']:12} {r['dtype']:5} {r['tokens_per_gpu']:>6}  {ts}   {ext}")
+    if s["runs"]:
+        print(f"\n{'run':16} {'workload':16} {'impl':15} {'backend':8} {'where':11} {'mode':9} "
+              f"{'ms/step':>9} {'overlap':>7} {'peak MiB':>9}")
+        for r in s["runs"]:
+            where = r["cluster"] or (f"np {r['ranks']}" if r["ranks"] else "")
+            if "results" in r:
+                f = r["results"]
+                print(f"{r['id']:16} {r['workload']:16} {r['impl']:15} {r['backend']:8} {where:11} {r['mode']:9} "
+                      f"{f['step_time_s'] * 1e3:9.3f} {100 * f['overlap_ratio']:6.0f}% "
+                      f"{f['peak_memory_bytes'] / 2**20:9.1f}")
+            else:
+                print(f"{r['id']:16} {r['workload']:16} {r['impl']:15} {r['backend']:8} {where:11} "
+                      f"skipped: {r['skipped']}")
+    if s["claims"]:
+        print("\nclaims (paper vs ours):")
+        for r in s["claims"]:
+            o = r["ours"][r["compared_on"]]
+            fmtv = (lambda v: f"{v:.2f}x") if r["metric"] == "speedup" else (lambda v: f"{100 * v:.0f}%")
+            ours = fmtv(o["value"]) if o["points"] else "-"
+            print(f"  {r['text'][:60]:60} {fmtv(r['paper']):>7} {ours:>7} {o['points']:>4}  {r['verdict']}")
+
+
+# ---- main -----------------------------------------------------------------------------------
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--suite", action="append", help="a suite's name or file (repeatable; default: every "
+                                                     "experiments/*/suite.json)")
+    ap.add_argument("--quick", action="store_true", help="each suite's reduced subset")
+    ap.add_argument("--out", default=os.path.join(ROOT, "results"), help="the results folder (default results/)")
+    ap.add_argument("--moelab", default=os.environ.get("MOELAB", os.path.join(ROOT, "build", "harness", "moelab")),
+                    help="the moelab binary (default $MOELAB, else build/harness/moelab)")
+    ap.add_argument("--backends", default="sim,cpu,cuda", help="comma-separated backends to run (default all)")
+    ap.add_argument("--hostfile", help="an mpirun host file: runs with \"hostfile\" ranks use one rank per slot")
+    ap.add_argument("--update-baseline", action="store_true",
+                    help="write simulated results that differ from those in --out over them")
+    ap.add_argument("--list", action="store_true", help="print the runs and exit")
+    a = ap.parse_args()
+
+    backends = [b for b in a.backends.split(",") if b]
+    for b in backends:
+        if b not in mr.BACKENDS:
+            die(f"--backends: unknown backend \"{b}\" (expected {', '.join(mr.BACKENDS)})")
+    try:
+        suites = [mr.load_suite(s) for s in (a.suite or mr.registered_suites())]
+        for s in suites:
+            check_quick_subset(s)
+        plan = [(s, expand(s, a.quick)) for s in suites]
+    except mr.SchemaError as e:
+        die(str(e))
+    if not suites:
+        die(f"no suites under {mr.EXPERIMENTS}")
+    subset = "quick" if a.quick else "full"
+    out = os.path.abspath(a.out)
+    stage = os.path.join(out, "candidate")
+
+    if a.list:
+        for s, jobs in plan:
+            for j in jobs:
+                where = j["cluster"] or f"np {j['ranks']}"
+                print(f"{s['name']:12} {j['kind']:4} {j['backend']:4} {where:11} {j['workload']:24} {j['impl']['label']}")
+            print(f"{s['name']}: {len(jobs)} runs ({subset})")
+        return
+    if not (os.path.isfile(a.moelab) and os.access(a.moelab, os.X_OK)):
+        die(f"no moelab binary at {a.moelab}: build it (cmake --build build --target moelab) or pass --moelab PATH")
+    if a.hostfile and not os.path.isfile(a.hostfile):
+        die(f"--hostfile {a.hostfile}: no such file")
+    os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    machine = Machine(a.moelab, backends, a.hostfile)
+
+    # What cannot run here, and the implementations this binary lacks options for.
+    with tempfile.TemporaryDirectory(prefix="run_suite.") as tmp:
+        for s, jobs in plan:
+            probed = {}
+            for j in jobs:
+                why = machine.why_not(j)
+                im = j["impl"]
+                if not why and im.get("requires_option"):
+                    if im["label"] not in probed:
+                        probed[im["label"]] = probe(machine, im, tmp, j["cluster"] or "dgx-a100x1")
+                    why = probed[im["label"]]
+                j["skipped"] = why
+    todo = [j for _, jobs in plan for j in jobs if not j["skipped"]]
+    total = len(todo)
+    if os.path.isdir(stage):
+        shutil.rmtree(stage)
+    print(f"run_suite.py: {len(suites)} suite(s) ({subset}): {total} runs, "
+          f"{sum(1 for _, js in plan for j in js if j['skipped'])} skipped; moelab {a.moelab}; "
+          f"results under {rel_to(out, ROOT)} (new runs first under {rel_to(stage, ROOT)})")
+    for s, jobs in plan:
+        reasons = {}
+        for j in jobs:
+            if j["skipped"]:
+                reasons.setdefault((j.get("run") or f"grid {j['impl']['label']}", j["skipped"]), []).append(j)
+        for (what, why), js in reasons.items():
+            print(f"  [{s['name']}] skipped {what} ({len(js)} runs): {why}")
+
+    start = time.time()
+    cost = {}  # (suite, backend, cluster or ranks, impl label) -> host seconds so far
+    done = 0
+    failed = []
+
+    def group(j):
+        return (j["suite"], j["backend"], j["cluster"] or j["ranks"], j["impl"]["label"])
+
+    for s, jobs in plan:
+        t_suite = time.time()
+        sdone = 0
+        stotal = sum(1 for j in jobs if not j["skipped"])
+        for j in jobs:
+            if j["skipped"]:
+                continue
+            dest_rel = destination(j, machine)
+            dest = os.path.join(stage, dest_rel)
+            if j["workload_gen"] is not None:
+                wl_path = os.path.join(stage, s["out"], "workloads", j["workload"] + ".json")
+                if not os.path.exists(wl_path):
+                    mr.write_json(wl_path, j["workload_gen"])
+            else:
+                wl_path = j["workload_file"]
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            cmd = command(j, machine, wl_path, dest)
+            t0 = time.time()
+            p = run_moelab(cmd)
+            dt = time.time() - t0
+            done += 1
+            sdone += 1
+            cost.setdefault(group(j), []).append(dt)
+            what = f"{j['cluster'] or j['backend'] + (' np ' + str(machine.nranks(j)) if machine.nranks(j) else '')} " \
+                   f"{j['workload']} {j['impl']['label']}"
+            if p.returncode != 0:
+                j["failed"] = (p.stderr.strip() or p.stdout.strip() or f"exit code {p.returncode}").splitlines()[-1]
+                failed.append((s["name"], what, " ".join(cmd), tail_of(p)))
+                line = f"FAILED (exit code {p.returncode}): {j['failed']}"
+            else:
+                try:
+                    res = mr.load_result(dest + ".json")
+                except mr.SchemaError as e:
+                    j["failed"] = str(e)
+                    failed.append((s["name"], what, " ".join(cmd), str(e)))
+                    res = None
+                    line = f"FAILED: {e}"
+                if res is not None:
+                    j["result"] = res
+                    j["file"] = dest_rel + ".json"
+                    f = figures(res)
+                    n = f", n={f['partitions']}" if "partitions" in f and j["impl"]["impl"] == "mpipemoe" else ""
+                    pk = f["peak_memory_bytes"]
+                    pk = f"{pk / 2**30:.2f} GiB" if pk >= 2**30 else f"{pk / 2**20:.1f} MiB"
+                    line = f"{res['mode']}, step {f['step_time_s'] * 1e3:.2f} ms, peak {pk}{n}"
+            elapsed = time.time() - start
+            mean_all = elapsed / done
+            left = 0.0
+            for q in todo[done:]:
+                c = cost.get(group(q))
+                left += sum(c) / len(c) if c else mean_all
+            print(f"[{s['name']} {subset} {sdone}/{stotal} | all {done}/{total}] {what}: {line} ({dt:.1f} s) "
+                  f"| elapsed {fmt_s(elapsed)}, about {fmt_s(left)} left", flush=True)
+        summary = summarize(s, jobs, subset, time.time() - t_suite)
+        mr.check_summary(summary, "(the summary being written)")
+        mr.write_json(mr.summary_path(s, stage), summary)
+        print_tables(s, summary)
+        print(f"\n[{s['name']}] summary: {rel_to(mr.summary_path(s, out), ROOT)} ({stotal} runs in "
+              f"{fmt_s(time.time() - t_suite)})\n")
+
+    # Merge the candidate into the results folder.
+    verdict = compare_results.install(out, stage, accept=a.update_baseline, log=print)
+    for suite_name, what, cmd, tail in failed:
+        print(f"\nrun_suite.py: [{suite_name}] {what} failed:\n  {cmd}\n{tail}", file=sys.stderr)
+    print(f"\nrun_suite.py: {total} runs in {fmt_s(time.time() - start)}; {len(failed)} failed; "
+          f"{verdict['differ']} simulated file(s) differ from {rel_to(out, ROOT)}"
+          + (" (written: --update-baseline)" if a.update_baseline and verdict["differ"] else
+             f" (kept under {rel_to(stage, ROOT)}; rerun with --update-baseline to accept)" if verdict["differ"] else ""))
+    sys.exit(1 if failed or (verdict["differ"] and not a.update_baseline) else 0)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
-# scripts/test.sh — install what is missing, build everything, run every test.
+# scripts/test.sh — install what is missing, build everything, run every test, then the
+# regression check of the simulated results and the micro-benchmark comparison.
 #
-#   scripts/test.sh                 # build in ./build and run ctest
+#   scripts/test.sh                 # build in ./build, ctest, regression check, benchmarks
 #   BUILD_DIR=/tmp/b scripts/test.sh
-#   scripts/test.sh -R moe_layer    # extra arguments go to ctest
+#   scripts/test.sh -R moe_layer    # extra arguments go to ctest (and skip the two checks below)
+#
+# Regression check: the quick subset of every suite's simulated runs (scripts/run_suite.py
+# --quick --backends sim) is run into a temporary folder with the binary just built and
+# compared with the committed results (scripts/compare_results.py): any figure that moved by
+# more than 1e-9 relative, or a file the committed results lack, fails, naming the file, the
+# figure, old and new values. To accept an intended change: scripts/reproduce.sh
+# --update-baseline (or scripts/run_suite.py --update-baseline), then commit results/.
+# Benchmarks: moelab_bench_cpu runs briefly and is compared with results/bench/cpu_blocks.json;
+# informational only (machines are noisy), it never fails.
 #
 # The cuda backend is compiled whenever nvcc is present; its tests skip without a device.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${BUILD_DIR:-$root/build}"
 jobs="${JOBS:-$(nproc)}"
+py=/usr/bin/python3
+[ -x "$py" ] || py=python3
 
 "$root/scripts/setup.sh"
 
@@ -17,3 +29,36 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DMOELAB_WERROR=ON
 cmake --build "$build" -j "$jobs"
 ctest --test-dir "$build" --output-on-failure -j "$jobs" "$@"
+
+if [ $# -gt 0 ]; then
+  echo "test.sh: ctest was filtered; the regression check and the benchmarks are skipped"
+  exit 0
+fi
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+
+echo
+echo "== regression check: quick simulated suites against the committed results"
+rc=0
+"$py" "$root/scripts/run_suite.py" --quick --backends sim --out "$work/results" --moelab "$build/harness/moelab" \
+  >"$work/run.log" 2>&1 || { cat "$work/run.log"; rc=1; }
+grep -E '^\[.* (quick|full) [0-9]+/[0-9]+ \| all ' "$work/run.log" | tail -n 1 || true
+if [ -d "$work/results" ]; then
+  "$py" "$root/scripts/compare_results.py" "$root/results" "$work/results" || rc=1
+fi
+if [ "$rc" != 0 ]; then
+  echo "test.sh: the simulated results differ from the committed ones (above: file, figure, old -> new)." >&2
+  echo "  If the change is intended: scripts/reproduce.sh --update-baseline, then commit results/." >&2
+fi
+
+echo
+echo "== cpu micro-benchmarks against results/bench/cpu_blocks.json (informational)"
+if [ -x "$build/harness/moelab_bench_cpu" ]; then
+  "$build/harness/moelab_bench_cpu" --benchmark_min_time=0.01 --benchmark_context=mode=measured \
+    --benchmark_out="$work/cpu_blocks.json" --benchmark_out_format=json >/dev/null 2>&1 &&
+    "$py" "$root/scripts/compare_results.py" --bench "$root/results/bench/cpu_blocks.json" "$work/cpu_blocks.json" ||
+    echo "test.sh: the benchmark comparison did not run (informational)"
+else
+  echo "test.sh: moelab_bench_cpu not built (Google Benchmark missing): skipped"
+fi
+exit $rc

@@ -1,0 +1,231 @@
+"""Tests of the comparator and of the merge of a new run into the results (scripts/compare_results.py).
+
+    /usr/bin/python3 -m unittest -v test_compare_results      (from scripts/tests)
+"""
+import copy
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import fixtures
+import compare_results as cr
+import moelab_results as mr
+
+SIM = "simulated/dgx-a100x1/tiny-Base.json"
+MEASURED = "measured/cpu/tiny-Base-np4.json"
+SUMMARY = "simulated/fake/summary.json"
+WORKLOAD = "simulated/fake/workloads/M-fp32-T256.json"
+
+
+class Trees(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory(prefix="compare_test.")
+        self.base = os.path.join(self.tmp.name, "base")
+        self.new = os.path.join(self.tmp.name, "new")
+        for tree in (self.base, self.new):
+            mr.write_json(os.path.join(tree, SIM), fixtures.result("simulated"))
+            mr.write_json(os.path.join(tree, MEASURED), fixtures.result("measured"))
+            mr.write_json(os.path.join(tree, SUMMARY), fixtures.summary())
+            mr.write_json(os.path.join(tree, WORKLOAD), {"name": "M-fp32-T256", "tokens_per_rank": 256})
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def edit(self, rel, change, tree=None):
+        path = os.path.join(tree or self.new, rel)
+        obj = mr.load_json(path)
+        change(obj)
+        mr.write_json(path, obj)
+
+    def compare(self, **kw):
+        lines = []
+        n = cr.compare_trees(self.base, self.new, log=lines.append, **kw)
+        return n, "\n".join(lines)
+
+    def test_identical_trees_pass(self):
+        n, text = self.compare()
+        self.assertEqual(n, 0, text)
+        self.assertIn("0 differ", text)
+
+    def test_planted_change_is_caught(self):
+        old = fixtures.result()["metrics"]["step_time_s"]["median"]
+        self.edit(SIM, lambda r: r["metrics"]["step_time_s"].update(median=old * (1 + 1e-6)))
+        n, text = self.compare()
+        self.assertEqual(n, 1)
+        self.assertIn(f"DIFFERS {SIM}", text)
+        self.assertIn("metrics.step_time_s.median: 0.005 -> 0.005000005", text)
+        self.assertIn("relative 1e-06", text)
+
+    def test_within_tolerance_and_provenance_pass(self):
+        self.edit(SIM, lambda r: r["metrics"].update(comm_s=r["metrics"]["comm_s"] * (1 + 1e-12)))
+        self.edit(SIM, lambda r: r.update(date="2027-01-01T00:00:00Z", commit="fedcba987654"))
+        self.edit(SUMMARY, lambda s: s.update(date="2027-01-01T00:00:00Z", host_seconds=99.0))
+        n, text = self.compare()
+        self.assertEqual(n, 0, text)
+
+    def test_strings_and_structure_are_compared(self):
+        self.edit(SIM, lambda r: r["impl_report"].update(last_strategy="S4"))
+        self.edit(SIM, lambda r: r["impl_report"]["granularity_search"]["decisions"][0]["trials"].pop())
+        n, text = self.compare()
+        self.assertEqual(n, 1)
+        self.assertIn('impl_report.last_strategy: "S3" -> "S4"', text)
+        self.assertIn("trials (length): 2 -> 1", text)
+
+    def test_measured_results_are_informational(self):
+        self.edit(MEASURED, lambda r: r["metrics"]["step_time_s"].update(median=0.5))
+        n, text = self.compare()
+        self.assertEqual(n, 0, text)
+        self.assertIn("measured, informational", text)
+
+    def test_gpu_results_only_against_the_same_device_class(self):
+        gpu = fixtures.result("measured", device="NVIDIA H100 80GB HBM3 (79.1 GiB)")
+        gpu["backend"] = "cuda"
+        mr.write_json(os.path.join(self.base, "measured/cuda/x.json"), gpu)
+        same = copy.deepcopy(gpu)
+        same["device"] = "NVIDIA H100 80GB HBM3 (79.2 GiB)"
+        mr.write_json(os.path.join(self.new, "measured/cuda/x.json"), same)
+        self.assertIn("step 5.000 ms -> 5.000 ms", self.compare()[1])
+        other = copy.deepcopy(gpu)
+        other["device"] = "NVIDIA H200 (139.8 GiB)"
+        mr.write_json(os.path.join(self.new, "measured/cuda/x.json"), other)
+        self.assertIn("not compared: different device class (NVIDIA H100 80GB HBM3 vs NVIDIA H200)", self.compare()[1])
+
+    def test_extra_and_missing_files(self):
+        mr.write_json(os.path.join(self.new, "simulated/dgx-a100x1/extra.json"), fixtures.result())
+        n, text = self.compare()
+        self.assertEqual(n, 1)
+        self.assertIn("NEW     simulated/dgx-a100x1/extra.json", text)
+        os.unlink(os.path.join(self.new, "simulated/dgx-a100x1/extra.json"))
+        os.unlink(os.path.join(self.new, SIM))
+        self.assertEqual(self.compare()[0], 0)  # a quick run need not produce everything
+        n, text = self.compare(complete=True)
+        self.assertEqual(n, 1)
+        self.assertIn(f"MISSING {SIM}", text)
+
+    def test_summary_figures_and_claims(self):
+        self.edit(SUMMARY, lambda s: s["points"][0]["results"]["Sys"].update(step_time_s=0.0041))
+        n, text = self.compare()
+        self.assertEqual(n, 1)
+        self.assertIn("points[dgx-a100x8 M fp32 T2048].results.Sys.step_time_s: 0.004 -> 0.0041", text)
+        shutil.copy(os.path.join(self.base, SUMMARY), os.path.join(self.new, SUMMARY))
+        self.edit(SUMMARY, lambda s: s["claims"][0]["ours"]["paper_setup"].update(value=2.5))
+        self.assertIn("claims[sys-speedup].ours.paper_setup.value: 2 -> 2.5", self.compare()[1])
+
+    def test_quick_summary_against_full(self):
+        mr.write_json(os.path.join(self.new, SUMMARY), fixtures.summary("quick"))
+        n, text = self.compare()
+        self.assertEqual(n, 0, text)  # the quick point is one of the full run's, unchanged
+        mr.write_json(os.path.join(self.new, SUMMARY), fixtures.summary("quick", system_step=0.005))
+        n, text = self.compare()
+        self.assertEqual(n, 1)
+        self.assertIn("speedup.Sys_vs_Base: 2 -> 1.6", text)
+
+    def test_workload_files_compared_exactly(self):
+        self.edit(WORKLOAD, lambda w: w.update(tokens_per_rank=512))
+        n, text = self.compare()
+        self.assertEqual(n, 1)
+        self.assertIn("tokens_per_rank: 256 -> 512", text)
+
+    def test_command_line(self):
+        script = os.path.join(fixtures.SCRIPTS, "compare_results.py")
+        p = subprocess.run([sys.executable, script, self.base, self.new], stdout=subprocess.PIPE, text=True)
+        self.assertEqual(p.returncode, 0, p.stdout)
+        self.edit(SIM, lambda r: r["metrics"].update(overlap_ratio=0.56))
+        p = subprocess.run([sys.executable, script, self.base, self.new], stdout=subprocess.PIPE, text=True)
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("metrics.overlap_ratio: 0.55 -> 0.56", p.stdout)
+        with open(os.path.join(self.new, SIM), "w") as f:
+            f.write('{"schema": "moelab.result/1", "mode": ')
+        p = subprocess.run([sys.executable, script, self.base, self.new], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn(f"{SIM}: malformed JSON", p.stderr)
+
+
+class Install(unittest.TestCase):
+    """The merge of a candidate run into the results: never a silent overwrite of a simulated result."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory(prefix="install_test.")
+        self.base = os.path.join(self.tmp.name, "results")
+        self.stage = os.path.join(self.base, "candidate")
+        mr.write_json(os.path.join(self.base, SIM), fixtures.result())
+        mr.write_json(os.path.join(self.base, MEASURED), fixtures.result("measured"))
+        mr.write_json(os.path.join(self.base, SUMMARY), fixtures.summary())
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def stage_files(self, sim_step=0.005, summary=None):
+        mr.write_json(os.path.join(self.stage, SIM), fixtures.result(step=sim_step))
+        with open(os.path.join(self.stage, SIM.replace(".json", ".trace.json")), "w") as f:
+            json.dump({"traceEvents": []}, f)
+        mr.write_json(os.path.join(self.stage, MEASURED), fixtures.result("measured", step=0.7))
+        mr.write_json(os.path.join(self.stage, "simulated/dgx-a100x1/new.json"), fixtures.result())
+        if summary:
+            mr.write_json(os.path.join(self.stage, SUMMARY), summary)
+
+    def install(self, accept=False):
+        return cr.install(self.base, self.stage, accept=accept, log=lambda s: None)
+
+    def value(self, rel):
+        return mr.load_json(os.path.join(self.base, rel))["metrics"]["step_time_s"]["median"]
+
+    def test_equal_new_and_measured(self):
+        self.stage_files()
+        c = self.install()
+        self.assertEqual((c["written"], c["new"], c["unchanged"], c["differ"]), (1, 1, 1, 0))
+        self.assertEqual(self.value(MEASURED), 0.7)  # measured: always written
+        self.assertTrue(os.path.exists(os.path.join(self.base, "simulated/dgx-a100x1/new.json")))
+        self.assertTrue(os.path.exists(os.path.join(self.base, SIM.replace(".json", ".trace.json"))))
+        self.assertFalse(os.path.exists(self.stage))  # nothing left over
+
+    def test_differing_simulated_result_is_kept_aside(self):
+        self.stage_files(sim_step=0.006)
+        c = self.install()
+        self.assertEqual(c["differ"], 1)
+        self.assertEqual(self.value(SIM), 0.005)  # the committed one is untouched
+        self.assertEqual(mr.load_json(os.path.join(self.stage, SIM))["metrics"]["step_time_s"]["median"], 0.006)
+        self.assertTrue(os.path.exists(os.path.join(self.stage, SIM.replace(".json", ".trace.json"))))
+        self.assertEqual(self.value(MEASURED), 0.7)
+
+    def test_update_baseline_accepts(self):
+        self.stage_files(sim_step=0.006)
+        c = self.install(accept=True)
+        self.assertEqual(c["differ"], 1)
+        self.assertEqual(self.value(SIM), 0.006)
+        self.assertFalse(os.path.exists(self.stage))
+
+    def test_quick_summary_never_replaces_a_full_one(self):
+        self.stage_files(summary=fixtures.summary("quick", system_step=0.005))
+        self.install(accept=True)
+        self.assertEqual(mr.load_json(os.path.join(self.base, SUMMARY))["subset"], "full")
+
+
+class Bench(unittest.TestCase):
+    def test_informational_comparison(self):
+        def bench(t):
+            return {"context": {"mode": "measured"}, "benchmarks": [
+                {"name": "BM_A", "run_type": "iteration", "real_time": t, "time_unit": "ms"},
+                {"name": "BM_B", "run_type": "iteration", "real_time": 1.0, "time_unit": "us"}]}
+        with tempfile.TemporaryDirectory() as d:
+            mr.write_json(os.path.join(d, "old.json"), bench(2.0))
+            new = bench(3.0)
+            new["benchmarks"].pop()
+            mr.write_json(os.path.join(d, "new.json"), new)
+            out = io.StringIO()
+            cr.compare_bench(os.path.join(d, "old.json"), os.path.join(d, "new.json"), log=lambda s: print(s, file=out))
+            self.assertIn("1.50", out.getvalue())
+            self.assertIn("BM_B", out.getvalue())
+            p = subprocess.run([sys.executable, os.path.join(fixtures.SCRIPTS, "compare_results.py"), "--bench",
+                                os.path.join(d, "old.json"), os.path.join(d, "new.json")], stdout=subprocess.PIPE)
+            self.assertEqual(p.returncode, 0)
+
+
+if __name__ == "__main__":
+    unittest.main()

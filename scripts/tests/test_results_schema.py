@@ -1,0 +1,175 @@
+"""Tests of the result store's formats (scripts/moelab_results.py).
+
+    /usr/bin/python3 -m unittest -v test_results_schema      (from scripts/tests)
+
+With MOELAB set to a moelab binary (CTest sets it), the real binary writes a simulated and a
+measured result that must validate; without it those two tests are skipped.
+"""
+import json
+import os
+import subprocess
+import tempfile
+import unittest
+
+import fixtures
+import moelab_results as mr
+
+
+class ResultSchema(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory(prefix="schema_test.")
+        self.dir = self.tmp.name
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def write(self, obj, name="r.json"):
+        path = os.path.join(self.dir, name)
+        with open(path, "w") as f:
+            f.write(obj if isinstance(obj, str) else json.dumps(obj, indent=2))
+        return path
+
+    def rejected(self, obj, *fragments):
+        path = self.write(obj)
+        with self.assertRaises(mr.SchemaError) as cm:
+            mr.load_result(path)
+        msg = str(cm.exception)
+        self.assertIn(path, msg)
+        for f in fragments:
+            self.assertIn(f, msg)
+        return msg
+
+    def test_valid_results_load(self):
+        for mode in ("simulated", "measured"):
+            r = fixtures.result(mode)
+            self.assertEqual(mr.load_result(self.write(r)), r)
+
+    def test_round_trip(self):
+        r = fixtures.result()
+        path = os.path.join(self.dir, "sub", "r.json")
+        mr.write_json(path, r)
+        once = mr.load_result(path)
+        mr.write_json(path, once)
+        self.assertEqual(mr.load_result(path), r)
+        self.assertEqual(os.listdir(os.path.dirname(path)), ["r.json"])  # no temporary file left
+
+    def test_truncated_file(self):
+        text = json.dumps(fixtures.result(), indent=2)
+        self.rejected(text[: len(text) // 2], "malformed JSON", "truncated")
+
+    def test_empty_file(self):
+        self.rejected("", "empty file")
+
+    def test_missing_mode(self):
+        r = fixtures.result()
+        del r["mode"]
+        self.rejected(r, 'field "mode": missing')
+
+    def test_wrong_type(self):
+        r = fixtures.result()
+        r["metrics"]["step_time_s"]["median"] = "fast"
+        self.rejected(r, 'field "metrics.step_time_s.median"', 'expected a number, got "fast"')
+        r = fixtures.result()
+        r["metrics"]["peak_memory_bytes"]["by_category_at_peak"]["buffers"] = 1.5
+        self.rejected(r, 'field "metrics.peak_memory_bytes.by_category_at_peak.buffers"', "expected an integer")
+
+    def test_unknown_schema(self):
+        r = fixtures.result()
+        r["schema"] = "moelab.result/9"
+        self.rejected(r, 'field "schema"', 'unknown schema "moelab.result/9"')
+
+    def test_not_an_object(self):
+        self.rejected("[1, 2]", "expected a JSON object")
+
+    def test_mode_and_provenance_agree(self):
+        r = fixtures.result("measured")
+        r["calibration"] = "datasheet"
+        self.rejected(r, 'field "calibration"', "measured result has no calibration")
+        r = fixtures.result("simulated")
+        r["cluster"] = None
+        self.rejected(r, 'field "cluster"', "needs its cluster model")
+        r = fixtures.result("simulated")
+        r["backend"] = "cpu"
+        self.rejected(r, 'field "mode"', "does not go with backend")
+        r = fixtures.result()
+        r["date"] = "yesterday"
+        self.rejected(r, 'field "date"')
+
+    def test_atomic_write_leaves_nothing_on_failure(self):
+        path = os.path.join(self.dir, "keep.json")
+        mr.write_json(path, {"a": 1})
+        with self.assertRaises(TypeError):
+            mr.write_json(path, {"a": {1, 2}})  # not serialisable: fails before anything is written
+        self.assertEqual(mr.load_json(path), {"a": 1})
+        self.assertEqual(os.listdir(self.dir), ["keep.json"])
+
+
+class SummaryAndSuiteSchema(unittest.TestCase):
+    def test_summary(self):
+        s = fixtures.summary()
+        self.assertIs(mr.check_summary(s, "s.json"), s)
+        s["claims"][0]["metric"] = "latency"
+        with self.assertRaises(mr.SchemaError) as cm:
+            mr.check_summary(s, "s.json")
+        self.assertIn('s.json: field "claims[0].metric"', str(cm.exception))
+        s = fixtures.summary()
+        del s["runs"][0]["results"]
+        with self.assertRaises(mr.SchemaError) as cm:
+            mr.check_summary(s, "s.json")
+        self.assertIn('field "runs[0].results": missing', str(cm.exception))
+
+    def test_registered_suites_load(self):
+        names = [mr.load_suite(p)["name"] for p in mr.registered_suites()]
+        self.assertIn("mpipemoe", names)
+        self.assertIn("foundation", names)
+
+    def test_suite_cross_references(self):
+        s = fixtures.suite()
+        self.assertIs(mr.check_suite(s, "x.json"), s)
+        cases = [
+            (lambda s: s["grid"]["sweeps"][0]["clusters"].append("nosuch"),
+             'field "grid.sweeps[0].clusters[1]": "nosuch" is not in grid.clusters'),
+            (lambda s: s["runs"][0]["impls"].append("Nobody"),
+             'field "runs[0].impls[1]": "Nobody" is not a label'),
+            (lambda s: s["claims"]["items"][0].update(system="Nobody"),
+             'field "claims.items[0].system"'),
+            (lambda s: s["runs"][1].update(ranks=[0]), 'field "runs[1].ranks[0]"'),
+            (lambda s: s["runs"][0].update(path="/abs/path"), 'field "runs[0].path"'),
+            (lambda s: s["impls"].append(dict(s["impls"][0])), 'field "impls": duplicate names: Base'),
+            (lambda s: s.update(schema="moelab.suite/1"), 'unknown schema "moelab.suite/1"'),
+        ]
+        for change, fragment in cases:
+            s = fixtures.suite()
+            change(s)
+            with self.assertRaises(mr.SchemaError, msg=fragment) as cm:
+                mr.check_suite(s, "x.json")
+            self.assertIn(fragment, str(cm.exception))
+
+
+@unittest.skipUnless(os.environ.get("MOELAB"), "set MOELAB to a moelab binary")
+class RealBinary(unittest.TestCase):
+    """What moelab run writes is a valid moelab.result/1, and survives load -> write -> load."""
+
+    def run_moelab(self, out, *args):
+        tiny = os.path.join(fixtures.ROOT, "experiments", "workloads", "tiny.json")
+        p = subprocess.run([os.environ["MOELAB"], "run", "--workload", tiny, "--impl", "fastmoe", "--steps", "1",
+                            "--out", out] + list(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.assertEqual(p.returncode, 0, p.stdout)
+        return mr.load_result(out)
+
+    def test_simulated_and_measured(self):
+        with tempfile.TemporaryDirectory() as d:
+            sim = self.run_moelab(os.path.join(d, "sim.json"), "--backend", "sim", "--cluster", "dgx-a100x1",
+                                  "--ranks", "2")
+            self.assertEqual((sim["mode"], sim["backend"], sim["world_size"]), ("simulated", "sim", 2))
+            self.assertEqual(sim["cluster"]["name"], "dgx-a100x1")
+            cpu = self.run_moelab(os.path.join(d, "cpu.json"), "--backend", "cpu")
+            self.assertEqual((cpu["mode"], cpu["calibration"]), ("measured", None))
+            for r in (sim, cpu):
+                path = os.path.join(d, "again.json")
+                mr.write_json(path, r)
+                self.assertEqual(mr.load_result(path), r)
+
+
+if __name__ == "__main__":
+    unittest.main()
