@@ -32,6 +32,7 @@ The library function install(BASE, NEW) is how scripts/run_suite.py merges a new
 results folder (see its help). Standard library only.
 """
 import argparse
+import json
 import math
 import os
 import shutil
@@ -88,7 +89,7 @@ def diff_values(old, new, path, tol, out, ignore=()):
 def fmt_value(v):
     if isinstance(v, float):
         return f"{v:.10g}"
-    s = str(v) if not isinstance(v, str) or v == "(absent)" else f'"{v}"'
+    s = v if v == "(absent)" else json.dumps(v) if not isinstance(v, (int, float)) else str(v)
     return s if len(s) <= 60 else s[:57] + "..."
 
 

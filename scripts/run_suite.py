@@ -203,10 +203,11 @@ class Machine:
         b = job["backend"]
         if b not in self.backends:
             return f"backend {b} not selected (--backends {','.join(self.backends)})"
-        if b == "cuda" and not self.cuda_device:
+        if job["ranks"] == "hostfile":
+            if not self.hostfile:
+                return "needs a real cluster: pass --hostfile FILE (mpirun host list)"
+        elif b == "cuda" and not self.cuda_device:  # the hosts of a host file have their own GPUs
             return f"no CUDA device here (moelab list: \"{self.cuda_line}\")"
-        if job["ranks"] == "hostfile" and not self.hostfile:
-            return "needs a real cluster: pass --hostfile FILE (mpirun host list)"
         n = self.nranks(job)
         if n and n > 1 and not self.mpirun:
             return f"{n} ranks need mpirun, which is not installed"
@@ -248,13 +249,22 @@ def probe(machine, impl, tmpdir, cluster):
 
 # ---- one run --------------------------------------------------------------------------------
 
-def destination(job, machine):
+def destination(job, machine, device=None):
+    """The result's path in the results folder, without ".json". {device} is the CUDA device
+    class; for runs on the hosts of a host file it is known only from the result (device=)."""
     if job["kind"] == "grid":
         return job["dest"]
-    dev = mr.slug(mr.device_class(machine.cuda_device)) if job["backend"] == "cuda" and machine.cuda_device else "none"
+    dev = device or (machine.cuda_device if job["backend"] == "cuda" else None)
     return job["path_template"].format(workload=job["workload"], impl=job["impl"]["label"],
                                        ranks=machine.nranks(job) or 1, cluster=job["cluster"] or "",
-                                       backend=job["backend"], device=dev)
+                                       backend=job["backend"], device=mr.slug(mr.device_class(dev or "unknown")))
+
+
+def move_result(stage, old, new):
+    for ext in (".json", ".trace.json"):
+        if os.path.exists(os.path.join(stage, old + ext)):
+            os.makedirs(os.path.dirname(os.path.join(stage, new + ext)), exist_ok=True)
+            os.replace(os.path.join(stage, old + ext), os.path.join(stage, new + ext))
 
 
 def command(job, machine, wl_path, dest):
@@ -587,6 +597,10 @@ def main():
                     res = None
                     line = f"FAILED: {e}"
                 if res is not None:
+                    if "{device}" in j.get("path_template", "") and not machine.cuda_device:
+                        moved = destination(j, machine, res["device"])
+                        move_result(stage, dest_rel, moved)
+                        dest_rel = moved
                     j["result"] = res
                     j["file"] = dest_rel + ".json"
                     f = figures(res)
