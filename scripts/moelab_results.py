@@ -393,8 +393,8 @@ def check_suite(s, path):
                     if mn not in models:
                         c.fail(f"{w}.models[{j}]", f'"{mn}" is not in grid.models ({", ".join(models)})')
                 for j, dt in enumerate(c.array(sw, "dtypes", w, nonempty=True)):
-                    if dt not in ("fp32", "bf16", "fp16"):
-                        c.fail(f"{w}.dtypes[{j}]", f'expected fp32, bf16 or fp16, got {_kind(dt)}')
+                    if dt not in ("fp32", "tf32", "bf16"):
+                        c.fail(f"{w}.dtypes[{j}]", f'expected fp32, tf32 (fp32 with TF32 GEMMs) or bf16, got {_kind(dt)}')
                 for j, b in enumerate(c.array(sw, "tokens_per_gpu", w, nonempty=True)):
                     if isinstance(b, bool) or not isinstance(b, int) or b < 1:
                         c.fail(f"{w}.tokens_per_gpu[{j}]", f"expected a positive integer, got {_kind(b)}")

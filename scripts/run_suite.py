@@ -105,6 +105,8 @@ def grid_workload(suite, model_name, dtype, tokens_per_rank):
     model = next(m for m in g["models"] if m["name"] == model_name)
     d = g["workload_defaults"]
     name = f"{model['name']}-{dtype}-T{tokens_per_rank}"
+    # "tf32": fp32 tensors whose GEMMs run on TF32 tensor cores (the model's "allow_tf32").
+    mdtype, extra = ("fp32", {"allow_tf32": True}) if dtype == "tf32" else (dtype, {})
     return name, {
         "name": name,
         "description": (f"{suite['name']} suite: {model['name']} (d_model {model['d_model']}, d_hidden "
@@ -114,7 +116,7 @@ def grid_workload(suite, model_name, dtype, tokens_per_rank):
                         f"from experiments/{suite['name']}/suite.json."),
         "model": {"name": model["name"], "d_model": model["d_model"], "d_hidden": model["d_hidden"],
                   "num_experts": d["num_experts"], "top_k": d["top_k"], "capacity_factor": d["capacity_factor"],
-                  "activation": d["activation"], "dtype": dtype},
+                  "activation": d["activation"], "dtype": mdtype, **extra},
         "tokens_per_rank": tokens_per_rank,
         "steps": d["steps"],
         "warmup": d["warmup"],
@@ -308,6 +310,8 @@ def figures(res):
     strategy = rep.get("last_strategy", rep.get("strategy"))  # the one used when "auto"
     if strategy is not None:
         out["strategy"] = strategy
+    if "chosen_cost_s" in rep:  # Eq. 10's cost of that strategy for one partition
+        out["eq10_cost_per_partition_s"] = rep["chosen_cost_s"]
     return out
 
 
@@ -383,6 +387,8 @@ def summarize(suite, jobs, subset, host_seconds):
                 p["results"][j["impl"]["label"]] = {**figures(res), "file": j["file"]}
             elif j.get("failed"):
                 p["failed"][j["impl"]["label"]] = j["failed"]
+            elif j.get("oom"):
+                p.setdefault("out_of_memory", {})[j["impl"]["label"]] = j["oom"]
             elif j.get("skipped"):
                 p["skipped"].append(j["impl"]["label"])
             continue
@@ -394,6 +400,8 @@ def summarize(suite, jobs, subset, host_seconds):
                        world_size=res["world_size"], file=j["file"], results=figures(res))
         elif j.get("failed"):
             row.update(skipped=f"failed: {j['failed']}", failed=True)
+        elif j.get("oom"):
+            row.update(skipped=f"out of device memory: {j['oom']}", out_of_memory=True)
         else:
             row["skipped"] = j.get("skipped") or "not run"
         runs.append(row)
@@ -584,7 +592,11 @@ def main():
             cost.setdefault(group(j), []).append(dt)
             what = f"{j['cluster'] or j['backend'] + (' np ' + str(machine.nranks(j)) if machine.nranks(j) else '')} " \
                    f"{j['workload']} {j['impl']['label']}"
-            if p.returncode != 0:
+            if p.returncode == 3:
+                # The configuration does not fit the (simulated) device: a finding, not a failure.
+                j["oom"] = (p.stderr.strip() or f"exit code {p.returncode}").splitlines()[-1]
+                line = f"OUT OF DEVICE MEMORY: {j['oom']}"
+            elif p.returncode != 0:
                 j["failed"] = (p.stderr.strip() or p.stdout.strip() or f"exit code {p.returncode}").splitlines()[-1]
                 failed.append((s["name"], what, " ".join(cmd), tail_of(p)))
                 line = f"FAILED (exit code {p.returncode}): {j['failed']}"
