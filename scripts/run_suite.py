@@ -24,10 +24,14 @@ when it equals the one in OUT within 1e-9 relative, and when it differs it stays
 OUT/candidate/ and the difference is printed, unless --update-baseline is given. A quick
 summary is never written over a full one. Exit code 1 when something differs or failed.
 
-Progress: one line per run with the suite, runs done / total, elapsed time and time left.
+Simulated runs go --jobs at a time (default: the number of cores; each is one process on one
+core, and their results do not depend on it); a measured run (cpu, cuda) runs alone, with
+nothing else on the machine. Progress: one line per finished run with the suite, runs done /
+total, elapsed time and time left.
 Standard library only.
 """
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
@@ -495,6 +499,8 @@ def main():
                     help="the moelab binary (default $MOELAB, else build/harness/moelab)")
     ap.add_argument("--backends", default="sim,cpu,cuda", help="comma-separated backends to run (default all)")
     ap.add_argument("--hostfile", help="an mpirun host file: runs with \"hostfile\" ranks use one rank per slot")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="simulated runs at a time (default: the number of cores); measured runs always run alone")
     ap.add_argument("--update-baseline", action="store_true",
                     help="write simulated results that differ from those in --out over them")
     ap.add_argument("--list", action="store_true", help="print the runs and exit")
@@ -561,79 +567,110 @@ def main():
 
     start = time.time()
     cost = {}  # (suite, backend, cluster or ranks, impl label) -> host seconds so far
-    done = 0
+    count = {"all": 0}
     failed = []
+    workers = max(1, a.jobs)
 
     def group(j):
         return (j["suite"], j["backend"], j["cluster"] or j["ranks"], j["impl"]["label"])
 
-    for s, jobs in plan:
-        t_suite = time.time()
-        sdone = 0
-        stotal = sum(1 for j in jobs if not j["skipped"])
-        for j in jobs:
-            if j["skipped"]:
+    def prepare(s, j):
+        dest_rel = destination(j, machine)
+        if j["workload_gen"] is not None:
+            wl_path = os.path.join(stage, s["out"], "workloads", j["workload"] + ".json")
+            if not os.path.exists(wl_path):
+                mr.write_json(wl_path, j["workload_gen"])
+        else:
+            wl_path = j["workload_file"]
+        os.makedirs(os.path.dirname(os.path.join(stage, dest_rel)), exist_ok=True)
+        return dest_rel, command(j, machine, wl_path, os.path.join(stage, dest_rel))
+
+    def execute(j, dest_rel, cmd):
+        t0 = time.time()
+        p = run_moelab(cmd)
+        return j, dest_rel, cmd, p, time.time() - t0
+
+    def time_left():
+        """Host seconds still to go: the mean of each (suite, platform, impl) so far, else of all;
+        simulated runs go `workers` at a time."""
+        elapsed = time.time() - start
+        mean_all = elapsed / max(count["all"], 1)
+        sim = alone = 0.0
+        for q in todo:
+            if q.get("finished"):
                 continue
-            dest_rel = destination(j, machine)
-            dest = os.path.join(stage, dest_rel)
-            if j["workload_gen"] is not None:
-                wl_path = os.path.join(stage, s["out"], "workloads", j["workload"] + ".json")
-                if not os.path.exists(wl_path):
-                    mr.write_json(wl_path, j["workload_gen"])
+            c = cost.get(group(q))
+            t = sum(c) / len(c) if c else mean_all
+            if q["backend"] == "sim":
+                sim += t
             else:
-                wl_path = j["workload_file"]
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            cmd = command(j, machine, wl_path, dest)
-            t0 = time.time()
-            p = run_moelab(cmd)
-            dt = time.time() - t0
-            done += 1
-            sdone += 1
-            cost.setdefault(group(j), []).append(dt)
-            what = f"{j['cluster'] or j['backend'] + (' np ' + str(machine.nranks(j)) if machine.nranks(j) else '')} " \
-                   f"{j['workload']} {j['impl']['label']}"
-            if p.returncode == 3:
-                # The configuration does not fit the (simulated) device: a finding, not a failure.
-                j["oom"] = (p.stderr.strip() or f"exit code {p.returncode}").splitlines()[-1]
-                line = f"OUT OF DEVICE MEMORY: {j['oom']}"
-            elif p.returncode != 0:
-                j["failed"] = (p.stderr.strip() or p.stdout.strip() or f"exit code {p.returncode}").splitlines()[-1]
-                failed.append((s["name"], what, " ".join(cmd), tail_of(p)))
-                line = f"FAILED (exit code {p.returncode}): {j['failed']}"
-            else:
-                try:
-                    res = mr.load_result(dest + ".json")
-                except mr.SchemaError as e:
-                    j["failed"] = str(e)
-                    failed.append((s["name"], what, " ".join(cmd), str(e)))
-                    res = None
-                    line = f"FAILED: {e}"
-                if res is not None:
-                    if "{device}" in j.get("path_template", "") and not machine.cuda_device:
-                        moved = destination(j, machine, res["device"])
-                        move_result(stage, dest_rel, moved)
-                        dest_rel = moved
-                    j["result"] = res
-                    j["file"] = dest_rel + ".json"
-                    f = figures(res)
-                    n = f", n={f['partitions']}" if "partitions" in f and j["impl"]["impl"] == "mpipemoe" else ""
-                    pk = f["peak_memory_bytes"]
-                    pk = f"{pk / 2**30:.2f} GiB" if pk >= 2**30 else f"{pk / 2**20:.1f} MiB"
-                    line = f"{res['mode']}, step {f['step_time_s'] * 1e3:.2f} ms, peak {pk}{n}"
-            elapsed = time.time() - start
-            mean_all = elapsed / done
-            left = 0.0
-            for q in todo[done:]:
-                c = cost.get(group(q))
-                left += sum(c) / len(c) if c else mean_all
-            print(f"[{s['name']} {subset} {sdone}/{stotal} | all {done}/{total}] {what}: {line} ({dt:.1f} s) "
-                  f"| elapsed {fmt_s(elapsed)}, about {fmt_s(left)} left", flush=True)
-        summary = summarize(s, jobs, subset, time.time() - t_suite)
-        mr.check_summary(summary, "(the summary being written)")
-        mr.write_json(mr.summary_path(s, stage), summary)
-        print_tables(s, summary)
-        print(f"\n[{s['name']}] summary: {rel_to(mr.summary_path(s, out), ROOT)} ({stotal} runs in "
-              f"{fmt_s(time.time() - t_suite)})\n")
+                alone += t
+        return sim / workers + alone
+
+    def finish(s, counter, j, dest_rel, cmd, p, dt):
+        j["finished"] = True
+        count["all"] += 1
+        counter["done"] += 1
+        cost.setdefault(group(j), []).append(dt)
+        dest = os.path.join(stage, dest_rel)
+        what = f"{j['cluster'] or j['backend'] + (' np ' + str(machine.nranks(j)) if machine.nranks(j) else '')} " \
+               f"{j['workload']} {j['impl']['label']}"
+        if p.returncode == 3:
+            # The configuration does not fit the (simulated) device: a finding, not a failure.
+            j["oom"] = (p.stderr.strip() or f"exit code {p.returncode}").splitlines()[-1]
+            line = f"OUT OF DEVICE MEMORY: {j['oom']}"
+        elif p.returncode != 0:
+            j["failed"] = (p.stderr.strip() or p.stdout.strip() or f"exit code {p.returncode}").splitlines()[-1]
+            failed.append((s["name"], what, " ".join(cmd), tail_of(p)))
+            line = f"FAILED (exit code {p.returncode}): {j['failed']}"
+        else:
+            try:
+                res = mr.load_result(dest + ".json")
+            except mr.SchemaError as e:
+                j["failed"] = str(e)
+                failed.append((s["name"], what, " ".join(cmd), str(e)))
+                res = None
+                line = f"FAILED: {e}"
+            if res is not None:
+                if "{device}" in j.get("path_template", "") and not machine.cuda_device:
+                    moved = destination(j, machine, res["device"])
+                    move_result(stage, dest_rel, moved)
+                    dest_rel = moved
+                j["result"] = res
+                j["file"] = dest_rel + ".json"
+                f = figures(res)
+                n = f", n={f['partitions']}" if "partitions" in f and j["impl"]["impl"] == "mpipemoe" else ""
+                pk = f["peak_memory_bytes"]
+                pk = f"{pk / 2**30:.2f} GiB" if pk >= 2**30 else f"{pk / 2**20:.1f} MiB"
+                line = f"{res['mode']}, step {f['step_time_s'] * 1e3:.2f} ms, peak {pk}{n}"
+        print(f"[{s['name']} {subset} {counter['done']}/{counter['total']} | all {count['all']}/{total}] {what}: "
+              f"{line} ({dt:.1f} s) | elapsed {fmt_s(time.time() - start)}, about {fmt_s(time_left())} left",
+              flush=True)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        for s, jobs in plan:
+            t_suite = time.time()
+            runnable = [j for j in jobs if not j["skipped"]]
+            counter = {"done": 0, "total": len(runnable)}
+            i = 0
+            while i < len(runnable):
+                if runnable[i]["backend"] != "sim":
+                    # A measured run runs alone: nothing else competes for the machine it times.
+                    finish(s, counter, *execute(runnable[i], *prepare(s, runnable[i])))
+                    i += 1
+                    continue
+                batch = []
+                while i < len(runnable) and runnable[i]["backend"] == "sim":
+                    batch.append(pool.submit(execute, runnable[i], *prepare(s, runnable[i])))
+                    i += 1
+                for fut in concurrent.futures.as_completed(batch):
+                    finish(s, counter, *fut.result())
+            summary = summarize(s, jobs, subset, time.time() - t_suite)
+            mr.check_summary(summary, "(the summary being written)")
+            mr.write_json(mr.summary_path(s, stage), summary)
+            print_tables(s, summary)
+            print(f"\n[{s['name']}] summary: {rel_to(mr.summary_path(s, out), ROOT)} ({counter['total']} runs in "
+                  f"{fmt_s(time.time() - t_suite)})\n")
 
     # Merge the candidate into the results folder.
     verdict = compare_results.install(out, stage, accept=a.update_baseline, log=print)
