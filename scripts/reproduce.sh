@@ -3,12 +3,13 @@
 # (experiments/*/suite.json), the micro-benchmarks, the figures and the report, and finish
 # with the table of paper claims against ours.
 #
-#   scripts/reproduce.sh                    # everything this machine can run (~20 min on 2 cores)
-#   scripts/reproduce.sh --quick            # each suite's reduced subset (~1-2 min)
+#   scripts/reproduce.sh                    # everything this machine can run (~15 min on 2 cores)
+#   scripts/reproduce.sh --quick            # each suite's reduced subset (~2-3 min)
 #   scripts/reproduce.sh --suite mpipemoe   # one suite (repeatable)
 #   scripts/reproduce.sh --out DIR          # results, figures and RESULTS.md under DIR, not results/
 #   scripts/reproduce.sh --update-baseline  # accept simulated results that differ from the committed ones
 #   scripts/reproduce.sh --hostfile FILE    # also the suites' runs on a real cluster (see below)
+#   scripts/reproduce.sh --jobs N           # simulated runs N at a time (default: the core count)
 #
 # What runs where (each suite says which of its runs go where):
 #   sim backend   always: the paper clusters (experiments/hardware/clusters), datasheet calibration
@@ -22,7 +23,8 @@
 # Simulated results are deterministic. A simulated result that differs from the one under the
 # results folder is not written over it: the difference is printed, the new file is kept
 # under <out>/candidate/, the rest still runs, and the exit code is 1; rerun with
-# --update-baseline to accept it. Measured results are always written (they vary).
+# --update-baseline to accept it. Measured results are always written (they vary), each run
+# alone on the machine; simulated runs go --jobs at a time.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${BUILD_DIR:-$root/build}"
@@ -39,6 +41,7 @@ while [ $# -gt 0 ]; do
     --out) out="$(mkdir -p "$2" && cd "$2" && pwd)"; shift ;;
     --update-baseline) run_args+=(--update-baseline) ;;
     --hostfile) run_args+=(--hostfile "$2"); shift ;;
+    --jobs) run_args+=(--jobs "$2"); shift ;;
     -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "reproduce.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
