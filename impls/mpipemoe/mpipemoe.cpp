@@ -723,11 +723,14 @@ const Rates& MPipeMoE::rates_for(std::int64_t b, bool agree) {
   }
   r.w.comp_flops = pick("comp_flops", so_.comp_flops, "comp_tflops", mr.gemm_flops,
                         measured > 0 ? measured : dflt.comp_flops, measured_src);
-  // One rank has no all-to-all to speak of: its "network" is a local copy, never the bottleneck.
-  const double solo = comm_.size() == 1 ? std::numeric_limits<double>::infinity() : 0;
-  r.w.comm_bytes = pick("comm_bytes", so_.comm_bytes, "comm_gbps", solo > 0 ? solo : mr.a2a_bytes, dflt.comm_bytes,
-                        "default_throughputs() (assumed)");
-  if (solo > 0 && !so_.comm_bytes) r.source["comm_bytes"] = "one rank: no network traffic";
+  if (comm_.size() == 1 && !so_.comm_bytes) {
+    // One rank has no all-to-all to speak of: its "network" is a local copy, never the bottleneck.
+    r.w.comm_bytes = std::numeric_limits<double>::infinity();
+    r.source["comm_bytes"] = "one rank: no network traffic";
+  } else {
+    r.w.comm_bytes = pick("comm_bytes", so_.comm_bytes, "comm_gbps", mr.a2a_bytes, dflt.comm_bytes,
+                          "default_throughputs() (assumed)");
+  }
   r.w.mem_bytes = pick("mem_bytes", so_.mem_bytes, "mem_gbps", mr.host_copy_bytes, dflt.mem_bytes,
                        "default_throughputs() (assumed)");
   r.w.sigma = pick("sigma", so_.sigma, "sigma", mr.sigma, dflt.sigma, "default_throughputs() (assumed)");

@@ -23,11 +23,19 @@
 namespace moelab {
 namespace {
 
-ModelConfig model() {
+// A top-1 layer of E experts, d_model M, d_hidden H (the simulated-cluster tests' model).
+ModelConfig expert_model(std::int64_t M, std::int64_t H, std::int64_t E, DType t = DType::f32) {
   ModelConfig m;
-  m.d_model = 12;
-  m.d_hidden = 20;
-  m.num_experts = 6;
+  m.d_model = M;
+  m.d_hidden = H;
+  m.num_experts = E;
+  m.top_k = 1;
+  m.dtype = t;
+  return m;
+}
+
+ModelConfig model() {
+  ModelConfig m = expert_model(12, 20, 6);
   m.top_k = 2;
   m.capacity_factor = 1.0;  // some slots overflow and are dropped
   m.renormalize = true;
@@ -150,12 +158,7 @@ TEST(MPipeMoE, OverlapsCommunicationOnASimulatedCluster) {
     double t = 0, ov = 0;
     register_builtin_impls();  // once, here: the registry is not safe to fill from the rank threads
     cluster.run([&](Backend& b, Communicator& c) {
-      ModelConfig m;
-      m.d_model = 1024;
-      m.d_hidden = 4096;
-      m.num_experts = 8;
-      m.top_k = 1;
-      m.dtype = DType::bf16;
+      const ModelConfig m = expert_model(1024, 4096, 8, DType::bf16);
       auto layer = make_impl(impl, b, c, m, options);
       Tensor x = b.empty({16384, m.d_model}, m.dtype, MemCategory::activations, b.default_stream());
       c.barrier();
@@ -303,11 +306,7 @@ TEST(MPipeMoE, StrategiesOnASimulatedCluster) {
     Result r;
     register_builtin_impls();  // once, here: the registry is not safe to fill from the rank threads
     cluster.run([&](Backend& b, Communicator& c) {
-      ModelConfig m;
-      m.d_model = 1024;
-      m.d_hidden = 4096;
-      m.num_experts = 8;
-      m.top_k = 1;
+      const ModelConfig m = expert_model(1024, 4096, 8);
       nlohmann::json opt = {{"partitions", 4}, {"strategy", strategy}};
       if (t_m_buffers != 1) opt["t_m_buffers"] = t_m_buffers;
       auto layer = make_impl("mpipemoe", b, c, m, opt);
@@ -344,8 +343,8 @@ TEST(MPipeMoE, StrategiesOnASimulatedCluster) {
     }
     // With one T_M buffer, T_M_p's offload (S1, S2) delays FC1 of partition p+1 and its
     // fetch waits for C'_{p-1}; a second buffer lets both run beside the compute: faster, at
-    // the cost of one [b,H] buffer (16384/8 tokens per expert-rank... 4 partitions of 4096
-    // rows x 4096 fp32 = 64 MiB).
+    // the cost of one more [b,H] buffer (16384 tokens / 4 partitions = 4096 rows x 4096 fp32,
+    // 64 MiB).
     if (offloads_t_m(st)) {
       const Result two = step(s, 2);
       EXPECT_LT(two.step, r.step * 0.9);
@@ -365,10 +364,7 @@ TEST(MPipeMoE, SelectorTakesItsRatesFromTheClusterModel) {
     MachineRates mr;
     register_builtin_impls();
     cluster.run([&](Backend& b, Communicator& c) {
-      ModelConfig m;
-      m.d_model = 1024;
-      m.d_hidden = 4096;
-      m.num_experts = 16;
+      const ModelConfig m = expert_model(1024, 4096, 16);
       nlohmann::json opt = {{"partitions", 4}, {"strategy", "auto"}};
       opt.update(extra);
       auto layer = make_impl("mpipemoe", b, c, m, opt);
@@ -434,13 +430,14 @@ TEST(StrategyChoice, EachStrategyWinsInItsRegime) {
   std::array<MemoryNeed, 4> host{MemoryNeed{1, 5}, MemoryNeed{1, 4}, MemoryNeed{1, 1}, MemoryNeed{1, 0}};
   EXPECT_EQ(choose_strategy(w, b, M, H, MemoryBudget{0, 4.5}, host), "S2");
   EXPECT_EQ(choose_strategy(w, b, M, H, MemoryBudget{0, 0.5}, host), "S4");
-  // Nothing fits the device budget: a ConfigError naming it.
+  // Nothing fits the device budget: out of memory, naming the budget and the smallest need.
   try {
-    choose_strategy(w, b, M, H, MemoryBudget{0.5e9, 0}, {MemoryNeed{1e9, 0}, MemoryNeed{1e9, 0}, MemoryNeed{1e9, 0},
-                                                         MemoryNeed{1e9, 0}});
+    choose_strategy(w, b, M, H, MemoryBudget{0.5e9, 0}, {MemoryNeed{2e9, 0}, MemoryNeed{3e9, 0}, MemoryNeed{1e9, 0},
+                                                         MemoryNeed{4e9, 0}});
     ADD_FAILURE() << "no error";
-  } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("memory_gb = 0.5"), std::string::npos) << e.what();
+  } catch (const OutOfMemory& e) {
+    EXPECT_NE(std::string(e.what()).find("device 0.5 GB, host unlimited"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("S3's, 1 GB"), std::string::npos) << e.what();
   }
   // Q: the table of §III-D, forward + backward.
   EXPECT_EQ(work_vector("S1"), (std::array<double, 3>{6, 4, 10}));

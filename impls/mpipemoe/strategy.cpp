@@ -60,14 +60,18 @@ std::string choose_strategy(const Throughputs& w, double b, double M, double H, 
     if (costs) costs->push_back(c);
   }
   if (best.empty()) {
+    // The configuration does not fit: the same error (exit 3) as an allocation that fails.
+    std::size_t least = 0;
+    for (std::size_t i = 1; i < needs.size(); ++i)
+      if (needs[i].device_bytes < needs[least].device_bytes) least = i;
     std::ostringstream m;
-    m << "mpipemoe: no restore strategy fits the memory budget (device "
-      << (budget.device_bytes > 0 ? "memory_gb = " : "unlimited");
-    if (budget.device_bytes > 0) m << budget.device_bytes / 1e9;
-    m << ", host " << (budget.host_bytes > 0 ? "host_memory_gb = " : "unlimited");
-    if (budget.host_bytes > 0) m << budget.host_bytes / 1e9;
-    m << ")";
-    throw ConfigError(m.str());
+    m << "mpipemoe: no restore strategy fits the memory budget (device ";
+    if (budget.device_bytes > 0) m << budget.device_bytes / 1e9 << " GB"; else m << "unlimited";
+    m << ", host ";
+    if (budget.host_bytes > 0) m << budget.host_bytes / 1e9 << " GB"; else m << "unlimited";
+    m << "); the smallest device need is " << strategy_names()[least + 1] << "'s, "
+      << needs[least].device_bytes / 1e9 << " GB of activations + buffers";
+    throw OutOfMemory(m.str());
   }
   return best;
 }

@@ -71,7 +71,7 @@ struct MemoryBudget {
 // The cheapest of the reuse strategies S1–S4 whose memory need fits the budget ("none" is
 // the pipelining-only layer, chosen explicitly, not by "auto"). needs[i] belongs to
 // strategy_names()[i + 1]. Every candidate's cost goes to *costs when given. Throws
-// ConfigError naming the budget when none fits.
+// OutOfMemory naming the budgets and the smallest need when none fits.
 std::string choose_strategy(const Throughputs& w, double b, double M, double H, const MemoryBudget& budget,
                             const std::array<MemoryNeed, 4>& needs, std::vector<StrategyCost>* costs = nullptr,
                             double elem_bytes = 4);
