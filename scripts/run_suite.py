@@ -6,6 +6,7 @@
     /usr/bin/python3 scripts/run_suite.py --backends sim --quick --out /tmp/r   # what CI runs
     /usr/bin/python3 scripts/run_suite.py --list                   # the runs, without running them
     /usr/bin/python3 scripts/run_suite.py --update-baseline        # accept changed simulated results
+    /usr/bin/python3 scripts/run_suite.py --suite mpipemoe --run gpu-sim   # one run of a suite, no grid
 
 A suite is data (docs/RESULTS-SCHEMA.md, "Suite files"): a "grid" of generated workloads
 (models x clusters x dtypes x tokens per GPU, on the sim backend) and/or "runs" of workload
@@ -23,6 +24,9 @@ always written; a simulated result (deterministic) is written when it is new, le
 when it equals the one in OUT within 1e-9 relative, and when it differs it stays under
 OUT/candidate/ and the difference is printed, unless --update-baseline is given. A quick
 summary is never written over a full one. Exit code 1 when something differs or failed.
+With --run ID (repeatable) only the suites' runs of that id go (the grid and the other runs do
+not), and no summary is written: a summary describes a whole suite run, and a partial one
+would replace it. The results are merged as above.
 
 Simulated runs go --jobs at a time (default: the number of cores; each is one process on one
 core, and their results do not depend on it); a measured run (cpu, cuda) runs alone, with
@@ -175,6 +179,26 @@ def expand(suite, quick):
 
 
 # ---- what this machine can run --------------------------------------------------------------
+
+def select_runs(plan, ids, quick):
+    """Keeps only the jobs of the runs named by ids (--run); drops suites left without any.
+    Raises SchemaError for an id that no selected suite has (or that the quick subset leaves out)."""
+    kept = []
+    for s, jobs in plan:
+        mine = [j for j in jobs if j["kind"] == "run" and j["run"] in ids]
+        if mine:
+            kept.append((s, mine))
+    for rid in ids:
+        if any(j["run"] == rid for _, jobs in kept for j in jobs):
+            continue
+        owners = [s["name"] for s, _ in plan if any(r["id"] == rid for r in s.get("runs", []))]
+        if owners and quick:
+            raise mr.SchemaError(f"--run {rid}: the run of suite {owners[0]} is not in the quick subset "
+                                 f"(its \"quick\" is false): leave out --quick")
+        known = sorted({f"{s['name']}:{r['id']}" for s, _ in plan for r in s.get("runs", [])})
+        raise mr.SchemaError(f"--run {rid}: no run with this id in the selected suites (runs: {', '.join(known)})")
+    return kept
+
 
 def hostfile_slots(path):
     n = 0
@@ -465,17 +489,18 @@ def print_tables(suite, summary):
                             for k, v in r["speedup"].items())
             print(f"{r['cluster']:11} {r['model']:12} {r['dtype']:5} {r['tokens_per_gpu']:>6}  {ts}   {ext}")
     if s["runs"]:
-        print(f"\n{'run':16} {'workload':16} {'impl':15} {'backend':8} {'where':11} {'mode':9} "
+        ww = max([16] + [len(r["workload"]) for r in s["runs"]])
+        print(f"\n{'run':16} {'workload':{ww}} {'impl':15} {'backend':8} {'where':11} {'mode':9} "
               f"{'ms/step':>9} {'overlap':>7} {'peak MiB':>9}")
         for r in s["runs"]:
             where = r["cluster"] or (f"np {r['ranks']}" if r["ranks"] else "")
             if "results" in r:
                 f = r["results"]
-                print(f"{r['id']:16} {r['workload']:16} {r['impl']:15} {r['backend']:8} {where:11} {r['mode']:9} "
+                print(f"{r['id']:16} {r['workload']:{ww}} {r['impl']:15} {r['backend']:8} {where:11} {r['mode']:9} "
                       f"{f['step_time_s'] * 1e3:9.3f} {100 * f['overlap_ratio']:6.0f}% "
                       f"{f['peak_memory_bytes'] / 2**20:9.1f}")
             else:
-                print(f"{r['id']:16} {r['workload']:16} {r['impl']:15} {r['backend']:8} {where:11} "
+                print(f"{r['id']:16} {r['workload']:{ww}} {r['impl']:15} {r['backend']:8} {where:11} "
                       f"skipped: {r['skipped']}")
     if s["claims"]:
         print("\nclaims (paper vs ours):")
@@ -504,6 +529,8 @@ def main():
     ap.add_argument("--update-baseline", action="store_true",
                     help="write simulated results that differ from those in --out over them")
     ap.add_argument("--list", action="store_true", help="print the runs and exit")
+    ap.add_argument("--run", action="append", metavar="ID",
+                    help="only the runs with this id (repeatable); the grid is left out and no summary is written")
     a = ap.parse_args()
 
     backends = [b for b in a.backends.split(",") if b]
@@ -515,6 +542,9 @@ def main():
         for s in suites:
             check_quick_subset(s)
         plan = [(s, expand(s, a.quick)) for s in suites]
+        if a.run:
+            plan = select_runs(plan, a.run, a.quick)
+            suites = [s for s, _ in plan]
     except mr.SchemaError as e:
         die(str(e))
     if not suites:
@@ -527,13 +557,15 @@ def main():
         for s, jobs in plan:
             for j in jobs:
                 where = j["cluster"] or f"np {j['ranks']}"
-                print(f"{s['name']:12} {j['kind']:4} {j['backend']:4} {where:11} {j['workload']:24} {j['impl']['label']}")
-            print(f"{s['name']}: {len(jobs)} runs ({subset})")
+                print(f"{s['name']:12} {j['kind']:4} {j['backend']:4} {where:11} {j['workload']:28} {j['impl']['label']}")
+            print(f"{s['name']}: {len(jobs)} runs ({subset}" + (f", --run {','.join(a.run)}" if a.run else "") + ")")
         return
     if not (os.path.isfile(a.moelab) and os.access(a.moelab, os.X_OK)):
         die(f"no moelab binary at {a.moelab}: build it (cmake --build build --target moelab) or pass --moelab PATH")
     if a.hostfile and not os.path.isfile(a.hostfile):
         die(f"--hostfile {a.hostfile}: no such file")
+    # The cluster catalogue of this checkout, also for a binary built in another one (scripts/gpu.sh).
+    os.environ.setdefault("MOELAB_EXPERIMENTS", mr.EXPERIMENTS)
     os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     machine = Machine(a.moelab, backends, a.hostfile)
@@ -667,9 +699,12 @@ def main():
                     finish(s, counter, *fut.result())
             summary = summarize(s, jobs, subset, time.time() - t_suite)
             mr.check_summary(summary, "(the summary being written)")
-            mr.write_json(mr.summary_path(s, stage), summary)
-            print_tables(s, summary)
-            print(f"\n[{s['name']}] summary: {rel_to(mr.summary_path(s, out), ROOT)} ({counter['total']} runs in "
+            if not a.run:
+                mr.write_json(mr.summary_path(s, stage), summary)
+            print_tables(s, {**summary, "claims": []} if a.run else summary)  # claims are judged on whole runs
+            where = (f"not written (--run {','.join(a.run)}: a partial run)" if a.run
+                     else rel_to(mr.summary_path(s, out), ROOT))
+            print(f"\n[{s['name']}] summary: {where} ({counter['total']} runs in "
                   f"{fmt_s(time.time() - t_suite)})\n")
 
     # Merge the candidate into the results folder.

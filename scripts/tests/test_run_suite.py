@@ -62,6 +62,46 @@ class Expand(unittest.TestCase):
             self.assertEqual(p.returncode, 0)
             self.assertIn("fake: 3 runs (quick)", p.stdout)
 
+    def test_select_runs(self):
+        s = mr.load_suite(fake_suite(self.tmp()))
+        plan = [(s, run_suite.expand(s, False))]
+        kept = run_suite.select_runs(plan, ["sim"], False)
+        self.assertEqual([(j["kind"], j["run"]) for _, js in kept for j in js], [("run", "sim")])
+        with self.assertRaises(mr.SchemaError) as cm:
+            run_suite.select_runs(plan, ["nope"], False)
+        self.assertIn("--run nope: no run with this id", str(cm.exception))
+        self.assertIn("fake:gpu, fake:sim", str(cm.exception))
+        with self.assertRaises(mr.SchemaError) as cm:
+            run_suite.select_runs([(s, run_suite.expand(s, True))], ["gpu"], True)
+        self.assertIn("not in the quick subset", str(cm.exception))
+
+    def test_list_one_run(self):
+        p = subprocess.run([sys.executable, RUNNER, "--suite", fake_suite(self.tmp()), "--list", "--run", "gpu"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("fake: 1 runs (full, --run gpu)", p.stdout)
+        p = subprocess.run([sys.executable, RUNNER, "--suite", fake_suite(self.tmp()), "--list", "--run", "x"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("--run x: no run with this id", p.stderr)
+
+    def test_mpipemoe_gpu_runs_pair_with_their_simulated_counterparts(self):
+        """plots/mpipemoe_gpu.py pairs the gpu run's files with the gpu-sim run's by name."""
+        s = mr.load_suite("mpipemoe")
+        runs = {r["id"]: r for r in s["runs"]}
+        gpu, sim = runs["gpu"], runs["gpu-sim"]
+        self.assertEqual((gpu["backend"], gpu["ranks"], sim["backend"], sim["ranks"]), ("cuda", [1], "sim", [1]))
+        self.assertEqual((gpu["workloads"], gpu["impls"]), (sim["workloads"], sim["impls"]))
+        self.assertEqual(sorted(sim["clusters"]), ["h100x1", "h200x1"])
+        self.assertEqual(gpu["path"], "measured/cuda/{device}/mpipemoe/{workload}-{impl}")
+        self.assertEqual(sim["path"], "simulated/{cluster}/mpipemoe/{workload}-{impl}")
+        self.assertFalse(sim.get("quick", False))
+
+    def tmp(self):
+        d = tempfile.TemporaryDirectory()
+        self.addCleanup(d.cleanup)
+        return d.name
+
 
 @unittest.skipUnless(os.environ.get("MOELAB"), "set MOELAB to a moelab binary")
 class EndToEnd(unittest.TestCase):
@@ -108,6 +148,19 @@ class EndToEnd(unittest.TestCase):
             self.assertEqual(rc, 0, out)
             self.assertEqual(mr.load_json(grid)["metrics"]["step_time_s"]["median"], true_step)
             self.assertFalse(os.path.exists(os.path.join(self.results, "candidate")))
+
+    def test_one_run_writes_its_results_and_no_summary(self):
+        with tempfile.TemporaryDirectory() as d:
+            self.suite = fake_suite(d)
+            self.results = os.path.join(d, "results")
+            rc, out = self.run_suite("--run", "sim")
+            self.assertEqual(rc, 0, out)
+            self.assertRegex(out, r"\[fake full 1/1 \| all 1/1\]")
+            self.assertEqual(mr.load_result(os.path.join(self.results, "simulated/dgx-a100x1/tiny-Base.json"))["mode"],
+                             "simulated")
+            self.assertFalse(os.path.exists(os.path.join(self.results, "simulated/fake/summary.json")))
+            self.assertFalse(os.path.exists(os.path.join(self.results, "simulated/fake/dgx-a100x1")))
+            self.assertIn("summary: not written (--run sim: a partial run)", out)
 
 
 if __name__ == "__main__":
