@@ -13,6 +13,10 @@
 # simulated with one rank; for cpu it is a one-"GPU" model of this host generated from the
 # profile (the cpu backend runs streams as threads on few cores, so it checks the method,
 # not a GPU figure).
+# Environment: MOELAB (the binary; default $BUILD_DIR/harness/moelab), PYTHON (default
+# /usr/bin/python3, else python3 on PATH: standard library only), MOELAB_EXPERIMENTS (the
+# cluster catalogue; default this checkout's experiments/, so that a binary built in another
+# checkout finds it).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${BUILD_DIR:-$root/build}"
@@ -24,7 +28,7 @@ while [ $# -gt 0 ]; do
     --backend) backend="$2"; shift ;;
     --cluster) cluster="$2"; shift ;;
     --out) out="$2"; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "validate_sim.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -33,13 +37,15 @@ done
 out="${out:-$root/results/validation/$backend}"
 moelab="${MOELAB:-$build/harness/moelab}"
 [ -x "$moelab" ] || { echo "validate_sim.sh: $moelab not built (run scripts/test.sh first)" >&2; exit 2; }
-py=/usr/bin/python3
+py="${PYTHON:-/usr/bin/python3}"
 [ -x "$py" ] || py=python3
+export MOELAB_EXPERIMENTS="${MOELAB_EXPERIMENTS:-$root/experiments}"
 mkdir -p "$out/workloads" "$out/measured" "$out/simulated"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
 echo "== calibrate ($backend)"
-"$moelab" calibrate --backend "$backend" --name "$backend-$(hostname -s)" --out "$out/profile.json"
+host="$(hostname -s 2>/dev/null || uname -n)"
+"$moelab" calibrate --backend "$backend" --name "$backend-$host" --out "$out/profile.json"
 
 if [ "$backend" = cpu ]; then
   cluster="$out/local-host.json"
@@ -63,7 +69,7 @@ PY
   dtype=fp32
 else
   if [ -z "$cluster" ]; then
-    case "$("$moelab" list | grep 'cuda   available')" in
+    case "$("$moelab" list | grep 'cuda   available' || true)" in
       *H200*) cluster=h200x1 ;;
       *) cluster=h100x1 ;;
     esac
