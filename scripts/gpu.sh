@@ -218,9 +218,14 @@ step_validate() {
   if [ -z "$DEVICE" ]; then record validate skipped "no CUDA device" 0; return; fi
   dir="$OUTDIR/validation/$DEVICE_SLUG"
   if MOELAB="$BUNDLE/moelab" PYTHON="$PY" "$root/scripts/validate_sim.sh" --backend cuda --out "$dir"; then
-    VALIDATION="$("$PY" -c 'import json, sys; c = json.load(open(sys.argv[1]))
-print(f"median step error {100 * c["median_step_error"]:.1f}%, worst {100 * c["worst_step_error"]:.1f}% ({c["cluster_model"]}, {len(c["configurations"])} configurations)")' \
-      "$dir/comparison.json" 2>/dev/null || echo "no comparison.json")"
+    VALIDATION="$("$PY" - "$dir/comparison.json" <<'PY' 2>/dev/null || echo "no comparison.json"
+import json, sys
+c = json.load(open(sys.argv[1]))
+print("median step error %.1f%%, worst %.1f%% (%s, %s calibration, %d configurations)" % (
+    100 * c["median_step_error"], 100 * c["worst_step_error"], c["cluster_model"], c["calibration"],
+    len(c["configurations"])))
+PY
+)"
     record validate passed "$VALIDATION; validation/$DEVICE_SLUG/" $((SECONDS - t0))
   else
     record validate FAILED "scripts/validate_sim.sh failed (above)" $((SECONDS - t0))
