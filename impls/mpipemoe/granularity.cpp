@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 
 namespace moelab {
 
@@ -31,9 +32,13 @@ int GranularitySearch::choose(std::int64_t tokens, const std::function<double(in
   for (int n = lo * 2; n <= hi; n *= 2) {  // hill-climb while the time improves
     const double t = time(n);
     d.trials.push_back({n, t});
-    if (!(t < best)) break;
-    best = t;
-    d.n = n;
+    if (t < best) {
+      best = t;
+      d.n = n;
+    } else if (std::isfinite(best)) {
+      break;
+    }
+    // else: no n so far fits in memory (an infinite trial): finer partitions may.
   }
   // Join a neighbour with the same n, else start a new range.
   if (below != ranges_.end() && below->second.second == d.n) {
@@ -60,7 +65,12 @@ nlohmann::json GranularitySearch::report() const {
   nlohmann::json j = nlohmann::json::array();
   for (const auto& d : decisions_) {
     nlohmann::json t = nlohmann::json::array();
-    for (const auto& tr : d.trials) t.push_back({{"n", tr.n}, {"seconds", tr.seconds}});
+    for (const auto& tr : d.trials) {
+      if (std::isfinite(tr.seconds))
+        t.push_back({{"n", tr.n}, {"seconds", tr.seconds}});
+      else
+        t.push_back({{"n", tr.n}, {"seconds", nullptr}, {"fits", false}});
+    }
     j.push_back({{"tokens", d.tokens}, {"n", d.n}, {"how", d.how}, {"trials", t}});
   }
   nlohmann::json r = nlohmann::json::array();

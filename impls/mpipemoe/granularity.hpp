@@ -38,7 +38,8 @@ class GranularitySearch {
   // max_n: the largest n to try; min_rows: the fewest tokens a partition may get.
   GranularitySearch(int max_n, std::int64_t min_rows) : max_n_(max_n), min_rows_(min_rows) {}
 
-  // time(n) runs one timed trial at n and returns the time every rank agreed on.
+  // time(n) runs one timed trial at n and returns the time every rank agreed on, or infinity
+  // where n does not fit in memory (the climb then goes on to finer partitions until one fits).
   int choose(std::int64_t tokens, const std::function<double(int)>& time);
 
   const std::vector<Decision>& decisions() const { return decisions_; }

@@ -174,6 +174,14 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
   }
   // One timed forward at n (the granularity search's trial), the same on every rank.
   double trial(const Tensor& x, int n) {
+    // An n at which no restore strategy fits the memory budget is no candidate, not the end of
+    // the run. The verdict is the same on every rank: under "auto" the choice is made from the
+    // figures the ranks agree on, before any work is issued.
+    try {
+      resolve_strategy(x.dim(0), n);
+    } catch (const OutOfMemory&) {
+      return std::numeric_limits<double>::infinity();
+    }
     b_.synchronize();  // work queued before the trial (zero fills, say) is not the trial's
     comm_.barrier();
     const double t0 = b_.now();

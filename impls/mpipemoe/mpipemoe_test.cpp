@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <limits>
 #include <map>
 
 #include "harness/backends/sim/sim_backend.hpp"
@@ -44,6 +45,7 @@ ModelConfig model() {
 
 struct Outputs {
   std::vector<float> y, dx, dwg, dw1, dw2;
+  nlohmann::json report;
 };
 
 Outputs run(const std::string& impl, const nlohmann::json& options, std::int64_t T, std::uint64_t seed) {
@@ -60,8 +62,8 @@ Outputs run(const std::string& impl, const nlohmann::json& options, std::int64_t
   Tensor y = layer->forward(x);
   Tensor dx = layer->backward(dy, 0.3f);
   b->synchronize();
-  return {b->download(y), b->download(dx), b->download(layer->grads().w_gate), b->download(layer->grads().w1),
-          b->download(layer->grads().w2)};
+  return {b->download(y),  b->download(dx), b->download(layer->grads().w_gate), b->download(layer->grads().w1),
+          b->download(layer->grads().w2), layer->report()};
 }
 
 TEST(MPipeMoE, OnePartitionIsFastMoEBitForBit) {
@@ -146,6 +148,62 @@ TEST(GranularitySearch, TrialsOnAMissThenRangesAndCache) {
   // The fewest tokens per partition caps n: 100 tokens, 64 per partition -> n = 1.
   GranularitySearch small(16, 64);
   EXPECT_EQ(small.choose(100, [](int n) { return 1.0 / n; }), 1);
+}
+
+// A partition count whose trial cannot fit (infinite time) is skipped, not chosen, and the
+// climb goes on until one fits; if none does, the lower bound comes back after every trial.
+TEST(GranularitySearch, PartitionCountsThatDoNotFitAreSkipped) {
+  const double inf = std::numeric_limits<double>::infinity();
+  GranularitySearch g(16, 64);
+  // n = 1, 2 do not fit; then 4: 0.33, 8: 0.285, 16: 0.3825 -> 8.
+  EXPECT_EQ(g.choose(4096, [&](int n) { return n < 4 ? inf : 1.0 / n + 0.02 * n; }), 8);
+  const auto& d = g.decisions().back();
+  ASSERT_EQ(d.trials.size(), 5u);
+  EXPECT_EQ(d.trials[3].n, 8);
+  const auto r = g.report();
+  EXPECT_EQ(r.dump().find("\"fits\":false") != std::string::npos, true) << r.dump();
+  GranularitySearch none(16, 64);
+  EXPECT_EQ(none.choose(4096, [&](int) { return inf; }), 1);
+  EXPECT_EQ(none.decisions().back().trials.size(), 5u);
+}
+
+// Pipelining with reuse and n from the search under a device budget that no strategy meets at
+// n = 1 (reuse saves nothing there) but some strategy meets at n = 4: the search skips the
+// counts that do not fit instead of stopping the run, and the layer still computes the
+// unpipelined layer's function.
+TEST(MPipeMoE, SearchSkipsPartitionCountsWithoutAFittingStrategy) {
+  const std::int64_t T = 256;  // min_partition_tokens 64: n = 1, 2, 4 are candidates
+  auto min_need = [&](int n) {
+    double m = std::numeric_limits<double>::infinity();
+    for (const char* s : {"S1", "S2", "S3", "S4"}) {
+      MemoryModelInput in;
+      in.T = T;
+      in.top_k = 2;
+      in.E = 6;
+      in.M = 12;
+      in.H = 20;
+      in.n = n;
+      in.strategy = s;
+      in.elem_bytes = 4;
+      in.local_experts = 6;
+      m = std::min(m, predict_memory(in).predicted_bytes);
+    }
+    return m;
+  };
+  ASSERT_LT(min_need(4), min_need(1));
+  const double budget = 0.5 * (min_need(4) + min_need(1));
+  const std::uint64_t seed = test::fresh_seed();
+  const Outputs a = run("fastmoe", {}, T, seed);
+  const Outputs b = run("mpipemoe", {{"partitions", "auto"}, {"strategy", "auto"}, {"memory_gb", budget / 1e9}}, T, seed);
+  const auto& search = b.report["granularity_search"];
+  const std::string dump = search.dump();
+  EXPECT_NE(dump.find("{\"fits\":false,\"n\":1,\"seconds\":null}"), std::string::npos) << dump;
+  EXPECT_GT(b.report["last_n"].get<int>(), 1) << dump;
+  EXPECT_NE(b.report["last_strategy"].get<std::string>(), "none");
+  EXPECT_LE(b.report["memory_model"]["predicted_act_plus_buf_bytes"].get<double>(), budget);
+  EXPECT_TRUE(test::all_close("y", b.y, test::to_double(a.y), 1e-5));
+  EXPECT_TRUE(test::all_close("dx", b.dx, test::to_double(a.dx), 1e-5));
+  EXPECT_TRUE(test::all_close("dW1", b.dw1, test::to_double(a.dw1), 1e-5));
 }
 
 // On a simulated DGX A100 (8 ranks) the pipeline overlaps all-to-alls with expert GEMMs and
