@@ -99,6 +99,9 @@ def pair_row(label, m, s, results, simulated, m_path, s_path):
                                   "model_predicted": mem.get("predicted_act_plus_buf_bytes"),
                                   "paper": mem.get("paper_act_plus_buf_bytes")},
         "host_pinned_bytes": mm["peak_memory_bytes"].get("peak_per_category", {}).get("host_pinned", 0),
+        # The CUDA pool's own high-water marks (cuda results from 2026-11 on; None before).
+        "device_pool_bytes": {k: (mm["peak_memory_bytes"].get("device_pool") or {}).get(k)
+                              for k in ("used_high", "reserved_high")},
         "expert_gemm_tflops": {"measured": mm.get("expert_gemm_tflops"), "simulated": sm.get("expert_gemm_tflops")},
         "host_copy_s": {"measured": mm.get("host_copy_s", 0.0), "simulated": sm.get("host_copy_s", 0.0)},
         "files": {"measured": os.path.relpath(m_path, results), "simulated": os.path.relpath(s_path, simulated)},
@@ -209,6 +212,9 @@ def compare_device(results, simulated, mdir, cluster_override):
             "peak_memory_bytes": "the tracked allocator's peak (weights, gradients, activations, buffers), counted "
                                  "the same way on every backend; CUDA's context, cuBLAS workspaces and pool "
                                  "fragmentation are not in it",
+            "device_pool_bytes": "measured only: the CUDA stream-ordered pool's high-water marks over the timed "
+                                 "steps, used_high (bytes in use, workspaces included) and reserved_high (bytes "
+                                 "held from the driver, fragmentation included)",
             "act_buf_at_peak_bytes": "activations + buffers at the peak; model_predicted: the memory model's "
                                      "prediction (impl_report.memory_model.predicted_act_plus_buf_bytes), paper: "
                                      "Eq. 4-5 as the paper states it",
@@ -245,13 +251,15 @@ def print_tables(c):
     print(f"\n### {c['device']} (measured) vs {c['cluster_model']} (simulated, "
           f"{', '.join(c['calibration'] or ['?'])} calibration)\n")
     print("| workload | impl | n | strategy | step ms measured | simulated | meas/sim | peak GiB measured | simulated "
-          "| act+buf GiB measured | model | GEMM TFLOP/s measured | simulated | host copy ms measured | simulated |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| CUDA pool GiB used / held | act+buf GiB measured | model | GEMM TFLOP/s measured | simulated "
+          "| host copy ms measured | simulated |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in c["rows"]:
         st = r["strategy"] + ("" if r["simulated_strategy"] == r["strategy"] else f" (sim: {r['simulated_strategy']})")
         print(f"| {r['workload']} | {r['impl']} | {r['partitions']} | {st} | {ms(r['step_s']['measured'])} | "
               f"{ms(r['step_s']['simulated'])} | {x(r['step_s']['ratio'])} | "
               f"{gib(r['peak_memory_bytes']['measured'])} | {gib(r['peak_memory_bytes']['simulated'])} | "
+              f"{gib(r['device_pool_bytes']['used_high'])} / {gib(r['device_pool_bytes']['reserved_high'])} | "
               f"{gib(r['act_buf_at_peak_bytes']['measured'])} | {gib(r['act_buf_at_peak_bytes']['model_predicted'])} | "
               f"{tf(r['expert_gemm_tflops']['measured'])} | {tf(r['expert_gemm_tflops']['simulated'])} | "
               f"{ms(r['host_copy_s']['measured'])} | {ms(r['host_copy_s']['simulated'])} |")

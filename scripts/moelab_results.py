@@ -262,6 +262,10 @@ def check_result(res, path):
     c.integer(pk, "rank", "metrics.peak_memory_bytes", minimum=0)
     c.numbers_map(pk, "by_category_at_peak", "metrics.peak_memory_bytes", integer=True)
     c.numbers_map(pk, "peak_per_category", "metrics.peak_memory_bytes", integer=True)
+    pool = c.obj(pk, "device_pool", "metrics.peak_memory_bytes", required=False)
+    if pool is not None:
+        for k in ("used_high", "reserved_high", "rank"):
+            c.integer(pool, k, "metrics.peak_memory_bytes.device_pool", minimum=0)
     rt = c.obj(m, "routing", "metrics")
     c.integer(rt, "dropped", "metrics.routing", minimum=0)
     c.integer(rt, "capacity", "metrics.routing", minimum=0)

@@ -416,6 +416,7 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
     comm->barrier();
     backend->clear_timeline();
     backend->memory().reset_peak();  // the current use (weights, gradients, inputs) stays the base
+    backend->reset_device_pool_peak();
     const double window_start = backend->now();
     std::vector<double> step_s;
     for (int i = 0; i < w.steps; ++i) {
@@ -437,6 +438,8 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
     local["peak_device"] = mem.peak_device();
     local["at_peak"] = category_bytes(mem.at_peak());
     local["peak_per_category"] = category_bytes(mem.peak_per_category());
+    if (const auto pool = backend->device_pool_peak())
+      local["pool"] = {{"used_high", pool->used_high}, {"reserved_high", pool->reserved_high}};
     const RoutingStats& routing = impl->routing();
     local["dropped"] = routing.dropped;
     local["capacity"] = routing.capacity;
@@ -583,6 +586,15 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
     std::printf("peak memory     %.1f MiB%s: %s MiB\n",
                 static_cast<double>(pk["peak_device"].get<std::size_t>()) / kMiB,
                 world > 1 ? strf(" (rank %zu, the highest)", peak_rank).c_str() : "", cats.c_str());
+    if (ranks[0].contains("pool")) {
+      std::uint64_t used = 0, held = 0;
+      for (const auto& r : ranks) {
+        used = std::max(used, r["pool"]["used_high"].get<std::uint64_t>());
+        held = std::max(held, r["pool"]["reserved_high"].get<std::uint64_t>());
+      }
+      std::printf("device pool     %.1f MiB in use at most, %.1f MiB held from the driver (cudaMallocAsync pool)\n",
+                  static_cast<double>(used) / kMiB, static_cast<double>(held) / kMiB);
+    }
     const double slots = global_tokens * m.top_k;
     std::printf("routing         %lld of %.0f token-slots dropped (%s)\n", static_cast<long long>(dropped), slots,
                 capacity > 0 ? strf("capacity %lld per expert", static_cast<long long>(capacity)).c_str()
@@ -611,6 +623,16 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
                                     {"rank", peak_rank},
                                     {"by_category_at_peak", pk["at_peak"]},
                                     {"peak_per_category", pk["peak_per_category"]}};
+    // The device allocator's own high-water marks (cuda), the highest rank's.
+    if (ranks[0].contains("pool")) {
+      std::size_t pool_rank = 0;
+      for (std::size_t r = 1; r < ranks.size(); ++r)
+        if (ranks[r]["pool"]["used_high"].get<std::uint64_t>() > ranks[pool_rank]["pool"]["used_high"].get<std::uint64_t>())
+          pool_rank = r;
+      json pool = ranks[pool_rank]["pool"];
+      pool["rank"] = pool_rank;
+      metrics["peak_memory_bytes"]["device_pool"] = pool;
+    }
     metrics["routing"] = {{"dropped", dropped}, {"capacity", capacity}, {"recv_per_local_expert", recv}};
 
     json result;

@@ -15,6 +15,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -128,6 +129,16 @@ class Backend {
                MemSpace space = MemSpace::device);
   MemoryTracker& memory() { return memory_; }
   const MemoryTracker& memory() const { return memory_; }
+  // The device allocator's own high-water marks since reset_device_pool_peak(), beside the
+  // tracked allocator's count (memory()): cuda reads its stream-ordered pool (bytes in use,
+  // and bytes the pool holds from the driver), which also sees what the tracker does not
+  // (cuBLAS/CUB workspaces, GEMM pointer arrays, fragmentation). cpu and sim have none.
+  struct DevicePoolPeak {
+    std::uint64_t used_high = 0;
+    std::uint64_t reserved_high = 0;
+  };
+  virtual std::optional<DevicePoolPeak> device_pool_peak() const { return std::nullopt; }
+  virtual void reset_device_pool_peak() {}
 
   // Blocking host<->tensor transfers for set-up, checks and tests (fp32 on the host side;
   // converted to/from the tensor's dtype). Each first waits for the work already issued on

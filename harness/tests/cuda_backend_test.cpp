@@ -149,6 +149,27 @@ TEST_F(CudaTest, MemoryTrackerCountsAllocations) {
   EXPECT_EQ(b->download(w), v);
 }
 
+// The pool's own high-water mark sees an allocation that has since been freed, and only
+// allocations made after the reset.
+TEST_F(CudaTest, DevicePoolPeakFollowsAllocations) {
+  b->synchronize();
+  b->reset_device_pool_peak();
+  const auto before = b->device_pool_peak();
+  ASSERT_TRUE(before.has_value());
+  constexpr std::size_t kBytes = 64u << 20;  // 64 MiB, well above the pool's granularity
+  {
+    Tensor big = b->empty({static_cast<std::int64_t>(kBytes / 4)}, DType::f32, MemCategory::activations, *s);
+    b->fill_zero(*s, big);
+    b->synchronize();
+  }
+  b->synchronize();
+  const auto after = b->device_pool_peak();
+  ASSERT_TRUE(after.has_value());
+  EXPECT_GE(after->used_high, before->used_high + kBytes);
+  EXPECT_GE(after->reserved_high, after->used_high);
+  b->reset_device_pool_peak();
+  EXPECT_LT(b->device_pool_peak()->used_high, after->used_high);
+}
 // Events order two streams: a consumer on another stream sees the producer's result.
 TEST_F(CudaTest, EventsOrderStreams) {
   Stream& other = b->create_stream(StreamRole::dispatch, "dispatch");

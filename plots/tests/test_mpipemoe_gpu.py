@@ -58,6 +58,8 @@ def make(label, measured):
     m["expert_gemm_tflops"] = mt if measured else st
     m["host_copy_s"] = mh if measured else sh
     m["peak_memory_bytes"]["device_total"] = peak
+    if measured:
+        m["peak_memory_bytes"]["device_pool"] = {"used_high": peak + 500, "reserved_high": peak + 900, "rank": 0}
     return r
 
 
@@ -97,6 +99,7 @@ class MPipeMoEGpu(unittest.TestCase):
         self.assertEqual(rows["n4-S1"]["act_buf_at_peak_bytes"]["model_predicted"], 154.0)
         self.assertEqual(rows["n4-S1"]["peak_memory_bytes"], {"measured": 2000, "simulated": 2000, "ratio": 1.0})
         self.assertEqual(rows["FastMoE"]["act_buf_at_peak_bytes"]["model_predicted"], None)
+        self.assertEqual(rows["n4-S1"]["device_pool_bytes"], {"used_high": 2500, "reserved_high": 2900})
         # GEMM efficiency: no-reuse runs by n, rows per expert GEMM = 65536 / (8 n), fraction of 495 TFLOP/s
         g = c["gemm_efficiency"][WL]
         self.assertEqual([(x["impl"], x["partitions"], x["rows_per_expert_gemm"]) for x in g],

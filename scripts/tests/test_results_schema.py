@@ -73,6 +73,15 @@ class ResultSchema(unittest.TestCase):
         r["metrics"]["peak_memory_bytes"]["by_category_at_peak"]["buffers"] = 1.5
         self.rejected(r, 'field "metrics.peak_memory_bytes.by_category_at_peak.buffers"', "expected an integer")
 
+    def test_device_pool_is_optional_and_checked(self):
+        r = fixtures.result("measured")
+        r["metrics"]["peak_memory_bytes"]["device_pool"] = {"used_high": 3 << 20, "reserved_high": 4 << 20, "rank": 0}
+        self.assertEqual(mr.load_result(self.write(r)), r)
+        r["metrics"]["peak_memory_bytes"]["device_pool"]["used_high"] = -1
+        self.rejected(r, 'field "metrics.peak_memory_bytes.device_pool.used_high"')
+        del r["metrics"]["peak_memory_bytes"]["device_pool"]["used_high"]
+        self.rejected(r, 'field "metrics.peak_memory_bytes.device_pool.used_high": missing')
+
     def test_unknown_schema(self):
         r = fixtures.result()
         r["schema"] = "moelab.result/9"

@@ -217,6 +217,27 @@ class CudaBackend final : public Backend {
     r.source = "cudaGetDeviceProperties (memory only)";
     return r;
   }
+  // The default pool serves every cudaMallocAsync of this backend (tensors, workspaces).
+  std::optional<DevicePoolPeak> device_pool_peak() const override {
+    cudaMemPool_t pool;
+    cuda_check(cudaDeviceGetDefaultMemPool(&pool, opt_.device), "cudaDeviceGetDefaultMemPool");
+    DevicePoolPeak p;
+    cuda_check(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &p.used_high),
+               "cudaMemPoolGetAttribute(UsedMemHigh)");
+    cuda_check(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &p.reserved_high),
+               "cudaMemPoolGetAttribute(ReservedMemHigh)");
+    return p;
+  }
+  // The high-water marks can only be set to zero; the driver then tracks from the current use.
+  void reset_device_pool_peak() override {
+    cudaMemPool_t pool;
+    cuda_check(cudaDeviceGetDefaultMemPool(&pool, opt_.device), "cudaDeviceGetDefaultMemPool");
+    std::uint64_t zero = 0;
+    cuda_check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero),
+               "cudaMemPoolSetAttribute(UsedMemHigh)");
+    cuda_check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &zero),
+               "cudaMemPoolSetAttribute(ReservedMemHigh)");
+  }
   bool supports(DType t) const override {
     return t == DType::f32 || t == DType::bf16 || t == DType::i32 || t == DType::i64;
   }
