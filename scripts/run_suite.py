@@ -26,7 +26,9 @@ OUT/candidate/ and the difference is printed, unless --update-baseline is given.
 summary is never written over a full one. Exit code 1 when something differs or failed.
 With --run ID (repeatable) only the suites' runs of that id go (the grid and the other runs do
 not), and no summary is written: a summary describes a whole suite run, and a partial one
-would replace it. The results are merged as above.
+would replace it. The results are merged as above. One run at a time per OUT: a second
+run_suite.py into the same folder stops at once (OUT/.run_suite.lock names the first's pid),
+since both would stage under OUT/candidate/.
 
 Simulated runs go --jobs at a time (default: the number of cores; each is one process on one
 core, and their results do not depend on it); a measured run (cpu, cuda) runs alone, with
@@ -37,6 +39,7 @@ Standard library only.
 import argparse
 import concurrent.futures
 import datetime
+import fcntl
 import json
 import os
 import shutil
@@ -50,6 +53,27 @@ import moelab_results as mr  # noqa: E402
 import compare_results  # noqa: E402
 
 ROOT = mr.ROOT
+
+
+def lock_out(out):
+    """An exclusive lock on OUT/.run_suite.lock for the rest of the process: two runs into one
+    results folder would share (and wipe) OUT/candidate/. A second run fails at once, naming the
+    first one's pid."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, ".run_suite.lock")
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        die(f"another run_suite.py (pid {holder}) is writing into {out}: wait for it to finish, or give this "
+            f"run its own --out DIR")
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
 
 
 def die(msg, code=2):
@@ -584,6 +608,7 @@ def main():
                 j["skipped"] = why
     todo = [j for _, jobs in plan for j in jobs if not j["skipped"]]
     total = len(todo)
+    lock = lock_out(out)  # held until exit: the staging folder below is this run's alone
     if os.path.isdir(stage):
         shutil.rmtree(stage)
     print(f"run_suite.py: {len(suites)} suite(s) ({subset}): {total} runs, "

@@ -4,7 +4,9 @@ committed results kept aside until --update-baseline.
 
     MOELAB=build/harness/moelab /usr/bin/python3 -m unittest -v test_run_suite   (from scripts/tests)
 """
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -84,6 +86,20 @@ class Expand(unittest.TestCase):
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.assertEqual(p.returncode, 2)
         self.assertIn("--run x: no run with this id", p.stderr)
+
+    def test_second_run_into_one_folder_is_refused(self):
+        out = self.tmp()
+        with open(os.path.join(out, ".run_suite.lock"), "w") as held:
+            held.write("4242")
+            held.flush()
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.makedirs(os.path.join(out, "candidate", "x"))
+            p = subprocess.run([sys.executable, RUNNER, "--suite", fake_suite(self.tmp()), "--out", out,
+                                "--moelab", shutil.which("true")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn("another run_suite.py (pid 4242) is writing into " + out, p.stderr)
+        self.assertTrue(os.path.isdir(os.path.join(out, "candidate", "x")))  # the first run's staging is untouched
 
     def test_mpipemoe_gpu_runs_pair_with_their_simulated_counterparts(self):
         """plots/mpipemoe_gpu.py pairs the gpu run's files with the gpu-sim run's by name."""
