@@ -96,11 +96,14 @@ def main():
                     pos = [x - 0.4 + w * (k + 0.5) for x in xs]
                     bars = ax.bar(pos, [v or 0 for v in vals], w, color=col, hatch=hatch, edgecolor="black",
                                   linewidth=0.5, label=f"{sy} vs {b}")
-                    for bar, v in zip(bars, vals):
+                    for bar, v, p in zip(bars, vals, dp):
                         if v is not None:
                             ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.2f}", ha="center",
                                     va="bottom", fontsize=7)
                             top = max(top, v)
+                        elif any(l in p.get("out_of_memory", {}) for l in (sy, b)):
+                            ax.text(bar.get_x() + bar.get_width() / 2, 0.02, "OOM", ha="center", va="bottom",
+                                    fontsize=6, rotation=90, color="#d62728")
                 ax.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
                 ax.set_ylim(0, top * 1.3)
                 nsel = ["/".join(f"{p['results'][sy]['partitions']}" for sy in systems
@@ -128,6 +131,10 @@ def main():
                     ax.bar(pos, [v or 0 for v in vals], w, color=IMPL_COLOURS.get(l, "#333333"), edgecolor="black",
                            linewidth=0.5, label=l)
                     ntop = max(ntop, max(v for v in vals if v is not None))
+                    for x, p in zip(pos, dp):  # a run that did not fit the device: say so where its bar would be
+                        if l in p.get("out_of_memory", {}):
+                            ax.text(x, 0, " out of device memory", ha="center", va="bottom", fontsize=6,
+                                    rotation=90, color="#d62728")
                 ax.set_ylim(0, ntop * 1.3 if ntop else 1)
                 ax.set_xticks(xs)
                 ax.set_xticklabels(xt, fontsize=8)
