@@ -162,8 +162,10 @@ def suite_section(suite, summary, summary_file, results, figures_dir, report_dir
             cells = []
             for l in labels:
                 f = p["results"].get(l)
-                cells.append("-" if f is None else ms(f["step_time_s"]) +
-                             (f" (n={f['partitions']})" if "partitions" in f else ""))
+                if f is None:
+                    cells.append("out of memory" if l in p.get("out_of_memory", {}) else "-")
+                    continue
+                cells.append(ms(f["step_time_s"]) + (f" (n={f['partitions']})" if "partitions" in f else ""))
             sp = ", ".join(f"{k.replace('_vs_', '/')} {v:.2f}x" for k, v in p["speedup"].items())
             msv = ", ".join(f"{k.replace('_vs_', '/')} {100 * v:+.0f}%" for k, v in p["memory_saving"].items())
             out.append(f"| {p['cluster']} | {p['model']} | {p['dtype']} | {p.get('tokens_per_gpu', '')} | "

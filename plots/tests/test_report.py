@@ -59,6 +59,19 @@ class Report(unittest.TestCase):
         with open(self.out) as f:
             self.assertEqual(f.read(), text)
 
+    def test_out_of_memory_point_is_named(self):
+        s = fixtures.summary()
+        pt2 = s["points"][1]
+        del pt2["results"]["Base"]
+        pt2["out_of_memory"] = {"Base": "moelab: error: rank 0: out of device memory"}
+        pt2["speedup"], pt2["memory_saving"] = {}, {}
+        mr.write_json(os.path.join(self.results, "simulated", "fake", "summary.json"), s)
+        p = self.report()
+        self.assertEqual(p.returncode, 0, p.stderr)
+        with open(self.out) as f:
+            text = f.read()
+        self.assertIn("| dgx-a100x1 | M | fp32 | 2048 | 16384 | out of memory | 4.000 (n=2) |", text)
+
     def test_missing_figure_is_named(self):
         os.unlink(os.path.join(self.results, "figures", "fake-bars.png"))
         self.assertEqual(self.report().returncode, 0)
