@@ -1,12 +1,15 @@
 # cmake/build_info.cmake — run at every build: writes OUT (a C++ file defining the commit the
 # binary is built from) only when it changes, so a new commit re-links without rebuilding
-# everything, and a result can never carry a stale commit. "-dirty" marks uncommitted changes.
+# everything, and a result can never carry a stale commit. "-dirty" marks uncommitted changes
+# to what is built or run: the result store (results/) and the generated report are not looked
+# at, so regenerating results with a binary of a clean tree does not mark it dirty.
 execute_process(COMMAND git rev-parse --short=12 HEAD WORKING_DIRECTORY ${SRC}
                 OUTPUT_VARIABLE commit OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0 OR NOT commit)
   set(commit "unknown")
 else()
-  execute_process(COMMAND git diff --quiet HEAD -- WORKING_DIRECTORY ${SRC} RESULT_VARIABLE dirty ERROR_QUIET)
+  execute_process(COMMAND git diff --quiet HEAD -- . ":(exclude)results" ":(exclude)docs/RESULTS.md"
+                  WORKING_DIRECTORY ${SRC} RESULT_VARIABLE dirty ERROR_QUIET)
   if(NOT dirty EQUAL 0)
     set(commit "${commit}-dirty")
   endif()
