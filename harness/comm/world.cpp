@@ -17,9 +17,11 @@
 
 namespace moelab {
 
+#ifdef MOELAB_HAVE_MPI
 namespace {
 bool g_mpi_initialised_here = false;
 }
+#endif
 
 void init_world(int* argc, char*** argv) {
 #ifdef MOELAB_HAVE_MPI
