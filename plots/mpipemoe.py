@@ -39,13 +39,7 @@ def main():
     ap.add_argument("--cluster", action="append", help="cluster(s) to draw (default: every cluster in the summary)")
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "results", "figures"))
     a = ap.parse_args()
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        sys.exit("mpipemoe.py: matplotlib is missing (Debian: apt-get install python3-matplotlib; "
-                 "or scripts/setup.sh)")
+    plt = mr.pyplot("mpipemoe.py")
     try:
         with open(a.summary) as f:
             s = json.load(f)

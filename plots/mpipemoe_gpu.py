@@ -49,11 +49,6 @@ def ratio(a, b):
     return a / b if a is not None and b else None
 
 
-def dtype_of(res):
-    m = res["workload"]["model"]
-    return "tf32" if m.get("dtype") == "fp32" and m.get("allow_tf32") else m.get("dtype")
-
-
 def partitions(res):
     rep = res.get("impl_report") or {}
     n = rep.get("last_n", rep.get("partitions"))
@@ -90,7 +85,7 @@ def pair_row(label, m, s, results, simulated, m_path, s_path):
     mm, sm = m["metrics"], s["metrics"]
     mem = (m.get("impl_report") or {}).get("memory_model") or {}
     row = {
-        "workload": m["workload"]["name"], "impl": label, "impl_name": m["impl"], "dtype": dtype_of(m),
+        "workload": m["workload"]["name"], "impl": label, "impl_name": m["impl"], "dtype": mr.dtype_label(m),
         "partitions": partitions(m), "strategy": strategy(m), "simulated_strategy": strategy(s),
         "step_s": {"measured": mm["step_time_s"]["median"], "simulated": sm["step_time_s"]["median"]},
         "peak_memory_bytes": {"measured": mm["peak_memory_bytes"]["device_total"],

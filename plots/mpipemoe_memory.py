@@ -21,11 +21,8 @@ import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def dtype_of(res):
-    m = res["workload"]["model"]
-    return "tf32" if m.get("dtype") == "fp32" and m.get("allow_tf32") else m.get("dtype", "?")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import moelab_results as mr  # noqa: E402
 
 
 def collect(results):
@@ -53,7 +50,7 @@ def collect(results):
             rep = res["impl_report"]
             where = (res.get("cluster") or {}).get("name") if res["mode"] == "simulated" else res.get("device")
             rows.append({"file": os.path.relpath(path, results), "mode": res["mode"], "where": where or "?",
-                         "dtype": dtype_of(res), "strategy": rep.get("last_strategy", "?"), "n": rep.get("last_n"),
+                         "dtype": mr.dtype_label(res), "strategy": rep.get("last_strategy", "?"), "n": rep.get("last_n"),
                          "ranks": res.get("world_size"), "measured": meas, "predicted": pred, "ratio": meas / pred})
     return rows
 

@@ -28,13 +28,8 @@ def main():
     ap.add_argument("--summary", required=True, help="a suite summary (moelab.suite-summary/1)")
     ap.add_argument("--out", required=True, help="PNG to write")
     a = ap.parse_args()
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-    except ImportError:
-        sys.exit("runs.py: matplotlib is missing (Debian: apt-get install python3-matplotlib; or scripts/setup.sh)")
+    plt = mr.pyplot("runs.py")
+    from matplotlib.patches import Patch
     try:
         with open(a.summary) as f:
             s = json.load(f)

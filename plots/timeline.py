@@ -72,14 +72,8 @@ def main():
     ap.add_argument("--title", default="", help="figure title")
     ap.add_argument("--out", required=True, help="PNG to write")
     a = ap.parse_args()
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-    except ImportError:
-        sys.exit("timeline.py: matplotlib is missing (Debian: apt-get install python3-matplotlib; "
-                 "or scripts/setup.sh)")
+    plt = mr.pyplot("timeline.py")
+    from matplotlib.patches import Patch
     labels = a.labels or a.traces
     if len(labels) != len(a.traces):
         sys.exit(f"timeline.py: {len(a.traces)} traces but {len(labels)} labels")

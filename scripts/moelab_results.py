@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,6 +81,23 @@ def write_json(path, obj):
 
 def write_text(path, text):
     _atomic(path, lambda f: f.write(text.encode()))
+
+
+def pyplot(script):
+    """matplotlib.pyplot with the Agg backend, or exit naming the script and how to install it."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit(f"{script}: matplotlib is missing (Debian: apt-get install python3-matplotlib; or scripts/setup.sh)")
+    return plt
+
+
+def dtype_label(result):
+    """The dtype a result ran in as the suites name it: "tf32" for fp32 tensors with TF32 GEMMs."""
+    m = result["workload"]["model"]
+    return "tf32" if m.get("dtype") == "fp32" and m.get("allow_tf32") else m.get("dtype", "?")
 
 
 def save_figure(fig, path, dpi):

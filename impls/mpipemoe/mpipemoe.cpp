@@ -642,18 +642,9 @@ void MPipeMoE::resolve_strategy(std::int64_t T_local, int n) {
   const bool agree = so_.strategy == "auto" && comm_.size() > 1;
   const std::int64_t T = agree ? static_cast<std::int64_t>(comm_.all_reduce_max(static_cast<double>(T_local))) : T_local;
   auto need = [&](const std::string& s, std::int64_t tokens) {
-    MemoryModelInput in;
-    in.T = tokens;
-    in.top_k = cfg_.top_k;
-    in.E = cfg_.num_experts;
-    in.M = M;
-    in.H = H;
-    in.n = n;
-    in.strategy = s;
-    in.elem_bytes = static_cast<double>(dtype_size(cfg_.dtype));
-    in.local_experts = local_experts_;
-    in.t_m_buffers = so_.t_m_buffers;
-    return predict_memory(in);
+    return predict_memory({.T = tokens, .top_k = cfg_.top_k, .E = cfg_.num_experts, .M = M, .H = H, .n = n,
+                           .strategy = s, .elem_bytes = static_cast<double>(dtype_size(cfg_.dtype)),
+                           .local_experts = local_experts_, .t_m_buffers = so_.t_m_buffers});
   };
   strategy_ = so_.strategy;
   costs_.clear();

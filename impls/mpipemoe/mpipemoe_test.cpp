@@ -91,16 +91,21 @@ TEST(MPipeMoE, PartitionsComputeTheSameFunction) {
   }
 }
 
+// Building the layer with options o is a ConfigError whose message contains needle.
+void expect_option_error(Backend& b, Communicator& comm, const nlohmann::json& o, const std::string& needle) {
+  try {
+    make_impl("mpipemoe", b, comm, model(), o);
+    ADD_FAILURE() << "no error for " << o.dump();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
 TEST(MPipeMoE, BadOptionsAreClearErrors) {
   auto b = make_backend("cpu");
   auto comm = make_self_communicator(*b);
   auto expect_error = [&](const nlohmann::json& o, const std::string& needle) {
-    try {
-      make_impl("mpipemoe", *b, *comm, model(), o);
-      ADD_FAILURE() << "no error for " << o.dump();
-    } catch (const ConfigError& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
+    expect_option_error(*b, *comm, o, needle);
   };
   register_builtin_impls();
   expect_error({{"partitions", 0}}, "partitions = 0");
@@ -176,16 +181,9 @@ TEST(MPipeMoE, SearchSkipsPartitionCountsWithoutAFittingStrategy) {
   auto min_need = [&](int n) {
     double m = std::numeric_limits<double>::infinity();
     for (const char* s : {"S1", "S2", "S3", "S4"}) {
-      MemoryModelInput in;
-      in.T = T;
-      in.top_k = 2;
-      in.E = 6;
-      in.M = 12;
-      in.H = 20;
-      in.n = n;
-      in.strategy = s;
-      in.elem_bytes = 4;
-      in.local_experts = 6;
+      // model(): top-2 of 6 experts, d_model 12, d_hidden 20, fp32; one rank holds all 6.
+      const MemoryModelInput in{.T = T, .top_k = 2, .E = 6, .M = 12, .H = 20, .n = n, .strategy = s,
+                                .elem_bytes = 4, .local_experts = 6};
       m = std::min(m, predict_memory(in).predicted_bytes);
     }
     return m;
@@ -304,12 +302,7 @@ TEST(MPipeMoE, BadStrategyOptionsAreClearErrors) {
   auto comm = make_self_communicator(*b);
   register_builtin_impls();
   auto expect_error = [&](const nlohmann::json& o, const std::string& needle) {
-    try {
-      make_impl("mpipemoe", *b, *comm, model(), o);
-      ADD_FAILURE() << "no error for " << o.dump();
-    } catch (const ConfigError& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
+    expect_option_error(*b, *comm, o, needle);
   };
   expect_error({{"strategy", "S5"}}, "strategy = \"S5\"");
   expect_error({{"strategy", 1}}, "strategy = 1");
@@ -545,16 +538,8 @@ double measured_act_buf(Backend& b, Communicator& c, const MemCase& mc) {
 }
 
 void expect_model_agrees(const std::string& backend, const MemCase& mc, double measured) {
-  MemoryModelInput in;
-  in.T = mc.T;
-  in.top_k = mc.k;
-  in.E = mc.E;
-  in.M = mc.M;
-  in.H = mc.H;
-  in.n = mc.n;
-  in.strategy = mc.strategy;
-  in.t_m_buffers = mc.t_m_buffers;
-  const MemoryPrediction p = predict_memory(in);
+  const MemoryPrediction p = predict_memory({.T = mc.T, .top_k = mc.k, .E = mc.E, .M = mc.M, .H = mc.H, .n = mc.n,
+                                             .strategy = mc.strategy, .t_m_buffers = mc.t_m_buffers});
   // Eq. 6 from Eq. 1, 4 and 5.
   EXPECT_DOUBLE_EQ(p.phi, (p.delta_act + p.delta_buf) / (p.m_ms + p.m_act_pipe + p.m_buf_pipe));
   std::printf("%-4s %-10s T=%-6lld n=%d %-4s T_Mx%d paper %.4g B, predicted %.4g B, measured %.4g B (%+.2f%%)\n",
