@@ -9,10 +9,10 @@
 #ifdef MOELAB_HAVE_MPI
 #include <mpi.h>
 
-#include "harness/comm/mpi_comm.hpp"
+#include "harness/backends/cpu/mpi_comm.hpp"
 #endif
 #ifdef MOELAB_HAVE_CUDA
-#include "harness/comm/nccl_comm.hpp"
+#include "harness/backends/cuda/nccl_comm.hpp"
 #endif
 
 namespace moelab {

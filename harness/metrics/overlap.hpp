@@ -14,7 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "harness/metrics/timeline.hpp"
+#include "harness/runtime/timeline.hpp"
 
 namespace moelab {
 

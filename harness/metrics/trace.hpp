@@ -12,7 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "harness/metrics/timeline.hpp"
+#include "harness/runtime/timeline.hpp"
 #include "harness/runtime/memory.hpp"
 
 namespace moelab {

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "harness/nn/moe_layer.hpp"
+#include "harness/nn/saved.hpp"
 
 namespace moelab {
 

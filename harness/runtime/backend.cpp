@@ -26,6 +26,53 @@ Activation parse_activation(const std::string& s) {
   throw ConfigError("unknown activation \"" + s + "\" (expected gelu or relu)");
 }
 
+const char* norm_name(NormKind k) { return k == NormKind::layernorm ? "layernorm" : "rmsnorm"; }
+
+NormKind parse_norm(const std::string& s) {
+  if (s == "layernorm") return NormKind::layernorm;
+  if (s == "rmsnorm") return NormKind::rmsnorm;
+  throw ConfigError("unknown norm \"" + s + "\" (expected layernorm or rmsnorm)");
+}
+
+// The transformer-block ops: a backend that has not implemented one says so by name.
+namespace {
+[[noreturn]] void not_on(const Backend& b, const char* op) {
+  throw Unsupported(std::string(op) + " is not implemented on the " + b.name() + " backend");
+}
+}  // namespace
+void Backend::embedding_forward(Stream&, const Tensor&, const Tensor&, const Tensor&, std::int64_t, Tensor&) {
+  not_on(*this, "embedding_forward");
+}
+void Backend::embedding_backward(Stream&, const Tensor&, const Tensor&, std::int64_t, Tensor&, Tensor&) {
+  not_on(*this, "embedding_backward");
+}
+void Backend::norm_forward(Stream&, NormKind, float, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&,
+                           Tensor&) {
+  not_on(*this, "norm_forward");
+}
+void Backend::norm_backward(Stream&, NormKind, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                            const Tensor&, Tensor&, Tensor&, Tensor&) {
+  not_on(*this, "norm_backward");
+}
+void Backend::rope(Stream&, const AttentionShape&, float, bool, Tensor&) { not_on(*this, "rope"); }
+void Backend::attention_forward(Stream&, const AttentionShape&, const Tensor&, Tensor&, Tensor&) {
+  not_on(*this, "attention_forward");
+}
+void Backend::attention_backward(Stream&, const AttentionShape&, const Tensor&, const Tensor&, const Tensor&,
+                                 const Tensor&, Tensor&) {
+  not_on(*this, "attention_backward");
+}
+void Backend::swiglu_forward(Stream&, const Tensor&, Tensor&) { not_on(*this, "swiglu_forward"); }
+void Backend::swiglu_backward(Stream&, const Tensor&, const Tensor&, Tensor&) { not_on(*this, "swiglu_backward"); }
+void Backend::add(Stream&, const Tensor&, const Tensor&, Tensor&) { not_on(*this, "add"); }
+void Backend::cross_entropy_forward(Stream&, const Tensor&, const Tensor&, Tensor&, Tensor&) {
+  not_on(*this, "cross_entropy_forward");
+}
+void Backend::cross_entropy_backward(Stream&, const Tensor&, const Tensor&, const Tensor&, float, Tensor&) {
+  not_on(*this, "cross_entropy_backward");
+}
+void Backend::optimizer_step(Stream&, const OptimizerStep&) { not_on(*this, "optimizer_step"); }
+
 Stream& Backend::default_stream() {
   if (!default_stream_) default_stream_ = &create_stream(StreamRole::compute, "compute");
   return *default_stream_;
@@ -47,10 +94,11 @@ Tensor Backend::empty(std::vector<std::int64_t> shape, DType dtype, MemCategory 
   st->space = space;
   st->category = category;
   st->stream = &s;
+  st->microbatch = microbatch_;
   st->ptr = bytes ? raw_alloc(bytes, space, s) : nullptr;
-  memory_.on_alloc(category, bytes, now());
+  memory_.on_alloc(category, bytes, now(), microbatch_);
   st->release = [this](Storage& x) {
-    memory_.on_free(x.category, x.bytes, now());
+    memory_.on_free(x.category, x.bytes, now(), x.microbatch);
     if (x.ptr) raw_free(x.ptr, x.bytes, x.space, *x.stream);
   };
   return Tensor(std::move(st), std::move(shape), dtype);

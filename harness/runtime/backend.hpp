@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "harness/metrics/timeline.hpp"
+#include "harness/runtime/timeline.hpp"
 #include "harness/runtime/cost.hpp"
 #include "harness/runtime/memory.hpp"
 #include "harness/runtime/tensor.hpp"
@@ -89,6 +89,34 @@ struct GateBackward {
   Tensor d_topk_w;                 // in  [T,k] fp32
   float grad_aux = 0.0f;           // dL/d aux_loss
   Tensor d_logits;                 // out [T,E] fp32
+};
+
+enum class NormKind { layernorm, rmsnorm };
+const char* norm_name(NormKind k);
+NormKind parse_norm(const std::string& s);  // "layernorm" | "rmsnorm"; throws ConfigError
+
+// The shape of one attention call: B sequences of S tokens, Hq query heads and Hkv
+// key/value heads (Hq % Hkv == 0) of head_dim D; scores scaled by 1/sqrt(D).
+struct AttentionShape {
+  std::int64_t batch = 1, seq = 1;
+  int heads = 1, kv_heads = 1, head_dim = 1;
+  bool causal = true;  // false: bidirectional (BERT-style)
+  std::int64_t tokens() const { return batch * seq; }
+  std::int64_t qkv_width() const { return static_cast<std::int64_t>(heads + 2 * kv_heads) * head_dim; }
+};
+
+// One optimizer step. SGD: p -= lr * (g + wd * p). Adam/AdamW (Kingma & Ba 2015; decoupled
+// weight decay, Loshchilov & Hutter 2019): m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+// p -= lr * (m / (1-b1^t) / (sqrt(v / (1-b2^t)) + eps) + wd * p). Master weights and m, v
+// are fp32 tensors in MemCategory::optimizer.
+struct OptimizerStep {
+  enum class Kind { sgd, adam } kind = Kind::adam;
+  Tensor param;   // [n] in the model dtype (updated)
+  Tensor grad;    // [n] in the model dtype (read)
+  Tensor master;  // [n] fp32 master copy, or undefined when param is fp32
+  Tensor m, v;    // [n] fp32 Adam moments (undefined for SGD)
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
+  std::int64_t step = 1;  // t, from 1 (bias correction)
 };
 
 // What a backend knows of its machine, for cost models that choose a schedule (MPipeMoE's
@@ -181,6 +209,65 @@ class Backend {
   virtual void activation_backward(Stream& s, Activation a, const Tensor& in, const Tensor& d_out,
                                    Tensor& d_in) = 0;
 
+  // ---- transformer-block ops (harness/nn/blocks.hpp composes them) -------------------
+  // Shapes: T = B*S tokens of a microbatch (B sequences of S tokens, token t at position
+  // t mod S), M d_model, V vocabulary, Hq query heads, Hkv key/value heads, D head_dim.
+  // Reductions (norm statistics, softmax, loss) accumulate in fp32 whatever the dtype.
+  // Input-gradient ops overwrite their output; parameter-gradient outputs accumulate (+=).
+
+  // out[t] = wte[ids[t]] (+ wpe[t mod S] when wpe is defined: learned positions)
+  //   ids [T] int32, wte [V,M], wpe [P,M] (P >= S) or undefined, out [T,M]
+  virtual void embedding_forward(Stream& s, const Tensor& ids, const Tensor& wte, const Tensor& wpe,
+                                 std::int64_t seq_len, Tensor& out);
+  // d_wte[ids[t]] += d_out[t]; d_wpe[t mod S] += d_out[t] (when d_wpe is defined)
+  virtual void embedding_backward(Stream& s, const Tensor& d_out, const Tensor& ids, std::int64_t seq_len,
+                                  Tensor& d_wte, Tensor& d_wpe);
+
+  // y = (x - mean) * rstd * gamma + beta  (layernorm; beta may be undefined = 0)
+  // y = x * rstd * gamma                  (rmsnorm: rstd = 1/sqrt(mean(x^2) + eps))
+  //   x, y [T,M]; gamma, beta [M]; mean (layernorm only), rstd [T] fp32, saved for backward
+  virtual void norm_forward(Stream& s, NormKind kind, float eps, const Tensor& x, const Tensor& gamma,
+                            const Tensor& beta, Tensor& y, Tensor& mean, Tensor& rstd);
+  // dx = d(norm)/dx^T dy (overwrites dx); d_gamma += ..., d_beta += ... (when defined)
+  virtual void norm_backward(Stream& s, NormKind kind, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                             const Tensor& rstd, const Tensor& dy, Tensor& dx, Tensor& d_gamma, Tensor& d_beta);
+
+  // Rotary position embedding (RoFormer, Su et al. 2021; LLaMA's pairing of dimension i with
+  // i + D/2) applied in place to the query and key heads of a packed qkv [T,(Hq+2Hkv)*D]
+  // tensor, angle (t mod S) * theta^(-2i/D). inverse = true rotates back (its backward).
+  virtual void rope(Stream& s, const AttentionShape& a, float theta, bool inverse, Tensor& qkv);
+
+  // Scaled dot-product attention, tiled with an online softmax (FlashAttention, Dao et al.
+  // 2022): no [S,S] score matrix is ever stored. qkv [T,(Hq+2Hkv)*D] packed per token as
+  // the Hq query heads, then the Hkv key heads, then the Hkv value heads; query head h reads
+  // key/value head h / (Hq/Hkv) (grouped-query attention; Hkv = Hq is multi-head).
+  // out [T,Hq*D]; lse [B,Hq,S] fp32, the log-sum-exp of each score row, saved for backward.
+  virtual void attention_forward(Stream& s, const AttentionShape& a, const Tensor& qkv, Tensor& out, Tensor& lse);
+  // d_qkv [T,(Hq+2Hkv)*D] (overwritten) from d_out, recomputing the scores tile by tile.
+  virtual void attention_backward(Stream& s, const AttentionShape& a, const Tensor& qkv, const Tensor& out,
+                                  const Tensor& lse, const Tensor& d_out, Tensor& d_qkv);
+
+  // SwiGLU (Shazeer 2020): h [T,2F] = [gate | up] -> out [T,F] = silu(gate) * up
+  virtual void swiglu_forward(Stream& s, const Tensor& h, Tensor& out);
+  virtual void swiglu_backward(Stream& s, const Tensor& h, const Tensor& d_out, Tensor& d_h);
+
+  // out = a + b (elementwise, same shape and dtype; out may alias a or b): residual adds and
+  // gradient accumulation.
+  virtual void add(Stream& s, const Tensor& a, const Tensor& b, Tensor& out);
+
+  // Softmax cross-entropy, fused (llm.c style): logits [T,V] (any float dtype), targets [T]
+  // int32 (a target < 0 is ignored: loss 0, no gradient). losses [T] fp32, lse [T] fp32.
+  virtual void cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor& targets, Tensor& losses,
+                                     Tensor& lse);
+  // d_logits = scale * (softmax(logits) - onehot(target)) per counted row (0 for ignored rows)
+  virtual void cross_entropy_backward(Stream& s, const Tensor& logits, const Tensor& targets, const Tensor& lse,
+                                      float scale, Tensor& d_logits);
+
+  // One optimizer step on one parameter tensor (see OptimizerStep). Reads grad, updates the
+  // fp32 master copy (or the parameter itself when it is fp32 and master is undefined), the
+  // state, then writes the parameter in its dtype.
+  virtual void optimizer_step(Stream& s, const OptimizerStep& o);
+
   // Seconds (median of `reps`) that the backend's GEMM library needs for exactly these GEMMs
   // issued one by one with nothing of moelab around them: the yardstick for the experts'
   // time (cpu: cblas_sgemm; cuda: cublasGemmEx). Synchronises the device.
@@ -201,6 +288,10 @@ class Backend {
   // Ops issued while a PhaseScope is alive carry its label in the timeline.
   void set_phase(std::string phase) { phase_ = std::move(phase); }
   const std::string& phase() const { return phase_; }
+  // Allocations made while a microbatch is current are charged to it as well (see
+  // MemoryTracker); MicrobatchScope sets it for a block of code.
+  void set_microbatch(int mb) { microbatch_ = mb; }
+  int microbatch() const { return microbatch_; }
   void set_rank(int rank) { rank_ = rank; }
   int rank() const { return rank_; }
   // All ops completed so far (call after synchronize()).
@@ -213,6 +304,7 @@ class Backend {
 
   MemoryTracker memory_;
   std::string phase_ = "other";
+  int microbatch_ = kNoMicrobatch;
   int rank_ = 0;
   bool allow_tf32_ = false;
   Stream* default_stream_ = nullptr;
@@ -228,6 +320,18 @@ class PhaseScope {
  private:
   Backend& b_;
   std::string saved_;
+};
+
+class MicrobatchScope {
+ public:
+  MicrobatchScope(Backend& b, int mb) : b_(b), saved_(b.microbatch()) { b_.set_microbatch(mb); }
+  ~MicrobatchScope() { b_.set_microbatch(saved_); }
+  MicrobatchScope(const MicrobatchScope&) = delete;
+  MicrobatchScope& operator=(const MicrobatchScope&) = delete;
+
+ private:
+  Backend& b_;
+  int saved_;
 };
 
 // Backends by name: "cpu" (always), "cuda" (when built with CUDA). Throws ConfigError for

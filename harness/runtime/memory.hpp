@@ -8,6 +8,7 @@
 #pragma once
 #include <array>
 #include <cstddef>
+#include <map>
 #include <mutex>
 #include <vector>
 
@@ -22,10 +23,15 @@ struct MemSample {
   CategoryBytes in_use; // bytes in use per category just after the change
 };
 
+// An allocation made while a microbatch is current (Backend::MicrobatchScope) is also
+// charged to that microbatch, so that a schedule with several microbatches in flight can
+// say how much each one holds (activations of microbatch 3 at the peak, ...).
+constexpr int kNoMicrobatch = -1;
+
 class MemoryTracker {
  public:
-  void on_alloc(MemCategory c, std::size_t bytes, double time);
-  void on_free(MemCategory c, std::size_t bytes, double time);
+  void on_alloc(MemCategory c, std::size_t bytes, double time, int microbatch = kNoMicrobatch);
+  void on_free(MemCategory c, std::size_t bytes, double time, int microbatch = kNoMicrobatch);
 
   std::size_t in_use(MemCategory c) const;
   std::size_t in_use_total() const;
@@ -35,6 +41,11 @@ class MemoryTracker {
   CategoryBytes at_peak() const;            // per-category breakdown at that moment
   CategoryBytes peak_per_category() const;  // each category's own maximum
   std::vector<MemSample> timeline() const;
+  // Device bytes held by each microbatch now, and each one's own maximum (since reset_peak);
+  // at_peak_microbatches(): what each held at the moment of the device peak.
+  std::map<int, std::size_t> microbatch_in_use() const;
+  std::map<int, std::size_t> microbatch_peak() const;
+  std::map<int, std::size_t> at_peak_microbatches() const;
 
   // Start a new measurement window: peaks restart from the current use, timeline cleared.
   void reset_peak();
@@ -47,6 +58,7 @@ class MemoryTracker {
   CategoryBytes peak_cat_{};
   std::size_t peak_device_ = 0;
   std::vector<MemSample> timeline_;
+  std::map<int, std::size_t> mb_in_use_, mb_peak_, mb_at_peak_;
 };
 
 }  // namespace moelab

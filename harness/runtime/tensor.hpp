@@ -23,6 +23,7 @@ struct Storage {
   MemSpace space = MemSpace::device;
   MemCategory category = MemCategory::buffers;
   Stream* stream = nullptr; // the stream the allocation is ordered on (frees are too)
+  int microbatch = -1;      // the microbatch it was allocated for (kNoMicrobatch = none)
   std::function<void(Storage&)> release;  // set by the backend
   Storage() = default;
   Storage(const Storage&) = delete;

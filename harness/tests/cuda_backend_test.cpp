@@ -16,7 +16,7 @@
 #include <tuple>
 
 #include "harness/backends/cuda/cuda_backend.hpp"
-#include "harness/comm/nccl_comm.hpp"
+#include "harness/backends/cuda/nccl_comm.hpp"
 #include "harness/runtime/error.hpp"
 #include "harness/tests/test_util.hpp"
 

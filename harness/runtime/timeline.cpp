@@ -1,5 +1,5 @@
-// harness/metrics/timeline.cpp
-#include "harness/metrics/timeline.hpp"
+// harness/runtime/timeline.cpp
+#include "harness/runtime/timeline.hpp"
 
 namespace moelab {
 

@@ -1,4 +1,4 @@
-// harness/metrics/timeline.hpp — the record of every op a backend ran: which stream, which
+// harness/runtime/timeline.hpp — the record of every op a backend ran: which stream, which
 // phase, when, and its cost descriptor. One format on every backend; the Chrome trace
 // writer, the per-phase table and the overlap metrics are all views of it.
 #pragma once

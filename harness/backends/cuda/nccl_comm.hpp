@@ -1,4 +1,4 @@
-// harness/comm/nccl_comm.hpp — the NCCL communicator: collectives on device buffers of the
+// harness/backends/cuda/nccl_comm.hpp — the NCCL communicator: collectives on device buffers of the
 // cuda backend, issued on the backend's CUDA streams and timed into its timeline.
 //
 // Bootstrapping is split so that the cuda library needs no MPI: rank 0 makes the unique id,

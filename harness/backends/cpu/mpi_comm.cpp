@@ -1,5 +1,5 @@
-// harness/comm/mpi_comm.cpp — see mpi_comm.hpp.
-#include "harness/comm/mpi_comm.hpp"
+// harness/backends/cpu/mpi_comm.cpp — see mpi_comm.hpp.
+#include "harness/backends/cpu/mpi_comm.hpp"
 
 #include <climits>
 

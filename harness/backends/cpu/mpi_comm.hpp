@@ -1,4 +1,4 @@
-// harness/comm/mpi_comm.hpp — the Open MPI communicator for host buffers (cpu backend).
+// harness/backends/cpu/mpi_comm.hpp — the Open MPI communicator for host buffers (cpu backend).
 //
 // Data-plane calls are queued on the stream's worker thread and run there as blocking MPI
 // calls, so a collective overlaps compute queued on other streams exactly as a NCCL call on

@@ -1,4 +1,4 @@
-// harness/comm/nccl_comm.cpp — NcclCommunicator (see nccl_comm.hpp).
+// harness/backends/cuda/nccl_comm.cpp — NcclCommunicator (see nccl_comm.hpp).
 //
 // Data plane: every call is one NCCL operation (or one ncclGroupStart/End of point-to-point
 // calls for all_to_all_v) on the caller's stream, wrapped in a CudaOpScope so that the
@@ -7,7 +7,7 @@
 //
 // Control plane: small blocking exchanges through a private stream and a device scratch
 // buffer; they are metadata (token counts, timings), never on the critical path of a step.
-#include "harness/comm/nccl_comm.hpp"
+#include "harness/backends/cuda/nccl_comm.hpp"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
