@@ -49,9 +49,6 @@ class Event {
   virtual ~Event() = default;
 };
 
-enum class Activation { gelu, relu };
-const char* activation_name(Activation a);
-Activation parse_activation(const std::string& s);  // throws ConfigError
 
 // One GEMM of a grouped call: C = alpha * op(A) * op(B) + beta * C, all row-major.
 // op(A) is [m,k] (A is [k,m] when trans_a), op(B) is [k,n] (B is [n,k] when trans_b).
@@ -91,26 +88,13 @@ struct GateBackward {
   Tensor d_logits;                 // out [T,E] fp32
 };
 
-enum class NormKind { layernorm, rmsnorm };
-const char* norm_name(NormKind k);
-NormKind parse_norm(const std::string& s);  // "layernorm" | "rmsnorm"; throws ConfigError
-
-// The shape of one attention call: B sequences of S tokens, Hq query heads and Hkv
-// key/value heads (Hq % Hkv == 0) of head_dim D; scores scaled by 1/sqrt(D).
-struct AttentionShape {
-  std::int64_t batch = 1, seq = 1;
-  int heads = 1, kv_heads = 1, head_dim = 1;
-  bool causal = true;  // false: bidirectional (BERT-style)
-  std::int64_t tokens() const { return batch * seq; }
-  std::int64_t qkv_width() const { return static_cast<std::int64_t>(heads + 2 * kv_heads) * head_dim; }
-};
-
 // One optimizer step. SGD: p -= lr * (g + wd * p). Adam/AdamW (Kingma & Ba 2015; decoupled
 // weight decay, Loshchilov & Hutter 2019): m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
 // p -= lr * (m / (1-b1^t) / (sqrt(v / (1-b2^t)) + eps) + wd * p). Master weights and m, v
 // are fp32 tensors in MemCategory::optimizer.
 struct OptimizerStep {
-  enum class Kind { sgd, adam } kind = Kind::adam;
+  using Kind = OptimizerKind;
+  Kind kind = Kind::adam;
   Tensor param;   // [n] in the model dtype (updated)
   Tensor grad;    // [n] in the model dtype (read)
   Tensor master;  // [n] fp32 master copy, or undefined when param is fp32

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "harness/runtime/dtype.hpp"
+#include "harness/runtime/op_types.hpp"
 
 namespace moelab {
 
@@ -37,6 +38,28 @@ OpCost cost_gate_backward(std::int64_t tokens, std::int64_t experts, int top_k);
 OpCost cost_rows(OpKind kind, std::int64_t rows_read, std::int64_t rows_written, std::int64_t width, DType dtype,
                  double flops_per_elem);
 OpCost cost_copy(OpKind kind, std::int64_t bytes);
+OpCost cost_activation_forward(Activation a, std::int64_t elements, DType dtype);
+OpCost cost_activation_backward(Activation a, std::int64_t elements, DType dtype);
+
+// Transformer-block ops (Backend, "transformer-block ops"; docs/PERFORMANCE.md, "Block ops").
+// T tokens, M width, V vocabulary.
+OpCost cost_embedding_forward(std::int64_t tokens, std::int64_t width, bool learned_positions, DType dtype);
+OpCost cost_embedding_backward(std::int64_t tokens, std::int64_t width, bool learned_positions, DType dtype);
+OpCost cost_norm_forward(NormKind kind, std::int64_t tokens, std::int64_t width, DType dtype);
+OpCost cost_norm_backward(NormKind kind, std::int64_t tokens, std::int64_t width, DType dtype);
+OpCost cost_rope(const AttentionShape& a, DType dtype);
+// Tiled attention: the FLOPs of QK^T and PV (halved, tile-exactly, when causal) and the bytes
+// of reading K and V once per query tile of kAttentionTileRows rows — the same formula on
+// every backend whatever tile its kernel really uses.
+constexpr std::int64_t kAttentionTileRows = 128;
+OpCost cost_attention_forward(const AttentionShape& a, DType dtype);
+OpCost cost_attention_backward(const AttentionShape& a, DType dtype);
+OpCost cost_swiglu_forward(std::int64_t tokens, std::int64_t width, DType dtype);  // width = F (output)
+OpCost cost_swiglu_backward(std::int64_t tokens, std::int64_t width, DType dtype);
+OpCost cost_add(std::int64_t elements, DType dtype);
+OpCost cost_cross_entropy_forward(std::int64_t tokens, std::int64_t vocab, DType dtype);
+OpCost cost_cross_entropy_backward(std::int64_t tokens, std::int64_t vocab, DType dtype);
+OpCost cost_optimizer_step(OptimizerKind kind, std::int64_t elements, DType param_dtype, bool master_copy);
 OpCost cost_collective(double bytes_sent_to_others, double bytes_local);
 
 }  // namespace moelab
