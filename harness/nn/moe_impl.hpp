@@ -31,6 +31,19 @@ class MoEImpl {
   virtual MoELayer& layer() = 0;
   // Implementation-specific facts for the result file (chosen n, strategy, ...).
   virtual nlohmann::json report() { return nlohmann::json::object(); }
+
+  // Saved state as a value (harness/nn/saved.hpp). Interim: one microbatch in flight,
+  // served by the calls above.
+  virtual Forwarded forward(const Tensor& x, const WorkKey& key) {
+    Tensor y = forward(x);
+    return {y, std::make_unique<Saved>(key)};
+  }
+  virtual Tensor backward_input(Saved& s, const Tensor& dy, float grad_aux) {
+    s.input_done = true;
+    return backward(dy, grad_aux);
+  }
+  virtual void backward_weight(Saved& s) { s.weight_done = true; }
+  virtual float aux_loss(const Saved&) { return aux_loss(); }
 };
 
 // The part of MoEImpl every implementation built on a layer (MoELayer or a schedule derived

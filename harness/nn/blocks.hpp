@@ -1,0 +1,214 @@
+// harness/nn/blocks.hpp — the blocks of a transformer, forward and backward, each a
+// composition of Backend ops (harness/runtime/backend.hpp) issued on one compute stream.
+//
+// A decoder (or encoder) layer is two blocks, pre-norm as in GPT-2/3 and LLaMA:
+//   AttentionBlock   y = x + Wo · attention(rope(norm(x) · Wqkv))
+//   FfnBlock         y = x + ffn(norm(x)),  ffn = a dense MLP (GELU or SwiGLU)
+//                                            or an MoE layer (+ a shared dense expert)
+// and a model is Embedding → layers → Head (final norm, LM head, cross-entropy).
+//
+// Every block follows harness/nn/saved.hpp: forward returns its saved state; backward runs
+// as backward_input ("B": the input gradient, and the norms' own small parameter gradients)
+// and backward_weight ("W": the weight-gradient GEMMs, which zero-bubble schedules defer).
+// Parameter gradients accumulate (+=) until zero_grad.
+//
+// Notation: T = B·S tokens of a microbatch, M d_model, F FFN width, V vocabulary,
+// Hq/Hkv query/key-value heads of width D, Q = (Hq + 2·Hkv)·D the packed qkv width.
+// Linear weights are [in, out] row-major: y = x · W. There are no linear biases (as in
+// PaLM and LLaMA); LayerNorm has its bias.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "harness/config/model.hpp"
+#include "harness/nn/moe_impl.hpp"
+#include "harness/nn/saved.hpp"
+#include "harness/runtime/backend.hpp"
+
+namespace moelab {
+
+// A parameter and its gradient. `replicated`: the same on every rank of the data-parallel
+// group (its gradient is summed over it); experts are sharded instead.
+struct Param {
+  std::string name;
+  Tensor value, grad;
+  bool replicated = true;
+};
+
+class Block {
+ public:
+  virtual ~Block() = default;
+  // The block kind, which is also the timeline phase of its ops: "embedding", "attention",
+  // "mlp", "moe" (the MoE layer's own ops carry gate / dispatch / experts / combine), "head".
+  virtual const char* kind() const = 0;
+  virtual Forwarded forward(const Tensor& x, const WorkKey& key) = 0;
+  virtual Tensor backward_input(Saved& saved, const Tensor& dy) = 0;
+  virtual void backward_weight(Saved& saved) = 0;
+  virtual void init_parameters(std::uint64_t seed) = 0;
+  virtual void collect(std::vector<Param*>& out) = 0;
+};
+
+// ---- shared pieces -------------------------------------------------------------------------
+
+// Parameters are made in the model dtype under `weights`, their gradients under `gradients`.
+Param make_param(Backend& b, Stream& s, std::string name, std::vector<std::int64_t> shape, DType dtype,
+                 bool replicated = true);
+// Deterministic initialisation from (seed, tag): N(0, std^2), or a constant.
+void init_normal(Backend& b, Param& p, std::uint64_t seed, std::uint64_t tag, double stddev);
+void init_constant(Backend& b, Param& p, float value);
+
+// LayerNorm or RMSNorm over the last dimension, with its statistics kept for backward.
+class Norm {
+ public:
+  Norm(Backend& b, Stream& s, const TransformerConfig& cfg, std::string name);
+  struct State {
+    Tensor x, mean, rstd;  // [T,M], [T] fp32 (mean: layernorm only)
+  };
+  Tensor forward(const Tensor& x, State& st);              // [T,M] -> [T,M]
+  Tensor backward(const State& st, const Tensor& dy);       // dx; d_gamma, d_beta +=
+  void init_parameters();
+  void collect(std::vector<Param*>& out);
+
+ private:
+  Backend& b_;
+  Stream& s_;
+  NormKind kind_;
+  float eps_;
+  Param gamma_, beta_;  // [M]; beta undefined for rmsnorm
+};
+
+// The dense feed-forward network without norm or residual: GELU: g = gelu(b·W1) [T,F];
+// SwiGLU: g = silu(h_gate) * h_up with [h_gate | h_up] = b·W1 [T,2F]; m = g·W2 [T,M]. The
+// activation output g is recomputed from h in backward (as the MoE layer does with T_M).
+class FeedForward {
+ public:
+  FeedForward(Backend& b, Stream& s, const TransformerConfig& cfg, std::int64_t width, std::string name);
+  struct State {
+    Tensor in, h;        // forward: [T,M] input, [T,F or 2F] pre-activation
+    Tensor g, d_h, d_m;  // B -> W: recomputed activation, its input gradient, the output gradient
+  };
+  Tensor forward(const Tensor& in, State& st);
+  Tensor backward_input(State& st, const Tensor& d_m);
+  void backward_weight(State& st);
+  void init_parameters(std::uint64_t seed, std::uint64_t tag, int num_layers);
+  void collect(std::vector<Param*>& out);
+
+ private:
+  Backend& b_;
+  Stream& s_;
+  MlpKind kind_;
+  std::int64_t width_;
+  Param w1_, w2_;  // [M,F] (SwiGLU [M,2F]), [F,M]
+};
+
+// ---- the blocks ----------------------------------------------------------------------------
+
+// Token embedding (+ learned positions): ids [T] int32 -> [T,M]. Its only gradient is the
+// weights', so backward_input keeps dy and returns nothing; backward_weight scatters it.
+// With tied embeddings the Head adds the LM head's gradient into the same wte gradient.
+class Embedding final : public Block {
+ public:
+  Embedding(Backend& b, Stream& s, const TransformerConfig& cfg);
+  const char* kind() const override { return "embedding"; }
+  Forwarded forward(const Tensor& ids, const WorkKey& key) override;
+  Tensor backward_input(Saved& saved, const Tensor& dy) override;
+  void backward_weight(Saved& saved) override;
+  void init_parameters(std::uint64_t seed) override;
+  void collect(std::vector<Param*>& out) override;
+  Param& wte() { return wte_; }
+
+ private:
+  Backend& b_;
+  Stream& s_;
+  TransformerConfig cfg_;
+  Param wte_, wpe_;  // [V,M], [S,M] (learned positions only)
+};
+
+class AttentionBlock final : public Block {
+ public:
+  AttentionBlock(Backend& b, Stream& s, const TransformerConfig& cfg, int layer);
+  const char* kind() const override { return "attention"; }
+  Forwarded forward(const Tensor& x, const WorkKey& key) override;
+  Tensor backward_input(Saved& saved, const Tensor& dy) override;
+  void backward_weight(Saved& saved) override;
+  void init_parameters(std::uint64_t seed) override;
+  void collect(std::vector<Param*>& out) override;
+
+ private:
+  Backend& b_;
+  Stream& s_;
+  TransformerConfig cfg_;
+  int layer_;
+  Norm norm_;
+  Param wqkv_, wo_;  // [M,Q], [Hq·D,M]
+};
+
+// y = x + ffn(norm(x)) where ffn is a dense MLP, or an MoE layer served by an MoEImpl
+// (FastMoE, FasterMoE, MPipeMoE, ...) plus, when the model has one, a shared dense expert
+// on the same input (DeepSpeed-MoE's residual MoE, Rajbhandari et al. 2022; ScMoE's shared
+// expert). `aux_loss_coef` weighs the MoE layer's auxiliary loss in the objective.
+class FfnBlock final : public Block {
+ public:
+  // Dense MLP block.
+  FfnBlock(Backend& b, Stream& s, const TransformerConfig& cfg, int layer);
+  // MoE block: `moe` serves the routed experts.
+  FfnBlock(Backend& b, Stream& s, const TransformerConfig& cfg, int layer, std::unique_ptr<MoEImpl> moe,
+           float aux_loss_coef);
+  ~FfnBlock() override;
+  const char* kind() const override { return moe_ ? "moe" : "mlp"; }
+  Forwarded forward(const Tensor& x, const WorkKey& key) override;
+  Tensor backward_input(Saved& saved, const Tensor& dy) override;
+  void backward_weight(Saved& saved) override;
+  void init_parameters(std::uint64_t seed) override;
+  void collect(std::vector<Param*>& out) override;
+  MoEImpl* moe() { return moe_.get(); }
+  // The auxiliary loss of a forward's MoE layer (0 for a dense block); synchronises.
+  float aux_loss(const Saved& saved);
+  // dL/d aux_loss used by backward_input: aux_loss_coef times the saved state's loss scale.
+  void set_aux_grad_scale(float s) { aux_grad_scale_ = s; }
+
+ private:
+  Backend& b_;
+  Stream& s_;
+  TransformerConfig cfg_;
+  int layer_;
+  Norm norm_;
+  std::unique_ptr<FeedForward> mlp_;  // dense MLP, or the shared expert of an MoE block
+  std::unique_ptr<MoEImpl> moe_;
+  float aux_loss_coef_ = 0.0f;
+  float aux_grad_scale_ = 1.0f;
+};
+
+// Final norm, LM head (wte^T when tied, else its own [M,V]) and the cross-entropy loss
+// against the targets given to forward. forward's y is the per-token loss [T] fp32 (0 for
+// ignored targets); backward_input's dy is unused: the gradient is loss_scale · dCE.
+class Head final : public Block {
+ public:
+  Head(Backend& b, Stream& s, const TransformerConfig& cfg, Param* tied_wte);
+  const char* kind() const override { return "head"; }
+  void set_targets(const Tensor& targets, float loss_scale) {
+    targets_ = targets;
+    loss_scale_ = loss_scale;
+  }
+  Forwarded forward(const Tensor& x, const WorkKey& key) override;
+  Tensor backward_input(Saved& saved, const Tensor& dy) override;
+  void backward_weight(Saved& saved) override;
+  void init_parameters(std::uint64_t seed) override;
+  void collect(std::vector<Param*>& out) override;
+
+ private:
+  Backend& b_;
+  Stream& s_;
+  TransformerConfig cfg_;
+  Norm norm_;
+  Param own_w_;           // [M,V] when not tied
+  Param* tied_ = nullptr; // the embedding's wte [V,M] when tied
+  Tensor targets_;
+  float loss_scale_ = 1.0f;
+};
+
+}  // namespace moelab

@@ -1,0 +1,243 @@
+// harness/nn/model.cpp — a transformer (or a range of its layers) from a model file, and its
+// optimizer. See model.hpp.
+//   ctest --test-dir build -R model_test
+#include "harness/nn/model.hpp"
+
+#include <cmath>
+#include <numeric>
+
+#include "harness/runtime/error.hpp"
+
+namespace moelab {
+
+namespace {
+struct ModelSaved final : Saved {
+  using Saved::Saved;
+  std::vector<SavedPtr> blocks;  // one per block, in forward order
+  Tensor losses, targets;        // last stage: [T] fp32, [T] int32
+};
+}  // namespace
+
+Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const ModelOptions& opt)
+    : b_(b), ep_(ep), cfg_(cfg), opt_(opt), s_(b.default_stream()) {
+  first_ = opt.first_layer;
+  last_ = opt.last_layer < 0 ? cfg.num_layers : opt.last_layer;
+  if (first_ < 0 || first_ >= last_ || last_ > cfg.num_layers)
+    throw ConfigError("--layers " + std::to_string(first_) + ":" + std::to_string(last_) + " is not a range of the " +
+                      std::to_string(cfg.num_layers) + " layers of " + cfg.name);
+  b.set_allow_tf32(cfg.allow_tf32);
+  if (first_ == 0) {
+    auto e = std::make_unique<Embedding>(b, s_, cfg);
+    embedding_ = e.get();
+    blocks_.push_back(std::move(e));
+  }
+  for (int l = first_; l < last_; ++l) {
+    blocks_.push_back(std::make_unique<AttentionBlock>(b, s_, cfg, l));
+    if (cfg.is_moe(l))
+      blocks_.push_back(std::make_unique<FfnBlock>(b, s_, cfg, l, make_impl(opt.impl, b, ep, cfg.moe, opt.impl_options),
+                                                   opt.aux_loss_coef));
+    else
+      blocks_.push_back(std::make_unique<FfnBlock>(b, s_, cfg, l));
+  }
+  if (last_ == cfg.num_layers) {
+    // Tied embeddings across stages would need the two copies' gradients summed over the
+    // pipeline (Megatron's embedding group); within one stage they are one tensor.
+    if (cfg.tie_embeddings && !embedding_)
+      throw ConfigError(cfg.origin + ": tie_embeddings needs the embedding and the head on one stage; "
+                        "this range " + std::to_string(first_) + ":" + std::to_string(last_) + " has only the head");
+    auto h = std::make_unique<Head>(b, s_, cfg, embedding_ ? &embedding_->wte() : nullptr);
+    head_ = h.get();
+    blocks_.push_back(std::move(h));
+  }
+}
+
+Model::~Model() = default;
+
+void Model::init_parameters(std::uint64_t seed) {
+  for (auto& blk : blocks_) blk->init_parameters(seed);
+}
+
+void Model::zero_grad() {
+  for (auto& p : parameters()) b_.fill_zero(s_, p.grad);
+}
+
+std::vector<MoEImpl*> Model::moe_layers() {
+  std::vector<MoEImpl*> v;
+  for (auto& blk : blocks_)
+    if (auto* f = dynamic_cast<FfnBlock*>(blk.get()); f && f->moe()) v.push_back(f->moe());
+  return v;
+}
+
+std::vector<Param> Model::parameters() {
+  std::vector<Param*> ps;
+  for (auto& blk : blocks_) blk->collect(ps);
+  std::vector<Param> out;
+  for (auto* p : ps) out.push_back(*p);
+  int layer = first_;
+  for (auto& blk : blocks_) {
+    auto* f = dynamic_cast<FfnBlock*>(blk.get());
+    if (!f) continue;
+    if (MoEImpl* m = f->moe()) {
+      const std::string pre = "layer" + std::to_string(layer) + ".moe.";
+      MoEParams& v = m->params();
+      MoEParams& g = m->grads();
+      out.push_back({pre + "w_gate", v.w_gate, g.w_gate, true});
+      if (v.w_noise.defined()) out.push_back({pre + "w_noise", v.w_noise, g.w_noise, true});
+      out.push_back({pre + "w1", v.w1, g.w1, false});
+      out.push_back({pre + "w2", v.w2, g.w2, false});
+    }
+    ++layer;
+  }
+  return out;
+}
+
+Forwarded Model::forward(const Batch& batch, const WorkKey& key) {
+  auto sv = std::make_unique<ModelSaved>(key);
+  Tensor h = batch.input;
+  const std::int64_t T = h.dim(0);
+  int layer = first_;
+  for (auto& blk : blocks_) {
+    WorkKey k = key;
+    k.layer = layer;
+    if (blk.get() == head_) head_->set_targets(batch.targets, batch.loss_scale);
+    auto* ffn = dynamic_cast<FfnBlock*>(blk.get());
+    // The MoE auxiliary loss enters the objective once per microbatch, weighted like the
+    // microbatch's share of the step's tokens: dL/d aux = coef · T · loss_scale.
+    if (ffn) ffn->set_aux_grad_scale(static_cast<float>(T) * batch.loss_scale);
+    Forwarded f = blk->forward(h, k);
+    h = f.y;
+    sv->blocks.push_back(std::move(f.saved));
+    if (ffn) ++layer;
+  }
+  if (head_) {
+    sv->losses = h;
+    sv->targets = batch.targets;
+  }
+  return {h, std::move(sv)};
+}
+
+Tensor Model::backward_input(Saved& saved, const Tensor& dy) {
+  auto& sv = saved_as<ModelSaved>(saved, "model");
+  MOELAB_CHECK(sv.blocks.size() == blocks_.size(), "model backward: the saved state is spent");
+  Tensor g = dy;
+  for (std::size_t i = blocks_.size(); i-- > 0;) g = blocks_[i]->backward_input(*sv.blocks[i], g);
+  sv.input_done = true;
+  return g;
+}
+
+void Model::backward_weight(Saved& saved) {
+  auto& sv = saved_as<ModelSaved>(saved, "model");
+  MOELAB_CHECK(sv.input_done && sv.blocks.size() == blocks_.size(), "model backward_weight before backward_input");
+  for (std::size_t i = blocks_.size(); i-- > 0;) {
+    blocks_[i]->backward_weight(*sv.blocks[i]);
+    sv.blocks[i].reset();
+  }
+  sv.weight_done = true;
+}
+
+double Model::loss(const Saved& saved) {
+  const auto* sv = dynamic_cast<const ModelSaved*>(&saved);
+  MOELAB_CHECK(sv != nullptr && head_ != nullptr, "Model::loss: only the stage with the head has a loss");
+  if (!b_.has_data()) return 0.0;
+  const auto losses = b_.download(sv->losses);
+  const auto targets = b_.download_i32(sv->targets);
+  double sum = 0.0;
+  std::int64_t counted = 0;
+  for (std::size_t t = 0; t < losses.size(); ++t)
+    if (targets[t] >= 0) {
+      sum += losses[t];
+      ++counted;
+    }
+  return counted ? sum / static_cast<double>(counted) : 0.0;
+}
+
+double Model::aux_loss(Saved& saved) {
+  auto& sv = saved_as<ModelSaved>(saved, "model");
+  double sum = 0.0;
+  for (std::size_t i = 0; i < blocks_.size(); ++i)
+    if (auto* f = dynamic_cast<FfnBlock*>(blocks_[i].get()); f && f->moe() && sv.blocks[i])
+      sum += f->aux_loss(*sv.blocks[i]);
+  return sum;
+}
+
+void Model::all_reduce_gradients(Communicator& dp) {
+  if (dp.size() == 1) return;
+  for (auto& p : parameters())
+    if (p.replicated) dp.all_reduce(s_, p.grad);
+}
+
+double Model::model_flops(std::int64_t tokens) const {
+  // Matmul parameters a token meets (embedding lookups are not matmuls), times 6 for forward
+  // (2) and backward (4); attention's score and value products add 6·2·S·Hq·D per token and
+  // layer (PaLM, Chowdhery et al. 2022, App. B: 6N + 12·L·H·Q·T, no causal discount).
+  const double M = static_cast<double>(cfg_.d_model), D = cfg_.head_dim();
+  const double Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads, S = static_cast<double>(cfg_.seq_len);
+  const double f1 = cfg_.mlp == MlpKind::swiglu ? 2.0 : 1.0;
+  double per_token = 0.0;
+  for (int l = first_; l < last_; ++l) {
+    per_token += M * (Hq + 2 * Hkv) * D + Hq * D * M;  // qkv, out
+    per_token += 2.0 * S * Hq * D;                     // scores and values: 12·S·Hq·D FLOPs = 6 × this
+    if (cfg_.is_moe(l)) {
+      const double H = static_cast<double>(cfg_.moe.d_hidden), E = static_cast<double>(cfg_.moe.num_experts);
+      per_token += M * E + cfg_.moe.top_k * 2.0 * M * H;  // gate; FC1 and FC2 of each chosen expert
+      if (cfg_.shared_expert_hidden > 0)
+        per_token += f1 * M * static_cast<double>(cfg_.shared_expert_hidden) + static_cast<double>(cfg_.shared_expert_hidden) * M;
+    } else {
+      per_token += f1 * M * static_cast<double>(cfg_.d_ffn) + static_cast<double>(cfg_.d_ffn) * M;
+    }
+  }
+  if (head_) per_token += M * static_cast<double>(cfg_.vocab_size);
+  return 6.0 * per_token * static_cast<double>(tokens);
+}
+
+// ---- optimizer -----------------------------------------------------------------------------
+
+OptimizerKind parse_optimizer(const std::string& s) {
+  if (s == "adam" || s == "adamw") return OptimizerKind::adam;
+  if (s == "sgd") return OptimizerKind::sgd;
+  throw ConfigError("unknown optimizer \"" + s + "\" (expected adam or sgd)");
+}
+
+Optimizer::Optimizer(Backend& b, Stream& s, std::vector<Param> params, const OptimizerConfig& cfg)
+    : b_(b), s_(s), cfg_(cfg) {
+  for (auto& p : params) {
+    Slot sl;
+    sl.p = p;
+    const std::vector<std::int64_t> flat{p.value.numel()};
+    if (p.value.dtype() != DType::f32) {
+      sl.master = b.empty(flat, DType::f32, MemCategory::optimizer, s);
+      b.copy(s, p.value.reshape(flat), sl.master);
+    }
+    if (cfg.kind == OptimizerKind::adam) {
+      sl.m = b.empty(flat, DType::f32, MemCategory::optimizer, s);
+      sl.v = b.empty(flat, DType::f32, MemCategory::optimizer, s);
+      b.fill_zero(s, sl.m);
+      b.fill_zero(s, sl.v);
+    }
+    slots_.push_back(std::move(sl));
+  }
+}
+
+void Optimizer::step() {
+  ++t_;
+  PhaseScope ph(b_, "optimizer");
+  for (auto& sl : slots_) {
+    const std::vector<std::int64_t> flat{sl.p.value.numel()};
+    OptimizerStep o;
+    o.kind = cfg_.kind;
+    o.param = sl.p.value.reshape(flat);
+    o.grad = sl.p.grad.reshape(flat);
+    o.master = sl.master;
+    o.m = sl.m;
+    o.v = sl.v;
+    o.lr = cfg_.lr;
+    o.beta1 = cfg_.beta1;
+    o.beta2 = cfg_.beta2;
+    o.eps = cfg_.eps;
+    o.weight_decay = cfg_.weight_decay;
+    o.step = t_;
+    b_.optimizer_step(s_, o);
+  }
+}
+
+}  // namespace moelab

@@ -1,0 +1,120 @@
+// harness/nn/model.hpp — a transformer built from a model file (harness/config/model.hpp),
+// or a contiguous range of its layers (a pipeline stage), with any number of microbatches in
+// flight, and the optimizer that trains it.
+//
+//   Model model(backend, ep_comm, cfg, {.impl = "fastmoe"});
+//   model.init_parameters(seed);
+//   Forwarded f = model.forward(batch, key);     // batch: ids (first stage) or [T,M]; targets
+//   Tensor dx = model.backward_input(*f.saved, dy);  // dy unused on the last stage
+//   model.backward_weight(*f.saved);
+//
+// Layers [first, last) of the model: the stage holding layer 0 starts with the embedding, the
+// one holding the last layer ends with the head (final norm, LM head, loss). Each transformer
+// layer is an AttentionBlock and an FfnBlock (dense MLP, or MoE where cfg.is_moe(layer)).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "harness/comm/communicator.hpp"
+#include "harness/config/model.hpp"
+#include "harness/nn/blocks.hpp"
+
+namespace moelab {
+
+struct ModelOptions {
+  std::string impl = "fastmoe";                  // the MoE layers' implementation (moelab list)
+  nlohmann::json impl_options = nlohmann::json::object();
+  int first_layer = 0, last_layer = -1;          // [first, last); -1: to the end
+  float aux_loss_coef = 0.01f;                   // Switch Transformer's alpha (Fedus et al. 2022, §2.2)
+};
+
+// One microbatch's input: token ids [T] int32 (a stage with the embedding) or activations
+// [T,M]; targets [T] int32 on the last stage. Gradients are scaled by loss_scale (1/tokens of
+// the whole step for a mean over it).
+struct Batch {
+  Tensor input;
+  Tensor targets;
+  float loss_scale = 1.0f;
+};
+
+class Model {
+ public:
+  Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const ModelOptions& opt = {});
+  ~Model();
+
+  void init_parameters(std::uint64_t seed);
+  void zero_grad();
+
+  Forwarded forward(const Batch& batch, const WorkKey& key);
+  Tensor backward_input(Saved& saved, const Tensor& dy);
+  void backward_weight(Saved& saved);
+  // The microbatch's mean cross-entropy over its counted targets, and its summed auxiliary
+  // loss over MoE layers (host values; synchronises). Last stage only for the loss.
+  double loss(const Saved& saved);
+  double aux_loss(Saved& saved);
+
+  // Every parameter, named; the MoE layers' gate weights count as replicated, their
+  // experts as sharded over the expert-parallel group.
+  std::vector<Param> parameters();
+  // Sum the replicated parameters' gradients over `dp` (data parallelism: every rank saw
+  // other tokens). One all-reduce per parameter, on the compute stream.
+  void all_reduce_gradients(Communicator& dp);
+
+  const TransformerConfig& config() const { return cfg_; }
+  bool has_embedding() const { return embedding_ != nullptr; }
+  bool has_head() const { return head_ != nullptr; }
+  int first_layer() const { return first_; }
+  int last_layer() const { return last_; }
+  const std::vector<std::unique_ptr<Block>>& blocks() const { return blocks_; }
+  // The MoE layers' implementations (for reports and the bare-GEMM yardstick).
+  std::vector<MoEImpl*> moe_layers();
+  Stream& stream() { return s_; }
+  // Model FLOPs of one forward + backward of `tokens` tokens through this range: 6·N·T for the
+  // matmul parameters active per token plus attention's 12·L·S·M-style term (Narayanan et al.
+  // 2021, App. / PaLM's MFU definition): the numerator of model FLOPs utilisation.
+  double model_flops(std::int64_t tokens) const;
+
+ private:
+  Backend& b_;
+  Communicator& ep_;
+  TransformerConfig cfg_;
+  ModelOptions opt_;
+  Stream& s_;
+  int first_ = 0, last_ = 0;
+  Embedding* embedding_ = nullptr;
+  Head* head_ = nullptr;
+  std::vector<std::unique_ptr<Block>> blocks_;  // in order: [embedding] (attention, ffn)* [head]
+};
+
+// Adam or SGD over a model's parameters: fp32 master weights (for parameters that are not
+// fp32) and Adam's two moments live under MemCategory::optimizer.
+struct OptimizerConfig {
+  OptimizerKind kind = OptimizerKind::adam;
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.0f;
+};
+
+class Optimizer {
+ public:
+  Optimizer(Backend& b, Stream& s, std::vector<Param> params, const OptimizerConfig& cfg);
+  void step();  // one update of every parameter (asynchronous, on the stream)
+  std::int64_t steps() const { return t_; }
+
+ private:
+  struct Slot {
+    Param p;
+    Tensor master, m, v;
+  };
+  Backend& b_;
+  Stream& s_;
+  OptimizerConfig cfg_;
+  std::vector<Slot> slots_;
+  std::int64_t t_ = 0;
+};
+
+OptimizerKind parse_optimizer(const std::string& s);  // "adam" | "sgd"; throws ConfigError
+
+}  // namespace moelab
