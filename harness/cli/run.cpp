@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <string>
@@ -37,12 +38,14 @@
 #include "harness/comm/world.hpp"
 #include "harness/config/workload.hpp"
 #include "harness/metrics/results.hpp"
+#include "harness/metrics/run_figures.hpp"
 #include "harness/metrics/overlap.hpp"
 #include "harness/metrics/trace.hpp"
 #include "harness/nn/moe_impl.hpp"
 #include "harness/runtime/error.hpp"
 #include "harness/runtime/random.hpp"
 #include "harness/backends/sim/sim_backend.hpp"
+#include "harness/cli/run_common.hpp"
 #include "harness/sim/cluster.hpp"
 
 namespace moelab::cli {
@@ -78,8 +81,9 @@ void print_run_help(std::FILE* to) {
 
 namespace {
 
-constexpr double kMiB = 1024.0 * 1024.0;
 const char* const kPhases[] = {"gate", "dispatch", "experts", "combine"};
+
+}  // namespace
 
 std::string strf(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 std::string strf(const char* fmt, ...) {
@@ -97,14 +101,17 @@ std::string strf(const char* fmt, ...) {
 
 // ---- 1. the user's input ----------------------------------------------------------------
 
-struct RunOptions {
-  std::string workload, impl, backend, out, trace;
-  std::string cluster, profile, routing = "uniform", record_routing;  // sim; trace recorder
-  nlohmann::json impl_options = nlohmann::json::object();
-  int steps = 0;  // 0: the workload's
-  int ranks = 0;  // sim: 0 = every GPU of the cluster
-  bool help = false;
-};
+namespace {
+std::int64_t integer_flag(const std::string& flag, const std::string& v, std::int64_t lo, std::int64_t hi) {
+  char* end = nullptr;
+  errno = 0;
+  const long long n = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || errno || *end || n < lo || n > hi)
+    throw ConfigError(flag + " = \"" + v + "\": expected an integer from " + std::to_string(lo) + " to " +
+                      std::to_string(hi));
+  return n;
+}
+}  // namespace
 
 RunOptions parse_run_options(const std::vector<std::string>& args) {
   RunOptions o;
@@ -159,35 +166,69 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       }
       if (!o.impl_options.is_object()) throw ConfigError("--impl-options '" + v + "': expected a JSON object");
     }
-    else if (flag == "--ranks") {
+    else if (flag == "--ranks")
+      o.ranks = static_cast<int>(integer_flag(flag, take(), 1, 1000000));
+    else if (flag == "--steps")
+      o.steps = static_cast<int>(integer_flag(flag, take(), 1, 1000000));
+    else if (flag == "--model")
+      o.model = take();
+    else if (flag == "--model-override") {
+      const std::string v = take();
+      try {
+        o.model_override = nlohmann::json::parse(v);
+      } catch (const nlohmann::json::exception&) {
+        throw ConfigError("--model-override: malformed JSON (expected an object such as '{\"num_layers\": 4}')");
+      }
+      if (!o.model_override.is_object()) throw ConfigError("--model-override: expected a JSON object");
+    } else if (flag == "--layers") {
+      const std::string v = take();
+      const auto colon = v.find(':');
+      if (colon == std::string::npos) throw ConfigError("--layers = \"" + v + "\": expected A:B (layers A to B-1)");
+      o.first_layer = static_cast<int>(integer_flag(flag, v.substr(0, colon), 0, 1 << 20));
+      o.last_layer = static_cast<int>(integer_flag(flag, v.substr(colon + 1), 1, 1 << 20));
+      if (o.first_layer >= o.last_layer) throw ConfigError("--layers = \"" + v + "\": A must be below B");
+    } else if (flag == "--micro-batch")
+      o.micro_batch = integer_flag(flag, take(), 1, 1 << 20);
+    else if (flag == "--microbatches")
+      o.microbatches = static_cast<int>(integer_flag(flag, take(), 1, 1 << 16));
+    else if (flag == "--warmup")
+      o.warmup = static_cast<int>(integer_flag(flag, take(), 0, 1000000));
+    else if (flag == "--seed")
+      o.seed = static_cast<std::uint64_t>(integer_flag(flag, take(), 0, std::numeric_limits<std::int64_t>::max()));
+    else if (flag == "--optimizer") {
+      o.optimizer = take();
+      if (o.optimizer != "adam" && o.optimizer != "sgd" && o.optimizer != "none")
+        throw ConfigError("--optimizer = \"" + o.optimizer + "\": expected adam, sgd or none");
+    } else if (flag == "--lr") {
       const std::string v = take();
       char* end = nullptr;
       errno = 0;
-      const long n = std::strtol(v.c_str(), &end, 10);
-      if (errno || *end || n < 1 || n > 1000000) throw ConfigError("--ranks = \"" + v + "\": expected a positive integer");
-      o.ranks = static_cast<int>(n);
-    }
-    else if (flag == "--steps") {
-      const std::string v = take();
-      char* end = nullptr;
-      errno = 0;
-      const long n = std::strtol(v.c_str(), &end, 10);
-      if (errno || *end || n < 1 || n > 1000000)
-        throw ConfigError("--steps = \"" + v + "\": expected a positive integer (at most 1000000)");
-      o.steps = static_cast<int>(n);
+      o.lr = std::strtod(v.c_str(), &end);
+      if (errno || *end || !(o.lr > 0) || o.lr > 10) throw ConfigError("--lr = \"" + v + "\": expected a number in (0, 10]");
     } else {
       throw ConfigError("unknown option \"" + args[i] + "\" for moelab run (see moelab run --help)");
     }
   }
   if (o.help) return o;
-  if (o.workload.empty()) throw ConfigError("missing --workload FILE (e.g. experiments/workloads/tiny.json)");
+  if (!o.workload.empty() && !o.model.empty())
+    throw ConfigError("--workload (one MoE layer) and --model (a whole model) exclude each other");
+  if (o.workload.empty() && o.model.empty())
+    throw ConfigError("missing --workload FILE (one MoE layer, e.g. experiments/workloads/tiny.json) or --model FILE "
+                      "(e.g. experiments/models/tiny-moe.json)");
+  const bool model_only = !o.model_override.empty() || o.first_layer != 0 || o.last_layer != -1 || o.micro_batch != 1 ||
+                          o.microbatches != 1 || o.warmup != -1 || o.seed != 1 || o.optimizer != "adam" || o.lr != 1e-3;
+  if (!o.workload.empty() && model_only)
+    throw ConfigError("--model-override, --layers, --micro-batch, --microbatches, --warmup, --seed, --optimizer and --lr "
+                      "apply to --model runs (a workload file sets its own)");
+  if (!o.model.empty() && !o.record_routing.empty())
+    throw ConfigError("--record-routing applies to --workload runs");
   if (o.impl.empty()) throw ConfigError("missing --impl NAME (moelab list shows the implementations)");
   if (o.backend.empty()) throw ConfigError("missing --backend cpu|cuda|sim");
   if (o.backend == "sim" && o.cluster.empty())
     throw ConfigError("--backend sim needs --cluster NAME (moelab list shows the cluster models)");
   if (o.backend != "sim" && (!o.cluster.empty() || !o.profile.empty() || o.ranks > 0 || o.routing != "uniform"))
     throw ConfigError("--cluster, --profile, --routing and --ranks apply to --backend sim only");
-  if (o.out.empty()) o.out = "results/run-" + o.impl + "-" + o.backend + ".json";
+  if (o.out.empty()) o.out = "results/run-" + std::string(o.model.empty() ? "" : "model-") + o.impl + "-" + o.backend + ".json";
   if (!o.trace.empty() &&
       std::filesystem::path(o.trace).lexically_normal() == std::filesystem::path(o.out).lexically_normal())
     throw ConfigError("--trace and --out name the same file " + o.out);
@@ -227,6 +268,7 @@ void agree_on_errors(Communicator& comm, const std::string& local_error) {
 
 // ---- 2. inputs ---------------------------------------------------------------------------
 
+namespace {
 // [T,M], U(-1,1), a deterministic function of (seed, rank, key) whatever the backend.
 Tensor random_tokens(Backend& b, const WorkloadConfig& w, int rank, std::uint64_t key) {
   Tensor t = b.empty({w.tokens_per_rank, w.model.d_model}, w.model.dtype, MemCategory::activations, b.default_stream());
@@ -237,85 +279,25 @@ Tensor random_tokens(Backend& b, const WorkloadConfig& w, int rank, std::uint64_
   b.upload(host, t);
   return t;
 }
+}  // namespace
 
-// ---- 4. what one rank measured -------------------------------------------------------------
-
-json category_bytes(const CategoryBytes& b) {
-  json j = json::object();
+// "activations 12.0, buffers 3.5" (MiB), the categories in use.
+std::string category_list(const CategoryBytes& b) {
+  std::string cats;
   for (int c = 0; c < kNumMemCategories; ++c)
-    j[category_name(static_cast<MemCategory>(c))] = b[static_cast<std::size_t>(c)];
-  return j;
+    if (b[static_cast<std::size_t>(c)] > 0)
+      cats += strf("%s%s %.1f", cats.empty() ? "" : ", ", category_name(static_cast<MemCategory>(c)),
+                   static_cast<double>(b[static_cast<std::size_t>(c)]) / kMiB);
+  return cats;
 }
 
-// Phase time = summed duration of the phase's ops over every stream, per step. Phases that
-// overlap on different streams can therefore add up to more than the step: that is the
-// overlap the schedules are after.
-json timeline_figures(const std::vector<OpRecord>& ops, int steps) {
-  std::map<std::string, double> phases;
-  for (const char* p : kPhases) phases[p] = 0.0;
-  std::map<int, std::string> stream_names;
-  std::map<std::string, int> name_uses;
-  for (const auto& op : ops)
-    if (stream_names.emplace(op.stream_id, op.stream_name).second) ++name_uses[op.stream_name];
-  std::map<std::string, double> streams;
-  double expert_flops = 0.0, expert_gemm_s = 0.0;
-  for (const auto& op : ops) {
-    const double d = op.end - op.start;
-    phases[op.phase] += d;
-    const std::string key =
-        name_uses[op.stream_name] > 1 ? op.stream_name + "#" + std::to_string(op.stream_id) : op.stream_name;
-    streams[key] += d;
-    if (op.phase == "experts" && op.cost.kind == OpKind::gemm) {
-      expert_flops += op.cost.flops;
-      expert_gemm_s += d;
-    }
-  }
-  const double n = static_cast<double>(steps);
-  json j;
-  j["phases_s"] = json::object();
-  for (const auto& [k, v] : phases) j["phases_s"][k] = v / n;
-  j["stream_busy_s"] = json::object();
-  for (const auto& [k, v] : streams) j["stream_busy_s"][k] = v / n;
-  j["expert_flops"] = expert_flops / n;
-  j["expert_gemm_s"] = expert_gemm_s / n;
-  const OverlapFigures o = overlap_figures(ops);
-  j["compute_busy_s"] = o.compute_busy / n;
-  j["comm_s"] = o.comm_time / n;
-  j["hidden_comm_s"] = o.hidden_comm / n;
-  j["copy_s"] = o.copy_time / n;
-  return j;
-}
-
-std::string gemm_library(Backend& b) {
+std::string gemm_library(const Backend& b) {
   if (b.name() == "cuda") return "cuBLAS";
   if (b.name() == "sim") return "GEMM (cost model)";
   if (b.name() == "cpu")
     return b.device_name().find("OpenBLAS") != std::string::npos ? "cblas_sgemm" : "cpu_sgemm (no BLAS)";
   return b.name() + " GEMM";
 }
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-double max_over(const std::vector<json>& ranks, const char* group, const std::string& key) {
-  double m = 0.0;
-  for (const auto& r : ranks)
-    if (r[group].contains(key)) m = std::max(m, r[group][key].get<double>());
-  return m;
-}
-
-}  // namespace
-
-// What the run is on: for sim, the cluster model and calibration; the result records it.
-struct Platform {
-  json cluster = nullptr;      // sim: the cluster model
-  std::string calibration;     // sim: profile name or "datasheet"
-  std::string routing;         // sim: the routing model
-};
 
 int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const WorkloadConfig& w, const Platform& platform);
 
@@ -325,6 +307,7 @@ int run_command(const std::vector<std::string>& args) {
     if (world_rank() == 0) print_run_help(stdout);
     return 0;
   }
+  if (!opt.model.empty()) throw Unsupported("--model runs are not built into this binary");
   const int rank = world_rank(), world = world_size();
 
   // ---- 1. validation: nothing below this block writes a file or starts work unless all of
@@ -429,28 +412,22 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
     }
 
     // ---- 4. what this rank measured (memory first: the yardstick allocates) ----------------
-    const auto& mem = backend->memory();
-    const std::vector<MemSample> mem_samples = mem.timeline();
+    const std::vector<MemSample> mem_samples = backend->memory().timeline();
     std::vector<OpRecord> ops = backend->timeline();
-    json local = timeline_figures(ops, w.steps);
-    local["device"] = backend->device_name();
-    local["step_s"] = step_s;
-    local["peak_device"] = mem.peak_device();
-    local["at_peak"] = category_bytes(mem.at_peak());
-    local["peak_per_category"] = category_bytes(mem.peak_per_category());
-    if (const auto pool = backend->device_pool_peak())
-      local["pool"] = {{"used_high", pool->used_high}, {"reserved_high", pool->reserved_high}};
+    RankFigures local;
+    add_timeline_figures(local, ops, w.steps, {std::begin(kPhases), std::end(kPhases)});
+    add_memory_figures(local, *backend);
+    local.device = backend->device_name();
+    local.step_s = step_s;
     const RoutingStats& routing = impl->routing();
-    local["dropped"] = routing.dropped;
-    local["capacity"] = routing.capacity;
-    local["recv_per_local"] = routing.recv_per_local;
-    local["routed"] = routed;
-    const std::vector<GemmProblem> gemms = impl->expert_gemms();
-    local["bare_gemm_s"] = backend->time_bare_gemms(gemms, 5);
+    local.dropped = routing.dropped;
+    local.capacity = routing.capacity;
+    local.recv_per_local = routing.recv_per_local;
+    local.routed = routed;
+    local.bare_gemm_s = backend->time_bare_gemms(impl->expert_gemms(), 5);
 
-    std::vector<json> ranks;
-    for (const auto& s : comm->all_gather_strings(local.dump(-1, ' ', false, json::error_handler_t::replace)))
-      ranks.push_back(json::parse(s));
+    std::vector<RankFigures> ranks;
+    for (const auto& s : comm->all_gather_strings(local.encode())) ranks.push_back(RankFigures::decode(s));
 
     json trace;
     if (!opt.trace.empty()) {
@@ -470,71 +447,15 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
     }
     if (rank != 0) return 0;
 
-    // ---- the slowest rank's figures ---------------------------------------------------------
-    std::vector<double> steps_max(static_cast<std::size_t>(w.steps), 0.0);
-    for (const auto& r : ranks)
-      for (std::size_t i = 0; i < steps_max.size(); ++i)
-        steps_max[i] = std::max(steps_max[i], r["step_s"][i].get<double>());
-    const double step_med = median(steps_max);
-    const double step_mean = std::accumulate(steps_max.begin(), steps_max.end(), 0.0) / static_cast<double>(w.steps);
-    const double step_min = *std::min_element(steps_max.begin(), steps_max.end());
-    const double step_max = *std::max_element(steps_max.begin(), steps_max.end());
+    // ---- the run's figures: the slowest rank's step, the highest rank's memory -----------------
+    const RunFigures fig = aggregate(ranks);
+    const double step_med = fig.step_median;
     const double global_tokens = static_cast<double>(w.tokens_per_rank) * world;
     const double tokens_per_s = step_med > 0 ? global_tokens / step_med : 0.0;
-
-    json phases = json::object(), streams = json::object();
-    for (const auto& r : ranks) {
-      for (const auto& [k, v] : r["phases_s"].items()) phases[k] = max_over(ranks, "phases_s", k);
-      for (const auto& [k, v] : r["stream_busy_s"].items()) streams[k] = max_over(ranks, "stream_busy_s", k);
-    }
-    // Achieved TFLOP/s of one device: its experts' GEMM FLOPs over its experts phase time,
-    // averaged over the ranks; the same FLOPs over the GEMMs' own time show how much of the
-    // phase is not GEMM (activation, copies).
-    double tflops = 0.0, gemm_tflops = 0.0, expert_gemm_s = 0.0, bare_s = 0.0;
-    for (const auto& r : ranks) {
-      const double t = r["phases_s"]["experts"].get<double>(), tg = r["expert_gemm_s"].get<double>();
-      const double flops = r["expert_flops"].get<double>();
-      if (t > 0) tflops += flops / t / 1e12 / static_cast<double>(world);
-      if (tg > 0) gemm_tflops += flops / tg / 1e12 / static_cast<double>(world);
-      expert_gemm_s = std::max(expert_gemm_s, r["expert_gemm_s"].get<double>());
-      bare_s = std::max(bare_s, r["bare_gemm_s"].get<double>());
-    }
-    const double ratio = bare_s > 0 ? expert_gemm_s / bare_s : 0.0;
-
-    // Overlap: summed over ranks for the ratio; the slowest rank's for times.
-    double comm_sum = 0, hidden_sum = 0, comm_max = 0, compute_busy_min = 1e300, copy_max = 0;
-    for (const auto& r : ranks) {
-      comm_sum += r["comm_s"].get<double>();
-      hidden_sum += r["hidden_comm_s"].get<double>();
-      comm_max = std::max(comm_max, r["comm_s"].get<double>());
-      copy_max = std::max(copy_max, r["copy_s"].get<double>());
-      compute_busy_min = std::min(compute_busy_min, r["compute_busy_s"].get<double>());
-    }
-    const double overlap_ratio = comm_sum > 0 ? hidden_sum / comm_sum : 1.0;
-    const double exposed_comm = std::max(0.0, step_med - compute_busy_min);
-    double compute_busy_max = 0;
-    for (const auto& r : ranks) compute_busy_max = std::max(compute_busy_max, r["compute_busy_s"].get<double>());
-    const double overlap_limit = std::max(comm_max, compute_busy_max);
-
-    std::size_t peak_rank = 0;
-    for (std::size_t r = 1; r < ranks.size(); ++r)
-      if (ranks[r]["peak_device"].get<std::size_t>() > ranks[peak_rank]["peak_device"].get<std::size_t>())
-        peak_rank = r;
-    const json& pk = ranks[peak_rank];
-
-    std::int64_t dropped = 0;
-    json recv = json::array();
-    std::vector<std::string> devices;
-    for (const auto& r : ranks) {
-      dropped += r["dropped"].get<std::int64_t>();
-      for (const auto& v : r["recv_per_local"]) recv.push_back(v);
-      const auto d = r["device"].get<std::string>();
-      if (std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
-    }
-    std::string device;
-    for (const auto& d : devices) device += (device.empty() ? "" : " | ") + d;
-    const std::int64_t capacity = ranks[0]["capacity"].get<std::int64_t>();
+    const RankFigures& pk = ranks[fig.peak_rank];
+    const std::int64_t capacity = ranks[0].capacity;
     const std::string library = gemm_library(*backend);
+    const std::string& device = fig.device;
 
     // ---- 5. the table ------------------------------------------------------------------------
     const ModelConfig& m = w.model;
@@ -556,84 +477,43 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
                 static_cast<long long>(m.num_experts / world));
     std::printf("steps      %d timed after %d warm-up\n\n", w.steps, w.warmup);
     std::printf("tokens/s   %.0f\n", tokens_per_s);
-    std::printf("step       %.3f ms median, %.3f ms mean (min %.3f, max %.3f)%s\n\n", step_med * 1e3, step_mean * 1e3,
-                step_min * 1e3, step_max * 1e3, world > 1 ? ", slowest rank" : "");
+    std::printf("step       %.3f ms median, %.3f ms mean (min %.3f, max %.3f)%s\n\n", step_med * 1e3,
+                fig.step_mean * 1e3, fig.step_min * 1e3, fig.step_max * 1e3, world > 1 ? ", slowest rank" : "");
     std::printf("%-10s %10s %10s\n", "phase", "ms/step", "% of step");
     auto phase_row = [&](const std::string& p) {
-      const double t = phases.contains(p) ? phases[p].get<double>() : 0.0;
+      const auto it = fig.phases_s.find(p);
+      const double t = it == fig.phases_s.end() ? 0.0 : it->second;
       std::printf("%-10s %10.3f %9.1f%%\n", p.c_str(), t * 1e3, step_med > 0 ? 100.0 * t / step_med : 0.0);
     };
     for (const char* p : kPhases) phase_row(p);
-    for (const auto& [k, v] : phases.items())
+    for (const auto& [k, v] : fig.phases_s)
       if (std::find(std::begin(kPhases), std::end(kPhases), k) == std::end(kPhases)) phase_row(k);
     std::printf("(summed op time per phase over all streams; overlapping phases can exceed 100%%)\n\n");
-    std::printf("experts: %.3f ms of GEMMs vs bare %s %.3f ms for the same GEMMs (ratio %.2f)\n", expert_gemm_s * 1e3,
-                library.c_str(), bare_s * 1e3, ratio);
-    std::printf("expert TFLOP/s  %.3f per device over the experts phase, %.3f over its GEMMs\n", tflops, gemm_tflops);
+    std::printf("experts: %.3f ms of GEMMs vs bare %s %.3f ms for the same GEMMs (ratio %.2f)\n",
+                fig.expert_gemm_s * 1e3, library.c_str(), fig.bare_gemm_s * 1e3, fig.expert_vs_bare);
+    std::printf("expert TFLOP/s  %.3f per device over the experts phase, %.3f over its GEMMs\n", fig.expert_tflops,
+                fig.expert_gemm_tflops);
     std::printf("communication   %.3f ms/step, %.1f%% hidden behind compute; exposed %.3f ms (step - compute busy "
                 "%.3f ms); bound max(comm, compute) = %.3f ms, step at %.2fx of it\n",
-                comm_max * 1e3, 100.0 * overlap_ratio, exposed_comm * 1e3, compute_busy_min * 1e3, overlap_limit * 1e3,
-                overlap_limit > 0 ? step_med / overlap_limit : 0.0);
+                fig.comm_s * 1e3, 100.0 * fig.overlap_ratio, fig.exposed_comm_s * 1e3, fig.compute_busy_s * 1e3,
+                fig.overlap_limit_s * 1e3, fig.overlap_limit_s > 0 ? step_med / fig.overlap_limit_s : 0.0);
     std::string busy;
-    for (const auto& [k, v] : streams.items())
-      busy += strf("%s%s %.3f ms", busy.empty() ? "" : ", ", k.c_str(), v.get<double>() * 1e3);
+    for (const auto& [k, v] : fig.stream_busy_s)
+      busy += strf("%s%s %.3f ms", busy.empty() ? "" : ", ", k.c_str(), v * 1e3);
     std::printf("stream busy     %s\n", busy.c_str());
-    std::string cats;
-    for (const auto& [k, v] : pk["at_peak"].items())
-      if (v.get<std::size_t>() > 0)
-        cats +=
-            strf("%s%s %.1f", cats.empty() ? "" : ", ", k.c_str(), static_cast<double>(v.get<std::size_t>()) / kMiB);
-    std::printf("peak memory     %.1f MiB%s: %s MiB\n",
-                static_cast<double>(pk["peak_device"].get<std::size_t>()) / kMiB,
-                world > 1 ? strf(" (rank %zu, the highest)", peak_rank).c_str() : "", cats.c_str());
-    if (ranks[0].contains("pool")) {
-      std::uint64_t used = 0, held = 0;
-      for (const auto& r : ranks) {
-        used = std::max(used, r["pool"]["used_high"].get<std::uint64_t>());
-        held = std::max(held, r["pool"]["reserved_high"].get<std::uint64_t>());
-      }
+    std::printf("peak memory     %.1f MiB%s: %s MiB\n", static_cast<double>(pk.peak_device) / kMiB,
+                world > 1 ? strf(" (rank %zu, the highest)", fig.peak_rank).c_str() : "",
+                category_list(pk.at_peak).c_str());
+    if (fig.pool)
       std::printf("device pool     %.1f MiB in use at most, %.1f MiB held from the driver (cudaMallocAsync pool)\n",
-                  static_cast<double>(used) / kMiB, static_cast<double>(held) / kMiB);
-    }
+                  static_cast<double>(fig.pool->used_high) / kMiB, static_cast<double>(fig.pool->reserved_high) / kMiB);
     const double slots = global_tokens * m.top_k;
-    std::printf("routing         %lld of %.0f token-slots dropped (%s)\n", static_cast<long long>(dropped), slots,
+    std::printf("routing         %lld of %.0f token-slots dropped (%s)\n", static_cast<long long>(fig.dropped), slots,
                 capacity > 0 ? strf("capacity %lld per expert", static_cast<long long>(capacity)).c_str()
                              : "no capacity limit");
 
     // ---- the record ------------------------------------------------------------------------
-    json metrics;
-    metrics["step_time_s"] = {
-        {"median", step_med}, {"mean", step_mean}, {"min", step_min}, {"max", step_max}, {"all", steps_max}};
-    metrics["tokens_per_s"] = tokens_per_s;
-    metrics["phases_s"] = phases;
-    metrics["stream_busy_s"] = streams;
-    metrics["comm_s"] = comm_max;
-    metrics["compute_busy_s"] = compute_busy_min;
-    metrics["exposed_comm_s"] = exposed_comm;
-    metrics["overlap_ratio"] = overlap_ratio;
-    metrics["overlap_limit_s"] = overlap_limit;
-    metrics["host_copy_s"] = copy_max;
-    metrics["expert_tflops"] = tflops;
-    metrics["expert_gemm_tflops"] = gemm_tflops;
-    metrics["expert_gemm_s"] = expert_gemm_s;
-    metrics["bare_gemm_s"] = bare_s;
-    metrics["bare_gemm_library"] = library;
-    metrics["expert_vs_bare_ratio"] = ratio;
-    metrics["peak_memory_bytes"] = {{"device_total", pk["peak_device"]},
-                                    {"rank", peak_rank},
-                                    {"by_category_at_peak", pk["at_peak"]},
-                                    {"peak_per_category", pk["peak_per_category"]}};
-    // The device allocator's own high-water marks (cuda), the highest rank's.
-    if (ranks[0].contains("pool")) {
-      std::size_t pool_rank = 0;
-      for (std::size_t r = 1; r < ranks.size(); ++r)
-        if (ranks[r]["pool"]["used_high"].get<std::uint64_t>() > ranks[pool_rank]["pool"]["used_high"].get<std::uint64_t>())
-          pool_rank = r;
-      json pool = ranks[pool_rank]["pool"];
-      pool["rank"] = pool_rank;
-      metrics["peak_memory_bytes"]["device_pool"] = pool;
-    }
-    metrics["routing"] = {{"dropped", dropped}, {"capacity", capacity}, {"recv_per_local_expert", recv}};
+    json metrics = metrics_json(fig, ranks, tokens_per_s, library);
 
     json result;
     result["schema"] = "moelab.result/1";
@@ -656,8 +536,7 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
       // calls[call][rank][expert]: what the gate routed in each step (before capacity)
       std::vector<std::vector<std::vector<std::int64_t>>> calls(static_cast<std::size_t>(w.warmup + w.steps));
       for (const auto& r : ranks)
-        for (std::size_t i = 0; i < calls.size(); ++i)
-          calls[i].push_back(r["routed"][i].get<std::vector<std::int64_t>>());
+        for (std::size_t i = 0; i < calls.size(); ++i) calls[i].push_back(r.routed[i]);
       write_json_atomic(opt.record_routing, routing_trace_json(calls, to_json(w)));
       std::printf("routing trace   %s\n", opt.record_routing.c_str());
     }

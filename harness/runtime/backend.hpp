@@ -108,6 +108,7 @@ struct OptimizerStep {
 // sim: its cluster model (and calibration profile); cuda: the device's memory; cpu: nothing.
 struct MachineRates {
   double gemm_flops = 0;       // FLOP/s of the asked GEMM shape and dtype, alone on the device
+  double peak_flops = 0;       // the device's dense peak FLOP/s for that dtype (datasheet): MFU's denominator
   double a2a_bytes = 0;        // one rank's send bytes per second in an all-to-all over the world
   double host_copy_bytes = 0;  // pinned host <-> device, bytes/s per rank and direction
   double sigma = 0, mu = 0, eta = 0;  // interference: rate kept by compute / network / host copies

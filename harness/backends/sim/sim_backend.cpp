@@ -328,6 +328,7 @@ class SimBackendImpl final : public Backend {
     MachineRates r;
     const double secs = topo_.gemm_seconds(m, n, k, t, allow_tf32_);
     if (secs > 0) r.gemm_flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) / secs;
+    r.peak_flops = t == DType::f32 && allow_tf32_ ? cm.gpu.flops_tf32 : cm.peak_flops(t);
     const double world = c_.n, g = std::min(nd.gpus, c_.n);
     const bool pcie = nd.intra == "pcie";
     const double link = pcie ? nd.pcie_bw : nd.nvlink_bw;

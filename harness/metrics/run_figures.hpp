@@ -1,0 +1,75 @@
+// harness/metrics/run_figures.hpp — what one rank measured over a run's timed window, and
+// the figures of the whole run made from every rank's (the slowest rank's step, the
+// highest rank's memory, overlap summed over ranks). `moelab run` fills a RankFigures on
+// every rank, gathers them on rank 0 (encode/decode), aggregates, prints and records.
+// Definitions of each figure: docs/PERFORMANCE.md.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "harness/runtime/backend.hpp"
+
+namespace moelab {
+
+struct RankFigures {
+  std::string device;
+  std::vector<double> step_s;                    // each timed step
+  // Per step, from the timeline: summed op time per phase and per stream (phases that
+  // overlap on different streams can add up to more than the step).
+  std::map<std::string, double> phases_s;
+  std::map<std::string, double> stream_busy_s;
+  double expert_flops = 0, expert_gemm_s = 0;    // the experts' GEMMs
+  double compute_busy_s = 0, comm_s = 0, hidden_comm_s = 0, copy_s = 0;  // overlap.hpp
+  double flops = 0;                              // every op's FLOPs
+  // Memory over the window (the tracked allocator; the device pool where there is one).
+  std::size_t peak_device = 0;
+  CategoryBytes at_peak{}, peak_per_category{};
+  std::map<int, std::size_t> microbatch_at_peak;  // bytes each microbatch held at the peak
+  std::optional<Backend::DevicePoolPeak> pool;
+  // Routing of the MoE layers (summed over a model's MoE layers).
+  std::int64_t dropped = 0, capacity = 0;
+  std::vector<std::int64_t> recv_per_local;
+  std::vector<std::vector<std::int64_t>> routed;  // every gate call (--record-routing)
+  double bare_gemm_s = 0;                          // the experts' GEMMs issued bare
+
+  std::string encode() const;
+  static RankFigures decode(const std::string& s);
+};
+
+// Timeline part of a rank's figures (phases listed in `phases` appear even when empty).
+void add_timeline_figures(RankFigures& f, const std::vector<OpRecord>& ops, int steps,
+                          const std::vector<std::string>& phases);
+// Memory part, from the backend's tracker and pool.
+void add_memory_figures(RankFigures& f, const Backend& b);
+
+struct RunFigures {
+  std::vector<double> steps;  // per timed step, the slowest rank's time
+  double step_median = 0, step_mean = 0, step_min = 0, step_max = 0;
+  std::map<std::string, double> phases_s, stream_busy_s;  // the highest rank's
+  double expert_tflops = 0, expert_gemm_tflops = 0;       // averaged over ranks
+  double expert_gemm_s = 0, bare_gemm_s = 0, expert_vs_bare = 0;
+  double comm_s = 0, compute_busy_s = 0, exposed_comm_s = 0, overlap_ratio = 1, overlap_limit_s = 0, copy_s = 0;
+  double flops_per_rank_max = 0;
+  std::size_t peak_rank = 0;           // the rank with the highest device peak
+  std::optional<Backend::DevicePoolPeak> pool;  // the most any rank had in use, and held
+  std::size_t pool_rank = 0;                     // the rank with the most in use
+  std::int64_t dropped = 0;
+  std::vector<std::int64_t> recv_per_local;  // every rank's, in rank order
+  std::string device;                        // distinct device names joined by " | "
+};
+
+RunFigures aggregate(const std::vector<RankFigures>& ranks);
+
+// The record's "metrics" object for these figures (docs/RESULTS-SCHEMA.md).
+nlohmann::json metrics_json(const RunFigures& f, const std::vector<RankFigures>& ranks, double tokens_per_s,
+                            const std::string& gemm_library);
+nlohmann::json category_json(const CategoryBytes& b);
+
+double median(std::vector<double> v);
+
+}  // namespace moelab
