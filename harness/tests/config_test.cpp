@@ -6,7 +6,6 @@
 //   build/harness/tests/config_test --gtest_filter='BadWorkload*'
 #include <unistd.h>
 
-#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -23,47 +22,18 @@
 #include "harness/metrics/results.hpp"
 #include "harness/runtime/error.hpp"
 #include "harness/sim/cluster.hpp"
+#include "harness/tests/config_test_util.hpp"
 
 namespace moelab {
 namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-// A fresh folder per test, removed afterwards.
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    std::string name = std::string(info->test_suite_name()) + "_" + info->name();
-    for (auto& ch : name)
-      if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-    path_ = fs::temp_directory_path() / ("moelab_config_test_" + std::to_string(::getpid()) + "_" + name);
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::permissions(path_, fs::perms::owner_all, fs::perm_options::add, ec);
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-  std::string write(const std::string& name, const std::string& text) const {
-    std::ofstream(file(name)) << text;
-    return file(name);
-  }
-  // Files whose name has ".tmp." in it: what an interrupted atomic write would leave.
-  std::vector<std::string> temp_files() const {
-    std::vector<std::string> out;
-    for (const auto& e : fs::recursive_directory_iterator(path_))
-      if (e.path().filename().string().find(".tmp.") != std::string::npos) out.push_back(e.path().string());
-    return out;
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using test::BadCase;
+using test::error_of;
+using test::expect_contains;
+using test::expect_rejected;
+using test::TempDir;
 
 json valid_workload() {
   return json::parse(R"({
@@ -74,21 +44,6 @@ json valid_workload() {
                "renormalize": false, "dtype": "fp32" },
     "tokens_per_rank": 512, "steps": 3, "warmup": 1, "seed": 7, "expert_parallel": 0
   })");
-}
-
-// The ConfigError message of f, or a marker that none was thrown.
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ConfigError& e) {
-    return e.what();
-  }
-  return "<no ConfigError>";
-}
-
-void expect_contains(const std::string& msg, const std::vector<std::string>& parts) {
-  for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "expected \"" << p << "\" in: " << msg;
-  EXPECT_EQ(msg.find('\n'), std::string::npos) << "message is not one line: " << msg;
 }
 
 // ---- a valid file ---------------------------------------------------------------------------
@@ -212,24 +167,10 @@ TEST(Workload, ShippedWorkloadsLoad) {
 
 // ---- bad files: the message names the file, the field and the value --------------------------
 
-struct BadCase {
-  std::string name;                 // test name
-  std::function<void(json&)> edit;  // applied to valid_workload()
-  std::vector<std::string> expect;  // substrings of the message (besides the file name)
-};
-
-void PrintTo(const BadCase& c, std::ostream* os) { *os << c.name; }
-
 class BadWorkload : public ::testing::TestWithParam<BadCase> {};
 
 TEST_P(BadWorkload, IsRejectedNamingFieldAndValue) {
-  TempDir dir;
-  json j = valid_workload();
-  GetParam().edit(j);
-  const auto path = dir.write("bad.json", j.dump(2));
-  const std::string msg = error_of([&] { load_workload(path); });
-  expect_contains(msg, GetParam().expect);
-  EXPECT_EQ(msg.rfind(path + ": ", 0), 0u) << "message does not start with the file: " << msg;
+  expect_rejected(valid_workload(), GetParam(), [](const std::string& path) { load_workload(path); });
 }
 
 const BadCase kBadCases[] = {

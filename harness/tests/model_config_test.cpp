@@ -4,10 +4,7 @@
 //
 //   ctest --test-dir build -R model_config
 //   build/harness/tests/model_config_test --gtest_filter='BadModel*'
-#include <unistd.h>
-
 #include <algorithm>
-#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -18,56 +15,22 @@
 
 #include "harness/config/model.hpp"
 #include "harness/runtime/error.hpp"
+#include "harness/tests/config_test_util.hpp"
 
 namespace moelab {
 namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+using test::BadCase;
+using test::error_of;
+using test::expect_contains;
+using test::expect_rejected;
+using test::TempDir;
 
 const fs::path kModels = fs::path(__FILE__).parent_path() / ".." / ".." / "experiments" / "models";
 
 std::string model_path(const std::string& stem) { return (kModels / (stem + ".json")).string(); }
-
-// A fresh folder per test, removed afterwards.
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    std::string name = std::string(info->test_suite_name()) + "_" + info->name();
-    for (auto& ch : name)
-      if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-    path_ = fs::temp_directory_path() / ("moelab_model_test_" + std::to_string(::getpid()) + "_" + name);
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string write(const std::string& name, const std::string& text) const {
-    const std::string p = (path_ / name).string();
-    std::ofstream(p) << text;
-    return p;
-  }
-
- private:
-  fs::path path_;
-};
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ConfigError& e) {
-    return e.what();
-  }
-  return "<no ConfigError>";
-}
-
-void expect_contains(const std::string& msg, const std::vector<std::string>& parts) {
-  for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "expected \"" << p << "\" in: " << msg;
-  EXPECT_EQ(msg.find('\n'), std::string::npos) << "message is not one line: " << msg;
-}
 
 // tiny-moe as written in experiments/models/, so that the bad cases below edit one field of a
 // file that is otherwise valid.
@@ -244,24 +207,10 @@ TEST(Overrides, MessagesSayTheOverridesTookPart) {
 
 // ---- bad input: one line naming the file and the field --------------------------------------------
 
-struct BadCase {
-  std::string name;
-  std::function<void(json&)> edit;  // applied to tiny_moe()
-  std::vector<std::string> expect;
-};
-
-void PrintTo(const BadCase& c, std::ostream* os) { *os << c.name; }
-
 class BadModel : public ::testing::TestWithParam<BadCase> {};
 
 TEST_P(BadModel, IsRejectedNamingFieldAndValue) {
-  TempDir dir;
-  json j = tiny_moe();
-  GetParam().edit(j);
-  const auto path = dir.write("bad.json", j.dump(2));
-  const std::string msg = error_of([&] { load_transformer(path); });
-  expect_contains(msg, GetParam().expect);
-  EXPECT_EQ(msg.rfind(path + ": ", 0), 0u) << "message does not start with the file: " << msg;
+  expect_rejected(tiny_moe(), GetParam(), [](const std::string& path) { load_transformer(path); });
 }
 
 const BadCase kBadCases[] = {
