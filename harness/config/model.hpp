@@ -20,7 +20,8 @@
 // norm "layernorm", norm_eps 1e-5, mlp "gelu", positions "learned", rope_theta 10000 (only
 // with positions "rotary"), attention "causal", tie_embeddings true, dtype "fp32",
 // moe_layers "none". Checks: num_heads divides d_model, num_kv_heads divides num_heads,
-// head_dim even with rotary positions, top_k <= num_experts, and the bounds of
+// head_dim even with rotary positions, top_k <= num_experts, norm_eps in (0, 1], rope_theta
+// in (0, 1e12] (and only with rotary positions), and the bounds of
 // harness/config/limits.hpp (d_model <= 2^20, d_ffn and d_hidden <= 2^22, num_layers <=
 // 4096, vocab_size <= 2^24, seq_len <= 2^22, num_experts <= 2^16); every derived size (the
 // parameter counts, one layer's tensors for a batch) is computed in checked arithmetic and

@@ -160,6 +160,12 @@ void validate_for_world(const WorkloadConfig& w, int world_size) {
                        (world_size == 1 ? " rank was" : " ranks were") +
                        " launched (expert parallelism spans every rank: launch " + std::to_string(ep) +
                        " ranks, or set expert_parallel to 0)");
+  // Without a capacity limit one rank's experts may receive every rank's routed slots.
+  if (!(Checked(world_size) * w.tokens_per_rank * w.model.top_k * std::max(w.model.d_model, w.model.d_hidden)).ok())
+    fail(w.origin, "the rows one rank can receive, " + std::to_string(world_size) +
+                       " ranks × tokens_per_rank × model.top_k = " + std::to_string(world_size) + " × " +
+                       std::to_string(w.tokens_per_rank) + " × " + std::to_string(w.model.top_k) +
+                       ", times max(model.d_model, model.d_hidden) exceed 2^56 elements (see harness/config/limits.hpp)");
   if (w.model.num_experts % ep != 0) {
     std::string msg = "model.num_experts = " + std::to_string(w.model.num_experts) +
                       " is not divisible by the expert-parallel degree " + std::to_string(ep);

@@ -289,6 +289,20 @@ TEST(ValidateForWorld, MoreRanksThanExperts) {
                         "more ranks than experts", "at most 8 ranks"});
 }
 
+TEST(ValidateForWorld, RowsOneRankCanReceiveAreChecked) {
+  json j = valid_workload();
+  j["tokens_per_rank"] = 1 << 24;
+  j["model"]["num_experts"] = 1 << 16;
+  j["model"]["top_k"] = 64;
+  j["model"]["d_hidden"] = 1 << 22;
+  j["model"]["d_model"] = 1 << 10;
+  j["expert_parallel"] = 0;
+  const WorkloadConfig w = parse_workload(j, "w.json");  // 2^30 slots × 2^22 = 2^52 on one rank: accepted
+  EXPECT_NO_THROW(validate_for_world(w, 1));
+  expect_contains(error_of([&] { validate_for_world(w, 1 << 16); }),
+                  {"w.json: the rows one rank can receive, 65536 ranks × tokens_per_rank × model.top_k", "exceed 2^56"});
+}
+
 TEST(ValidateForWorld, ExpertParallelMustMatchTheLaunch) {
   const std::string msg = error_of([] { validate_for_world(workload_with(8, 4), 2); });
   expect_contains(msg, {"w.json: expert_parallel = 4 but 2 ranks were launched"});
