@@ -8,12 +8,15 @@
 // Exit status: 0 success; 2 bad input (a workload file, a flag, a request the backend cannot
 // serve), found before any work starts and with nothing written; 1 a failure during the run,
 // after which every rank is aborted (a rank left waiting in a collective would hang).
+#include <algorithm>
 #include <cstdio>
 #include <exception>
+#include <filesystem>
 #include <string>
 #include <vector>
 
 #include "harness/comm/world.hpp"
+#include "harness/config/model.hpp"
 #include "harness/nn/moe_impl.hpp"
 #include "harness/sim/cluster.hpp"
 #include "harness/runtime/error.hpp"
@@ -36,7 +39,8 @@ void print_help(std::FILE* to) {
       "commands:\n"
       "  run    run one workload with one implementation on one backend, print the per-phase\n"
       "         table and write the result file (JSON)\n"
-      "  list   the implementations and backends built into this binary\n"
+      "  list   the implementations, backends, cluster models and model files (with their\n"
+      "         parameter counts) this binary knows\n"
       "  calibrate  measure this device and write a profile for the sim backend\n"
       "\n"
       "`moelab <command> --help` shows a command's options. Several ranks (expert parallelism)\n"
@@ -46,7 +50,9 @@ void print_help(std::FILE* to) {
 
 int list_command(const std::vector<std::string>& args) {
   if (!args.empty() && (args[0] == "--help" || args[0] == "-h")) {
-    std::puts("usage: moelab list\n\nThe implementations (--impl) and backends (--backend) of this binary.");
+    std::puts(
+        "usage: moelab list\n\nThe implementations (--impl) and backends (--backend) of this binary, the cluster\n"
+        "models (--cluster) and the model files of experiments/models/ with their parameter counts.");
     return 0;
   }
   if (!args.empty()) throw ConfigError("moelab list takes no arguments, got \"" + args[0] + "\"");
@@ -75,6 +81,21 @@ int list_command(const std::vector<std::string>& args) {
   for (const auto& name : sim::cluster_names()) {
     const auto m = sim::load_cluster(name);
     std::printf("  %-12s %d x %s, %s\n", name.c_str(), m.world_size(), m.gpu.name.c_str(), m.description.c_str());
+  }
+  // Parameters as moelab builds the model (harness/config/model.hpp, ParamCounts).
+  const std::filesystem::path models = std::filesystem::path(sim::experiments_dir()) / "models";
+  std::vector<std::filesystem::path> files;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(models, ec), end; !ec && it != end; it.increment(ec))
+    if (it->path().extension() == ".json") files.push_back(it->path());
+  std::sort(files.begin(), files.end());
+  std::printf("models (%s), parameters:\n", models.string().c_str());
+  for (const auto& f : files) {
+    const ParamCounts p = load_transformer(f.string()).parameter_counts();
+    std::printf("  %-18s %11lld = embedding %lld + attention %lld + dense MLP %lld + experts %lld + gates %lld + norms %lld\n",
+                f.stem().string().c_str(), static_cast<long long>(p.total), static_cast<long long>(p.embedding),
+                static_cast<long long>(p.attention), static_cast<long long>(p.dense_mlp),
+                static_cast<long long>(p.experts), static_cast<long long>(p.gates), static_cast<long long>(p.norms));
   }
   return 0;
 }

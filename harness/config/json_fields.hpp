@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -31,12 +32,99 @@ using nlohmann::json;
   throw ConfigError(origin + ": " + msg);
 }
 
-// A value as it appears in the file (strings keep their quotes); long ones are cut so that
-// the message stays one readable line.
-inline std::string show(const json& v) {
-  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
-  if (s.size() > 60) s = s.substr(0, 57) + "...";
-  return s;
+// At most `max` bytes of s, not ending inside a UTF-8 sequence.
+inline std::string cut_utf8(const std::string& s, std::size_t max) {
+  if (s.size() <= max) return s;
+  std::size_t n = max;
+  while (n > 0 && (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) --n;  // s[n] continues a sequence
+  return s.substr(0, n);
+}
+
+// A value as it appears in the file (strings keep their quotes), cut to about `max`
+// characters so that a message stays one readable line. Written with an explicit stack and
+// stopped once the excerpt is long enough: a value nested thousands of levels deep (or a
+// 100 MB string) costs no more than a short one, and never recurses. Control characters are
+// escaped, so the excerpt has no line breaks.
+inline std::string show(const json& v, std::size_t max = 60) {
+  std::string out;
+  const auto scalar = [&](const json& x) {
+    if (x.is_string()) {  // cut before escaping: the dump of a long string is never built
+      const json cut = cut_utf8(x.get_ref<const std::string&>(), max + 1);
+      out += cut.dump(-1, ' ', false, json::error_handler_t::replace);
+    } else {
+      out += x.dump(-1, ' ', false, json::error_handler_t::replace);  // numbers, literals: short
+    }
+  };
+  struct Open {
+    const json* container;
+    json::const_iterator next;
+  };
+  std::vector<Open> open;  // at most max + 1 deep: each level writes a bracket
+  const auto start = [&](const json& x) {
+    if (x.is_object() || x.is_array()) {
+      out += x.is_object() ? '{' : '[';
+      open.push_back({&x, x.cbegin()});
+    } else {
+      scalar(x);
+    }
+  };
+  start(v);
+  while (!open.empty() && out.size() <= max) {
+    Open& top = open.back();
+    if (top.next == top.container->cend()) {
+      out += top.container->is_object() ? '}' : ']';
+      open.pop_back();
+      continue;
+    }
+    if (top.next != top.container->cbegin()) out += ',';
+    if (top.container->is_object())
+      out += json(cut_utf8(top.next.key(), max + 1)).dump(-1, ' ', false, json::error_handler_t::replace) + ':';
+    const json& child = *top.next;
+    ++top.next;
+    start(child);  // may grow `open`: `top` is not used after this
+  }
+  if (out.size() > max) out = cut_utf8(out, max > 3 ? max - 3 : 0) + "...";
+  return out;
+}
+
+// Raw text (a command-line value, a library's message) as one short line: control
+// characters written as \n, \t, \r or \u00XX, cut to about `max` bytes.
+inline std::string one_line(const std::string& text, std::size_t max = 60) {
+  std::string out;
+  for (const char ch : cut_utf8(text, max + 1)) {
+    const auto u = static_cast<unsigned char>(ch);
+    if (ch == '\n') {
+      out += "\\n";
+    } else if (ch == '\t') {
+      out += "\\t";
+    } else if (ch == '\r') {
+      out += "\\r";
+    } else if (u < 0x20 || u == 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(u));
+      out += buf;
+    } else {
+      out += ch;
+    }
+  }
+  if (out.size() > max || text.size() > max) out = cut_utf8(out, max > 3 ? max - 3 : 0) + "...";
+  return out;
+}
+
+// nlohmann's message without its "[json.exception.out_of_range.406] " prefix: the reader
+// wants what is wrong, not which exception class said so.
+inline std::string library_message(const json::exception& e) {
+  std::string what = e.what();
+  if (what.rfind("[json.exception.", 0) == 0)
+    if (const auto close = what.find("] "); close != std::string::npos) what = what.substr(close + 2);
+  return one_line(what, 200);
+}
+
+// 0.5, 1000, 1e+06: a bound as a person would write it.
+inline std::string number_text(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", x);
+  return buf;
 }
 
 // Named so that argument-dependent lookup cannot pick std::quoted instead.
@@ -175,8 +263,11 @@ class Fields {
     if (!v) return fallback;
     if (!v->is_string()) wrong_type(key, *v, "a string");
     const auto s = v->get<std::string>();
-    if (std::find(choices.begin(), choices.end(), s) == choices.end())
-      fail(origin_, path(key) + " = " + show(*v) + " is not one of " + join(choices));
+    if (std::find(choices.begin(), choices.end(), s) == choices.end()) {
+      std::string msg = path(key) + " = " + show(*v) + " is not one of " + join(choices);
+      if (const std::string best = closest(s, choices); !best.empty()) msg += " (did you mean " + quote(best) + "?)";
+      fail(origin_, msg);
+    }
     return s;
   }
 
@@ -199,26 +290,48 @@ class Fields {
 };
 
 // A parse error's position as nlohmann reports it ("parse error at line 3, column 5: ..."),
-// without the library's "[json.exception.parse_error.101]" prefix.
+// without the library's "[json.exception.parse_error.101]" prefix, on one short line (the
+// library quotes the last token read, which can be a whole 100 KB string).
 inline std::string describe_parse_error(const json::parse_error& e) {
   std::string what = e.what();
   const auto at = what.find("at line ");
-  if (at != std::string::npos) return "malformed JSON " + what.substr(at);
+  if (at != std::string::npos) return "malformed JSON " + one_line(what.substr(at), 200);
   const auto colon = what.find("parse error");
-  return "malformed JSON: " + (colon != std::string::npos ? what.substr(colon) : what);
+  return "malformed JSON: " + one_line(colon != std::string::npos ? what.substr(colon) : what, 200);
 }
 
-// Parses text (comments allowed), rejecting repeated keys with their path.
+// How deep arrays and objects may nest in an input file. moelab's files nest four levels at
+// most; the bound keeps every later walk over a parsed value (copies, comparisons, dumps,
+// which recurse) far from the stack's limit, whatever a file holds.
+constexpr std::size_t kMaxNesting = 64;
+
+// Parses text (comments allowed), rejecting repeated keys with their path and nesting deeper
+// than kMaxNesting. Every error of the JSON library (syntax, a number beyond a double's range
+// such as 1e999, ...) becomes a one-line ConfigError naming `origin` and, where the parser
+// was inside a field, the field's path.
 inline json parse_text(const std::string& text, const std::string& origin) {
   struct Level {
     std::set<std::string> keys;
-    std::string key;
+    std::string key;  // the field being read (objects)
   };
   std::vector<Level> stack;
+  // "model.capacity_factor": the fields the parser is inside (array levels add nothing).
+  const auto where = [&](std::size_t levels) {
+    std::string path;
+    for (std::size_t i = 0; i < levels && i < stack.size(); ++i)
+      if (!stack[i].key.empty()) path += (path.empty() ? "" : ".") + stack[i].key;
+    return path;
+  };
   json::parser_callback_t cb = [&](int, json::parse_event_t ev, json& parsed) {
     switch (ev) {
       case json::parse_event_t::object_start:
       case json::parse_event_t::array_start:
+        if (stack.size() >= kMaxNesting) {
+          const std::string path = where(stack.size());
+          fail(origin, (path.empty() ? std::string("the document") : quote(path)) +
+                           " nests arrays and objects more than " + std::to_string(kMaxNesting) +
+                           " levels deep (moelab's files need a few)");
+        }
         stack.emplace_back();
         break;
       case json::parse_event_t::object_end:
@@ -229,10 +342,8 @@ inline json parse_text(const std::string& text, const std::string& origin) {
         const auto key = parsed.get<std::string>();
         if (!stack.empty()) {
           if (!stack.back().keys.insert(key).second) {
-            std::string path;
-            for (std::size_t i = 0; i + 1 < stack.size(); ++i)
-              if (!stack[i].key.empty()) path += stack[i].key + ".";
-            fail(origin, "field " + quote(path + key) + " appears twice");
+            const std::string path = where(stack.size() - 1);
+            fail(origin, "field " + quote((path.empty() ? "" : path + ".") + key) + " appears twice");
           }
           stack.back().key = key;
         }
@@ -247,6 +358,21 @@ inline json parse_text(const std::string& text, const std::string& origin) {
     return json::parse(text, cb, /*allow_exceptions=*/true, /*ignore_comments=*/true);
   } catch (const json::parse_error& e) {
     fail(origin, describe_parse_error(e));
+  } catch (const json::exception& e) {  // out_of_range.406: a number too large for a double
+    const std::string path = where(stack.size());
+    fail(origin, (path.empty() ? "" : path + ": ") + library_message(e));
+  }
+}
+
+// Runs `read` (which parses and checks one input file) and turns any error of the JSON
+// library that escapes the field readers into a ConfigError naming the file: bad input must
+// never surface as the library's bare exception (exit 1, no file named).
+template <class Read>
+auto reading(const std::string& origin, Read&& read) -> decltype(read()) {
+  try {
+    return read();
+  } catch (const json::exception& e) {
+    fail(origin, library_message(e));
   }
 }
 
@@ -261,5 +387,68 @@ inline json read_file(const std::string& path, const std::string& what) {
   if (in.bad()) fail(path, "cannot read " + what + ": " + std::strerror(errno));
   return parse_text(text.str(), path);
 }
+
+// ---- options given on the command line ------------------------------------------------------
+
+// The JSON object of a command-line flag such as --impl-options '{"partitions": 4}'. Messages
+// start with the flag and a short, escaped excerpt of the value (a value can be a whole file
+// pasted by mistake); repeated keys, malformed JSON and anything but an object are errors.
+inline json parse_options(const std::string& text, const std::string& flag) {
+  const std::string origin = flag + " '" + one_line(text, 40) + "'";
+  json j = parse_text(text, origin);
+  if (!j.is_object()) fail(origin, "expected a JSON object such as {\"name\": value}, got " + show(j, 40));
+  return j;
+}
+
+// Typed reading of an options object (an implementation's --impl-options): unknown names are
+// errors with the closest known name suggested, and every value is checked with a one-line
+// message naming the option and its value, exactly as fields of a file are.
+//
+//   json_fields::Options o(impl_options, "--impl-options", {"partitions", "strategy"});
+//   const int n = static_cast<int>(o.positive_int("partitions", 4, 1024));
+//   const std::string s = o.choice("strategy", "auto", {"auto", "s1", "s2"});
+class Options {
+ public:
+  Options(json obj, std::string origin, std::vector<std::string> known)
+      : obj_(checked_object(std::move(obj), origin)), fields_(obj_, std::move(origin), "", std::move(known)) {}
+  Options(const Options&) = delete;  // fields_ refers to obj_
+  Options& operator=(const Options&) = delete;
+
+  bool has(const char* key) const { return fields_.find(key) != nullptr; }
+  // An integer in [1, hi].
+  std::int64_t positive_int(const char* key, std::int64_t fallback, std::int64_t hi) const {
+    return fields_.integer_or(key, fallback, 1, hi);
+  }
+  // An integer in [lo, hi], 0 <= lo <= hi.
+  std::int64_t integer(const char* key, std::int64_t fallback, std::int64_t lo, std::int64_t hi) const {
+    const json* v = fields_.find(key);
+    if (!v) return fallback;
+    const std::int64_t n = fields_.integer(key, *v, std::clamp<std::int64_t>(lo, 0, 1), hi);
+    if (n < lo) fields_.bad_value(key, "must be >= " + std::to_string(lo));
+    return n;
+  }
+  bool boolean(const char* key, bool fallback) const { return fields_.boolean_or(key, fallback); }
+  std::string string(const char* key, const std::string& fallback) const { return fields_.string_or(key, fallback); }
+  // One of `choices` (the message lists them and suggests the closest).
+  std::string choice(const char* key, const std::string& fallback, const std::vector<std::string>& choices) const {
+    return fields_.choice_or(key, fallback, choices);
+  }
+  // A finite number in [lo, hi].
+  double number(const char* key, double fallback, double lo, double hi) const {
+    const double x = fields_.number_or(key, fallback);
+    if (fields_.find(key) && !(x >= lo && x <= hi))
+      fields_.bad_value(key, "must be in [" + number_text(lo) + ", " + number_text(hi) + "]");
+    return x;
+  }
+  const json& value() const { return obj_; }
+
+ private:
+  static json checked_object(json j, const std::string& origin) {
+    if (!j.is_object()) fail(origin, "expected a JSON object such as {\"name\": value}, got " + show(j, 40));
+    return j;
+  }
+  json obj_;
+  Fields fields_;
+};
 
 }  // namespace moelab::json_fields

@@ -14,6 +14,18 @@
 // Every problem is a ConfigError naming the file, the field and the value (exit 2), exactly
 // as for workload files. MoE layers use the layer configuration of harness/config/workload.hpp
 // (ModelConfig), filled from "moe" and the model's d_model and dtype.
+//
+// Required: source, d_model, num_heads, d_ffn, num_layers, seq_len, vocab_size; "moe" exactly
+// when moe_layers is not "none". Defaults: name = the file's stem, num_kv_heads = num_heads,
+// norm "layernorm", norm_eps 1e-5, mlp "gelu", positions "learned", rope_theta 10000 (only
+// with positions "rotary"), attention "causal", tie_embeddings true, dtype "fp32",
+// moe_layers "none". Checks: num_heads divides d_model, num_kv_heads divides num_heads,
+// head_dim even with rotary positions, top_k <= num_experts, norm_eps in (0, 1], rope_theta
+// in (0, 1e12] (and only with rotary positions), and the bounds of
+// harness/config/limits.hpp (d_model <= 2^20, d_ffn and d_hidden <= 2^22, num_layers <=
+// 4096, vocab_size <= 2^24, seq_len <= 2^22, num_experts <= 2^16); every derived size (the
+// parameter counts, one layer's tensors for a batch) is computed in checked arithmetic and
+// must stay within 2^56. Files: experiments/models/. Tested by harness/tests/model_config_test.cpp.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -28,6 +40,32 @@ namespace moelab {
 enum class MlpKind { gelu, swiglu };
 enum class PositionKind { learned, rotary, none };
 enum class MoELayers { none, all, every_second };  // every_second: layers 1, 3, 5, ... (as Megatron's moe_layer_freq = 2)
+
+// Parameters of the model as moelab builds it (no biases in linear layers: its GEMMs have
+// none; layernorm has a scale and a shift, rmsnorm a scale). Counts, not bytes.
+struct ParamCounts {
+  std::int64_t embedding = 0;  // token embedding [V,M], learned positions [S,M], untied output layer [V,M]
+  std::int64_t attention = 0;  // per layer W_qkv [M,(Hq+2Hkv)·D] and W_o [Hq·D,M]
+  std::int64_t dense_mlp = 0;  // dense layers' MLPs (gelu: 2·M·F; swiglu: 3·M·F) and MoE layers' shared experts
+  std::int64_t experts = 0;    // routed experts of every MoE layer, all E of them (global): E·2·M·H per layer
+  std::int64_t gates = 0;      // per MoE layer W_g [M,E] (and W_noise [M,E] with a noisy gate)
+  std::int64_t norms = 0;      // two per layer and the final one
+  std::int64_t total = 0;
+};
+
+// Element counts of one layer's tensors for a microbatch of B sequences (T = B·S tokens).
+struct ActivationSizes {
+  std::int64_t tokens = 0;         // T
+  std::int64_t hidden = 0;         // [T,M]: the residual stream, a norm's output, attention's output
+  std::int64_t qkv = 0;            // [T,(Hq+2Hkv)·D]
+  std::int64_t lse = 0;            // [B,Hq,S] fp32 (attention's saved log-sum-exp)
+  std::int64_t mlp_hidden = 0;     // [T,F] (gelu) or [T,2F] (swiglu: gate | up); 0 when no layer is dense
+  std::int64_t gate_logits = 0;    // [T,E]; 0 without MoE layers
+  std::int64_t routed_slots = 0;   // T·k
+  std::int64_t expert_hidden = 0;  // [T·k,H]: every expert's rows together
+  std::int64_t shared_hidden = 0;  // [T,Hs] (gelu) or [T,2Hs] (swiglu); 0 without a shared expert
+  std::int64_t logits = 0;         // [T,V]
+};
 
 struct TransformerConfig {
   std::string name;
@@ -60,6 +98,12 @@ struct TransformerConfig {
   AttentionShape attention(std::int64_t batch) const {
     return {batch, seq_len, num_heads, num_kv_heads, head_dim(), causal};
   }
+  int num_moe_layers() const;
+  // In checked arithmetic; a loaded model's counts are known to fit (load checks them), so
+  // these throw ConfigError only for a config built or edited in code.
+  ParamCounts parameter_counts() const;
+  // ConfigError naming `batch` when it is < 1 or a size exceeds 2^56 elements.
+  ActivationSizes activation_sizes(std::int64_t batch) const;
 };
 
 TransformerConfig load_transformer(const std::string& path);

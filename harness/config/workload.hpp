@@ -11,7 +11,10 @@
 //   }
 // Every problem (malformed JSON, a missing or mistyped field, a non-positive size, top_k
 // larger than num_experts, num_experts not divisible by the expert-parallel degree, ...)
-// throws ConfigError with one message naming the file, the field and the value.
+// throws ConfigError with one message naming the file, the field and the value. Sizes have
+// upper bounds (harness/config/limits.hpp: d_model <= 2^20, d_hidden <= 2^22, num_experts
+// <= 2^16, tokens_per_rank <= 2^24, capacity_factor <= 2^16), and the sizes derived from
+// them (expert weights, routed slots, activations) are checked before anything is built.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -38,7 +41,8 @@ struct ModelConfig {
   // prices them at the GPU's TF32 peak, cpu computes fp32 exactly (TF32 is not emulated).
   bool allow_tf32 = false;
 
-  // Per-expert capacity for T tokens on a rank: ceil(cf * k * T / E), or 0 (unlimited).
+  // Per-expert capacity for T tokens on a rank: ceil(cf * k * T / E) clamped to T (an expert
+  // never receives more), or 0 (unlimited).
   std::int64_t capacity(std::int64_t tokens) const;
 };
 

@@ -20,6 +20,7 @@
 #include <stdexcept>
 
 #include "harness/config/json_fields.hpp"
+#include "harness/config/limits.hpp"
 #include "harness/runtime/error.hpp"
 
 namespace moelab::sim {
@@ -154,7 +155,7 @@ NodeSpec parse_node(const json& j, const std::string& origin, const std::string&
   NodeSpec n;
   n.name = key_name ? *key_name : f.string("name");
   (void)f.string_or("description", "");
-  n.gpus = static_cast<int>(f.integer("gpus", 1, kIntMax));
+  n.gpus = static_cast<int>(f.integer("gpus", 1, limits::kMaxGpusPerNode));
   (void)f.require("intra");
   n.intra = f.choice_or("intra", n.intra, {"nvswitch", "pcie"});
   const std::string only_pcie = "only used with intra = \"pcie\" (this node has intra = \"nvswitch\")";
@@ -165,7 +166,7 @@ NodeSpec parse_node(const json& j, const std::string& origin, const std::string&
     for (const char* k : {"gpus_per_pcie_switch", "pcie_bw", "pcie_switch_uplink_bw"}) reject_if_present(f, k, only_pcie);
   } else {
     for (const char* k : {"nvlink_bw", "nvlink_latency"}) reject_if_present(f, k, only_nvswitch);
-    n.gpus_per_pcie_switch = static_cast<int>(f.integer("gpus_per_pcie_switch", 1, kIntMax));
+    n.gpus_per_pcie_switch = static_cast<int>(f.integer("gpus_per_pcie_switch", 1, limits::kMaxGpusPerNode));
     if (n.gpus % n.gpus_per_pcie_switch != 0)
       fail(origin, f.path("gpus") + " = " + std::to_string(n.gpus) + " is not divisible by " +
                        f.path("gpus_per_pcie_switch") + " = " + std::to_string(n.gpus_per_pcie_switch) +
@@ -175,7 +176,7 @@ NodeSpec parse_node(const json& j, const std::string& origin, const std::string&
   }
   // Host copies cross PCIe on every node, so every node has a PCIe latency.
   n.pcie_latency = non_negative(f, "pcie_latency");
-  n.nics = static_cast<int>(f.integer_or("nics", 0, 0, kIntMax));
+  n.nics = static_cast<int>(f.integer_or("nics", 0, 0, limits::kMaxNicsPerNode));
   if (n.nics > 0) {
     n.nic_bw = positive(f, "nic_bw");
     n.nic_latency = non_negative(f, "nic_latency");
@@ -245,13 +246,18 @@ ClusterModel parse_cluster(const json& j, const std::string& origin) {
   m.origin = origin;
   m.name = f.string_or("name", stem_of(origin));
   m.description = f.string_or("description", "");
-  m.nodes = static_cast<int>(f.integer("nodes", 1, kIntMax));
+  m.nodes = static_cast<int>(f.integer("nodes", 1, limits::kMaxNodes));
   m.fabric = f.choice_or("fabric", m.fabric, {"infiniband", "ethernet"});
   m.fabric_latency = non_negative_or(f, "fabric_latency", 0.0);
   m.efficiency = parse_efficiency(f);
   m.interference = parse_interference(f);
   m.source = f.string("source");
   m.node = resolve_node(f, f.require("node"), m.gpu);
+  // Every GPU becomes a simulated rank with its own resources (and thread): the world size
+  // is bounded, and computed where it cannot wrap.
+  if (const Checked world = Checked(m.nodes) * m.node.gpus; !world.ok() || world.value() > limits::kMaxWorld)
+    fail(origin, "nodes × node.gpus = " + std::to_string(m.nodes) + " × " + std::to_string(m.node.gpus) +
+                     " GPUs is more than " + std::to_string(limits::kMaxWorld) + " (see harness/config/limits.hpp)");
   if (m.nodes > 1 && m.node.nics == 0)
     fail(origin, "nodes = " + std::to_string(m.nodes) + " but node " + quote(m.node.name) +
                      " has no NICs (nics = 0): a multi-node cluster needs a node with nics > 0");
@@ -345,7 +351,7 @@ ClusterModel load_cluster(const std::string& name_or_path) {
       throw ConfigError(msg + "; or give the path of a cluster file");
     }
   }
-  return parse_cluster(json_fields::read_file(path, "cluster file"), path);
+  return json_fields::reading(path, [&] { return parse_cluster(json_fields::read_file(path, "cluster file"), path); });
 }
 
 nlohmann::json to_json(const ClusterModel& m) {
@@ -372,8 +378,9 @@ nlohmann::json to_json(const ClusterModel& m) {
 
 // ---- calibration profiles ----------------------------------------------------------------
 
-Profile load_profile(const std::string& path) {
-  const json j = json_fields::read_file(path, "calibration profile");
+namespace {
+
+Profile parse_profile(const json& j, const std::string& path) {
   if (!j.is_object()) fail(path, "expected a JSON object at the top level, got " + show(j));
   Fields f(j, path, "",
            {"schema", "name", "mode", "backend", "device", "date", "commit", "gemm", "h2d_bw", "d2h_bw", "d2d_bw",
@@ -429,6 +436,12 @@ Profile load_profile(const std::string& path) {
   return p;
 }
 
+}  // namespace
+
+Profile load_profile(const std::string& path) {
+  return json_fields::reading(path, [&] { return parse_profile(json_fields::read_file(path, "calibration profile"), path); });
+}
+
 nlohmann::json to_json(const Profile& p) {
   json gemm = json::array();
   for (const auto& s : p.gemm)
@@ -457,6 +470,8 @@ void check_model(const ClusterModel& m) {
     throw std::invalid_argument("Topology: cluster model " + quote(m.name) + ": " + what);
   };
   if (m.nodes < 1 || m.node.gpus < 1) bad("needs at least one node and one GPU per node");
+  if (static_cast<std::int64_t>(m.nodes) * m.node.gpus > limits::kMaxWorld)  // both are ints: no wrap in int64
+    bad("nodes × gpus is more than " + std::to_string(limits::kMaxWorld) + " GPUs");
   if (m.node.intra != "nvswitch" && m.node.intra != "pcie") bad("intra must be \"nvswitch\" or \"pcie\"");
   if (m.node.intra == "pcie" && (m.node.gpus_per_pcie_switch < 1 || m.node.gpus % m.node.gpus_per_pcie_switch != 0))
     bad("gpus per node must be a multiple of gpus_per_pcie_switch");

@@ -6,10 +6,10 @@
 //   build/harness/tests/config_test --gtest_filter='BadWorkload*'
 #include <unistd.h>
 
-#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -17,50 +17,23 @@
 
 #include <gtest/gtest.h>
 
+#include "harness/config/json_fields.hpp"
 #include "harness/config/workload.hpp"
 #include "harness/metrics/results.hpp"
 #include "harness/runtime/error.hpp"
+#include "harness/sim/cluster.hpp"
+#include "harness/tests/config_test_util.hpp"
 
 namespace moelab {
 namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-// A fresh folder per test, removed afterwards.
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    std::string name = std::string(info->test_suite_name()) + "_" + info->name();
-    for (auto& ch : name)
-      if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-    path_ = fs::temp_directory_path() / ("moelab_config_test_" + std::to_string(::getpid()) + "_" + name);
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::permissions(path_, fs::perms::owner_all, fs::perm_options::add, ec);
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-  std::string write(const std::string& name, const std::string& text) const {
-    std::ofstream(file(name)) << text;
-    return file(name);
-  }
-  // Files whose name has ".tmp." in it: what an interrupted atomic write would leave.
-  std::vector<std::string> temp_files() const {
-    std::vector<std::string> out;
-    for (const auto& e : fs::recursive_directory_iterator(path_))
-      if (e.path().filename().string().find(".tmp.") != std::string::npos) out.push_back(e.path().string());
-    return out;
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using test::BadCase;
+using test::error_of;
+using test::expect_contains;
+using test::expect_rejected;
+using test::TempDir;
 
 json valid_workload() {
   return json::parse(R"({
@@ -71,21 +44,6 @@ json valid_workload() {
                "renormalize": false, "dtype": "fp32" },
     "tokens_per_rank": 512, "steps": 3, "warmup": 1, "seed": 7, "expert_parallel": 0
   })");
-}
-
-// The ConfigError message of f, or a marker that none was thrown.
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ConfigError& e) {
-    return e.what();
-  }
-  return "<no ConfigError>";
-}
-
-void expect_contains(const std::string& msg, const std::vector<std::string>& parts) {
-  for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "expected \"" << p << "\" in: " << msg;
-  EXPECT_EQ(msg.find('\n'), std::string::npos) << "message is not one line: " << msg;
 }
 
 // ---- a valid file ---------------------------------------------------------------------------
@@ -209,24 +167,10 @@ TEST(Workload, ShippedWorkloadsLoad) {
 
 // ---- bad files: the message names the file, the field and the value --------------------------
 
-struct BadCase {
-  std::string name;                 // test name
-  std::function<void(json&)> edit;  // applied to valid_workload()
-  std::vector<std::string> expect;  // substrings of the message (besides the file name)
-};
-
-void PrintTo(const BadCase& c, std::ostream* os) { *os << c.name; }
-
 class BadWorkload : public ::testing::TestWithParam<BadCase> {};
 
 TEST_P(BadWorkload, IsRejectedNamingFieldAndValue) {
-  TempDir dir;
-  json j = valid_workload();
-  GetParam().edit(j);
-  const auto path = dir.write("bad.json", j.dump(2));
-  const std::string msg = error_of([&] { load_workload(path); });
-  expect_contains(msg, GetParam().expect);
-  EXPECT_EQ(msg.rfind(path + ": ", 0), 0u) << "message does not start with the file: " << msg;
+  expect_rejected(valid_workload(), GetParam(), [](const std::string& path) { load_workload(path); });
 }
 
 const BadCase kBadCases[] = {
@@ -345,9 +289,259 @@ TEST(ValidateForWorld, MoreRanksThanExperts) {
                         "more ranks than experts", "at most 8 ranks"});
 }
 
+TEST(ValidateForWorld, RowsOneRankCanReceiveAreChecked) {
+  json j = valid_workload();
+  j["tokens_per_rank"] = 1 << 24;
+  j["model"]["num_experts"] = 1 << 16;
+  j["model"]["top_k"] = 64;
+  j["model"]["d_hidden"] = 1 << 22;
+  j["model"]["d_model"] = 1 << 10;
+  j["expert_parallel"] = 0;
+  const WorkloadConfig w = parse_workload(j, "w.json");  // 2^30 slots × 2^22 = 2^52 on one rank: accepted
+  EXPECT_NO_THROW(validate_for_world(w, 1));
+  expect_contains(error_of([&] { validate_for_world(w, 1 << 16); }),
+                  {"w.json: the rows one rank can receive, 65536 ranks × tokens_per_rank × model.top_k", "exceed 2^56"});
+}
+
 TEST(ValidateForWorld, ExpertParallelMustMatchTheLaunch) {
   const std::string msg = error_of([] { validate_for_world(workload_with(8, 4), 2); });
   expect_contains(msg, {"w.json: expert_parallel = 4 but 2 ranks were launched"});
+}
+
+// ---- bad input never crashes: deep nesting, numbers beyond range, sizes that would wrap ---------
+
+// {"name": [[[ ... ]]]} nested `depth` levels, written without recursion.
+std::string deeply_nested(std::size_t depth) {
+  return "{\"name\": " + std::string(depth, '[') + std::string(depth, ']') + "}";
+}
+
+// A cluster file on a catalogue node, with `extra` fields merged over it.
+std::string cluster_text(const json& extra) {
+  json j = {{"node", "dgx-a100-40gb"}, {"nodes", 2}, {"source", "test"}};
+  j.update(extra);
+  return j.dump();
+}
+
+TEST(BadInputNeverCrashes, DeepNestingInAWorkloadIsRejectedAtParse) {
+  TempDir dir;
+  const auto path = dir.write("deep.json", deeply_nested(200000));
+  const std::string msg = error_of([&] { load_workload(path); });
+  expect_contains(msg, {path + ": \"name\" nests arrays and objects more than 64 levels deep"});
+  EXPECT_LT(msg.size(), 300u) << msg;
+}
+
+TEST(BadInputNeverCrashes, DeepNestingInAClusterFileIsRejectedAtParse) {
+  TempDir dir;
+  const auto path = dir.write("deep.json", deeply_nested(200000));
+  const std::string msg = error_of([&] { sim::load_cluster(path); });
+  expect_contains(msg, {path + ": \"name\" nests arrays and objects more than 64 levels deep"});
+}
+
+TEST(BadInputNeverCrashes, ShowQuotesAShortExcerptOfADeepValueWithoutRecursing) {
+  // Built and destroyed without recursion (nlohmann frees nested values with its own stack).
+  json deep = json::array();
+  json* cur = &deep;
+  for (int i = 0; i < 200000; ++i) cur = &cur->emplace_back(json::array());
+  const std::string s = json_fields::show(deep);
+  EXPECT_LE(s.size(), 60u) << s;
+  EXPECT_EQ(s.rfind("[[[", 0), 0u) << s;
+  // The message of a wrong type quotes the same excerpt, on one line.
+  const json obj = {{"steps", json::array({1, 2})}};
+  json_fields::Fields f(obj, "x.json", "", {"steps"});
+  expect_contains(error_of([&] { f.wrong_type("steps", deep, "a positive integer"); }),
+                  {"x.json: steps: expected a positive integer, got [[[", "..."});
+  // Long strings and control characters: a short escaped excerpt.
+  const std::string shown = json_fields::show(json(std::string(1 << 20, 'a') + "\n"));
+  EXPECT_LE(shown.size(), 60u);
+  EXPECT_EQ(json_fields::show(json("a\nb")), "\"a\\nb\"");
+  EXPECT_EQ(json_fields::show(json::parse(R"({"a":[1,{"b":null}],"c":"x"})")), R"({"a":[1,{"b":null}],"c":"x"})");
+}
+
+TEST(BadInputNeverCrashes, NumberBeyondADoubleNamesFileAndField) {
+  TempDir dir;
+  json j = valid_workload();
+  std::string text = j.dump();
+  text.replace(text.find("1.25"), 4, "1e999");
+  const auto path = dir.write("big.json", text);
+  const std::string msg = error_of([&] { load_workload(path); });
+  expect_contains(msg, {path + ": model.capacity_factor: number overflow parsing '1e999'"});
+  EXPECT_EQ(msg.find("[json.exception"), std::string::npos) << msg;
+}
+
+TEST(BadInputNeverCrashes, NumberBeyondADoubleInAClusterFile) {
+  TempDir dir;
+  std::string text = cluster_text({{"fabric_latency", 1.5}});
+  text.replace(text.find("1.5"), 3, "-1e999");
+  const auto path = dir.write("big.json", text);
+  const std::string msg = error_of([&] { sim::load_cluster(path); });
+  expect_contains(msg, {path + ": fabric_latency: number overflow parsing '-1e999'"});
+  EXPECT_EQ(msg.find("[json.exception"), std::string::npos) << msg;
+}
+
+TEST(BadInputNeverCrashes, HugeDHiddenIsRejectedBeforeAnythingIsBuilt) {
+  TempDir dir;
+  json j = valid_workload();
+  j["model"]["d_hidden"] = 9223372036854775000ll;
+  const auto path = dir.write("w.json", j.dump());
+  expect_contains(error_of([&] { load_workload(path); }), {path + ": model.d_hidden = 9223372036854775000 is too large"});
+}
+
+TEST(BadInputNeverCrashes, ExpertWeightsBeyondTheBoundNameTheFields) {
+  json j = valid_workload();
+  j["model"]["d_model"] = 1 << 20;
+  j["model"]["d_hidden"] = 1 << 22;
+  j["model"]["num_experts"] = 1 << 16;
+  expect_contains(error_of([&] { parse_workload(j, "w.json"); }),
+                  {"w.json: the expert weights of one layer, model.num_experts × 2 × model.d_model × model.d_hidden",
+                   "exceed 2^56"});
+}
+
+TEST(BadInputNeverCrashes, RoutedSlotsBeyondInt32) {
+  json j = valid_workload();
+  j["tokens_per_rank"] = 1 << 24;
+  j["model"]["num_experts"] = 1024;
+  j["model"]["top_k"] = 512;
+  expect_contains(error_of([&] { parse_workload(j, "w.json"); }),
+                  {"w.json: tokens_per_rank × model.top_k = 16777216 × 512 routed slots is more than 2^31 - 1"});
+}
+
+TEST(BadInputNeverCrashes, HugeCapacityFactorIsRejectedAndCapacityNeverWraps) {
+  json j = valid_workload();
+  j["model"]["capacity_factor"] = 1e17;
+  expect_contains(error_of([&] { parse_workload(j, "w.json"); }), {"w.json: model.capacity_factor = ", "is too large"});
+  ModelConfig m;
+  m.num_experts = 8;
+  m.top_k = 2;
+  for (double cf : {1e17, 1e300, std::numeric_limits<double>::infinity()}) {
+    m.capacity_factor = cf;
+    EXPECT_EQ(m.capacity(512), 512) << cf;  // an expert never receives more than T slots
+  }
+  m.capacity_factor = 8.0;  // 8 * 2 * 512 / 8 = 1024 > T
+  EXPECT_EQ(m.capacity(512), 512);
+  m.capacity_factor = 1.25;
+  EXPECT_EQ(m.capacity(512), 160);
+}
+
+// A node object inline in a cluster file, with `gpus` GPUs.
+json inline_node(std::int64_t gpus) {
+  return {{"name", "test-node"}, {"gpu", "A100-SXM4-40GB"}, {"gpus", gpus}, {"intra", "nvswitch"},
+          {"nvlink_bw", 300e9}, {"nvlink_latency", 1e-6}, {"pcie_latency", 1e-6}, {"nics", 8},
+          {"nic_bw", 25e9}, {"nic_latency", 5e-6}, {"host_memory_bytes", 1e12}, {"host_copy_bw", 20e9},
+          {"source", "test"}};
+}
+
+TEST(BadInputNeverCrashes, ClusterNodesTimesGpusCannotWrap) {
+  TempDir dir;
+  const auto path = dir.write("c.json", cluster_text({{"nodes", 2147483647}}));
+  expect_contains(error_of([&] { sim::load_cluster(path); }), {path + ": nodes = 2147483647 is too large (at most 65536)"});
+  // Each within its bound, the product beyond the world's bound.
+  const auto wide = dir.write("w.json", cluster_text({{"nodes", 65536}, {"node", inline_node(1024)}}));
+  expect_contains(error_of([&] { sim::load_cluster(wide); }),
+                  {wide + ": nodes × node.gpus = 65536 × 1024 GPUs is more than 1048576"});
+  const auto ok = dir.write("ok.json", cluster_text({{"nodes", 1024}, {"node", inline_node(1024)}}));
+  EXPECT_EQ(sim::load_cluster(ok).world_size(), 1 << 20);
+}
+
+TEST(BadInputNeverCrashes, NodeGpusBeyondTheBound) {
+  TempDir dir;
+  const auto path = dir.write("c.json", cluster_text({{"node", inline_node(2147483647)}}));
+  expect_contains(error_of([&] { sim::load_cluster(path); }), {path + ": node.gpus = 2147483647 is too large (at most 1024)"});
+}
+
+// ---- options given on the command line (--impl-options) ------------------------------------------
+
+TEST(ImplOptions, ParsesAnObject) {
+  const json j = json_fields::parse_options(R"({"partitions": 4, "strategy": "s2"})", "--impl-options");
+  EXPECT_EQ(j["partitions"], 4);
+  EXPECT_EQ(json_fields::parse_options("{}", "--impl-options"), json::object());
+}
+
+TEST(ImplOptions, DuplicateKeys) {
+  expect_contains(error_of([] { json_fields::parse_options(R"({"a": 1, "a": 2})", "--impl-options"); }),
+                  {"--impl-options '{\"a\": 1, \"a\": 2}': field \"a\" appears twice"});
+}
+
+TEST(ImplOptions, MalformedJsonQuotesAShortEscapedExcerpt) {
+  // 128 KB with line breaks, pasted by mistake: the message is one short line.
+  const std::string text = "{\"partitions\": 4,\n" + std::string(128 * 1024, 'x') + "\n}";
+  const std::string msg = error_of([&] { json_fields::parse_options(text, "--impl-options"); });
+  expect_contains(msg, {"--impl-options '{\"partitions\": 4,\\nxxx", "...': malformed JSON at line 2"});
+  EXPECT_LT(msg.size(), 400u) << msg;
+  expect_contains(error_of([] { json_fields::parse_options("", "--impl-options"); }), {"--impl-options '': malformed JSON"});
+  const std::string bad_string = "{\"s\": \"" + std::string(100000, 'y') + "\n\"}";  // the library quotes the token
+  const std::string m2 = error_of([&] { json_fields::parse_options(bad_string, "--impl-options"); });
+  expect_contains(m2, {"malformed JSON"});
+  EXPECT_LT(m2.size(), 400u) << m2;
+}
+
+TEST(ImplOptions, NotAnObject) {
+  expect_contains(error_of([] { json_fields::parse_options("[1, 2]", "--impl-options"); }),
+                  {"--impl-options '[1, 2]': expected a JSON object such as {\"name\": value}, got [1,2]"});
+  expect_contains(error_of([] { json_fields::parse_options("4", "--impl-options"); }), {"got 4"});
+}
+
+TEST(ImplOptions, NumbersBeyondADoubleAndDeepNesting) {
+  expect_contains(error_of([] { json_fields::parse_options(R"({"overlap": 1e999})", "--impl-options"); }),
+                  {"--impl-options '{\"overlap\": 1e999}': overlap: number overflow parsing '1e999'"});
+  const std::string deep = "{\"a\": " + std::string(10000, '[') + std::string(10000, ']') + "}";
+  expect_contains(error_of([&] { json_fields::parse_options(deep, "--impl-options"); }),
+                  {"\"a\" nests arrays and objects more than 64 levels deep"});
+}
+
+TEST(ImplOptions, TypedFieldsAndDefaults) {
+  const json j = {{"partitions", 8}, {"strategy", "s2"}, {"overlap", 0.5}, {"pinned", false}, {"label", "x"}};
+  const json_fields::Options o(j, "--impl-options", {"partitions", "strategy", "overlap", "pinned", "label"});
+  EXPECT_EQ(o.positive_int("partitions", 4, 1024), 8);
+  EXPECT_EQ(o.choice("strategy", "auto", {"auto", "s1", "s2"}), "s2");
+  EXPECT_DOUBLE_EQ(o.number("overlap", 1.0, 0.0, 1.0), 0.5);
+  EXPECT_FALSE(o.boolean("pinned", true));
+  EXPECT_EQ(o.string("label", ""), "x");
+  EXPECT_TRUE(o.has("label"));
+  const json empty = json::object();
+  const json_fields::Options d(empty, "--impl-options", {"partitions", "strategy", "overlap", "pinned"});
+  EXPECT_EQ(d.positive_int("partitions", 4, 1024), 4);
+  EXPECT_EQ(d.integer("partitions", 7, 2, 9), 7);
+  EXPECT_EQ(d.choice("strategy", "auto", {"auto", "s1"}), "auto");
+  EXPECT_DOUBLE_EQ(d.number("overlap", 1.0, 0.0, 1.0), 1.0);
+  EXPECT_TRUE(d.boolean("pinned", true));
+  EXPECT_FALSE(d.has("pinned"));
+}
+
+TEST(ImplOptions, BadValuesNameTheOption) {
+  const auto msg = [](const json& j, const std::function<void(const json_fields::Options&)>& read) {
+    return error_of([&] { read(json_fields::Options(j, "--impl-options", {"partitions", "strategy", "overlap", "pinned"})); });
+  };
+  expect_contains(msg({{"partitons", 4}}, [](const auto&) {}),
+                  {"--impl-options: unknown field \"partitons\" (did you mean \"partitions\"?)"});
+  expect_contains(msg({{"colour", 4}}, [](const auto&) {}),
+                  {"--impl-options: unknown field \"colour\" (known fields: partitions, strategy, overlap, pinned)"});
+  expect_contains(msg({{"partitions", 0}}, [](const auto& o) { o.positive_int("partitions", 4, 1024); }),
+                  {"--impl-options: partitions: expected a positive integer, got 0"});
+  expect_contains(msg({{"partitions", 2.5}}, [](const auto& o) { o.positive_int("partitions", 4, 1024); }),
+                  {"partitions: expected a positive integer, got 2.5"});
+  expect_contains(msg({{"partitions", "4"}}, [](const auto& o) { o.positive_int("partitions", 4, 1024); }),
+                  {"partitions: expected a positive integer, got \"4\""});
+  expect_contains(msg({{"partitions", 5000}}, [](const auto& o) { o.positive_int("partitions", 4, 1024); }),
+                  {"partitions = 5000 is too large (at most 1024)"});
+  expect_contains(msg({{"partitions", 1}}, [](const auto& o) { o.integer("partitions", 4, 2, 1024); }),
+                  {"partitions = 1 must be >= 2"});
+  expect_contains(msg({{"pinned", "yes"}}, [](const auto& o) { o.boolean("pinned", true); }),
+                  {"--impl-options: pinned: expected true or false, got \"yes\""});
+  expect_contains(msg({{"strategy", "atuo"}}, [](const auto& o) { o.choice("strategy", "auto", {"auto", "s1", "s2"}); }),
+                  {"strategy = \"atuo\" is not one of auto, s1, s2 (did you mean \"auto\"?)"});
+  expect_contains(msg({{"overlap", 1.5}}, [](const auto& o) { o.number("overlap", 1.0, 0.0, 1.0); }),
+                  {"--impl-options: overlap = 1.5 must be in [0, 1]"});
+  expect_contains(msg({{"overlap", "half"}}, [](const auto& o) { o.number("overlap", 1.0, 0.0, 1.0); }),
+                  {"overlap: expected a number, got \"half\""});
+  expect_contains(error_of([] { json_fields::Options(json::array({1}), "--impl-options", {"a"}); }),
+                  {"--impl-options: expected a JSON object such as {\"name\": value}, got [1]"});
+}
+
+TEST(ChoiceFields, SuggestTheClosestName) {
+  json j = valid_workload();
+  j["model"]["activation"] = "gleu";
+  expect_contains(error_of([&] { parse_workload(j, "w.json"); }),
+                  {"w.json: model.activation = \"gleu\" is not one of gelu, relu (did you mean \"gelu\"?)"});
 }
 
 // ---- result files ---------------------------------------------------------------------------------
