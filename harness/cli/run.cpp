@@ -36,6 +36,7 @@
 #include <nlohmann/json.hpp>
 
 #include "harness/comm/world.hpp"
+#include "harness/config/json_fields.hpp"
 #include "harness/config/workload.hpp"
 #include "harness/metrics/results.hpp"
 #include "harness/metrics/run_figures.hpp"
@@ -157,30 +158,17 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       o.routing = take();
     else if (flag == "--record-routing")
       o.record_routing = take();
-    else if (flag == "--impl-options") {
-      const std::string v = take();
-      try {
-        o.impl_options = nlohmann::json::parse(v);
-      } catch (const nlohmann::json::exception& e) {
-        throw ConfigError("--impl-options '" + v + "': malformed JSON: " + e.what());
-      }
-      if (!o.impl_options.is_object()) throw ConfigError("--impl-options '" + v + "': expected a JSON object");
-    }
+    else if (flag == "--impl-options")
+      o.impl_options = json_fields::parse_options(take(), "--impl-options");
     else if (flag == "--ranks")
       o.ranks = static_cast<int>(integer_flag(flag, take(), 1, 1000000));
     else if (flag == "--steps")
       o.steps = static_cast<int>(integer_flag(flag, take(), 1, 1000000));
     else if (flag == "--model")
       o.model = take();
-    else if (flag == "--model-override") {
-      const std::string v = take();
-      try {
-        o.model_override = nlohmann::json::parse(v);
-      } catch (const nlohmann::json::exception&) {
-        throw ConfigError("--model-override: malformed JSON (expected an object such as '{\"num_layers\": 4}')");
-      }
-      if (!o.model_override.is_object()) throw ConfigError("--model-override: expected a JSON object");
-    } else if (flag == "--layers") {
+    else if (flag == "--model-override")
+      o.model_override = json_fields::parse_options(take(), "--model-override");
+    else if (flag == "--layers") {
       const std::string v = take();
       const auto colon = v.find(':');
       if (colon == std::string::npos) throw ConfigError("--layers = \"" + v + "\": expected A:B (layers A to B-1)");
@@ -307,7 +295,7 @@ int run_command(const std::vector<std::string>& args) {
     if (world_rank() == 0) print_run_help(stdout);
     return 0;
   }
-  if (!opt.model.empty()) throw Unsupported("--model runs are not built into this binary");
+  if (!opt.model.empty()) return run_model_command(opt);
   const int rank = world_rank(), world = world_size();
 
   // ---- 1. validation: nothing below this block writes a file or starts work unless all of
