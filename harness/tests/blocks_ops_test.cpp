@@ -84,10 +84,9 @@ struct Cpu {
   double scale = 1e-12;
   for (double g : grad) scale = std::max(scale, std::abs(g));
   Rng r(seed);
-  for (int n = 0; n < samples && !x.empty(); ++n) {
-    const std::size_t i = n < static_cast<int>(x.size()) && x.size() <= static_cast<std::size_t>(samples)
-                              ? static_cast<std::size_t>(n)
-                              : static_cast<std::size_t>(r.next() % x.size());
+  const auto count = std::min(x.size(), static_cast<std::size_t>(samples));  // every entry, or random ones
+  for (std::size_t n = 0; n < count; ++n) {
+    const std::size_t i = count == x.size() ? n : static_cast<std::size_t>(r.next() % x.size());
     const double x0 = x[i];
     x[i] = x0 + h;
     const double up = L(x);

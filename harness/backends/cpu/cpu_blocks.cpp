@@ -541,17 +541,16 @@ void CpuBackend::optimizer_step(Stream& s, const OptimizerStep& st) {
   const float bc1 = adam ? static_cast<float>(1.0 - std::pow(static_cast<double>(b1), t)) : 1.0f;
   const float bc2 = adam ? static_cast<float>(1.0 - std::pow(static_cast<double>(b2), t)) : 1.0f;
   enqueue(s, adam ? "adam" : "sgd", cost_optimizer_step(st.kind, n, DType::f32, master), [=] {
-    for (std::int64_t i = 0; i < n; ++i) {
-      const float g = grad[i];
-      if (adam) {
-        m[i] = b1 * m[i] + (1.0f - b1) * g;
-        v[i] = b2 * v[i] + (1.0f - b2) * g * g;
+    if (adam) {
+      for (std::int64_t i = 0; i < n; ++i) {
+        m[i] = b1 * m[i] + (1.0f - b1) * grad[i];
+        v[i] = b2 * v[i] + (1.0f - b2) * grad[i] * grad[i];
         w[i] -= lr * (m[i] / bc1 / (std::sqrt(v[i] / bc2) + eps) + wd * w[i]);
-      } else {
-        w[i] -= lr * (g + wd * w[i]);
       }
-      if (master) param[i] = w[i];
+    } else {
+      for (std::int64_t i = 0; i < n; ++i) w[i] -= lr * (grad[i] + wd * w[i]);
     }
+    if (master) std::copy(w, w + n, param);  // the parameter in its dtype (fp32 on cpu)
   });
 }
 
