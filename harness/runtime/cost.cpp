@@ -1,6 +1,8 @@
 // harness/runtime/cost.cpp — the FLOP and byte counts of every op (see cost.hpp).
 #include "harness/runtime/cost.hpp"
 
+#include <algorithm>
+
 #include "harness/runtime/backend.hpp"
 
 namespace moelab {
@@ -64,6 +66,153 @@ OpCost cost_rows(OpKind kind, std::int64_t rows_read, std::int64_t rows_written,
 OpCost cost_copy(OpKind kind, std::int64_t bytes) {
   const double b = static_cast<double>(bytes);
   return {kind, 0, b, b, 0, 1};
+}
+
+// GeLU (exact erf form): ~8 flops per element forward (erf counted as a few), 12 backward
+// (the cdf and the pdf); ReLU one compare. Backward reads the input and d_out.
+OpCost cost_activation_forward(Activation a, std::int64_t elements, DType dtype) {
+  return cost_elementwise(elements, dtype, 1, 1, a == Activation::gelu ? 8 : 1);
+}
+
+OpCost cost_activation_backward(Activation a, std::int64_t elements, DType dtype) {
+  return cost_elementwise(elements, dtype, 2, 1, a == Activation::gelu ? 12 : 1);
+}
+
+// ---- transformer-block ops (docs/PERFORMANCE.md, "Block ops") -------------------------------
+
+namespace {
+constexpr double kIdBytes = 4.0;    // int32 token ids and targets
+constexpr double kStatBytes = 4.0;  // fp32 per-row statistics (mean, rstd, lse, losses)
+double elem(DType t) { return static_cast<double>(dtype_size(t)); }
+}  // namespace
+
+// A gather of T rows of wte (and of wpe), one add per element with learned positions.
+OpCost cost_embedding_forward(std::int64_t tokens, std::int64_t width, bool learned_positions, DType dtype) {
+  const double T = static_cast<double>(tokens), tm = T * static_cast<double>(width);
+  const double tables = learned_positions ? 2 : 1;
+  return {OpKind::permute, learned_positions ? tm : 0.0, T * kIdBytes + tables * tm * elem(dtype), tm * elem(dtype),
+          0, 1};
+}
+
+// A scatter-add: each of the T rows of d_out read once, and each table row it lands on read
+// and written (a repeated id counted every time, as an atomic add does).
+OpCost cost_embedding_backward(std::int64_t tokens, std::int64_t width, bool learned_positions, DType dtype) {
+  const double T = static_cast<double>(tokens), tm = T * static_cast<double>(width);
+  const double tables = learned_positions ? 2 : 1;
+  return {OpKind::permute, tables * tm, T * kIdBytes + (1 + tables) * tm * elem(dtype), tables * tm * elem(dtype), 0,
+          1};
+}
+
+// Per element, layernorm: mean 1, variance 3, normalise and affine 4; rmsnorm: square-sum 2,
+// scale and gain 2. Reads x and the [M] parameters, writes y and the [T] statistics.
+OpCost cost_norm_forward(NormKind kind, std::int64_t tokens, std::int64_t width, DType dtype) {
+  const bool ln = kind == NormKind::layernorm;
+  const double T = static_cast<double>(tokens), M = static_cast<double>(width), e = elem(dtype);
+  return {OpKind::elementwise, (ln ? 8.0 : 4.0) * T * M, T * M * e + (ln ? 2.0 : 1.0) * M * e,
+          T * M * e + (ln ? 2.0 : 1.0) * T * kStatBytes, 0, 1};
+}
+
+// Per element, layernorm: x̂ 2, dy·γ 1, two row sums 4, dx 4, dγ 2, dβ 1; rmsnorm: x̂ 1, dy·γ 1,
+// one row sum 2, dx 3, dγ 2. Reads x, dy, γ and the statistics, reads and writes the [M]
+// parameter gradients (accumulated), writes dx.
+OpCost cost_norm_backward(NormKind kind, std::int64_t tokens, std::int64_t width, DType dtype) {
+  const bool ln = kind == NormKind::layernorm;
+  const double T = static_cast<double>(tokens), M = static_cast<double>(width), e = elem(dtype);
+  const double params = ln ? 2.0 : 1.0;
+  return {OpKind::elementwise, (ln ? 14.0 : 9.0) * T * M,
+          2.0 * T * M * e + M * e + params * T * kStatBytes + params * M * e, T * M * e + params * M * e, 0, 1};
+}
+
+// The Hq query and Hkv key heads rotated in place: per element 3 flops (x cos -/+ y sin).
+OpCost cost_rope(const AttentionShape& a, DType dtype) {
+  const double n = static_cast<double>(a.tokens()) * (a.heads + a.kv_heads) * a.head_dim;
+  return {OpKind::elementwise, 3.0 * n, n * elem(dtype), n * elem(dtype), 0, 1};
+}
+
+namespace {
+// What a tiled attention kernel visits for one (sequence, query head), with query tiles of
+// kAttentionTileRows rows and key tiles of as many columns: every tile pair when
+// bidirectional, the pairs at or below the diagonal when causal (key tile j <= query tile i).
+//   scores: Σ over visited pairs of rows_i · cols_j (the score entries computed)
+//   kv_rows: Σ over query tiles of the key rows they read
+struct AttentionTiles {
+  double scores = 0, kv_rows = 0;
+};
+AttentionTiles attention_tiles(std::int64_t seq, bool causal) {
+  const std::int64_t tile = kAttentionTileRows;
+  AttentionTiles t;
+  for (std::int64_t i0 = 0; i0 < seq; i0 += tile) {
+    const std::int64_t rows = std::min(tile, seq - i0);
+    const std::int64_t cols = causal ? std::min(i0 + tile, seq) : seq;  // key tiles 0..i, or all
+    t.scores += static_cast<double>(rows) * static_cast<double>(cols);
+    t.kv_rows += static_cast<double>(cols);
+  }
+  return t;
+}
+}  // namespace
+
+// FlashAttention (Dao et al. 2022): two GEMM-like products per tile pair, S = QK^T and O += PV,
+// 2·D flops per score entry each; the softmax's exponentials are not counted (as FLOP counts
+// of attention conventionally do). Each query tile streams the K and V rows it visits; Q is
+// read and O and the LSE written once. Query heads sharing a K/V head (GQA) each stream it.
+OpCost cost_attention_forward(const AttentionShape& a, DType dtype) {
+  const AttentionTiles t = attention_tiles(a.seq, a.causal);
+  const double bh = static_cast<double>(a.batch) * a.heads, D = a.head_dim, e = elem(dtype);
+  const double q = static_cast<double>(a.tokens()) * a.heads * D;  // elements of Q (and of O)
+  return {OpKind::gemm, 4.0 * bh * D * t.scores, q * e + 2.0 * bh * D * t.kv_rows * e,
+          q * e + bh * static_cast<double>(a.seq) * kStatBytes, 0, 1};
+}
+
+// FlashAttention-2's backward (Dao 2023, Alg. 2 and §4.1): five GEMM-like products per tile
+// pair (S = QK^T recomputed, dV += P^T dO, dP = dO V^T, dQ += dS K, dK += dS^T Q) against the
+// forward's two, so 2.5× its FLOPs. Bytes follow the forward's pattern: Q, O, dO and the LSE
+// once, K and V once per query tile that visits them, d_qkv written once; a second launch
+// computes D = rowsum(dO∘O) first.
+OpCost cost_attention_backward(const AttentionShape& a, DType dtype) {
+  const AttentionTiles t = attention_tiles(a.seq, a.causal);
+  const double bh = static_cast<double>(a.batch) * a.heads, D = a.head_dim, e = elem(dtype);
+  const double q = static_cast<double>(a.tokens()) * a.heads * D;
+  return {OpKind::gemm, 2.5 * 4.0 * bh * D * t.scores,
+          3.0 * q * e + bh * static_cast<double>(a.seq) * kStatBytes + 2.0 * bh * D * t.kv_rows * e,
+          static_cast<double>(a.tokens()) * static_cast<double>(a.qkv_width()) * e, 0, 2};
+}
+
+// silu(g)·u: sigmoid (exp, add, divide), two multiplies per output element.
+OpCost cost_swiglu_forward(std::int64_t tokens, std::int64_t width, DType dtype) {
+  return cost_elementwise(tokens * width, dtype, 2, 1, 5);
+}
+
+// d_up = dy·silu(g), d_gate = dy·u·σ(g)(1 + g(1 − σ(g))): reads h and dy, writes d_h [T,2F].
+OpCost cost_swiglu_backward(std::int64_t tokens, std::int64_t width, DType dtype) {
+  return cost_elementwise(tokens * width, dtype, 3, 2, 10);
+}
+
+OpCost cost_add(std::int64_t elements, DType dtype) { return cost_elementwise(elements, dtype, 2, 1, 1); }
+
+// Fused softmax cross-entropy: per logit a max, a subtract, an exponential and a sum; reads the
+// logits and targets once, writes the losses and the LSE.
+OpCost cost_cross_entropy_forward(std::int64_t tokens, std::int64_t vocab, DType dtype) {
+  const double T = static_cast<double>(tokens), TV = T * static_cast<double>(vocab);
+  return {OpKind::elementwise, 4.0 * TV, TV * elem(dtype) + T * kIdBytes, 2.0 * T * kStatBytes, 0, 1};
+}
+
+// d_logits = scale·(exp(logit − lse) − onehot): subtract, exponential, multiply per logit.
+OpCost cost_cross_entropy_backward(std::int64_t tokens, std::int64_t vocab, DType dtype) {
+  const double T = static_cast<double>(tokens), TV = T * static_cast<double>(vocab);
+  return {OpKind::elementwise, 3.0 * TV, TV * elem(dtype) + T * (kIdBytes + kStatBytes), TV * elem(dtype), 0, 1};
+}
+
+// Per element, SGD: wd·p, + g, · lr, subtract = 4 flops; Adam: m 3, v 4, the two bias
+// corrections 2, sqrt, + eps, divide, wd·p 2, · lr, subtract = 16. Reads the gradient and the
+// fp32 master (or the parameter itself), plus m and v for Adam; writes the master and the
+// parameter (only the parameter without a master), plus m and v.
+OpCost cost_optimizer_step(OptimizerKind kind, std::int64_t elements, DType param_dtype, bool master_copy) {
+  const double n = static_cast<double>(elements), p = elem(param_dtype), f = 4.0;
+  const bool adam = kind == OptimizerKind::adam;
+  const double state = adam ? 2.0 * n * f : 0.0;
+  const double weights = master_copy ? n * f : n * p;
+  return {OpKind::elementwise, (adam ? 16.0 : 4.0) * n, n * p + weights + state,
+          weights + (master_copy ? n * p : 0.0) + state, 0, 1};
 }
 
 OpCost cost_collective(double bytes_sent_to_others, double bytes_local) {

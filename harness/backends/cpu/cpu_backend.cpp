@@ -243,22 +243,20 @@ void CpuBackend::reclaim() {
 
 // ---- host transfers --------------------------------------------------------------------
 
-namespace {
-void require_f32(const Tensor& t, const char* what) {
+void cpu_require_f32(const Tensor& t, const char* what) {
   if (t.dtype() != DType::f32)
     throw Unsupported(std::string("cpu backend: ") + what + " needs fp32, got " + t.describe());
 }
-}  // namespace
 
 void CpuBackend::upload(std::span<const float> host, Tensor& dst) {
-  require_f32(dst, "upload");
+  cpu_require_f32(dst, "upload");
   if (dst.stream()) synchronize(*dst.stream());
   MOELAB_CHECK(static_cast<std::int64_t>(host.size()) == dst.numel(), "upload size mismatch for " + dst.describe());
   if (dst.numel()) std::memcpy(dst.raw(), host.data(), dst.nbytes());
 }
 
 std::vector<float> CpuBackend::download(const Tensor& src) {
-  require_f32(src, "download");
+  cpu_require_f32(src, "download");
   if (src.stream()) synchronize(*src.stream());
   std::vector<float> v(static_cast<std::size_t>(src.numel()));
   if (src.numel()) std::memcpy(v.data(), src.raw(), src.nbytes());
@@ -332,9 +330,9 @@ void cpu_sgemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::
 
 namespace {
 void check_gemm(const GemmProblem& p) {
-  require_f32(p.a, "gemm A");
-  require_f32(p.b, "gemm B");
-  require_f32(p.c, "gemm C");
+  cpu_require_f32(p.a, "gemm A");
+  cpu_require_f32(p.b, "gemm B");
+  cpu_require_f32(p.c, "gemm C");
   MOELAB_CHECK(p.a.numel() == p.m * p.k && p.b.numel() == p.k * p.n && p.c.numel() == p.m * p.n,
                "gemm shapes: m=" + std::to_string(p.m) + " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k) +
                    " A" + p.a.describe() + " B" + p.b.describe() + " C" + p.c.describe());
@@ -383,7 +381,8 @@ double CpuBackend::time_bare_gemms(std::span<const GemmProblem> problems, int re
 
 void CpuBackend::noisy_logits(Stream& s, const Tensor& clean, const Tensor& noise_raw, const Tensor& eps,
                               Tensor& logits) {
-  for (const Tensor* t : {&clean, &noise_raw, &eps, static_cast<const Tensor*>(&logits)}) require_f32(*t, "noisy_logits");
+  for (const Tensor* t : {&clean, &noise_raw, &eps, static_cast<const Tensor*>(&logits)})
+    cpu_require_f32(*t, "noisy_logits");
   const float *c = clean.data<float>(), *nr = noise_raw.data<float>(), *e = eps.data<float>();
   float* l = logits.data<float>();
   const std::int64_t n = clean.numel();
@@ -522,7 +521,7 @@ RowOp row_op(const Tensor& x, const Tensor& slot) { return {x.dim(0), slot.dim(1
 }  // namespace
 
 void CpuBackend::permute(Stream& s, const Tensor& x, const Tensor& slot, Tensor& out) {
-  require_f32(x, "permute");
+  cpu_require_f32(x, "permute");
   const auto [T, k, M] = row_op(x, slot);
   const float* xp = x.data<float>();
   const std::int32_t* sl = slot.data<std::int32_t>();
@@ -553,7 +552,7 @@ void CpuBackend::permute_backward(Stream& s, const Tensor& d_out, const Tensor& 
 }
 
 void CpuBackend::unpermute(Stream& s, const Tensor& y_perm, const Tensor& slot, const Tensor& w, Tensor& y) {
-  require_f32(y, "unpermute");
+  cpu_require_f32(y, "unpermute");
   const auto [T, k, M] = row_op(y, slot);
   const float* yp = y_perm.data<float>();
   const std::int32_t* sl = slot.data<std::int32_t>();
@@ -603,17 +602,16 @@ constexpr float kInvSqrt2Pi = 0.39894228040143268f;
 }  // namespace
 
 void CpuBackend::activation_forward(Stream& s, Activation a, const Tensor& in, Tensor& out) {
-  require_f32(in, "activation");
+  cpu_require_f32(in, "activation");
   const float* x = in.data<float>();
   float* y = out.data<float>();
   const std::int64_t n = in.numel();
-  enqueue(s, std::string(activation_name(a)), cost_elementwise(n, DType::f32, 1, 1, a == Activation::gelu ? 8 : 1),
-          [=] {
-            if (a == Activation::gelu)
-              for (std::int64_t i = 0; i < n; ++i) y[i] = 0.5f * x[i] * (1.0f + std::erf(x[i] * kInvSqrt2));
-            else
-              for (std::int64_t i = 0; i < n; ++i) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
-          });
+  enqueue(s, std::string(activation_name(a)), cost_activation_forward(a, n, DType::f32), [=] {
+    if (a == Activation::gelu)
+      for (std::int64_t i = 0; i < n; ++i) y[i] = 0.5f * x[i] * (1.0f + std::erf(x[i] * kInvSqrt2));
+    else
+      for (std::int64_t i = 0; i < n; ++i) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+  });
 }
 
 void CpuBackend::activation_backward(Stream& s, Activation a, const Tensor& in, const Tensor& d_out,
@@ -621,17 +619,16 @@ void CpuBackend::activation_backward(Stream& s, Activation a, const Tensor& in, 
   const float *x = in.data<float>(), *dy = d_out.data<float>();
   float* dx = d_in.data<float>();
   const std::int64_t n = in.numel();
-  enqueue(s, std::string(activation_name(a)) + "_bwd",
-          cost_elementwise(n, DType::f32, 2, 1, a == Activation::gelu ? 12 : 1), [=] {
-            if (a == Activation::gelu)
-              for (std::int64_t i = 0; i < n; ++i) {
-                const float cdf = 0.5f * (1.0f + std::erf(x[i] * kInvSqrt2));
-                const float pdf = kInvSqrt2Pi * std::exp(-0.5f * x[i] * x[i]);
-                dx[i] = dy[i] * (cdf + x[i] * pdf);
-              }
-            else
-              for (std::int64_t i = 0; i < n; ++i) dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
-          });
+  enqueue(s, std::string(activation_name(a)) + "_bwd", cost_activation_backward(a, n, DType::f32), [=] {
+    if (a == Activation::gelu)
+      for (std::int64_t i = 0; i < n; ++i) {
+        const float cdf = 0.5f * (1.0f + std::erf(x[i] * kInvSqrt2));
+        const float pdf = kInvSqrt2Pi * std::exp(-0.5f * x[i] * x[i]);
+        dx[i] = dy[i] * (cdf + x[i] * pdf);
+      }
+    else
+      for (std::int64_t i = 0; i < n; ++i) dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
+  });
 }
 
 }  // namespace moelab

@@ -59,6 +59,29 @@ class CpuBackend final : public Backend {
   void activation_forward(Stream& s, Activation a, const Tensor& in, Tensor& out) override;
   void activation_backward(Stream& s, Activation a, const Tensor& in, const Tensor& d_out,
                            Tensor& d_in) override;
+
+  // Transformer-block ops: cpu_blocks.cpp.
+  void embedding_forward(Stream& s, const Tensor& ids, const Tensor& wte, const Tensor& wpe, std::int64_t seq_len,
+                         Tensor& out) override;
+  void embedding_backward(Stream& s, const Tensor& d_out, const Tensor& ids, std::int64_t seq_len, Tensor& d_wte,
+                          Tensor& d_wpe) override;
+  void norm_forward(Stream& s, NormKind kind, float eps, const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                    Tensor& y, Tensor& mean, Tensor& rstd) override;
+  void norm_backward(Stream& s, NormKind kind, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                     const Tensor& rstd, const Tensor& dy, Tensor& dx, Tensor& d_gamma, Tensor& d_beta) override;
+  void rope(Stream& s, const AttentionShape& a, float theta, bool inverse, Tensor& qkv) override;
+  void attention_forward(Stream& s, const AttentionShape& a, const Tensor& qkv, Tensor& out, Tensor& lse) override;
+  void attention_backward(Stream& s, const AttentionShape& a, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                          const Tensor& d_out, Tensor& d_qkv) override;
+  void swiglu_forward(Stream& s, const Tensor& h, Tensor& out) override;
+  void swiglu_backward(Stream& s, const Tensor& h, const Tensor& d_out, Tensor& d_h) override;
+  void add(Stream& s, const Tensor& a, const Tensor& b, Tensor& out) override;
+  void cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor& targets, Tensor& losses,
+                             Tensor& lse) override;
+  void cross_entropy_backward(Stream& s, const Tensor& logits, const Tensor& targets, const Tensor& lse, float scale,
+                              Tensor& d_logits) override;
+  void optimizer_step(Stream& s, const OptimizerStep& o) override;
+
   double time_bare_gemms(std::span<const GemmProblem> problems, int reps) override;
 
   std::vector<OpRecord> timeline() override { return timeline_.records(); }
@@ -87,6 +110,9 @@ class CpuBackend final : public Backend {
   std::vector<PendingFree> pending_;
   Timeline timeline_;
 };
+
+// Throws Unsupported unless t is fp32 (the cpu backend's only float dtype).
+void cpu_require_f32(const Tensor& t, const char* what);
 
 // Single-threaded fp32 GEMM used by the cpu backend (cblas_sgemm, or a plain loop when
 // built without BLAS). Row-major, see GemmProblem.

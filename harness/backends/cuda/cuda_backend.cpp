@@ -528,7 +528,7 @@ class CudaBackend final : public Backend {
     MOELAB_CHECK(in.dtype() == out.dtype() && in.numel() == out.numel(),
                  "activation " + in.describe() + " -> " + out.describe());
     CudaOpScope op(*this, s, std::string(activation_name(a)),
-                   cost_elementwise(in.numel(), in.dtype(), 1, 1, a == Activation::gelu ? 8 : 1));
+                   cost_activation_forward(a, in.numel(), in.dtype()));
     cuda_kernels::activation_forward(native(s), elem_of(in), a == Activation::gelu, in.raw(), out.raw(), in.numel());
   }
 
@@ -537,7 +537,7 @@ class CudaBackend final : public Backend {
                      in.numel() == d_in.numel(),
                  "activation_backward " + in.describe() + ", " + d_out.describe() + " -> " + d_in.describe());
     CudaOpScope op(*this, s, std::string(activation_name(a)) + "_bwd",
-                   cost_elementwise(in.numel(), in.dtype(), 2, 1, a == Activation::gelu ? 12 : 1));
+                   cost_activation_backward(a, in.numel(), in.dtype()));
     cuda_kernels::activation_backward(native(s), elem_of(in), a == Activation::gelu, in.raw(), d_out.raw(),
                                       d_in.raw(), in.numel());
   }

@@ -393,11 +393,65 @@ class SimBackendImpl final : public Backend {
   }
   void activation_forward(Stream& s, Activation a, const Tensor& in, Tensor&) override {
     issue(s, memory_bound(activation_name(a),
-                          cost_elementwise(in.numel(), in.dtype(), 1, 1, a == Activation::gelu ? 8 : 1)));
+                          cost_activation_forward(a, in.numel(), in.dtype())));
   }
   void activation_backward(Stream& s, Activation a, const Tensor& in, const Tensor&, Tensor&) override {
     issue(s, memory_bound(std::string(activation_name(a)) + "_bwd",
-                          cost_elementwise(in.numel(), in.dtype(), 2, 1, a == Activation::gelu ? 12 : 1)));
+                          cost_activation_backward(a, in.numel(), in.dtype())));
+  }
+
+
+  // ---- transformer-block ops: no data; attention is compute-bound work on the SMs, the rest
+  // memory-bound (docs/PERFORMANCE.md, "Block ops").
+  void embedding_forward(Stream& s, const Tensor& ids, const Tensor& wte, const Tensor& wpe, std::int64_t,
+                         Tensor&) override {
+    issue(s, memory_bound("embedding", cost_embedding_forward(ids.numel(), wte.dim(1), wpe.defined(), wte.dtype())));
+  }
+  void embedding_backward(Stream& s, const Tensor& d_out, const Tensor& ids, std::int64_t, Tensor& d_wte,
+                          Tensor& d_wpe) override {
+    issue(s, memory_bound("embedding_bwd",
+                          cost_embedding_backward(ids.numel(), d_wte.dim(1), d_wpe.defined(), d_out.dtype())));
+  }
+  void norm_forward(Stream& s, NormKind kind, float, const Tensor& x, const Tensor&, const Tensor&, Tensor&, Tensor&,
+                    Tensor&) override {
+    issue(s, memory_bound(norm_name(kind), cost_norm_forward(kind, x.dim(0), x.dim(1), x.dtype())));
+  }
+  void norm_backward(Stream& s, NormKind kind, const Tensor& x, const Tensor&, const Tensor&, const Tensor&,
+                     const Tensor&, Tensor&, Tensor&, Tensor&) override {
+    issue(s, memory_bound(std::string(norm_name(kind)) + "_bwd",
+                          cost_norm_backward(kind, x.dim(0), x.dim(1), x.dtype())));
+  }
+  void rope(Stream& s, const AttentionShape& a, float, bool inverse, Tensor& qkv) override {
+    issue(s, memory_bound(inverse ? "rope_inverse" : "rope", cost_rope(a, qkv.dtype())));
+  }
+  void attention_forward(Stream& s, const AttentionShape& a, const Tensor& qkv, Tensor&, Tensor&) override {
+    issue(s, attention_task("attention", a, qkv.dtype(), cost_attention_forward(a, qkv.dtype())));
+  }
+  void attention_backward(Stream& s, const AttentionShape& a, const Tensor& qkv, const Tensor&, const Tensor&,
+                          const Tensor&, Tensor&) override {
+    issue(s, attention_task("attention_bwd", a, qkv.dtype(), cost_attention_backward(a, qkv.dtype())));
+  }
+  void swiglu_forward(Stream& s, const Tensor& h, Tensor& out) override {
+    issue(s, memory_bound("swiglu", cost_swiglu_forward(out.dim(0), out.dim(1), h.dtype())));
+  }
+  void swiglu_backward(Stream& s, const Tensor& h, const Tensor& d_out, Tensor&) override {
+    issue(s, memory_bound("swiglu_bwd", cost_swiglu_backward(d_out.dim(0), d_out.dim(1), h.dtype())));
+  }
+  void add(Stream& s, const Tensor& a, const Tensor&, Tensor&) override {
+    issue(s, memory_bound("add", cost_add(a.numel(), a.dtype())));
+  }
+  void cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor&, Tensor&, Tensor&) override {
+    issue(s, memory_bound("cross_entropy",
+                          cost_cross_entropy_forward(logits.dim(0), logits.dim(1), logits.dtype())));
+  }
+  void cross_entropy_backward(Stream& s, const Tensor& logits, const Tensor&, const Tensor&, float,
+                              Tensor&) override {
+    issue(s, memory_bound("cross_entropy_bwd",
+                          cost_cross_entropy_backward(logits.dim(0), logits.dim(1), logits.dtype())));
+  }
+  void optimizer_step(Stream& s, const OptimizerStep& o) override {
+    issue(s, memory_bound(o.kind == OptimizerKind::adam ? "adam" : "sgd",
+                          cost_optimizer_step(o.kind, o.param.numel(), o.param.dtype(), o.master.defined())));
   }
 
   std::vector<OpRecord> timeline() override { return records_; }
@@ -502,6 +556,19 @@ class SimBackendImpl final : public Backend {
     if (c_.opt.profile && cost.kind != OpKind::elementwise && c_.opt.profile->d2d_bw > 0) bw = c_.opt.profile->d2d_bw;
     t.demands = {{topo_.hbm(rank()), bytes * hbm_bw / bw}};
     return t;
+  }
+  // Attention (forward or backward) as a GEMM of the same FLOPs: at the rate the cluster model
+  // (datasheet curve or profile) gives the GEMM [B·Hq·S, D] × [D, S], QK^T of every head at
+  // once, whose smallest side — D, as in a tile's products — sets the curve's efficiency.
+  LocalTask attention_task(std::string nm, const AttentionShape& a, DType t, const OpCost& cost) {
+    LocalTask task = op(std::move(nm), cost, sim::WorkClass::compute);
+    const std::int64_t m = a.batch * a.heads * a.seq, n = a.seq, k = a.head_dim;
+    const double gemm_flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+    const double seconds = gemm_flops > 0 ? topo_.gemm_seconds(m, n, k, t, allow_tf32_) * cost.flops / gemm_flops
+                                          : 0.0;
+    task.latency = topo_.launch_latency() * static_cast<double>(std::max<std::int64_t>(cost.launches, 1));
+    task.demands = {{topo_.sm(rank()), seconds}, {topo_.hbm(rank()), cost.bytes_read + cost.bytes_written}};
+    return task;
   }
   int issue(Stream& s, LocalTask t) {
     auto& st = stream(s);
