@@ -348,7 +348,16 @@ TEST_P(CudaAttention, ForwardBackward) {
   const Vec ref_d = cuda_ref::attention_backward(dbl(qkv), dbl(d_out), a);
   const auto got = b->download(dqkv);
   const i64 kv = static_cast<i64>(a.kv_heads) * a.head_dim;
-  EXPECT_TRUE(all_close("dQ", columns(got, W, 0, HD), columns(ref_d, W, 0, HD), tol_backward(dt)));
+  if (a.seq > 1) {
+    EXPECT_TRUE(all_close("dQ", columns(got, W, 0, HD), columns(ref_d, W, 0, HD), tol_backward(dt)));
+  } else {
+    // One key per query: the softmax is constant and dQ is 0 exactly; the kernel's D_i =
+    // rowsum(dO o O) (from the stored O) leaves a rounding residue, small on dV's scale.
+    double dq = 0, dv = 0;
+    for (float x : columns(got, W, 0, HD)) dq = std::max(dq, std::abs(static_cast<double>(x)));
+    for (double x : columns(ref_d, W, HD + kv, kv)) dv = std::max(dv, std::abs(x));
+    EXPECT_LE(dq, tol_backward(dt) * dv) << "dQ with a single key";
+  }
   EXPECT_TRUE(all_close("dK", columns(got, W, HD, kv), columns(ref_d, W, HD, kv), tol_backward(dt)));
   EXPECT_TRUE(all_close("dV", columns(got, W, HD + kv, kv), columns(ref_d, W, HD + kv, kv), tol_backward(dt)));
 }
