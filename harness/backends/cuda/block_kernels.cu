@@ -596,12 +596,37 @@ __global__ void attention_rowdot_kernel(const T_* __restrict__ out, const T_* __
   }
 }
 
+// What both backward kernels read and write.
 template <class T_>
-__global__ void __launch_bounds__(kAttnThreads) attention_dq_kernel(const T_* __restrict__ qkv,
-                                                                    const float* __restrict__ lse,
-                                                                    const float* __restrict__ dsum,
-                                                                    const T_* __restrict__ d_out,
-                                                                    T_* __restrict__ d_qkv, AttnParams p) {
+struct AttnGrad {
+  const T_* qkv;      // [T, (Hq+2Hkv)*D]
+  const float* lse;   // [B, Hq, S]
+  const float* dsum;  // [B, Hq, S]: D_i
+  const T_* d_out;    // [T, Hq*D]
+  T_* d_qkv;          // [T, (Hq+2Hkv)*D]
+};
+
+// The query tile and the dO tile starting at row q0, of query head h.
+template <class T_>
+__device__ void load_q_do(float* q_s, float* do_s, int pitch, const AttnGrad<T_>& a, const AttnParams& p, i64 b, i64 q0,
+                          int h) {
+  load_tile(q_s, pitch, a.qkv, p.qkv_width(), b, p.S, q0, kBr, static_cast<i64>(h) * p.D, p.D);
+  load_tile(do_s, pitch, a.d_out, p.out_width(), b, p.S, q0, kBr, static_cast<i64>(h) * p.D, p.D);
+}
+
+// For one (query i, key j): p_ij = exp(q_i . k_j / sqrt(D) - lse_i) and
+// ds_ij = p_ij (dO_i . v_j - D_i).
+struct ProbGrad {
+  float p, ds;
+};
+__device__ __forceinline__ ProbGrad prob_and_grad(const float* q, const float* k, const float* d_o, const float* v,
+                                                  float lse, float dsum, const AttnParams& p) {
+  const float pij = expf(dot(q, k, p.D) * p.scale - lse);
+  return {pij, pij * (dot(d_o, v, p.D) - dsum)};
+}
+
+template <class T_>
+__global__ void __launch_bounds__(kAttnThreads) attention_dq_kernel(AttnGrad<T_> a, AttnParams p) {
   extern __shared__ float smem[];
   const int D = p.D, pitch = D + 1;
   float* q_s = smem;                 // [kBr, pitch]
@@ -610,30 +635,26 @@ __global__ void __launch_bounds__(kAttnThreads) attention_dq_kernel(const T_* __
   float* v_s = k_s + kBc * pitch;    // [kBc, pitch]
   const TileBlock blk(kBr);
   const int h = blk.head, g = h / (p.Hq / p.Hkv), lane = blk.lane;
-  const float* lse_h = lse + (blk.b * p.Hq + h) * p.S;
-  const float* dsum_h = dsum + (blk.b * p.Hq + h) * p.S;
+  const float* lse_h = a.lse + (blk.b * p.Hq + h) * p.S;
+  const float* dsum_h = a.dsum + (blk.b * p.Hq + h) * p.S;
 
-  load_tile(q_s, pitch, qkv, p.qkv_width(), blk.b, p.S, blk.row0, kBr, static_cast<i64>(h) * D, D);
-  load_tile(do_s, pitch, d_out, p.out_width(), blk.b, p.S, blk.row0, kBr, static_cast<i64>(h) * D, D);
+  load_q_do(q_s, do_s, pitch, a, p, blk.b, blk.row0, h);
   float acc[kRowsPerWarp][kDChunks];
   zero(acc);
 
   for (i64 k0 = 0; k0 < keys_end(p, blk.row0); k0 += kBc) {
-    __syncthreads();
-    load_kv(k_s, v_s, pitch, qkv, p, blk.b, k0, g);
+    __syncthreads();  // the previous K/V tile is consumed (and, the first time, Q/dO are loaded)
+    load_kv(k_s, v_s, pitch, a.qkv, p, blk.b, k0, g);
     __syncthreads();
 #pragma unroll
     for (int rr = 0; rr < kRowsPerWarp; ++rr) {
       const int r = blk.tile_row(rr);
-      const i64 i = blk.row(rr), j = k0 + lane;
+      const i64 i = blk.row(rr), j = k0 + lane;  // lane: key row j
       if (i >= p.S) continue;  // warp-uniform
       const bool visible = j < p.S && (!p.causal || j <= i);
-      float ds = 0.0f;
-      if (visible) {
-        const float pij = expf(dot(q_s + r * pitch, k_s + lane * pitch, D) * p.scale - lse_h[i]);
-        const float dp = dot(do_s + r * pitch, v_s + lane * pitch, D);
-        ds = pij * (dp - dsum_h[i]);
-      }
+      const float ds = visible ? prob_and_grad(q_s + r * pitch, k_s + lane * pitch, do_s + r * pitch,
+                                               v_s + lane * pitch, lse_h[i], dsum_h[i], p).ds
+                               : 0.0f;
       accumulate_rows(acc[rr], ds, k_s, pitch, D, lane);  // dQ_i += sum_j ds_ij K_j
     }
   }
@@ -641,16 +662,13 @@ __global__ void __launch_bounds__(kAttnThreads) attention_dq_kernel(const T_* __
 #pragma unroll
   for (int rr = 0; rr < kRowsPerWarp; ++rr) {
     const i64 i = blk.row(rr);
-    if (i < p.S) store_row(d_qkv + (blk.b * p.S + i) * p.qkv_width() + static_cast<i64>(h) * D, acc[rr], p.scale, D, lane);
+    if (i < p.S)
+      store_row(a.d_qkv + (blk.b * p.S + i) * p.qkv_width() + static_cast<i64>(h) * D, acc[rr], p.scale, D, lane);
   }
 }
 
 template <class T_>
-__global__ void __launch_bounds__(kAttnThreads) attention_dkv_kernel(const T_* __restrict__ qkv,
-                                                                     const float* __restrict__ lse,
-                                                                     const float* __restrict__ dsum,
-                                                                     const T_* __restrict__ d_out,
-                                                                     T_* __restrict__ d_qkv, AttnParams p) {
+__global__ void __launch_bounds__(kAttnThreads) attention_dkv_kernel(AttnGrad<T_> a, AttnParams p) {
   extern __shared__ float smem[];
   const int D = p.D, pitch = D + 1;
   float* k_s = smem;                   // [kBc, pitch]
@@ -663,7 +681,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_dkv_kernel(const T_* _
   const int g = blk.head, group = p.Hq / p.Hkv, lane = blk.lane;
   const i64 k0 = blk.row0;
 
-  load_kv(k_s, v_s, pitch, qkv, p, blk.b, k0, g);
+  load_kv(k_s, v_s, pitch, a.qkv, p, blk.b, k0, g);
   float dk[kRowsPerWarp][kDChunks], dv[kRowsPerWarp][kDChunks];
   zero(dk);
   zero(dv);
@@ -671,12 +689,11 @@ __global__ void __launch_bounds__(kAttnThreads) attention_dkv_kernel(const T_* _
   // Causal: query rows before k0 see none of this tile's keys.
   const i64 q_begin = p.causal ? k0 / kBr * kBr : 0;
   for (int h = g * group; h < (g + 1) * group; ++h) {
-    const float* lse_h = lse + (blk.b * p.Hq + h) * p.S;
-    const float* dsum_h = dsum + (blk.b * p.Hq + h) * p.S;
+    const float* lse_h = a.lse + (blk.b * p.Hq + h) * p.S;
+    const float* dsum_h = a.dsum + (blk.b * p.Hq + h) * p.S;
     for (i64 q0 = q_begin; q0 < p.S; q0 += kBr) {
       __syncthreads();  // the previous query tile is consumed (and, the first time, K/V are loaded)
-      load_tile(q_s, pitch, qkv, p.qkv_width(), blk.b, p.S, q0, kBr, static_cast<i64>(h) * D, D);
-      load_tile(do_s, pitch, d_out, p.out_width(), blk.b, p.S, q0, kBr, static_cast<i64>(h) * D, D);
+      load_q_do(q_s, do_s, pitch, a, p, blk.b, q0, h);
       for (int r = threadIdx.x; r < kBr; r += blockDim.x) {
         lse_s[r] = q0 + r < p.S ? lse_h[q0 + r] : 0.0f;
         dsum_s[r] = q0 + r < p.S ? dsum_h[q0 + r] : 0.0f;
@@ -684,18 +701,15 @@ __global__ void __launch_bounds__(kAttnThreads) attention_dkv_kernel(const T_* _
       __syncthreads();
 #pragma unroll
       for (int rr = 0; rr < kRowsPerWarp; ++rr) {
-        const int r = blk.tile_row(rr);  // key row of the tile
+        const int r = blk.tile_row(rr);            // key row of the tile
         const i64 j = blk.row(rr), i = q0 + lane;  // lane: query row i
         if (j >= p.S) continue;  // warp-uniform
         const bool visible = i < p.S && (!p.causal || j <= i);
-        float pij = 0.0f, ds = 0.0f;
-        if (visible) {
-          pij = expf(dot(q_s + lane * pitch, k_s + r * pitch, D) * p.scale - lse_s[lane]);
-          const float dp = dot(do_s + lane * pitch, v_s + r * pitch, D);
-          ds = pij * (dp - dsum_s[lane]);
-        }
-        accumulate_rows(dv[rr], pij, do_s, pitch, D, lane);  // dV_j += sum_i p_ij dO_i
-        accumulate_rows(dk[rr], ds, q_s, pitch, D, lane);    // dK_j += sum_i ds_ij Q_i
+        const ProbGrad pg = visible ? prob_and_grad(q_s + lane * pitch, k_s + r * pitch, do_s + lane * pitch,
+                                                    v_s + r * pitch, lse_s[lane], dsum_s[lane], p)
+                                    : ProbGrad{0.0f, 0.0f};
+        accumulate_rows(dv[rr], pg.p, do_s, pitch, D, lane);  // dV_j += sum_i p_ij dO_i
+        accumulate_rows(dk[rr], pg.ds, q_s, pitch, D, lane);  // dK_j += sum_i ds_ij Q_i
       }
     }
   }
@@ -704,7 +718,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_dkv_kernel(const T_* _
   for (int rr = 0; rr < kRowsPerWarp; ++rr) {
     const i64 j = blk.row(rr);
     if (j >= p.S) continue;
-    T_* row = d_qkv + (blk.b * p.S + j) * p.qkv_width();
+    T_* row = a.d_qkv + (blk.b * p.S + j) * p.qkv_width();
     store_row(row + static_cast<i64>(p.Hq + g) * D, dk[rr], p.scale, D, lane);
     store_row(row + static_cast<i64>(p.Hq + p.Hkv + g) * D, dv[rr], 1.0f, D, lane);
   }
@@ -764,13 +778,13 @@ void attention_backward(cudaStream_t stream, Elem e, const AttentionShape& a, co
                     static_cast<unsigned>(a.batch));
   with_elem(e, [&](auto tag) {
     using T_ = decltype(tag);
+    const AttnGrad<T_> args{static_cast<const T_*>(qkv), lse, dsum, static_cast<const T_*>(d_out),
+                            static_cast<T_*>(d_qkv)};
     allow_smem(attention_dkv_kernel<T_>, smem);
-    attention_dkv_kernel<T_><<<grid_kv, kAttnThreads, smem, stream>>>(
-        static_cast<const T_*>(qkv), lse, dsum, static_cast<const T_*>(d_out), static_cast<T_*>(d_qkv), p);
+    attention_dkv_kernel<T_><<<grid_kv, kAttnThreads, smem, stream>>>(args, p);
     check_launch("attention_backward (dK, dV) kernel");
     allow_smem(attention_dq_kernel<T_>, smem);
-    attention_dq_kernel<T_><<<grid_q, kAttnThreads, smem, stream>>>(
-        static_cast<const T_*>(qkv), lse, dsum, static_cast<const T_*>(d_out), static_cast<T_*>(d_qkv), p);
+    attention_dq_kernel<T_><<<grid_q, kAttnThreads, smem, stream>>>(args, p);
   });
   check_launch("attention_backward (dQ) kernel");
 }
