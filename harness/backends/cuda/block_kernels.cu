@@ -11,7 +11,7 @@
 // Napkin math (H100: ~3.3 TB/s HBM, ~60 TFLOP/s fp32 on the CUDA cores, ~990 bf16 on tensor
 // cores), for T = 8192 tokens, M = 4096, bf16:
 //   norm forward     reads x (64 MiB) + writes y (64 MiB)                       ~ 40 us
-//   rope             reads and writes the q and k heads once                    ~ 40 us
+//   rope             q and k heads (T x 2M when Hkv = Hq: 128 MiB) read and written ~ 80 us
 //   swiglu (F=11008) reads h (344 MiB), writes out (172 MiB)                    ~ 160 us
 //   cross-entropy    V = 50257: reads the logits (785 MiB) once forward, once
 //                    backward (+ writes d_logits)                               ~ 250 / 500 us
@@ -19,8 +19,9 @@
 // Attention is the one that computes. B = 4, S = 2048, Hq = 32, Hkv = 8, D = 128, causal:
 //   FLOPs  forward 2 * 2*B*Hq*S^2*D / 2 (causal)          = 1.4e11 -> ~2.3 ms on CUDA cores
 //          backward: 7 such products here (see the backward) = 4.8e11 -> ~8 ms
-//   bytes  q, out once (2 * 64 MiB); K and V once per 32-row query tile: 64 tiles * 8 MiB
-//          per (b, kv head) group of 4 query heads, which stays in the 50 MiB L2.
+//   bytes  q and out once (64 MiB each); K and V of one (b, kv head) are 1 MiB, read once
+//          per 32-row query tile of each of its 4 query heads (64 tiles, half of them when
+//          causal): 128 MiB per (b, kv head), 4 GiB in all, served by the 50 MiB L2.
 // These kernels multiply on the CUDA cores in fp32, so they are compute bound at a few
 // percent of the tensor-core peak: they are written to be read (Dao et al. 2022, Alg. 1;
 // Dao 2023, Alg. 1-2), not to compete with FlashAttention's own mma-based kernels.
@@ -81,7 +82,7 @@ __global__ void embedding_backward_wpe_kernel(const T_* __restrict__ d_out, T_* 
 }
 
 // The token gradient is a scatter-add with repeated ids. Rather than atomics into an fp32
-// scratch of the whole table (V*M*4 bytes: 800 MiB at V = 50257, M = 4096, and d_wte may be
+// scratch of the whole table (V*M*4 bytes: 785 MiB at V = 50257, M = 4096, and d_wte may be
 // bf16, which has no exact atomic add), the (id, t) pairs are sorted by id (a stable radix
 // sort of T keys) and the first block of each run of equal ids sums the run's rows in fp32,
 // in token order, and adds the sum into d_wte once (llm.c's encoder_backward buckets the
