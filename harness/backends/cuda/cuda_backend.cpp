@@ -1,8 +1,9 @@
 // harness/backends/cuda/cuda_backend.cpp — CudaBackend: streams, events, the stream-ordered
-// allocator, cuBLAS grouped GEMM, copies, the timeline of timed ops, and the launch of the
-// hand-written kernels (kernels.cu).
+// allocator and the pinned host pool, cuBLAS grouped GEMM, copies, the timeline of timed
+// ops, and the launch of the hand-written kernels (kernels.cu: gate, row movers,
+// activations; block_kernels.cu: the transformer-block ops).
 //
-// Host code only (compiled by the host compiler); the device code lives in kernels.cu.
+// Host code only (compiled by the host compiler); the device code lives in the .cu files.
 #include "harness/backends/cuda/cuda_backend.hpp"
 
 #include <cublas_v2.h>
@@ -21,6 +22,7 @@
 #include <tuple>
 #include <vector>
 
+#include "harness/backends/cuda/block_kernels.hpp"
 #include "harness/backends/cuda/kernels.hpp"
 #include "harness/runtime/error.hpp"
 
@@ -186,11 +188,14 @@ class CudaBackend final : public Backend {
 
     cuda_check(cudaStreamCreateWithFlags(&clock_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     anchor_ = make_anchor();
+    host_pool_ = std::make_unique<HostPool>(host_pool_callbacks());
   }
 
   ~CudaBackend() override {
     cudaSetDevice(opt_.device);
     for (auto& s : streams_) cudaStreamSynchronize(s->native);
+    host_pool_.reset();  // every stream has drained: the pinned blocks go back to the driver
+    for (auto e : marker_events_) cudaEventDestroy(e);
     for (auto& s : streams_) {
       if (s->blas) cublasDestroy(s->blas);
       cudaStreamDestroy(s->native);
@@ -542,6 +547,28 @@ class CudaBackend final : public Backend {
                                       d_in.raw(), in.numel());
   }
 
+  // ---- transformer-block ops (block_kernels.cu; definitions below the class) ----------
+  void embedding_forward(Stream& s, const Tensor& ids, const Tensor& wte, const Tensor& wpe, std::int64_t seq_len,
+                         Tensor& out) override;
+  void embedding_backward(Stream& s, const Tensor& d_out, const Tensor& ids, std::int64_t seq_len, Tensor& d_wte,
+                          Tensor& d_wpe) override;
+  void norm_forward(Stream& s, NormKind kind, float eps, const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                    Tensor& y, Tensor& mean, Tensor& rstd) override;
+  void norm_backward(Stream& s, NormKind kind, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                     const Tensor& rstd, const Tensor& dy, Tensor& dx, Tensor& d_gamma, Tensor& d_beta) override;
+  void rope(Stream& s, const AttentionShape& a, float theta, bool inverse, Tensor& qkv) override;
+  void attention_forward(Stream& s, const AttentionShape& a, const Tensor& qkv, Tensor& out, Tensor& lse) override;
+  void attention_backward(Stream& s, const AttentionShape& a, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                          const Tensor& d_out, Tensor& d_qkv) override;
+  void swiglu_forward(Stream& s, const Tensor& h, Tensor& out) override;
+  void swiglu_backward(Stream& s, const Tensor& h, const Tensor& d_out, Tensor& d_h) override;
+  void add(Stream& s, const Tensor& a, const Tensor& b, Tensor& out) override;
+  void cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor& targets, Tensor& losses,
+                             Tensor& lse) override;
+  void cross_entropy_backward(Stream& s, const Tensor& logits, const Tensor& targets, const Tensor& lse, float scale,
+                              Tensor& d_logits) override;
+  void optimizer_step(Stream& s, const OptimizerStep& o) override;
+
   double time_bare_gemms(std::span<const GemmProblem> problems, int reps) override;
 
   // ---- timeline --------------------------------------------------------------------
@@ -608,24 +635,82 @@ class CudaBackend final : public Backend {
   void* raw_alloc(std::size_t bytes, MemSpace space, Stream& s) override {
     set_device();
     void* p = nullptr;
-    const cudaError_t err =
-        space == MemSpace::device ? cudaMallocAsync(&p, bytes, native(s)) : cudaMallocHost(&p, bytes);
-    if (err != cudaSuccess) {
+    cudaError_t err = cudaSuccess;
+    if (space == MemSpace::device)
+      err = cudaMallocAsync(&p, bytes, native(s));
+    else
+      p = host_pool_->allocate(bytes);
+    if (err != cudaSuccess || !p) {
       cudaGetLastError();  // an allocation failure is not sticky; clear it
       throw OutOfMemory("rank " + std::to_string(rank()) + ": cuda: cannot allocate " + std::to_string(bytes) +
                         " bytes of " + (space == MemSpace::device ? "device" : "pinned host") + " memory on " +
-                        device_name_ + " (" + std::to_string(memory_.device_in_use()) +
-                        " bytes tracked in use): " + cudaGetErrorString(err));
+                        device_name_ + " (" + std::to_string(memory_.device_in_use()) + " bytes tracked in use): " +
+                        (err != cudaSuccess ? cudaGetErrorString(err) : "cudaHostAlloc refused"));
     }
     return p;
   }
   void raw_free(void* p, std::size_t, MemSpace space, Stream& s) override {
     // Called from a tensor's destructor: report, never throw.
-    const cudaError_t err = space == MemSpace::device ? cudaFreeAsync(p, native(s)) : cudaFreeHost(p);
+    if (space == MemSpace::host_pinned) {
+      try {
+        host_pool_->free(p, &s);  // reusable once s has passed this point
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "moelab cuda: freeing pinned memory failed: %s\n", e.what());
+      }
+      return;
+    }
+    const cudaError_t err = cudaFreeAsync(p, native(s));
     if (err != cudaSuccess) std::fprintf(stderr, "moelab cuda: freeing memory failed: %s\n", cudaGetErrorString(err));
   }
 
+ public:
+  HostPool& host_pool() { return *host_pool_; }
+  const HostPool& host_pool() const { return *host_pool_; }
+
  private:
+  // The pinned host pool's driver (harness/runtime/host_pool.hpp): cudaHostAlloc /
+  // cudaFreeHost, and recycled cudaEvents recorded on the freeing tensor's allocation
+  // stream as completion markers. The pool calls these under its own lock.
+  HostPool::Callbacks host_pool_callbacks() {
+    HostPool::Callbacks cb;
+    cb.allocate = [this](std::size_t bytes) -> void* {
+      set_device();
+      void* p = nullptr;
+      if (cudaHostAlloc(&p, bytes, cudaHostAllocDefault) != cudaSuccess) {
+        cudaGetLastError();
+        return nullptr;
+      }
+      return p;
+    };
+    cb.release = [](void* p) {
+      const cudaError_t err = cudaFreeHost(p);
+      if (err != cudaSuccess) std::fprintf(stderr, "moelab cuda: cudaFreeHost failed: %s\n", cudaGetErrorString(err));
+    };
+    cb.record = [this](HostPool::StreamHandle h) -> HostPool::Marker {
+      const cudaStream_t st = native(*const_cast<Stream*>(static_cast<const Stream*>(h)));
+      cudaEvent_t e = nullptr;
+      if (!marker_events_.empty()) {
+        e = marker_events_.back();
+        marker_events_.pop_back();
+      } else if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+        e = nullptr;
+      }
+      if (e && cudaEventRecord(e, st) == cudaSuccess) return e;
+      // No marker to be had: wait for the stream here, so that the block is free at once.
+      if (e) marker_events_.push_back(e);
+      cudaGetLastError();
+      cudaStreamSynchronize(st);
+      return nullptr;
+    };
+    cb.done = [](HostPool::Marker m) {
+      if (cudaEventQuery(static_cast<cudaEvent_t>(m)) == cudaSuccess) return true;
+      cudaGetLastError();  // cudaErrorNotReady is no error; a real one resurfaces at the next sync
+      return false;
+    };
+    cb.drop = [this](HostPool::Marker m) { marker_events_.push_back(static_cast<cudaEvent_t>(m)); };
+    return cb;
+  }
+
   void set_device() const {
     int cur = -1;
     if (cudaGetDevice(&cur) != cudaSuccess || cur != opt_.device) cuda_check(cudaSetDevice(opt_.device), "cudaSetDevice");
@@ -751,6 +836,8 @@ class CudaBackend final : public Backend {
   std::set<std::pair<int, int>> grouped_unsupported_;  // (A/B type, C type) the grouped API refused
   cudaStream_t bare_stream_ = nullptr;
   cublasHandle_t bare_blas_ = nullptr;
+  std::vector<cudaEvent_t> marker_events_;  // idle completion markers of the host pool
+  std::unique_ptr<HostPool> host_pool_;
 };
 
 // ---- GEMM ----------------------------------------------------------------------------
@@ -917,6 +1004,229 @@ void CudaBackend::grouped_gemm(Stream& s, std::span<const GemmProblem> problems,
   }
 }
 
+// ---- transformer-block ops -----------------------------------------------------------
+//
+// Shapes are checked here (MOELAB_CHECK: a wrong shape is a bug of the caller), dtypes and
+// sizes the kernels cannot serve are Unsupported; then each op is one CudaOpScope around its
+// launcher(s) in block_kernels.cu, costed by its one function in cost.cpp.
+namespace {
+
+const void* raw_or_null(const Tensor& t) { return t.defined() ? t.raw() : nullptr; }
+void* raw_or_null(Tensor& t) { return t.defined() ? t.raw() : nullptr; }
+
+// `t` is defined, has `numel` elements and dtype `dt`.
+void require(const Tensor& t, std::int64_t numel, DType dt, const std::string& what) {
+  MOELAB_CHECK(t.defined() && t.numel() == numel && t.dtype() == dt,
+               what + ": expected " + std::to_string(numel) + " elements of " + dtype_name(dt) + ", got " +
+                   (t.defined() ? t.describe() : std::string("undefined")));
+}
+
+// What the tiled attention kernels serve (block_kernels.cu): head_dim up to 128 (a lane keeps
+// 4 output columns in registers), at most 65535 sequences (a grid dimension).
+void check_attention(const AttentionShape& a, const char* op) {
+  if (a.head_dim > cuda_kernels::kMaxHeadDim)
+    throw Unsupported(std::string(op) + " on the cuda backend: head_dim " + std::to_string(a.head_dim) +
+                      " exceeds the tiled kernel's maximum of " + std::to_string(cuda_kernels::kMaxHeadDim));
+  if (a.batch > 65535)
+    throw Unsupported(std::string(op) + " on the cuda backend: batch " + std::to_string(a.batch) +
+                      " exceeds 65535 sequences per call (a grid dimension)");
+  MOELAB_CHECK(a.batch >= 0 && a.seq >= 0 && a.head_dim >= 1 && a.heads >= 1 && a.kv_heads >= 1 &&
+                   a.heads % a.kv_heads == 0,
+               std::string(op) + ": bad attention shape (batch " + std::to_string(a.batch) + ", seq " +
+                   std::to_string(a.seq) + ", heads " + std::to_string(a.heads) + "/" + std::to_string(a.kv_heads) +
+                   ", head_dim " + std::to_string(a.head_dim) + ")");
+}
+
+}  // namespace
+
+void CudaBackend::embedding_forward(Stream& s, const Tensor& ids, const Tensor& wte, const Tensor& wpe,
+                                    std::int64_t seq_len, Tensor& out) {
+  const std::int64_t T = ids.numel(), M = width_of(wte), V = rows_of(wte);
+  MOELAB_CHECK(ids.dtype() == DType::i32 && wte.ndim() == 2, "embedding_forward ids " + ids.describe() + ", wte " +
+                                                                  wte.describe());
+  require(out, T * M, wte.dtype(), "embedding_forward out");
+  if (wpe.defined())
+    MOELAB_CHECK(wpe.dtype() == wte.dtype() && width_of(wpe) == M && seq_len >= 1 && rows_of(wpe) >= seq_len,
+                 "embedding_forward wpe " + wpe.describe() + " for seq_len " + std::to_string(seq_len));
+  CudaOpScope op(*this, s, "embedding", cost_embedding_forward(T, M, wpe.defined(), wte.dtype()));
+  cuda_kernels::embedding_forward(native(s), elem_of(wte), i32p(ids), wte.raw(), raw_or_null(wpe), out.raw(), T, M,
+                                  std::max<std::int64_t>(seq_len, 1), V);
+}
+
+void CudaBackend::embedding_backward(Stream& s, const Tensor& d_out, const Tensor& ids, std::int64_t seq_len,
+                                     Tensor& d_wte, Tensor& d_wpe) {
+  const std::int64_t T = ids.numel(), M = width_of(d_out);
+  MOELAB_CHECK(ids.dtype() == DType::i32 && d_out.numel() == T * M,
+               "embedding_backward d_out " + d_out.describe() + ", ids " + ids.describe());
+  MOELAB_CHECK(T <= std::numeric_limits<int>::max(), "embedding_backward: T out of int range");
+  std::int64_t V = 0;
+  if (d_wte.defined()) {
+    MOELAB_CHECK(d_wte.dtype() == d_out.dtype() && width_of(d_wte) == M,
+                 "embedding_backward d_wte " + d_wte.describe() + " for d_out " + d_out.describe());
+    V = rows_of(d_wte);
+  }
+  if (d_wpe.defined())
+    MOELAB_CHECK(d_wpe.dtype() == d_out.dtype() && width_of(d_wpe) == M && seq_len >= 1 &&
+                     rows_of(d_wpe) >= seq_len && T % seq_len == 0,
+                 "embedding_backward d_wpe " + d_wpe.describe() + " for " + std::to_string(T) +
+                     " tokens of seq_len " + std::to_string(seq_len));
+  CudaOpScope op(*this, s, "embedding_bwd", cost_embedding_backward(T, M, d_wpe.defined(), d_out.dtype()));
+  cuda_kernels::embedding_backward(native(s), elem_of(d_out), d_out.raw(), i32p(ids), raw_or_null(d_wte),
+                                   raw_or_null(d_wpe), T, M, std::max<std::int64_t>(seq_len, 1), V);
+}
+
+void CudaBackend::norm_forward(Stream& s, NormKind kind, float eps, const Tensor& x, const Tensor& gamma,
+                               const Tensor& beta, Tensor& y, Tensor& mean, Tensor& rstd) {
+  const std::int64_t T = rows_of(x), M = width_of(x);
+  const bool rms = kind == NormKind::rmsnorm;
+  require(gamma, M, x.dtype(), "norm_forward gamma");
+  if (beta.defined() && !rms) require(beta, M, x.dtype(), "norm_forward beta");
+  require(y, T * M, x.dtype(), "norm_forward y");
+  require(rstd, T, DType::f32, "norm_forward rstd");
+  if (!rms) require(mean, T, DType::f32, "norm_forward mean");
+  CudaOpScope op(*this, s, norm_name(kind), cost_norm_forward(kind, T, M, x.dtype()));
+  cuda_kernels::norm_forward(native(s), elem_of(x), rms, eps, x.raw(), gamma.raw(), rms ? nullptr : raw_or_null(beta),
+                             y.raw(), rms ? nullptr : f32p(mean), f32p(rstd), T, M);
+}
+
+void CudaBackend::norm_backward(Stream& s, NormKind kind, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                                const Tensor& rstd, const Tensor& dy, Tensor& dx, Tensor& d_gamma, Tensor& d_beta) {
+  const std::int64_t T = rows_of(x), M = width_of(x);
+  const bool rms = kind == NormKind::rmsnorm;
+  require(gamma, M, x.dtype(), "norm_backward gamma");
+  require(rstd, T, DType::f32, "norm_backward rstd");
+  if (!rms) require(mean, T, DType::f32, "norm_backward mean");
+  require(dy, T * M, x.dtype(), "norm_backward dy");
+  require(dx, T * M, x.dtype(), "norm_backward dx");
+  if (d_gamma.defined()) require(d_gamma, M, x.dtype(), "norm_backward d_gamma");
+  if (d_beta.defined() && !rms) require(d_beta, M, x.dtype(), "norm_backward d_beta");
+  CudaOpScope op(*this, s, std::string(norm_name(kind)) + "_bwd", cost_norm_backward(kind, T, M, x.dtype()));
+  cuda_kernels::norm_backward(native(s), elem_of(x), rms, x.raw(), gamma.raw(), rms ? nullptr : f32p(mean),
+                              f32p(rstd), dy.raw(), dx.raw(), raw_or_null(d_gamma),
+                              rms ? nullptr : raw_or_null(d_beta), T, M);
+}
+
+void CudaBackend::rope(Stream& s, const AttentionShape& a, float theta, bool inverse, Tensor& qkv) {
+  check_attention(a, "rope");
+  if (a.head_dim % 2 != 0)
+    throw Unsupported("rope on the cuda backend: head_dim " + std::to_string(a.head_dim) +
+                      " is odd (dimension i pairs with i + head_dim/2)");
+  require(qkv, a.tokens() * a.qkv_width(), qkv.dtype(), "rope qkv");
+  CudaOpScope op(*this, s, inverse ? "rope_inv" : "rope", cost_rope(a, qkv.dtype()));
+  cuda_kernels::rope(native(s), elem_of(qkv), a, theta, inverse, qkv.raw());
+}
+
+void CudaBackend::attention_forward(Stream& s, const AttentionShape& a, const Tensor& qkv, Tensor& out, Tensor& lse) {
+  check_attention(a, "attention_forward");
+  const std::int64_t T = a.tokens();
+  require(qkv, T * a.qkv_width(), qkv.dtype(), "attention_forward qkv");
+  require(out, T * a.heads * a.head_dim, qkv.dtype(), "attention_forward out");
+  require(lse, T * a.heads, DType::f32, "attention_forward lse [B,Hq,S]");
+  CudaOpScope op(*this, s, "attention", cost_attention_forward(a, qkv.dtype()));
+  cuda_kernels::attention_forward(native(s), elem_of(qkv), a, qkv.raw(), out.raw(), f32p(lse));
+}
+
+void CudaBackend::attention_backward(Stream& s, const AttentionShape& a, const Tensor& qkv, const Tensor& out,
+                                     const Tensor& lse, const Tensor& d_out, Tensor& d_qkv) {
+  check_attention(a, "attention_backward");
+  const std::int64_t T = a.tokens();
+  require(qkv, T * a.qkv_width(), qkv.dtype(), "attention_backward qkv");
+  require(out, T * a.heads * a.head_dim, qkv.dtype(), "attention_backward out");
+  require(lse, T * a.heads, DType::f32, "attention_backward lse [B,Hq,S]");
+  require(d_out, T * a.heads * a.head_dim, qkv.dtype(), "attention_backward d_out");
+  require(d_qkv, T * a.qkv_width(), qkv.dtype(), "attention_backward d_qkv");
+  CudaOpScope op(*this, s, "attention_bwd", cost_attention_backward(a, qkv.dtype()));
+  cuda_kernels::attention_backward(native(s), elem_of(qkv), a, qkv.raw(), out.raw(), f32p(lse), d_out.raw(),
+                                   d_qkv.raw());
+}
+
+void CudaBackend::swiglu_forward(Stream& s, const Tensor& h, Tensor& out) {
+  const std::int64_t T = rows_of(out), F = width_of(out);
+  MOELAB_CHECK(width_of(h) == 2 * F, "swiglu_forward h " + h.describe() + " -> out " + out.describe());
+  require(h, T * 2 * F, out.dtype(), "swiglu_forward h");
+  CudaOpScope op(*this, s, "swiglu", cost_swiglu_forward(T, F, out.dtype()));
+  cuda_kernels::swiglu_forward(native(s), elem_of(out), h.raw(), out.raw(), T, F);
+}
+
+void CudaBackend::swiglu_backward(Stream& s, const Tensor& h, const Tensor& d_out, Tensor& d_h) {
+  const std::int64_t T = rows_of(d_out), F = width_of(d_out);
+  MOELAB_CHECK(width_of(h) == 2 * F, "swiglu_backward h " + h.describe() + ", d_out " + d_out.describe());
+  require(h, T * 2 * F, d_out.dtype(), "swiglu_backward h");
+  require(d_h, T * 2 * F, d_out.dtype(), "swiglu_backward d_h");
+  CudaOpScope op(*this, s, "swiglu_bwd", cost_swiglu_backward(T, F, d_out.dtype()));
+  cuda_kernels::swiglu_backward(native(s), elem_of(d_out), h.raw(), d_out.raw(), d_h.raw(), T, F);
+}
+
+void CudaBackend::add(Stream& s, const Tensor& a, const Tensor& b, Tensor& out) {
+  require(b, a.numel(), a.dtype(), "add b");
+  require(out, a.numel(), a.dtype(), "add out");
+  CudaOpScope op(*this, s, "add", cost_add(a.numel(), a.dtype()));
+  cuda_kernels::add(native(s), elem_of(a), a.raw(), b.raw(), out.raw(), a.numel());
+}
+
+void CudaBackend::cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor& targets, Tensor& losses,
+                                        Tensor& lse) {
+  const std::int64_t T = rows_of(logits), V = width_of(logits);
+  require(targets, T, DType::i32, "cross_entropy_forward targets");
+  require(losses, T, DType::f32, "cross_entropy_forward losses");
+  require(lse, T, DType::f32, "cross_entropy_forward lse");
+  CudaOpScope op(*this, s, "cross_entropy", cost_cross_entropy_forward(T, V, logits.dtype()));
+  cuda_kernels::cross_entropy_forward(native(s), elem_of(logits), logits.raw(), i32p(targets), f32p(losses),
+                                      f32p(lse), T, V);
+}
+
+void CudaBackend::cross_entropy_backward(Stream& s, const Tensor& logits, const Tensor& targets, const Tensor& lse,
+                                         float scale, Tensor& d_logits) {
+  const std::int64_t T = rows_of(logits), V = width_of(logits);
+  require(targets, T, DType::i32, "cross_entropy_backward targets");
+  require(lse, T, DType::f32, "cross_entropy_backward lse");
+  require(d_logits, T * V, logits.dtype(), "cross_entropy_backward d_logits");
+  CudaOpScope op(*this, s, "cross_entropy_bwd", cost_cross_entropy_backward(T, V, logits.dtype()));
+  cuda_kernels::cross_entropy_backward(native(s), elem_of(logits), logits.raw(), i32p(targets), f32p(lse), scale,
+                                       d_logits.raw(), T, V);
+}
+
+void CudaBackend::optimizer_step(Stream& s, const OptimizerStep& o) {
+  const std::int64_t n = o.param.numel();
+  const bool adam = o.kind == OptimizerKind::adam;
+  MOELAB_CHECK(o.grad.defined() && o.grad.numel() == n,
+               "optimizer_step grad " + (o.grad.defined() ? o.grad.describe() : std::string("undefined")) +
+                   " for param " + o.param.describe());
+  if (o.master.defined())
+    require(o.master, n, DType::f32, "optimizer_step master");
+  else
+    MOELAB_CHECK(o.param.dtype() == DType::f32,
+                 "optimizer_step: a " + std::string(dtype_name(o.param.dtype())) + " parameter needs an fp32 master");
+  if (adam) {
+    require(o.m, n, DType::f32, "optimizer_step m");
+    require(o.v, n, DType::f32, "optimizer_step v");
+    MOELAB_CHECK(o.step >= 1, "optimizer_step: Adam step counts from 1, got " + std::to_string(o.step));
+  }
+  cuda_kernels::OptimizerArgs k;
+  k.adam = adam;
+  k.param_elem = elem_of(o.param);
+  k.grad_elem = elem_of(o.grad);
+  k.param = o.param.raw();
+  k.grad = o.grad.raw();
+  k.master = o.master.defined() ? o.master.data<float>() : nullptr;
+  k.m = adam ? o.m.data<float>() : nullptr;
+  k.v = adam ? o.v.data<float>() : nullptr;
+  k.n = n;
+  k.lr = o.lr;
+  k.beta1 = o.beta1;
+  k.beta2 = o.beta2;
+  k.eps = o.eps;
+  k.weight_decay = o.weight_decay;
+  if (adam) {  // 1 - beta^t in double: beta2^t creeps towards 1 slowly and fp32 would lose it
+    const double t = static_cast<double>(o.step);
+    k.bias_correction1 = static_cast<float>(1.0 - std::pow(static_cast<double>(o.beta1), t));
+    k.bias_correction2 = static_cast<float>(1.0 - std::pow(static_cast<double>(o.beta2), t));
+  }
+  CudaOpScope op(*this, s, adam ? "adam" : "sgd",
+                 cost_optimizer_step(o.kind, n, o.param.dtype(), o.master.defined()));
+  cuda_kernels::optimizer_step(native(s), k);
+}
+
 double CudaBackend::time_bare_gemms(std::span<const GemmProblem> problems, int reps) {
   for (const auto& p : problems) check_problem(p);
   reps = std::max(reps, 1);
@@ -995,6 +1305,18 @@ int cuda_device_of(const Backend& b) {
   const auto* cb = dynamic_cast<const CudaBackend*>(&b);
   if (!cb) throw std::invalid_argument("not a cuda backend: " + b.name());
   return cb->device();
+}
+
+HostPool::Stats cuda_host_pool_stats(const Backend& b) {
+  auto* cb = dynamic_cast<const CudaBackend*>(&b);
+  if (!cb) throw std::invalid_argument("not a cuda backend: " + b.name());
+  return cb->host_pool().stats();
+}
+
+void cuda_host_pool_empty_cache(Backend& b) {
+  auto* cb = dynamic_cast<CudaBackend*>(&b);
+  if (!cb) throw std::invalid_argument("not a cuda backend: " + b.name());
+  cb->host_pool().empty_cache();
 }
 
 cudaStream_t cuda_native_stream(Stream& s) {

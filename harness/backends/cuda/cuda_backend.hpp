@@ -1,5 +1,7 @@
 // harness/backends/cuda/cuda_backend.hpp — the cuda backend: real fp32/bf16 data on one GPU,
-// cuBLAS GEMMs, CUB-based gate, CUDA streams and events, cudaMallocAsync pools.
+// cuBLAS GEMMs, CUB-based gate, hand-written transformer-block kernels (block_kernels.cu),
+// CUDA streams and events, cudaMallocAsync pools for device memory and a caching pool for
+// pinned host memory (harness/runtime/host_pool.hpp).
 //
 // Plain C++ (the registry and the tests include it with the host compiler): nothing here
 // needs nvcc, only the CUDA runtime's C header for cudaStream_t.
@@ -10,6 +12,7 @@
 #include <string>
 
 #include "harness/runtime/backend.hpp"
+#include "harness/runtime/host_pool.hpp"
 
 namespace moelab {
 
@@ -33,6 +36,14 @@ std::unique_ptr<Backend> make_cuda_backend(const CudaOptions& options);
 bool is_cuda_backend(const Backend& b);
 int cuda_device_of(const Backend& b);       // throws std::invalid_argument if not a cuda backend
 cudaStream_t cuda_native_stream(Stream& s);  // throws std::invalid_argument if not a cuda stream
+
+// ---- the pinned host pool ----------------------------------------------------------------
+// MemSpace::host_pinned tensors come from a caching pool: after a warm-up step, a step that
+// repeats its pattern of pinned allocations makes no cudaHostAlloc and no cudaFreeHost
+// (which would synchronise the device). Both throw std::invalid_argument if not a cuda backend.
+HostPool::Stats cuda_host_pool_stats(const Backend& b);
+// Returns the idle cached blocks to the driver (cudaFreeHost).
+void cuda_host_pool_empty_cache(Backend& b);
 
 struct CudaOpTicket;
 

@@ -22,41 +22,11 @@
 #include <stdexcept>
 #include <string>
 
+#include "harness/backends/cuda/device_common.cuh"
 #include "harness/backends/cuda/kernels.hpp"
 
 namespace moelab::cuda_kernels {
 namespace {
-
-using i64 = long long;
-constexpr int kWarp = 32;
-
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string("cuda: ") + what + " failed: " + cudaGetErrorString(err));
-}
-void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
-
-// Grid for a grid-stride loop over `work` items handled `per_block` at a time. Capped: the
-// loops stride, and more blocks than ~16 per SM buy nothing.
-unsigned grid_for(i64 work, i64 per_block) {
-  i64 b = (work + per_block - 1) / per_block;
-  if (b < 1) b = 1;
-  if (b > 8192) b = 8192;
-  return static_cast<unsigned>(b);
-}
-
-__device__ __forceinline__ float ld(const float* p) { return *p; }
-__device__ __forceinline__ float ld(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-__device__ __forceinline__ void st(float* p, float v) { *p = v; }
-__device__ __forceinline__ void st(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int off = kWarp / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-  for (int off = kWarp / 2; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-  return v;
-}
 
 // ---- noisy logits --------------------------------------------------------------------
 
@@ -380,28 +350,6 @@ __global__ void activation_backward_kernel(bool gelu, const T_* __restrict__ in,
   for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < n; i += static_cast<i64>(gridDim.x) * blockDim.x)
     st(d_in + i, act_backward(gelu, ld(in + i), ld(d_out + i)));
 }
-
-// Stream-ordered scratch from the device's pool, returned on the same stream.
-class Workspace {
- public:
-  Workspace(std::size_t bytes, cudaStream_t s) : s_(s) {
-    if (bytes) check(cudaMallocAsync(&p_, bytes, s), "cudaMallocAsync (workspace)");
-  }
-  ~Workspace() {
-    if (p_) cudaFreeAsync(p_, s_);  // cannot throw from here; a failure resurfaces at the next sync
-  }
-  Workspace(const Workspace&) = delete;
-  Workspace& operator=(const Workspace&) = delete;
-  char* get() const { return static_cast<char*>(p_); }
-
- private:
-  void* p_ = nullptr;
-  cudaStream_t s_;
-};
-
-std::size_t align_up(std::size_t n) { return (n + 255) / 256 * 256; }
-
-constexpr int kElemThreads = 256;
 
 }  // namespace
 
