@@ -123,16 +123,22 @@ TEST_P(ModelGrad, MatchesFiniteDifferencesOfTheLoss) {
     // Step sized to the tensor's scale so that fp32 rounding stays small against it.
     double scale = 0;
     for (float v : v0) scale = std::max(scale, static_cast<double>(std::abs(v)));
-    const double h = 1e-2 * std::max(scale, 0.05);
     auto at = [&](double s) {
       std::vector<float> v(v0);
       for (std::size_t j = 0; j < v.size(); ++j) v[j] += static_cast<float>(s * d[j]);
       r.b->upload(v, params[i].value);
       return objective(r, x, opt.aux_loss_coef);
     };
-    const double numeric = (at(h) - at(-h)) / (2 * h);
+    // Top-k routing is piecewise constant: a step that flips a token's choice of expert
+    // adds a jump to the difference quotient. Such a step is retried 4x smaller (a flip
+    // within both is far less likely than within one).
+    double h = 1e-2 * std::max(scale, 0.05), numeric = 0, tol = 0;
+    for (int attempt = 0; attempt < 3; ++attempt, h /= 4) {
+      numeric = (at(h) - at(-h)) / (2 * h);
+      tol = 2e-2 * std::max(std::abs(numeric), 1e-3) + 2e-4 * (1 << (2 * attempt));  // fp32 noise ~ 1/h
+      if (std::abs(analytic - numeric) <= tol || cfg.moe_layers == MoELayers::none) break;
+    }
     r.b->upload(v0, params[i].value);
-    const double tol = 2e-2 * std::max(std::abs(numeric), 1e-3) + 2e-4;
     EXPECT_NEAR(analytic, numeric, tol) << params[i].name << " (seed " << seed << ")";
   }
 }
