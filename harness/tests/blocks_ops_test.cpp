@@ -273,9 +273,9 @@ TEST(Attention, CausalOutputsIgnoreLaterTokens) {
     ASSERT_EQ(v1[static_cast<std::size_t>(i)], v2[static_cast<std::size_t>(i)]) << i;
 }
 
-// No [S,S] score matrix: the memory tracked while attention runs forward and backward at
-// S = 2048 grows by its tile scratch and O(S·D) (the backward's dQ accumulator), far below the
-// 16 MiB of one fp32 score matrix.
+// No [S,S] score matrix, and attention's memory is the same formula on every backend: its
+// inputs, outputs and saved lse, nothing else tracked (its tiles live inside the op, as a GPU
+// kernel's live in shared memory), at S = 2048 as at any S.
 TEST(Attention, MemoryStaysLinearInSequenceLength) {
   const AttentionShape a{.batch = 1, .seq = 2048, .heads = 1, .kv_heads = 1, .head_dim = 16, .causal = true};
   const std::int64_t T = a.tokens(), W = a.qkv_width(), S = a.seq, D = a.head_dim;
@@ -290,11 +290,7 @@ TEST(Attention, MemoryStaysLinearInSequenceLength) {
   cpu.b->attention_backward(cpu.s, a, tq, tout, tlse, tdo, tdq);
   cpu.b->synchronize();
   const std::size_t extra = cpu.b->memory().peak_device() - before;
-  const std::int64_t tile = kAttentionTileRows;
-  const auto bound = static_cast<std::size_t>(4 * (S * (D + 1) + 8 * tile * D + 2 * tile * tile));
-  EXPECT_GT(extra, 0u) << "the scratch should be tracked";
-  EXPECT_LE(extra, bound);
-  EXPECT_LT(extra, static_cast<std::size_t>(4 * S * S) / 20);
+  EXPECT_EQ(extra, 0u) << "attention allocated tracked memory beyond its outputs";
   const auto o = cpu.get(tout);
   for (float v : o) ASSERT_TRUE(std::isfinite(v));
 }

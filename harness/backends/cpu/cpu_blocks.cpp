@@ -272,13 +272,16 @@ void CpuBackend::attention_forward(Stream& s, const AttentionShape& a, const Ten
   require_shape(out, {T, Hq * D}, "attention_forward", "out");
   require_shape(lse, {a.batch, Hq, S}, "attention_forward", "lse");
   // Scratch of one query tile, independent of S: Q, K, V tiles, scores, output accumulator,
-  // running max and sum. Tracked like any allocation (freed in stream order).
+  // running max and sum. It lives inside the op, as a GPU kernel's tiles live in shared
+  // memory and registers: not tracked, so that attention's memory (inputs, outputs, the saved
+  // lse) is the same on every backend.
   const std::int64_t tile_d = kTile * D;
-  Tensor scratch = empty({4 * tile_d + kTile * kTile + 2 * kTile}, DType::f32, MemCategory::buffers, s);
-  float* ws = scratch.data<float>();
+  const auto scratch_floats = static_cast<std::size_t>(4 * tile_d + kTile * kTile + 2 * kTile);
   const float* x = qkv.data<float>();
   float *o = out.data<float>(), *lp = lse.data<float>();
   enqueue(s, "attention", cost_attention_forward(a, DType::f32), [=] {
+    std::vector<float> scratch(scratch_floats);
+    float* ws = scratch.data();
     const Heads hd{a};
     const std::int64_t W = hd.width();
     const float scale = 1.0f / std::sqrt(static_cast<float>(D)), neg_inf = -std::numeric_limits<float>::infinity();
@@ -341,12 +344,14 @@ void CpuBackend::attention_backward(Stream& s, const AttentionShape& a, const Te
   require_shape(d_qkv, {T, W}, "attention_backward", "d_qkv");
   // Scratch: K, V, dK, dV of one key tile, Q and dO of one query tile, P and dP of one tile
   // pair, and, per query head, D = rowsum(dO∘O) [S] and the dQ accumulator [S, D].
+  // Not tracked, as in the forward.
   const std::int64_t tile_d = kTile * D;
-  Tensor scratch = empty({6 * tile_d + 2 * kTile * kTile + S + S * D}, DType::f32, MemCategory::buffers, s);
-  float* ws = scratch.data<float>();
+  const auto scratch_floats = static_cast<std::size_t>(6 * tile_d + 2 * kTile * kTile + S + S * D);
   const float *x = qkv.data<float>(), *o = out.data<float>(), *lp = lse.data<float>(), *dop = d_out.data<float>();
   float* dx = d_qkv.data<float>();
   enqueue(s, "attention_bwd", cost_attention_backward(a, DType::f32), [=] {
+    std::vector<float> scratch(scratch_floats);
+    float* ws = scratch.data();
     const Heads hd{a};
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     float *kt = ws, *vt = kt + tile_d, *dkt = vt + tile_d, *dvt = dkt + tile_d, *qt = dvt + tile_d, *dot = qt + tile_d,
