@@ -12,6 +12,9 @@
 # more than 1e-9 relative, or a file the committed results lack, fails, naming the file, the
 # figure, old and new values. To accept an intended change: scripts/reproduce.sh
 # --update-baseline (or scripts/run_suite.py --update-baseline), then commit results/.
+# Fuzz smoke run: where clang with libFuzzer is available, scripts/fuzz.sh builds the fuzz
+# targets (harness/fuzz) in $BUILD_DIR-fuzz and runs them for 60 s in all; a finding fails.
+# MOELAB_FUZZ_SMOKE=0 skips it.
 # Benchmarks: moelab_bench_cpu runs briefly and is compared with results/bench/cpu_blocks.json;
 # informational only (machines are noisy), it never fails.
 #
@@ -49,6 +52,21 @@ fi
 if [ "$rc" != 0 ]; then
   echo "test.sh: the simulated results differ from the committed ones (above: file, figure, old -> new)." >&2
   echo "  If the change is intended: scripts/reproduce.sh --update-baseline, then commit results/." >&2
+fi
+
+echo
+echo "== fuzz smoke run: every input reader under libFuzzer with ASan and UBSan, 60 s in all"
+# Only where clang with libFuzzer is installed (scripts/fuzz.sh --check); its own build folder
+# beside the main one. MOELAB_FUZZ_SMOKE=0 skips it. Long runs: scripts/fuzz.sh, docs/FUZZING.md.
+if [ "${MOELAB_FUZZ_SMOKE:-1}" = 0 ]; then
+  echo "test.sh: MOELAB_FUZZ_SMOKE=0: the fuzz smoke run is skipped"
+elif "$root/scripts/fuzz.sh" --check; then
+  FUZZ_BUILD_DIR="${FUZZ_BUILD_DIR:-$build-fuzz}" JOBS="$jobs" "$root/scripts/fuzz.sh" --seconds 60 || {
+    echo "test.sh: the fuzz smoke run found a problem (above: the target, its log and the input that causes it)" >&2
+    rc=1
+  }
+else
+  echo "test.sh: no clang with libFuzzer here: the fuzz smoke run is skipped"
 fi
 
 echo

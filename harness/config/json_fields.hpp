@@ -131,13 +131,17 @@ inline std::string number_text(double x) {
   return buf;
 }
 
-// Named so that argument-dependent lookup cannot pick std::quoted instead.
-inline std::string quote(const std::string& s) { return "\"" + s + "\""; }
+// A name in a message, in quotes. Names can come from the input (a field's key, a catalogue
+// entry, a file's "name"): one line, cut, like every value a message quotes. Named so that
+// argument-dependent lookup cannot pick std::quoted instead.
+inline std::string quote(const std::string& s) { return "\"" + one_line(s, 120) + "\""; }
 
-// "a, b, c"
+// "a, b, c": each item one short line, at most 32 of them (a catalogue may hold thousands).
 inline std::string join(const std::vector<std::string>& items) {
+  constexpr std::size_t kMaxItems = 32;
   std::string s;
-  for (const auto& i : items) s += (s.empty() ? "" : ", ") + i;
+  for (std::size_t i = 0; i < items.size() && i < kMaxItems; ++i) s += (s.empty() ? "" : ", ") + one_line(items[i], 60);
+  if (items.size() > kMaxItems) s += ", ... (" + std::to_string(items.size() - kMaxItems) + " more)";
   return s;
 }
 
@@ -367,7 +371,7 @@ inline json parse_text(const std::string& text, const std::string& origin) {
     fail(origin, describe_parse_error(e));
   } catch (const json::exception& e) {  // out_of_range.406: a number too large for a double
     const std::string path = where(stack.size());
-    fail(origin, (path.empty() ? "" : path + ": ") + library_message(e));
+    fail(origin, (path.empty() ? "" : one_line(path, 120) + ": ") + library_message(e));
   }
 }
 

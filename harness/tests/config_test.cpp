@@ -27,6 +27,7 @@
 #include "harness/runtime/error.hpp"
 #include "harness/sim/cluster.hpp"
 #include "harness/tests/config_test_util.hpp"
+#include "harness/tests/test_util.hpp"
 
 namespace moelab {
 namespace {
@@ -550,6 +551,31 @@ TEST(RoutingTrace, ReadsWhatRecordRoutingWrites) {
   EXPECT_EQ(RoutingModel::parse("trace:" + path, 1).trace, calls);
 }
 
+TEST(RoutingTrace, ARescaledReplayAddsUpAndIsNeverNegative) {
+  // Found by harness/fuzz/fuzz_routing_trace: [0, 1, 1] replayed for one slot gave 2 (each share
+  // rounded alone, the excess taken from expert 0 and clamped at 0).
+  RoutingModel m;
+  m.kind = RoutingModel::Kind::trace;
+  m.trace_path = "t.json";
+  m.trace = {{{0, 1, 1}}};
+  EXPECT_EQ(m.draw(0, 0, 1, 1, 3), (std::vector<std::int64_t>{0, 1, 0}));
+  Rng rng(test::fresh_seed());
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<std::int64_t> rec(1 + rng.next() % 9);
+    for (auto& c : rec) c = static_cast<std::int64_t>(rng.next() % 5);
+    m.trace = {{rec}};
+    const std::int64_t tokens = 1 + static_cast<std::int64_t>(rng.next() % 100);
+    const int k = 1 + static_cast<int>(rng.next() % 2);
+    const auto r = m.draw(0, 0, tokens, k, static_cast<std::int64_t>(rec.size()));
+    std::int64_t sum = 0;
+    for (const auto c : r) {
+      EXPECT_GE(c, 0);
+      sum += c;
+    }
+    EXPECT_EQ(sum, tokens * k) << "trial " << trial;
+  }
+}
+
 class BadRoutingTrace : public ::testing::TestWithParam<BadCase> {};
 
 TEST_P(BadRoutingTrace, IsOneLineNamingTheFileAndTheEntry) {
@@ -595,6 +621,27 @@ TEST(Messages, AClosestNameSearchSkipsWordsFarLongerThanEveryName) {
   const std::string msg = error_of([&] { sim::load_cluster(std::string(1 << 20, 'x') + "\nnext line"); });
   expect_contains(msg, {"unknown cluster \"xxx"});
   EXPECT_LT(msg.size(), 1000u);
+}
+
+TEST(Messages, KeysAndNamesFromTheFileAreOneShortLine) {
+  // Found by harness/fuzz/fuzz_workload: a key holding "\n" (legal JSON) was quoted whole, and
+  // the message spread over several lines.
+  const std::string key = "a\nb" + std::string(10000, 'x');
+  json j = valid_workload();
+  j[key] = 1;
+  std::string msg = error_of([&] { parse_workload(j, "w.json"); });
+  expect_contains(msg, {"w.json: unknown field \"a\\nbxxx"});
+  EXPECT_LT(msg.size(), 600u) << msg;
+  const std::string twice = "{\"" + std::string("k\\n") + std::string(5000, 'y') + "\": 1, \"" + "k\\n" +
+                            std::string(5000, 'y') + "\": 2}";
+  msg = error_of([&] { json_fields::parse_text(twice, "t.json"); });
+  expect_contains(msg, {"t.json: field \"k\\nyyy", "appears twice"});
+  EXPECT_LT(msg.size(), 600u) << msg;
+  // A long list of names (a catalogue of thousands of entries) is cut too.
+  std::vector<std::string> names(1000, "name\nwith a break");
+  const std::string list = json_fields::join(names);
+  EXPECT_EQ(list.find('\n'), std::string::npos);
+  EXPECT_NE(list.find("(968 more)"), std::string::npos) << list;
 }
 
 // ---- the implementations' registry: an options check beside each factory --------------------------

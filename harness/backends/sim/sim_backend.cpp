@@ -128,14 +128,30 @@ std::vector<std::int64_t> RoutingModel::draw(int rank, std::int64_t call, std::i
     if (r.size() != E)
       throw ConfigError(json_fields::one_line(trace_path, 160) + ": recorded " + std::to_string(r.size()) + " experts, the model has " +
                         std::to_string(experts));
-    // Rescale when the trace was recorded with another token count.
-    const double recorded = static_cast<double>(std::accumulate(r.begin(), r.end(), std::int64_t{0}));
-    const double want = static_cast<double>(tokens * top_k);
+    // Rescale when the trace was recorded with another token count, by largest remainders
+    // (Hamilton's apportionment): every expert gets the floor of its share, and the slots left
+    // go one each to the largest fractional parts (ties to the lower expert), so the counts add
+    // up to tokens × top_k exactly and none is negative. (Rounding each share alone overshot:
+    // [0, 1, 1] rescaled to 1 slot gave 2.)
+    const std::int64_t recorded = std::accumulate(r.begin(), r.end(), std::int64_t{0});
+    const std::int64_t want = tokens * top_k;
     if (recorded == want) return r;
-    std::int64_t total = 0;
-    for (std::size_t e = 0; e < E; ++e) total += routed[e] = std::llround(static_cast<double>(r[e]) * want / std::max(recorded, 1.0));
-    routed[0] += tokens * top_k - total;  // keep the total exact
-    if (routed[0] < 0) routed[0] = 0;
+    if (recorded == 0) {  // nothing recorded for this call and rank: the slots go to expert 0
+      routed[0] = want;
+      return routed;
+    }
+    // In integers (128-bit products): the shares are exact, so the floors never exceed want.
+    __extension__ using wide = __int128;
+    std::vector<std::pair<std::int64_t, std::size_t>> remainder(E);
+    std::int64_t given = 0;
+    for (std::size_t e = 0; e < E; ++e) {
+      const wide scaled = static_cast<wide>(r[e]) * want;
+      routed[e] = static_cast<std::int64_t>(scaled / recorded);
+      given += routed[e];
+      remainder[e] = {static_cast<std::int64_t>(scaled % recorded), e};
+    }
+    std::stable_sort(remainder.begin(), remainder.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    for (std::size_t i = 0; given < want; i = (i + 1) % E, ++given) ++routed[remainder[i].second];
     return routed;
   }
   // Popularity weights: uniform, or Zipf over a seeded permutation of the experts (the same
