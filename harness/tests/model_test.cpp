@@ -52,9 +52,9 @@ struct Rig {
   std::unique_ptr<Communicator> comm;
   std::unique_ptr<Model> model;
   std::vector<std::int32_t> next;
-  Rig(const TransformerConfig& cfg, std::uint64_t seed, ModelOptions opt = {}) {
+  Rig(const TransformerConfig& cfg, std::uint64_t seed, ModelOptions opt = {}, const std::string& backend = "cpu") {
     register_builtin_impls();
-    b = make_backend("cpu");
+    b = make_backend(backend);
     comm = make_self_communicator(*b);
     model = std::make_unique<Model>(*b, *comm, cfg, opt);
     model->init_parameters(seed);
@@ -212,12 +212,17 @@ TEST(Model, MemoryIsChargedToEachMicrobatchAndReturned) {
 }
 
 // A 2-layer MoE model learns the synthetic language: 200 Adam steps take the loss from about
-// ln V to well below it.
-TEST(Model, TinyMoEModelTrains) {
+// ln V to well below it. cpu in fp32; cuda (when a GPU is present) in fp32 and bf16.
+class ModelTrains : public ::testing::TestWithParam<std::pair<const char*, DType>> {};
+
+TEST_P(ModelTrains, TinyMoEModelLearnsTheSyntheticLanguage) {
+  const auto [backend, dtype] = GetParam();
+  if (std::string(backend) == "cuda" && !cuda_available()) GTEST_SKIP() << "no CUDA device";
   const std::uint64_t seed = test::fresh_seed();
   TransformerConfig cfg = tiny(true);
   cfg.moe.capacity_factor = 1.25;
-  Rig r(cfg, seed);
+  cfg.dtype = cfg.moe.dtype = dtype;
+  Rig r(cfg, seed, {}, backend);
   OptimizerConfig oc;
   oc.lr = 3e-3f;
   Optimizer opt(*r.b, r.model->stream(), r.model->parameters(), oc);
@@ -239,6 +244,10 @@ TEST(Model, TinyMoEModelTrains) {
   EXPECT_NEAR(first, std::log(static_cast<double>(cfg.vocab_size)), 0.5);
   EXPECT_LT(last, 0.5) << "seed " << seed;
 }
+INSTANTIATE_TEST_SUITE_P(Backends, ModelTrains,
+                         ::testing::Values(std::pair{"cpu", DType::f32}, std::pair{"cuda", DType::f32},
+                                           std::pair{"cuda", DType::bf16}),
+                         [](const auto& p) { return std::string(p.param.first) + "_" + dtype_name(p.param.second); });
 
 }  // namespace
 }  // namespace moelab
