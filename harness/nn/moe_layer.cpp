@@ -84,14 +84,13 @@ std::vector<GemmProblem> per_expert(const std::vector<std::int64_t>& rows, const
 }
 }  // namespace
 
-// ---- gate: logits [T,E] -> probs, top-k, capacity, slots ----------------------------------
-// Fills the gate part of saved_ and routing_. The layer's one host synchronisation is here:
-// the counts size the all-to-all-v.
-void MoELayer::gate_phase(const Tensor& x) {
+// ---- route: logits [T,E] -> probs, top-k, capacity, slots -----------------------------------
+// Fills the gate part of sv and routing_. The layer's one host synchronisation is here: the
+// counts size the all-to-all-v.
+void MoELayer::route(Stream& c, MoESaved& sv) {
+  const Tensor& x = sv.x;
   const std::int64_t T = x.dim(0), M = cfg_.d_model, E = cfg_.num_experts;
   const int k = cfg_.top_k;
-  Stream& c = *compute_;
-  Saved& sv = *saved_;
   PhaseScope ph(b_, "gate");
   Tensor logits = b_.empty({T, E}, DType::f32, MemCategory::buffers, c);
   b_.gemm(c, {false, false, T, E, M, x, params_.w_gate, logits, 1.0f, 0.0f}, "gate_logits");
@@ -130,34 +129,92 @@ void MoELayer::gate_phase(const Tensor& x) {
   for (std::size_t e = 0; e < frac.size(); ++e)
     routing_.routed_per_expert[e] = std::llround(static_cast<double>(frac[e]) * static_cast<double>(T * k));
   routing_.capacity = g.capacity;
-  routing_.sent_per_expert.assign(counts.begin(), counts.end());
-  const std::int64_t kept = std::accumulate(routing_.sent_per_expert.begin(), routing_.sent_per_expert.end(),
-                                            std::int64_t{0});
+  sv.sent.assign(counts.begin(), counts.end());
+  routing_.sent_per_expert = sv.sent;
+  const std::int64_t kept = std::accumulate(sv.sent.begin(), sv.sent.end(), std::int64_t{0});
   routing_.dropped = T * k - kept;
+}
+
+// ---- dispatch_preprocess: permute x -> T_I [N,M]; counts; the chunk plan --------------------
+Tensor MoELayer::dispatch_preprocess(Stream& c, MoESaved& sv) {
+  PhaseScope ph(b_, "dispatch");
+  const std::int64_t N = std::accumulate(sv.sent.begin(), sv.sent.end(), std::int64_t{0});
+  Tensor t_i = b_.empty({N, cfg_.d_model}, cfg_.dtype, MemCategory::buffers, c);
+  b_.permute(c, sv.x, sv.slot, t_i);
+  sv.plan = plan_chunks(sv);
+  return t_i;
+}
+
+ChunkPlan MoELayer::plan_chunks(MoESaved& sv) {
+  // recv[p*El + l]: rows rank p sends to my local expert l
+  const auto recv = comm_.exchange_counts(sv.sent);
+  std::vector<int> everyone(static_cast<std::size_t>(comm_.size()));
+  std::iota(everyone.begin(), everyone.end(), 0);
+  ChunkPlan plan;
+  plan.chunks.push_back(peer_chunk(sv.sent, recv, local_experts_, cfg_.d_model, everyone, everyone));
+  plan.dispatch = {dispatch_, dispatch_comm_.get()};
+  plan.combine = {combine_, combine_comm_.get()};
+  plan.one_in_flight = true;
+  return plan;
+}
+
+void MoELayer::dispatch(Stream& s, Communicator& comm, const Tensor& t_i, const Chunk& ch, Tensor& t_di) {
+  PhaseScope ph(b_, "dispatch");
+  comm.all_to_all_v(s, t_i, ch.sends, t_di, ch.recvs);
 }
 
 // ---- experts, forward: per local expert l, rows [off_l, off_l + r_l) ------------------------
 // T_M = T_DI·W1_l [r,H]; A = act(T_M) (a temporary); T_DO = A·W2_l [r,M].
-void MoELayer::experts_forward(Stream& c, const Tensor& t_di, const std::vector<std::int64_t>& rows,
-                               const std::vector<std::int64_t>& off, Tensor& t_m, Tensor& t_do) {
+void MoELayer::experts(Stream& c, const Chunk& ch, const Tensor& t_di, Tensor& t_m, Tensor& t_do) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden, R = t_di.dim(0);
-  b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
-    return GemmProblem{false, false, r, H, M, t_di.rows(o, r), params_.w1.select(l), t_m.rows(o, r), 1, 0};
-  }), "fc1");
+  PhaseScope ph(b_, "experts");
+  expert_fc1(c, ch, t_di, t_m);
   Tensor a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
   b_.activation_forward(c, cfg_.activation, t_m, a);
-  b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+  b_.grouped_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{false, false, r, M, H, a.rows(o, r), params_.w2.select(l), t_do.rows(o, r), 1, 0};
   }), "fc2");
 }
 
-// ---- experts, backward: the mirror of experts_forward, A recomputed from T_M ---------------
+void MoELayer::expert_fc1(Stream& c, const Chunk& ch, const Tensor& t_di, Tensor& t_m, const char* name) {
+  const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
+  PhaseScope ph(b_, "experts");
+  b_.grouped_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+    return GemmProblem{false, false, r, H, M, t_di.rows(o, r), params_.w1.select(l), t_m.rows(o, r), 1, 0};
+  }), name);
+}
+
+void MoELayer::combine(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& t_do, Tensor& t_o) {
+  PhaseScope ph(b_, "combine");
+  comm.all_to_all_v(s, t_do, ch.recvs, t_o, ch.sends);
+}
+
+void MoELayer::combine_postprocess(Stream& c, const MoESaved& sv, Tensor& y) {
+  PhaseScope ph(b_, "combine");
+  b_.unpermute(c, sv.t_o, sv.slot, sv.topk_w, y);
+}
+
+// ---- backward steps ---------------------------------------------------------------------------
+void MoELayer::combine_postprocess_backward(Stream& c, const MoESaved& sv, const Tensor& dy, Tensor& d_t_o,
+                                            Tensor& d_w) {
+  PhaseScope ph(b_, "combine");
+  b_.unpermute_backward(c, dy, sv.t_o, sv.slot, sv.topk_w, d_t_o, d_w);
+}
+
+void MoELayer::combine_backward(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& d_t_o, Tensor& d_t_do) {
+  PhaseScope ph(b_, "combine");
+  comm.all_to_all_v(s, d_t_o, ch.sends, d_t_do, ch.recvs);
+}
+
+// ---- experts, backward: the mirror of experts(), A recomputed from T_M ----------------------
 // dA = dT_DO·W2^T; dW2 += A^T·dT_DO; dT_M = dA * act'(T_M); dW1 += T_DI^T·dT_M;
 // dT_DI = dT_M·W1^T.
-void MoELayer::experts_backward(Stream& c, const Tensor& t_di, const Tensor& t_m, const Tensor& d_t_do,
-                                const std::vector<std::int64_t>& rows, const std::vector<std::int64_t>& off,
-                                Tensor& d_t_di) {
+void MoELayer::experts_backward(Stream& c, const Chunk& ch, const Tensor& t_di, const Tensor& t_m,
+                                const Tensor& d_t_do, Tensor& d_t_di) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden, R = t_di.dim(0);
+  const auto& rows = ch.rows;
+  const auto& off = ch.offset;
+  PhaseScope ph(b_, "experts");
   Tensor a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
   b_.activation_forward(c, cfg_.activation, t_m, a);
   Tensor d_a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
@@ -181,11 +238,19 @@ void MoELayer::experts_backward(Stream& c, const Tensor& t_di, const Tensor& t_m
   }), "fc1_dgrad");
 }
 
-// ---- gate backward: d_logits, then dWg, dWn and the gate's share of dx (accumulated) --------
-void MoELayer::gate_backward_phase(const Tensor& d_w, float grad_aux, Tensor& dx) {
-  Saved& sv = *saved_;
+void MoELayer::dispatch_backward(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& d_t_di, Tensor& d_t_i) {
+  PhaseScope ph(b_, "dispatch");
+  comm.all_to_all_v(s, d_t_di, ch.recvs, d_t_i, ch.sends);
+}
+
+void MoELayer::dispatch_preprocess_backward(Stream& c, const MoESaved& sv, const Tensor& d_t_i, Tensor& dx) {
+  PhaseScope ph(b_, "dispatch");
+  b_.permute_backward(c, d_t_i, sv.slot, dx);
+}
+
+// ---- route backward: d_logits, then dWg, dWn and the gate's share of dx (accumulated) -------
+void MoELayer::route_backward(Stream& c, const MoESaved& sv, const Tensor& d_w, float grad_aux, Tensor& dx) {
   const std::int64_t T = sv.x.dim(0), M = cfg_.d_model, E = cfg_.num_experts;
-  Stream& c = *compute_;
   PhaseScope ph(b_, "gate");
   GateBackward g;
   g.probs = sv.probs;
@@ -216,89 +281,48 @@ void MoELayer::gate_backward_phase(const Tensor& d_w, float grad_aux, Tensor& dx
   }
 }
 
+// ---- FastMoE: the steps of one chunk, one after the other ------------------------------------
 Tensor MoELayer::forward(const Tensor& x) {
   const std::int64_t T = x.dim(0), M = cfg_.d_model, H = cfg_.d_hidden;
-  const std::int64_t El = local_experts_;
-  const int ep = comm_.size();
   if (x.ndim() != 2 || x.dim(1) != M || x.dtype() != cfg_.dtype)
     throw ConfigError("MoE layer input " + x.describe() + " does not match d_model = " + std::to_string(M) +
                       ", dtype " + dtype_name(cfg_.dtype));
   Stream& c = *compute_;
-  saved_ = std::make_unique<Saved>();
-  Saved& sv = *saved_;
+  saved_ = std::make_unique<MoESaved>();
+  MoESaved& sv = *saved_;
   sv.x = x;
   ++step_;
 
-  gate_phase(x);
+  route(c, sv);
+  const Tensor t_i = dispatch_preprocess(c, sv);
+  const Chunk& ch = sv.plan.chunks[0];
+  routing_.recv_per_local = ch.rows;
 
-  // ---- dispatch: permute to T_I [N,M], exchange counts, all-to-all-v to T_DI [R,M] ------
-  Tensor t_i;
-  {
-    PhaseScope ph(b_, "dispatch");
-    const auto& sent = routing_.sent_per_expert;  // expert-major == destination-rank-major
-    const std::int64_t N = std::accumulate(sent.begin(), sent.end(), std::int64_t{0});
-    t_i = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
-    b_.permute(c, x, sv.slot, t_i);
+  sv.t_di = b_.empty({ch.R, M}, cfg_.dtype, MemCategory::activations, c);
+  b_.record(*ev_a_, c);
+  b_.wait(*dispatch_, *ev_a_);
+  dispatch(*dispatch_, *dispatch_comm_, t_i, ch, sv.t_di);
+  b_.record(*ev_b_, *dispatch_);
+  b_.wait(c, *ev_b_);
 
-    // recv[p*El + l]: rows rank p sends to my local expert l
-    const auto recv = comm_.exchange_counts(sent);
-    sv.rows_per_local.assign(static_cast<std::size_t>(El), 0);
-    for (int p = 0; p < ep; ++p)
-      for (std::int64_t l = 0; l < El; ++l)
-        sv.rows_per_local[static_cast<std::size_t>(l)] += recv[static_cast<std::size_t>(p * El + l)];
-    sv.local_offset.assign(static_cast<std::size_t>(El), 0);
-    std::exclusive_scan(sv.rows_per_local.begin(), sv.rows_per_local.end(), sv.local_offset.begin(),
-                        std::int64_t{0});
-    const std::int64_t R = std::accumulate(sv.rows_per_local.begin(), sv.rows_per_local.end(), std::int64_t{0});
-    routing_.recv_per_local = sv.rows_per_local;
+  sv.t_m = b_.empty({ch.R, H}, cfg_.dtype, MemCategory::activations, c);
+  Tensor t_do = b_.empty({ch.R, M}, cfg_.dtype, MemCategory::buffers, c);
+  experts(c, ch, sv.t_di, sv.t_m, t_do);
 
-    // Segments, listed per peer in local-expert order on both sides so that they match.
-    std::int64_t send_row = 0;
-    std::vector<std::int64_t> fill = sv.local_offset;  // next free row of each local expert
-    for (int p = 0; p < ep; ++p)
-      for (std::int64_t l = 0; l < El; ++l) {
-        const std::int64_t ns = sent[static_cast<std::size_t>(p * El + l)];
-        sv.sends.push_back({p, send_row * M, ns * M});
-        send_row += ns;
-        const std::int64_t nr = recv[static_cast<std::size_t>(p * El + l)];
-        sv.recvs.push_back({p, fill[static_cast<std::size_t>(l)] * M, nr * M});
-        fill[static_cast<std::size_t>(l)] += nr;
-      }
-
-    sv.t_di = b_.empty({R, M}, cfg_.dtype, MemCategory::activations, c);
-    b_.record(*ev_a_, c);
-    b_.wait(*dispatch_, *ev_a_);
-    dispatch_comm_->all_to_all_v(*dispatch_, t_i, sv.sends, sv.t_di, sv.recvs);
-    b_.record(*ev_b_, *dispatch_);
-    b_.wait(c, *ev_b_);
-  }
-
-  // ---- experts: T_M = T_DI·W1, A = act(T_M), T_DO = A·W2 per local expert ---------------
-  sv.t_m = b_.empty({sv.t_di.dim(0), H}, cfg_.dtype, MemCategory::activations, c);
-  Tensor t_do = b_.empty({sv.t_di.dim(0), M}, cfg_.dtype, MemCategory::buffers, c);
-  {
-    PhaseScope ph(b_, "experts");
-    experts_forward(c, sv.t_di, sv.rows_per_local, sv.local_offset, sv.t_m, t_do);
-  }
-
-  // ---- combine: all-to-all-v back to T_O [N,M], unpermute with the gate weights ----------
   Tensor y = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
-  {
-    PhaseScope ph(b_, "combine");
-    sv.t_o = b_.empty({t_i.dim(0), M}, cfg_.dtype, MemCategory::activations, c);
-    b_.record(*ev_a_, c);
-    b_.wait(*combine_, *ev_a_);
-    combine_comm_->all_to_all_v(*combine_, t_do, sv.recvs, sv.t_o, sv.sends);
-    b_.record(*ev_b_, *combine_);
-    b_.wait(c, *ev_b_);
-    b_.unpermute(c, sv.t_o, sv.slot, sv.topk_w, y);
-  }
+  sv.t_o = b_.empty({t_i.dim(0), M}, cfg_.dtype, MemCategory::activations, c);
+  b_.record(*ev_a_, c);
+  b_.wait(*combine_, *ev_a_);
+  combine(*combine_, *combine_comm_, ch, t_do, sv.t_o);
+  b_.record(*ev_b_, *combine_);
+  b_.wait(c, *ev_b_);
+  combine_postprocess(c, sv, y);
   return y;
 }
 
 Tensor MoELayer::backward(const Tensor& dy, float grad_aux) {
   MOELAB_CHECK(saved_ != nullptr, "MoELayer::backward called without a forward");
-  Saved& sv = *saved_;
+  MoESaved& sv = *saved_;
   const std::int64_t T = sv.x.dim(0), M = cfg_.d_model;
   const std::int64_t N = sv.t_o.dim(0), R = sv.t_di.dim(0);
   const int k = cfg_.top_k;
@@ -306,42 +330,35 @@ Tensor MoELayer::backward(const Tensor& dy, float grad_aux) {
     throw ConfigError("MoE layer output gradient " + dy.describe() + " does not match the forward's output [" +
                       std::to_string(T) + ", " + std::to_string(M) + "]");
   Stream& c = *compute_;
+  const Chunk& ch = sv.plan.chunks[0];
 
-  // ---- combine backward: dT_O and dw from dy, all-to-all-v back to the experts ----------
   Tensor d_w = b_.empty({T, k}, DType::f32, MemCategory::buffers, c);
   Tensor d_t_do = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
   {
-    PhaseScope ph(b_, "combine");
     Tensor d_t_o = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
-    b_.unpermute_backward(c, dy, sv.t_o, sv.slot, sv.topk_w, d_t_o, d_w);
+    combine_postprocess_backward(c, sv, dy, d_t_o, d_w);
     b_.record(*ev_a_, c);
     b_.wait(*combine_, *ev_a_);
-    combine_comm_->all_to_all_v(*combine_, d_t_o, sv.sends, d_t_do, sv.recvs);
+    combine_backward(*combine_, *combine_comm_, ch, d_t_o, d_t_do);
     b_.record(*ev_b_, *combine_);
     b_.wait(c, *ev_b_);
   }
 
-  // ---- experts backward (A recomputed from T_M) ------------------------------------------
   Tensor d_t_di = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
-  {
-    PhaseScope ph(b_, "experts");
-    experts_backward(c, sv.t_di, sv.t_m, d_t_do, sv.rows_per_local, sv.local_offset, d_t_di);
-  }
+  experts_backward(c, ch, sv.t_di, sv.t_m, d_t_do, d_t_di);
 
-  // ---- dispatch backward: all-to-all-v back to the source ranks, un-permute -------------
   Tensor dx = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
   {
-    PhaseScope ph(b_, "dispatch");
     Tensor d_t_i = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
     b_.record(*ev_a_, c);
     b_.wait(*dispatch_, *ev_a_);
-    dispatch_comm_->all_to_all_v(*dispatch_, d_t_di, sv.recvs, d_t_i, sv.sends);
+    dispatch_backward(*dispatch_, *dispatch_comm_, ch, d_t_di, d_t_i);
     b_.record(*ev_b_, *dispatch_);
     b_.wait(c, *ev_b_);
-    b_.permute_backward(c, d_t_i, sv.slot, dx);
+    dispatch_preprocess_backward(c, sv, d_t_i, dx);
   }
 
-  gate_backward_phase(d_w, grad_aux, dx);
+  route_backward(c, sv, d_w, grad_aux, dx);
   saved_.reset();  // frees the activations, ordered after everything above on the compute stream
   return dx;
 }

@@ -27,10 +27,7 @@ namespace {
 // Partition p holds tokens [p*T/n, (p+1)*T/n). In T_I (expert-major; within an expert, by
 // choice j then token t) the rows of one (partition, expert, choice) are contiguous, so a
 // partition's dispatch is a list of contiguous segments of the global T_I: no extra copy.
-struct Partition {
-  std::vector<Segment> sends, recvs;          // dispatch segments (combine: the same, reversed)
-  std::vector<std::int64_t> rows, offset;     // [El] rows per local expert in T_DI_p, and offsets
-  std::int64_t R = 0;                         // rows this rank's experts receive
+struct Partition : Chunk {
   Tensor t_di, t_m;                           // saved for backward
 };
 
@@ -161,7 +158,6 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
   const Rates& rates_for(std::int64_t b, bool agree);
   void reuse_forward(Tensor& t_i, Tensor& t_o);          // §4: S_p / C_p / R_p on rotating buffers
   void reuse_backward(const Tensor& d_t_o, Tensor& d_t_i);    // §4: restore, then the mirror
-  void fc1(Stream& c, const Tensor& t_di, const Partition& P, Tensor& t_m);  // T_M = T_DI·W1
   // An event recorded on s now (nullptr-safe waits below); from the per-pass pool.
   Event* mark(Stream& s) {
     if (next_event_ == events_.size()) events_.push_back(b_.create_event());
@@ -299,12 +295,12 @@ Tensor MPipeMoE::pipelined_forward(const Tensor& x, int n) {
     throw ConfigError("MoE layer input " + x.describe() + " does not match d_model = " + std::to_string(M));
   resolve_strategy(T, n);  // before any work: a host budget that does not fit is a ConfigError
   Stream& c = *compute_;
-  saved_ = std::make_unique<Saved>();
-  Saved& sv = *saved_;
+  saved_ = std::make_unique<MoESaved>();
+  MoESaved& sv = *saved_;
   sv.x = x;
   ++step_;
   next_event_ = 0;
-  gate_phase(x);
+  route(c, sv);
 
   const auto& sent = routing_.sent_per_expert;
   const std::int64_t N = std::accumulate(sent.begin(), sent.end(), std::int64_t{0});
@@ -340,20 +336,11 @@ Tensor MPipeMoE::pipelined_forward(const Tensor& x, int n) {
     }
     for (int p = 0; p < n; ++p) {
       Partition& P = plan_.parts[static_cast<std::size_t>(p)];
-      {
-        PhaseScope ph(b_, "dispatch");  // S_p
-        dispatch_comm_->all_to_all_v(*dispatch_, t_i, P.sends, P.t_di, P.recvs);
-        stream_event_order(*dispatch_, c);
-      }
-      {
-        PhaseScope ph(b_, "experts");  // C_p
-        experts_forward(c, P.t_di, P.rows, P.offset, P.t_m, t_do[static_cast<std::size_t>(p)]);
-        stream_event_order(c, *combine_);
-      }
-      {
-        PhaseScope ph(b_, "combine");  // R_p
-        combine_comm_->all_to_all_v(*combine_, t_do[static_cast<std::size_t>(p)], P.recvs, sv.t_o, P.sends);
-      }
+      dispatch(*dispatch_, *dispatch_comm_, t_i, P, P.t_di);  // S_p
+      stream_event_order(*dispatch_, c);
+      experts(c, P, P.t_di, P.t_m, t_do[static_cast<std::size_t>(p)]);  // C_p
+      stream_event_order(c, *combine_);
+      combine(*combine_, *combine_comm_, P, t_do[static_cast<std::size_t>(p)], sv.t_o);  // R_p
     }
   }
   Tensor y = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
@@ -361,7 +348,7 @@ Tensor MPipeMoE::pipelined_forward(const Tensor& x, int n) {
     PhaseScope ph(b_, "combine");
     stream_event_order(*combine_, c);
     stream_event_order(*dispatch_, c);  // t_i is freed on the compute stream after its last reader
-    b_.unpermute(c, sv.t_o, sv.slot, sv.topk_w, y);
+    combine_postprocess(c, sv, y);
   }
   routing_.recv_per_local.assign(static_cast<std::size_t>(local_experts_), 0);
   for (const auto& P : plan_.parts)
@@ -372,7 +359,7 @@ Tensor MPipeMoE::pipelined_forward(const Tensor& x, int n) {
 // ---- 3. backward: per partition, combine-backward exchange, experts backward, dispatch-backward
 Tensor MPipeMoE::backward(const Tensor& dy, float grad_aux) {
   MOELAB_CHECK(saved_ != nullptr, "MPipeMoE::backward called without a forward");
-  Saved& sv = *saved_;
+  MoESaved& sv = *saved_;
   const std::int64_t T = sv.x.dim(0), M = cfg_.d_model, N = sv.t_o.dim(0);
   const int k = cfg_.top_k, n = plan_.n;
   if (dy.ndim() != 2 || dy.dim(0) != T || dy.dim(1) != M || dy.dtype() != cfg_.dtype)
@@ -384,10 +371,7 @@ Tensor MPipeMoE::backward(const Tensor& dy, float grad_aux) {
   Tensor d_t_o = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
   Tensor d_t_i = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
   if (strategy_ != "none") {
-    {
-      PhaseScope ph(b_, "combine");
-      b_.unpermute_backward(c, dy, sv.t_o, sv.slot, sv.topk_w, d_t_o, d_w);
-    }
+    combine_postprocess_backward(c, sv, dy, d_t_o, d_w);
     reuse_backward(d_t_o, d_t_i);
   } else {
     std::vector<Tensor> d_t_do(static_cast<std::size_t>(n)), d_t_di(static_cast<std::size_t>(n));
@@ -396,29 +380,16 @@ Tensor MPipeMoE::backward(const Tensor& dy, float grad_aux) {
       d_t_do[static_cast<std::size_t>(p)] = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
       d_t_di[static_cast<std::size_t>(p)] = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
     }
-    {
-      PhaseScope ph(b_, "combine");
-      b_.unpermute_backward(c, dy, sv.t_o, sv.slot, sv.topk_w, d_t_o, d_w);
-      stream_event_order(c, *combine_);
-      stream_event_order(c, *dispatch_);
-    }
+    combine_postprocess_backward(c, sv, dy, d_t_o, d_w);
+    stream_event_order(c, *combine_);
+    stream_event_order(c, *dispatch_);
     for (int p = 0; p < n; ++p) {
       Partition& P = plan_.parts[static_cast<std::size_t>(p)];
-      {
-        PhaseScope ph(b_, "combine");  // R'_p: output gradients to the experts
-        combine_comm_->all_to_all_v(*combine_, d_t_o, P.sends, d_t_do[static_cast<std::size_t>(p)], P.recvs);
-        stream_event_order(*combine_, c);
-      }
-      {
-        PhaseScope ph(b_, "experts");  // C'_p
-        experts_backward(c, P.t_di, P.t_m, d_t_do[static_cast<std::size_t>(p)], P.rows, P.offset,
-                         d_t_di[static_cast<std::size_t>(p)]);
-        stream_event_order(c, *dispatch_);
-      }
-      {
-        PhaseScope ph(b_, "dispatch");  // S'_p: input gradients back to the tokens' ranks
-        dispatch_comm_->all_to_all_v(*dispatch_, d_t_di[static_cast<std::size_t>(p)], P.recvs, d_t_i, P.sends);
-      }
+      combine_backward(*combine_, *combine_comm_, P, d_t_o, d_t_do[static_cast<std::size_t>(p)]);  // R'_p
+      stream_event_order(*combine_, c);
+      experts_backward(c, P, P.t_di, P.t_m, d_t_do[static_cast<std::size_t>(p)], d_t_di[static_cast<std::size_t>(p)]);  // C'_p
+      stream_event_order(c, *dispatch_);
+      dispatch_backward(*dispatch_, *dispatch_comm_, P, d_t_di[static_cast<std::size_t>(p)], d_t_i);  // S'_p
     }
     {
       PhaseScope ph(b_, "dispatch");
@@ -427,11 +398,8 @@ Tensor MPipeMoE::backward(const Tensor& dy, float grad_aux) {
     }
   }
   Tensor dx = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
-  {
-    PhaseScope ph(b_, "dispatch");
-    b_.permute_backward(c, d_t_i, sv.slot, dx);
-  }
-  gate_backward_phase(d_w, grad_aux, dx);
+  dispatch_preprocess_backward(c, sv, d_t_i, dx);
+  route_backward(c, sv, d_w, grad_aux, dx);
   saved_.reset();
   for (auto& P : plan_.parts) P.t_di = P.t_m = Tensor();
   rz_ = ReuseState{};  // rotating buffers, T_I and host copies: freed after their last use above
@@ -451,20 +419,6 @@ Tensor MPipeMoE::backward(const Tensor& dy, float grad_aux) {
 namespace {
 Event* at(const std::vector<Event*>& v, int i) { return i >= 0 ? v[static_cast<std::size_t>(i)] : nullptr; }
 }  // namespace
-
-void MPipeMoE::fc1(Stream& c, const Tensor& t_di, const Partition& P, Tensor& t_m) {
-  // T_M = T_DI·W1 per local expert l on rows [off_l, off_l + r_l): [r,M]x[M,H] — exactly the
-  // forward's FC1 (pre-activation), so the recomputed T_M equals the forward's bit for bit.
-  const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
-  std::vector<GemmProblem> ps;
-  for (std::size_t l = 0; l < P.rows.size(); ++l) {
-    const std::int64_t r = P.rows[l], o = P.offset[l];
-    if (r > 0)
-      ps.push_back({false, false, r, H, M, t_di.rows(o, r), params_.w1.select(static_cast<std::int64_t>(l)),
-                    t_m.rows(o, r), 1, 0});
-  }
-  b_.grouped_gemm(c, ps, "fc1_recompute");
-}
 
 void MPipeMoE::reuse_forward(Tensor& t_i, Tensor& t_o) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
@@ -509,7 +463,7 @@ void MPipeMoE::reuse_forward(Tensor& t_i, Tensor& t_o) {
       PhaseScope ph(b_, "dispatch");  // S_p: T_I segments -> T_DI[p%2]
       after(*dispatch_, at(c_done, p - 2));    // C_{p-2} has read this buffer
       after(*dispatch_, at(di_saved, p - 2));  // and its offload has copied it out
-      dispatch_comm_->all_to_all_v(*dispatch_, t_i, P.sends, di, P.recvs);
+      dispatch(*dispatch_, *dispatch_comm_, t_i, P, di);
       s_done[static_cast<std::size_t>(p)] = mark(*dispatch_);
     }
     if (off_di) {
@@ -523,7 +477,7 @@ void MPipeMoE::reuse_forward(Tensor& t_i, Tensor& t_o) {
       after(c, s_done[static_cast<std::size_t>(p)]);
       after(c, at(r_done, p - 2));   // R_{p-2} has sent T_DO[p%2]
       after(c, at(m_saved, p - rz_.nm));  // the offload of T_M_{p-nm} has copied this T_M out
-      experts_forward(c, di, P.rows, P.offset, m, dout);
+      experts(c, P, di, m, dout);
       c_done[static_cast<std::size_t>(p)] = mark(c);
     }
     if (off_m) {
@@ -535,7 +489,7 @@ void MPipeMoE::reuse_forward(Tensor& t_i, Tensor& t_o) {
     {
       PhaseScope ph(b_, "combine");  // R_p: T_DO[p%2] -> T_O segments
       after(*combine_, c_done[static_cast<std::size_t>(p)]);
-      combine_comm_->all_to_all_v(*combine_, dout, P.recvs, t_o, P.sends);
+      combine(*combine_, *combine_comm_, P, dout, t_o);
       r_done[static_cast<std::size_t>(p)] = mark(*combine_);
     }
   }
@@ -579,7 +533,7 @@ void MPipeMoE::reuse_backward(const Tensor& d_t_o, Tensor& d_t_i) {
     } else if (recomm) {
       PhaseScope ph(b_, "dispatch");  // the forward's S_p again, from the kept T_I
       after(*dispatch_, at(cp_done, p - 2));
-      dispatch_comm_->all_to_all_v(*dispatch_, rz_.t_i, P.sends, di, P.recvs);
+      dispatch(*dispatch_, *dispatch_comm_, rz_.t_i, P, di);
       di_back[static_cast<std::size_t>(p)] = mark(*dispatch_);
     }
   };
@@ -605,7 +559,7 @@ void MPipeMoE::reuse_backward(const Tensor& d_t_o, Tensor& d_t_i) {
     {
       PhaseScope ph(b_, "combine");  // R'_p: dT_O segments -> dT_DO[p%2]
       after(*combine_, at(cp_done, p - 2));
-      combine_comm_->all_to_all_v(*combine_, d_t_o, P.sends, ddo, P.recvs);
+      combine_backward(*combine_, *combine_comm_, P, d_t_o, ddo);
       rp_done[static_cast<std::size_t>(p)] = mark(*combine_);
     }
     if (p + 1 < n) restore_di(p + 1);  // prefetch: overlaps C'_p
@@ -617,14 +571,15 @@ void MPipeMoE::reuse_backward(const Tensor& d_t_o, Tensor& d_t_i) {
       after(c, di_back[static_cast<std::size_t>(p)]);
       after(c, m_back[static_cast<std::size_t>(p)]);
       after(c, at(sp_done, p - 2));  // S'_{p-2} has sent dT_DI[p%2]
-      if (recomp) fc1(c, di, P, m);  // S3, S4: T_M recomputed from the restored T_DI
-      experts_backward(c, di, m, ddo, P.rows, P.offset, ddi);
+      // S3, S4: T_M recomputed from the restored T_DI by the forward's FC1, bit for bit
+      if (recomp) expert_fc1(c, P, di, m, "fc1_recompute");
+      experts_backward(c, P, di, m, ddo, ddi);
       cp_done[static_cast<std::size_t>(p)] = mark(c);
     }
     {
       PhaseScope ph(b_, "dispatch");  // S'_p: dT_DI[p%2] -> dT_I segments
       after(*dispatch_, cp_done[static_cast<std::size_t>(p)]);
-      dispatch_comm_->all_to_all_v(*dispatch_, ddi, P.recvs, d_t_i, P.sends);
+      dispatch_backward(*dispatch_, *dispatch_comm_, P, ddi, d_t_i);
       sp_done[static_cast<std::size_t>(p)] = mark(*dispatch_);
     }
   }
