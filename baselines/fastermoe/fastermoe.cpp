@@ -67,8 +67,7 @@ class FasterMoELayer final : public MoELayer {
     ev_returned_ = b_.create_event();
   }
 
-  Tensor forward(const Tensor& x) override;
-  Tensor backward(const Tensor& dy, float grad_aux) override;
+  Forwarded forward(const Tensor& x, const WorkKey& key) override;
   // The six expert GEMMs per local expert and step, with the last forward's per-step rows.
   std::vector<GemmProblem> step_gemm_problems();
 
@@ -78,6 +77,8 @@ class FasterMoELayer final : public MoELayer {
     Tensor t_di;                       // [R_i,M] saved for backward
     Tensor t_m;                        // [R_i,H] saved for backward (FC1 output before the activation)
   };
+  Tensor backward_pass(MoESaved& sv, const Tensor& dy, float grad_aux, bool defer) override;
+  bool defers_weight_gradients() const override { return false; }
   void plan_steps(const std::vector<std::int64_t>& sent, const std::vector<std::int64_t>& recv);
 
   const int G_, n_g_;
@@ -103,18 +104,16 @@ void FasterMoELayer::plan_steps(const std::vector<std::int64_t>& sent, const std
   }
 }
 
-Tensor FasterMoELayer::forward(const Tensor& x) {
+Forwarded FasterMoELayer::forward(const Tensor& x, const WorkKey& key) {
   const std::int64_t T = x.dim(0), M = cfg_.d_model, H = cfg_.d_hidden, El = local_experts_;
-  if (x.ndim() != 2 || x.dim(1) != M || x.dtype() != cfg_.dtype)
-    throw ConfigError("MoE layer input " + x.describe() + " does not match d_model = " + std::to_string(M) +
-                      ", dtype " + dtype_name(cfg_.dtype));
+  check_input(x);
+  MicrobatchScope mb(b_, key.microbatch);
   Stream& c = *compute_;
   Stream& cs = *dispatch_;            // FasterMoE's communication stream: every S and R, in order
   Communicator& cc = *dispatch_comm_;
-  saved_ = std::make_unique<MoESaved>();
-  MoESaved& sv = *saved_;
+  auto saved = std::make_unique<MoESaved>(key);
+  MoESaved& sv = *saved;
   sv.x = x;
-  ++step_;
 
   route(c, sv);
 
@@ -180,17 +179,13 @@ Tensor FasterMoELayer::forward(const Tensor& x) {
   b_.record(*ev_returned_, cs);
   b_.wait(c, *ev_returned_);
   combine_postprocess(c, sv, y);
-  return y;  // t_i and T_DO_i are freed here, after the compute stream waited for the last R
+  return {y, std::move(saved)};  // t_i and T_DO_i are freed here, after the compute stream waited for the last R
 }
 
-Tensor FasterMoELayer::backward(const Tensor& dy, float grad_aux) {
-  MOELAB_CHECK(saved_ != nullptr, "FasterMoE backward called without a forward");
-  MoESaved& sv = *saved_;
+// Weight gradients in the combined pass (defer is not taken up).
+Tensor FasterMoELayer::backward_pass(MoESaved& sv, const Tensor& dy, float grad_aux, bool) {
   const std::int64_t T = sv.x.dim(0), M = cfg_.d_model, N = sv.t_o.dim(0);
   const int k = cfg_.top_k;
-  if (dy.ndim() != 2 || dy.dim(0) != T || dy.dim(1) != M || dy.dtype() != cfg_.dtype)
-    throw ConfigError("MoE layer output gradient " + dy.describe() + " does not match the forward's output [" +
-                      std::to_string(T) + ", " + std::to_string(M) + "]");
   Stream& c = *compute_;
   Stream& cs = *dispatch_;
   Communicator& cc = *dispatch_comm_;
@@ -242,9 +237,8 @@ Tensor FasterMoELayer::backward(const Tensor& dy, float grad_aux) {
   b_.wait(c, *ev_returned_);
   dispatch_preprocess_backward(c, sv, d_t_i, dx);
   route_backward(c, sv, d_w, grad_aux, dx);
-  // Frees the saved activations (T_DI_i, T_M_i, T_O, gate outputs), ordered after everything
-  // above on the compute stream. The plan (segments, rows) stays for step_gemm_problems().
-  saved_.reset();
+  // Frees the steps' saved activations (T_DI_i, T_M_i), ordered after everything above on the
+  // compute stream. The plan (segments, rows) stays for step_gemm_problems().
   for (Step& st : steps_) st.t_di = st.t_m = Tensor();
   return dx;
 }

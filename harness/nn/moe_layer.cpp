@@ -11,19 +11,37 @@
 
 namespace moelab {
 
+MoEChannels::MoEChannels(Backend& b, Communicator& comm)
+    : b_(b), dispatch_comm_(comm.dup()), combine_comm_(comm.dup()) {
+  compute_ = &b_.default_stream();
+  dispatch_ = &b_.create_stream(StreamRole::dispatch, "dispatch");
+  combine_ = &b_.create_stream(StreamRole::combine, "combine");
+}
 
-MoELayer::MoELayer(Backend& backend, Communicator& comm, const ModelConfig& cfg)
+Stream& MoEChannels::host_to_device() {
+  if (!h2d_) h2d_ = &b_.create_stream(StreamRole::h2d, "h2d");
+  return *h2d_;
+}
+
+Stream& MoEChannels::device_to_host() {
+  if (!d2h_) d2h_ = &b_.create_stream(StreamRole::d2h, "d2h");
+  return *d2h_;
+}
+
+MoELayer::MoELayer(Backend& backend, Communicator& comm, const ModelConfig& cfg, MoEChannels* channels)
     : b_(backend), comm_(comm), cfg_(cfg) {
   const int ep = comm.size();
   if (cfg.num_experts % ep != 0)
     throw ConfigError("model.num_experts = " + std::to_string(cfg.num_experts) +
                       " is not divisible by the expert-parallel degree " + std::to_string(ep));
   local_experts_ = cfg.num_experts / ep;
-  dispatch_comm_ = comm.dup();
-  combine_comm_ = comm.dup();
-  compute_ = &b_.default_stream();
-  dispatch_ = &b_.create_stream(StreamRole::dispatch, "dispatch");
-  combine_ = &b_.create_stream(StreamRole::combine, "combine");
+  if (!channels) own_channels_ = std::make_unique<MoEChannels>(b_, comm);
+  channels_ = channels ? channels : own_channels_.get();
+  compute_ = &channels_->compute();
+  dispatch_ = &channels_->dispatch();
+  combine_ = &channels_->combine();
+  dispatch_comm_ = &channels_->dispatch_comm();
+  combine_comm_ = &channels_->combine_comm();
   ev_a_ = b_.create_event();
   ev_b_ = b_.create_event();
 
@@ -99,10 +117,11 @@ void MoELayer::route(Stream& c, MoESaved& sv) {
     b_.gemm(c, {false, false, T, E, M, x, params_.w_noise, sv.noise_raw, 1.0f, 0.0f}, "gate_noise_logits");
     sv.eps = b_.empty({T, E}, DType::f32, MemCategory::activations, c);
     if (b_.has_data()) {  // the noise is drawn on the host so that tests can replay it
-      Rng rng(Rng::mix(noise_seed_, static_cast<std::uint64_t>(comm_.rank()), step_));
-      last_eps_.resize(static_cast<std::size_t>(T * E));
-      for (auto& v : last_eps_) v = static_cast<float>(rng.normal());
-      b_.upload(last_eps_, sv.eps);
+      Rng rng(Rng::mix(noise_seed_, static_cast<std::uint64_t>(comm_.rank()), work_seed(sv.key)));
+      sv.eps_host.resize(static_cast<std::size_t>(T * E));
+      for (auto& v : sv.eps_host) v = static_cast<float>(rng.normal());
+      b_.upload(sv.eps_host, sv.eps);
+      last_eps_ = sv.eps_host;
     }
     Tensor noisy = b_.empty({T, E}, DType::f32, MemCategory::buffers, c);
     b_.noisy_logits(c, logits, sv.noise_raw, sv.eps, noisy);
@@ -135,6 +154,16 @@ void MoELayer::route(Stream& c, MoESaved& sv) {
   routing_.dropped = T * k - kept;
 }
 
+// (layer, microbatch, step) -> one word, equal to step for layer 0, microbatch 0: the lone
+// layer's noise stream, Rng(mix(noise_seed, rank, step)), is unchanged by the keys. For other
+// (layer, microbatch) the steps are shifted by a pseudo-random offset, so streams do not repeat.
+std::uint64_t MoELayer::work_seed(const WorkKey& k) {
+  const auto offset = [](int layer, int mb) {
+    return Rng::mix(static_cast<std::uint64_t>(layer), static_cast<std::uint64_t>(mb));
+  };
+  return k.step + (offset(k.layer, k.microbatch) - offset(0, 0));
+}
+
 // ---- dispatch_preprocess: permute x -> T_I [N,M]; counts; the chunk plan --------------------
 Tensor MoELayer::dispatch_preprocess(Stream& c, MoESaved& sv) {
   PhaseScope ph(b_, "dispatch");
@@ -152,8 +181,8 @@ ChunkPlan MoELayer::plan_chunks(MoESaved& sv) {
   std::iota(everyone.begin(), everyone.end(), 0);
   ChunkPlan plan;
   plan.chunks.push_back(peer_chunk(sv.sent, recv, local_experts_, cfg_.d_model, everyone, everyone));
-  plan.dispatch = {dispatch_, dispatch_comm_.get()};
-  plan.combine = {combine_, combine_comm_.get()};
+  plan.dispatch = {dispatch_, dispatch_comm_};
+  plan.combine = {combine_, combine_comm_};
   plan.one_in_flight = true;
   return plan;
 }
@@ -210,7 +239,7 @@ void MoELayer::combine_backward(Stream& s, Communicator& comm, const Chunk& ch, 
 // dA = dT_DO·W2^T; dW2 += A^T·dT_DO; dT_M = dA * act'(T_M); dW1 += T_DI^T·dT_M;
 // dT_DI = dT_M·W1^T.
 void MoELayer::experts_backward(Stream& c, const Chunk& ch, const Tensor& t_di, const Tensor& t_m,
-                                const Tensor& d_t_do, Tensor& d_t_di) {
+                                const Tensor& d_t_do, Tensor& d_t_di, MoESaved::ExpertWgrad* defer) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden, R = t_di.dim(0);
   const auto& rows = ch.rows;
   const auto& off = ch.offset;
@@ -222,20 +251,36 @@ void MoELayer::experts_backward(Stream& c, const Chunk& ch, const Tensor& t_di, 
   b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{false, true, r, H, M, d_t_do.rows(o, r), params_.w2.select(l), d_a.rows(o, r), 1, 0};
   }), "fc2_dgrad");
-  // dW2 += A^T · dT_DO               [H,r]x[r,M]
-  b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
-    return GemmProblem{true, false, H, M, r, a.rows(o, r), d_t_do.rows(o, r), grads_.w2.select(l), 1, 1};
-  }), "fc2_wgrad");
+  if (!defer) fc2_wgrad(c, ch, a, d_t_do);
   // dT_M = dA * act'(T_M), in place
   b_.activation_backward(c, cfg_.activation, t_m, d_a, d_a);
-  // dW1 += T_DI^T · dT_M             [M,r]x[r,H]
-  b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
-    return GemmProblem{true, false, M, H, r, t_di.rows(o, r), d_a.rows(o, r), grads_.w1.select(l), 1, 1};
-  }), "fc1_wgrad");
+  if (!defer) fc1_wgrad(c, ch, t_di, d_a);
   // dT_DI = dT_M · W1^T              [r,H]x[H,M]
   b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{false, true, r, M, H, d_a.rows(o, r), params_.w1.select(l), d_t_di.rows(o, r), 1, 0};
   }), "fc1_dgrad");
+  if (defer) {
+    defer->t_di = t_di;
+    defer->a = a;
+    defer->d_t_m = d_a;
+    defer->d_t_do = d_t_do;
+  }
+}
+
+// dW2 += A^T · dT_DO               [H,r]x[r,M]
+void MoELayer::fc2_wgrad(Stream& c, const Chunk& ch, const Tensor& a, const Tensor& d_t_do) {
+  const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
+  b_.grouped_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+    return GemmProblem{true, false, H, M, r, a.rows(o, r), d_t_do.rows(o, r), grads_.w2.select(l), 1, 1};
+  }), "fc2_wgrad");
+}
+
+// dW1 += T_DI^T · dT_M             [M,r]x[r,H]
+void MoELayer::fc1_wgrad(Stream& c, const Chunk& ch, const Tensor& t_di, const Tensor& d_t_m) {
+  const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
+  b_.grouped_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+    return GemmProblem{true, false, M, H, r, t_di.rows(o, r), d_t_m.rows(o, r), grads_.w1.select(l), 1, 1};
+  }), "fc1_wgrad");
 }
 
 void MoELayer::dispatch_backward(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& d_t_di, Tensor& d_t_i) {
@@ -249,7 +294,7 @@ void MoELayer::dispatch_preprocess_backward(Stream& c, const MoESaved& sv, const
 }
 
 // ---- route backward: d_logits, then dWg, dWn and the gate's share of dx (accumulated) -------
-void MoELayer::route_backward(Stream& c, const MoESaved& sv, const Tensor& d_w, float grad_aux, Tensor& dx) {
+void MoELayer::route_backward(Stream& c, MoESaved& sv, const Tensor& d_w, float grad_aux, Tensor& dx, bool defer) {
   const std::int64_t T = sv.x.dim(0), M = cfg_.d_model, E = cfg_.num_experts;
   PhaseScope ph(b_, "gate");
   GateBackward g;
@@ -270,28 +315,64 @@ void MoELayer::route_backward(Stream& c, const MoESaved& sv, const Tensor& d_w, 
     return t;
   };
   const Tensor d_logits = in_dtype(g.d_logits);
-  b_.gemm(c, {true, false, M, E, T, sv.x, d_logits, grads_.w_gate, 1, 1}, "gate_wgrad");
+  if (defer)
+    sv.gate_d_logits = d_logits;
+  else
+    b_.gemm(c, {true, false, M, E, T, sv.x, d_logits, grads_.w_gate, 1, 1}, "gate_wgrad");
   b_.gemm(c, {false, true, T, M, E, d_logits, params_.w_gate, dx, 1, 1}, "gate_dgrad");
   if (cfg_.noisy_gate) {
     Tensor d_noise = b_.empty({T, E}, DType::f32, MemCategory::buffers, c);
     b_.noisy_logits_backward(c, g.d_logits, sv.noise_raw, sv.eps, d_noise);
     const Tensor d_noise_x = in_dtype(d_noise);
-    b_.gemm(c, {true, false, M, E, T, sv.x, d_noise_x, grads_.w_noise, 1, 1}, "gate_noise_wgrad");
+    if (defer)
+      sv.gate_d_noise = d_noise_x;
+    else
+      b_.gemm(c, {true, false, M, E, T, sv.x, d_noise_x, grads_.w_noise, 1, 1}, "gate_noise_wgrad");
     b_.gemm(c, {false, true, T, M, E, d_noise_x, params_.w_noise, dx, 1, 1}, "gate_noise_dgrad");
   }
 }
 
-// ---- FastMoE: the steps of one chunk, one after the other ------------------------------------
-Tensor MoELayer::forward(const Tensor& x) {
-  const std::int64_t T = x.dim(0), M = cfg_.d_model, H = cfg_.d_hidden;
+// ---- the deferred weight gradients (zero-bubble "W") ---------------------------------------
+void MoELayer::weight_gradients(Stream& c, MoESaved& sv) {
+  const std::int64_t T = sv.x.dim(0), M = cfg_.d_model, E = cfg_.num_experts;
+  for (auto& w : sv.expert_wgrad) {
+    PhaseScope ph(b_, "experts");
+    const Chunk& ch = sv.plan.chunks[w.chunk];
+    fc2_wgrad(c, ch, w.a, w.d_t_do);
+    fc1_wgrad(c, ch, w.t_di, w.d_t_m);
+  }
+  sv.expert_wgrad.clear();
+  PhaseScope ph(b_, "gate");
+  if (sv.gate_d_logits.defined())
+    b_.gemm(c, {true, false, M, E, T, sv.x, sv.gate_d_logits, grads_.w_gate, 1, 1}, "gate_wgrad");
+  if (sv.gate_d_noise.defined())
+    b_.gemm(c, {true, false, M, E, T, sv.x, sv.gate_d_noise, grads_.w_noise, 1, 1}, "gate_noise_wgrad");
+  sv.gate_d_logits = sv.gate_d_noise = Tensor();
+}
+
+void MoELayer::check_input(const Tensor& x) const {
+  const std::int64_t M = cfg_.d_model;
   if (x.ndim() != 2 || x.dim(1) != M || x.dtype() != cfg_.dtype)
     throw ConfigError("MoE layer input " + x.describe() + " does not match d_model = " + std::to_string(M) +
                       ", dtype " + dtype_name(cfg_.dtype));
+}
+
+void MoELayer::check_output_grad(const MoESaved& sv, const Tensor& dy) const {
+  const std::int64_t T = sv.x.dim(0), M = cfg_.d_model;
+  if (dy.ndim() != 2 || dy.dim(0) != T || dy.dim(1) != M || dy.dtype() != cfg_.dtype)
+    throw ConfigError("MoE layer output gradient " + dy.describe() + " does not match the forward's output [" +
+                      std::to_string(T) + ", " + std::to_string(M) + "]");
+}
+
+// ---- FastMoE: the steps of one chunk, one after the other ------------------------------------
+Forwarded MoELayer::forward(const Tensor& x, const WorkKey& key) {
+  const std::int64_t T = x.dim(0), M = cfg_.d_model, H = cfg_.d_hidden;
+  check_input(x);
+  MicrobatchScope mb(b_, key.microbatch);
   Stream& c = *compute_;
-  saved_ = std::make_unique<MoESaved>();
-  MoESaved& sv = *saved_;
+  auto saved = std::make_unique<MoESaved>(key);
+  MoESaved& sv = *saved;
   sv.x = x;
-  ++step_;
 
   route(c, sv);
   const Tensor t_i = dispatch_preprocess(c, sv);
@@ -317,18 +398,13 @@ Tensor MoELayer::forward(const Tensor& x) {
   b_.record(*ev_b_, *combine_);
   b_.wait(c, *ev_b_);
   combine_postprocess(c, sv, y);
-  return y;
+  return {y, std::move(saved)};
 }
 
-Tensor MoELayer::backward(const Tensor& dy, float grad_aux) {
-  MOELAB_CHECK(saved_ != nullptr, "MoELayer::backward called without a forward");
-  MoESaved& sv = *saved_;
+Tensor MoELayer::backward_pass(MoESaved& sv, const Tensor& dy, float grad_aux, bool defer) {
   const std::int64_t T = sv.x.dim(0), M = cfg_.d_model;
   const std::int64_t N = sv.t_o.dim(0), R = sv.t_di.dim(0);
   const int k = cfg_.top_k;
-  if (dy.ndim() != 2 || dy.dim(0) != T || dy.dim(1) != M || dy.dtype() != cfg_.dtype)
-    throw ConfigError("MoE layer output gradient " + dy.describe() + " does not match the forward's output [" +
-                      std::to_string(T) + ", " + std::to_string(M) + "]");
   Stream& c = *compute_;
   const Chunk& ch = sv.plan.chunks[0];
 
@@ -345,7 +421,8 @@ Tensor MoELayer::backward(const Tensor& dy, float grad_aux) {
   }
 
   Tensor d_t_di = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
-  experts_backward(c, ch, sv.t_di, sv.t_m, d_t_do, d_t_di);
+  if (defer) sv.expert_wgrad.resize(1);
+  experts_backward(c, ch, sv.t_di, sv.t_m, d_t_do, d_t_di, defer ? &sv.expert_wgrad[0] : nullptr);
 
   Tensor dx = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
   {
@@ -358,15 +435,68 @@ Tensor MoELayer::backward(const Tensor& dy, float grad_aux) {
     dispatch_preprocess_backward(c, sv, d_t_i, dx);
   }
 
-  route_backward(c, sv, d_w, grad_aux, dx);
-  saved_.reset();  // frees the activations, ordered after everything above on the compute stream
+  route_backward(c, sv, d_w, grad_aux, dx, defer);
+  return dx;
+}
+
+// ---- the handle API and the one-in-flight wrapper --------------------------------------------
+Tensor MoELayer::backward_input(Saved& s, const Tensor& dy, float grad_aux) {
+  MoESaved& sv = saved_as<MoESaved>(s, "MoE layer");
+  MOELAB_CHECK(!sv.input_done, "MoE layer: backward_input called twice on one saved state");
+  check_output_grad(sv, dy);
+  MicrobatchScope mb(b_, sv.key.microbatch);
+  const bool defer = defers_weight_gradients();
+  Tensor dx = backward_pass(sv, dy, grad_aux, defer);
+  sv.input_done = true;
+  sv.weight_done = !defer;
+  return dx;
+}
+
+void MoELayer::backward_weight(Saved& s) {
+  MoESaved& sv = saved_as<MoESaved>(s, "MoE layer");
+  MOELAB_CHECK(sv.input_done, "MoE layer: backward_weight before backward_input");
+  if (sv.weight_done) return;
+  MicrobatchScope mb(b_, sv.key.microbatch);
+  weight_gradients(*compute_, sv);
+  sv.weight_done = true;
+}
+
+float MoELayer::aux_loss(const Saved& s) {
+  const auto* sv = dynamic_cast<const MoESaved*>(&s);
+  MOELAB_CHECK(sv != nullptr, "MoE layer: aux_loss given a saved state of another layer");
+  if (!b_.has_data()) return 0.0f;
+  return b_.download(sv->aux_loss)[0];
+}
+
+const std::vector<float>& MoELayer::noise(const Saved& s) const {
+  const auto* sv = dynamic_cast<const MoESaved*>(&s);
+  MOELAB_CHECK(sv != nullptr, "MoE layer: noise given a saved state of another layer");
+  return sv->eps_host;
+}
+
+Tensor MoELayer::forward(const Tensor& x) {
+  held_.reset();  // a forward without its backward: its state goes first
+  Forwarded f = forward(x, WorkKey{0, 0, ++step_});
+  held_ = std::move(f.saved);
+  return f.y;
+}
+
+Tensor MoELayer::backward(const Tensor& dy, float grad_aux) {
+  MOELAB_CHECK(held_ != nullptr, "MoELayer::backward called without a forward");
+  MoESaved& sv = saved_as<MoESaved>(*held_, "MoE layer");
+  check_output_grad(sv, dy);
+  Tensor dx;
+  {
+    MicrobatchScope mb(b_, sv.key.microbatch);
+    dx = backward_pass(sv, dy, grad_aux, false);
+  }
+  held_.reset();  // frees the activations, ordered after everything above on the compute stream
   return dx;
 }
 
 float MoELayer::aux_loss() {
-  MOELAB_CHECK(saved_ != nullptr, "MoELayer::aux_loss: no forward to read it from");
-  if (!b_.has_data()) return 0.0f;
-  return b_.download(saved_->aux_loss)[0];
+  MOELAB_CHECK(held_ != nullptr, "MoELayer::aux_loss: no forward to read it from");
+  return aux_loss(*held_);
 }
 
 std::vector<float> MoELayer::last_noise() { return last_eps_; }

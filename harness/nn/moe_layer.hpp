@@ -18,7 +18,8 @@
 //                        T_DO_l = A·W2_l [R_l,M]
 //   combine              all-to-all-v of a chunk back: T_DO_c -> its rows of T_O [N,M]
 //   combine_postprocess  unpermute: y[t] = sum_j w[t,j]·T_O[slot[t,j]]
-// and the mirror steps for backward. Saved for backward: x, gate outputs, T_DI, T_M
+// and the mirror steps for backward. Saved for backward (a value, harness/nn/saved.hpp: any
+// number of microbatches may be in flight): x, gate outputs, T_DI, T_M
 // (pre-activation), T_O. The activation A is recomputed from T_M in backward (one [R,H]
 // buffer instead of two kept ones), which is the layout MPipeMoE's memory model assumes
 // (M_act = 4BM + BH).
@@ -30,6 +31,7 @@
 #include "harness/comm/communicator.hpp"
 #include "harness/config/workload.hpp"
 #include "harness/nn/moe_schedule.hpp"
+#include "harness/nn/saved.hpp"
 #include "harness/runtime/backend.hpp"
 
 namespace moelab {
@@ -50,8 +52,36 @@ struct RoutingStats {
   std::int64_t capacity = 0;                  // per expert, 0 = unlimited
 };
 
-// What a forward leaves for its backward.
-struct MoESaved {
+// The streams and communicators MoE layers issue on. A model makes one set for all its MoE
+// layers (L layers need not make 2L streams and duplicate the communicator 2L times); a lone
+// layer makes its own.
+class MoEChannels {
+ public:
+  // compute: the backend's default stream; dispatch and combine: new streams, each with its
+  // own duplicate of comm (a communicator is used from one stream, communicator.hpp).
+  MoEChannels(Backend& b, Communicator& comm);
+  Stream& compute() { return *compute_; }
+  Stream& dispatch() { return *dispatch_; }
+  Stream& combine() { return *combine_; }
+  Communicator& dispatch_comm() { return *dispatch_comm_; }
+  Communicator& combine_comm() { return *combine_comm_; }
+  // Host copies (MPipeMoE's offloads and fetches), made on first use.
+  Stream& host_to_device();
+  Stream& device_to_host();
+
+ private:
+  Backend& b_;
+  std::unique_ptr<Communicator> dispatch_comm_, combine_comm_;
+  Stream* compute_;
+  Stream* dispatch_;
+  Stream* combine_;
+  Stream* h2d_ = nullptr;
+  Stream* d2h_ = nullptr;
+};
+
+// What a forward leaves for its backward. Destroying it frees its tensors (stream-ordered).
+struct MoESaved : Saved {
+  using Saved::Saved;
   Tensor x;                     // [T,M]   layer input
   Tensor noise_raw, eps;        // [T,E]   fp32, noisy gate only
   Tensor probs;                 // [T,E]   fp32
@@ -63,14 +93,24 @@ struct MoESaved {
   Tensor t_di;                  // [R,M]   rows received by the local experts
   Tensor t_m;                   // [R,H]   FC1 output before the activation
   Tensor t_o;                   // [N,M]   expert outputs back at their source rank
+  std::vector<float> eps_host;  // [T,E]   the gate noise drawn (noisy gate, backends with data)
+  // Weight-gradient GEMMs that backward_input left for backward_weight, and what they read.
+  struct ExpertWgrad {
+    std::size_t chunk = 0;      // of plan.chunks
+    Tensor t_di;                // [R_c,M]
+    Tensor a, d_t_m;            // [R_c,H] act(T_M), dT_M
+    Tensor d_t_do;              // [R_c,M]
+  };
+  std::vector<ExpertWgrad> expert_wgrad;
+  Tensor gate_d_logits, gate_d_noise;  // [T,E] in the layer's dtype
 };
 
 class MoELayer {
  public:
-  // comm spans the expert-parallel group (its size is EP). The layer creates its own
-  // streams (compute, dispatch, combine) and duplicates comm for the dispatch and combine
-  // channels so that a scheduler may overlap them.
-  MoELayer(Backend& backend, Communicator& comm, const ModelConfig& cfg);
+  // comm spans the expert-parallel group (its size is EP). channels: the streams and
+  // communicators to issue on, shared by the MoE layers of a model; none given, the layer makes
+  // its own (MoEChannels).
+  MoELayer(Backend& backend, Communicator& comm, const ModelConfig& cfg, MoEChannels* channels = nullptr);
   virtual ~MoELayer();
 
   // Deterministic in (seed, global expert id): the same experts get the same weights
@@ -78,12 +118,26 @@ class MoELayer {
   void init_parameters(std::uint64_t seed);
   void zero_grad();
 
-  // x [T,M] -> y [T,M]. Issues work on the layer's streams and returns without waiting.
-  // With a noisy gate, eps [T,E] is drawn from Rng(mix(noise_seed, rank, step)).
-  virtual Tensor forward(const Tensor& x);
-  // dy [T,M] -> dx [T,M]; accumulates into grads(). grad_aux = dL/d aux_loss.
-  virtual Tensor backward(const Tensor& dy, float grad_aux);
+  // ---- any number of microbatches in flight (harness/nn/saved.hpp) ---------------------
+  // x [T,M] -> y [T,M] and the saved state. Issues work and returns without waiting; memory
+  // allocated for it is charged to key.microbatch. With a noisy gate, eps [T,E] is drawn from
+  // Rng(mix(noise_seed, rank, work_seed(key))): the same numbers whatever the order of the work.
+  virtual Forwarded forward(const Tensor& x, const WorkKey& key);
+  // dy [T,M] -> dx [T,M]; grad_aux = dL/d aux_loss. The input gradient; the weight gradients
+  // (fc1/fc2 and gate wgrad GEMMs) are deferred to backward_weight where the schedule allows it
+  // (defers_weight_gradients()), else done here.
+  Tensor backward_input(Saved& s, const Tensor& dy, float grad_aux);
+  // The deferred weight-gradient GEMMs, accumulated into grads(); a no-op when none were left.
+  void backward_weight(Saved& s);
+  float aux_loss(const Saved& s);        // synchronises
+  const std::vector<float>& noise(const Saved& s) const;  // eps drawn for it (host copy)
 
+  // ---- one microbatch in flight: a handle held inside, key {0, 0, step} with the step
+  //      counted per forward -----------------------------------------------------------------
+  Tensor forward(const Tensor& x);
+  // backward_input and backward_weight together, the weight gradients in place (as the
+  // layer's op sequence has always been), then the saved state freed.
+  Tensor backward(const Tensor& dy, float grad_aux);
   float aux_loss();                      // of the last forward (synchronises)
   // The six expert GEMMs per local expert of one forward+backward with the last forward's
   // row counts (FC1, FC2 forward; dA, dW2, dT_M->dT_DI, dW1 backward), on fresh scratch
@@ -104,6 +158,8 @@ class MoELayer {
   // Gate on sv.x: fills the gate part of sv and routing(); the layer's one host
   // synchronisation (the counts size the all-to-all-v).
   void route(Stream& c, MoESaved& sv);
+  // The word the gate noise of a piece of work is keyed by: step for layer 0, microbatch 0.
+  static std::uint64_t work_seed(const WorkKey& k);
   // T_I [N,M] = x permuted expert-major; exchanges the counts and plans the chunks (sv.plan).
   Tensor dispatch_preprocess(Stream& c, MoESaved& sv);
   // T_I rows of chunk ch -> t_di [R_c,M].
@@ -122,35 +178,51 @@ class MoELayer {
   void combine_postprocess_backward(Stream& c, const MoESaved& sv, const Tensor& dy, Tensor& d_t_o, Tensor& d_w);
   // chunk ch's rows of dT_O -> d_t_do [R_c,M].
   void combine_backward(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& d_t_o, Tensor& d_t_do);
-  // dT_DO -> dT_DI [R_c,M]; dW1, dW2 accumulate.
+  // dT_DO -> dT_DI [R_c,M]; dW1, dW2 accumulate, or (defer given) what they need is kept there.
   void experts_backward(Stream& c, const Chunk& ch, const Tensor& t_di, const Tensor& t_m, const Tensor& d_t_do,
-                        Tensor& d_t_di);
+                        Tensor& d_t_di, MoESaved::ExpertWgrad* defer = nullptr);
   // d_t_di [R_c,M] -> chunk ch's rows of dT_I [N,M].
   void dispatch_backward(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& d_t_di, Tensor& d_t_i);
   // dT_I [N,M] -> dx [T,M] (overwrites dx).
   void dispatch_preprocess_backward(Stream& c, const MoESaved& sv, const Tensor& d_t_i, Tensor& dx);
-  // dw [T,k] -> d_logits -> dW_gate, dW_noise, and the gate's share added into dx.
-  void route_backward(Stream& c, const MoESaved& sv, const Tensor& d_w, float grad_aux, Tensor& dx);
+  // dw [T,k] -> d_logits -> dW_gate, dW_noise, and the gate's share added into dx; with defer,
+  // d_logits is kept in sv for weight_gradients instead of the two wgrad GEMMs.
+  void route_backward(Stream& c, MoESaved& sv, const Tensor& d_w, float grad_aux, Tensor& dx, bool defer = false);
+  // The GEMMs experts_backward and route_backward left in sv: fc2_wgrad, fc1_wgrad per chunk,
+  // gate_wgrad, gate_noise_wgrad.
+  void weight_gradients(Stream& c, MoESaved& sv);
 
  protected:
+  // The whole backward of a forward (input and, unless defer, weight gradients).
+  virtual Tensor backward_pass(MoESaved& sv, const Tensor& dy, float grad_aux, bool defer);
+  // Whether backward_input may leave the weight gradients to backward_weight.
+  virtual bool defers_weight_gradients() const { return true; }
+  void fc2_wgrad(Stream& c, const Chunk& ch, const Tensor& a, const Tensor& d_t_do);     // dW2 += A^T·dT_DO
+  void fc1_wgrad(Stream& c, const Chunk& ch, const Tensor& t_di, const Tensor& d_t_m);  // dW1 += T_DI^T·dT_M
+  void check_input(const Tensor& x) const;
+  void check_output_grad(const MoESaved& sv, const Tensor& dy) const;
+
   // The chunks of this layer's schedule (called by dispatch_preprocess once T_I is made):
   // FastMoE's is one chunk exchanging with every rank.
   virtual ChunkPlan plan_chunks(MoESaved& sv);
 
   Backend& b_;
   Communicator& comm_;
-  std::unique_ptr<Communicator> dispatch_comm_, combine_comm_;
   ModelConfig cfg_;
   std::int64_t local_experts_;
+  std::unique_ptr<MoEChannels> own_channels_;  // when none were given
+  MoEChannels* channels_;
   Stream* compute_;
   Stream* dispatch_;
   Stream* combine_;
+  Communicator* dispatch_comm_;
+  Communicator* combine_comm_;
   std::unique_ptr<Event> ev_a_, ev_b_;
   MoEParams params_, grads_;
-  RoutingStats routing_;
-  std::unique_ptr<MoESaved> saved_;
+  RoutingStats routing_;                 // of the last forward
+  SavedPtr held_;                        // the one-in-flight API's handle
   std::uint64_t noise_seed_ = 0x5eed;
-  std::uint64_t step_ = 0;
+  std::uint64_t step_ = 0;               // forwards of the one-in-flight API
   std::vector<float> last_eps_;
 };
 

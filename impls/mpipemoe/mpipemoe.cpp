@@ -70,30 +70,20 @@ struct Rates {
 
 }  // namespace
 
-class MPipeMoE final : public MoELayer, public MoEImpl {
+class MPipeMoELayer final : public MoELayer {
  public:
-  MPipeMoE(Backend& b, Communicator& c, const ModelConfig& m, int fixed_n, int max_n, std::int64_t min_rows,
-           StrategyOptions so)
+  MPipeMoELayer(Backend& b, Communicator& c, const ModelConfig& m, int fixed_n, int max_n, std::int64_t min_rows,
+                StrategyOptions so)
       : MoELayer(b, c, m), fixed_n_(fixed_n), search_(max_n, min_rows), so_(std::move(so)) {}
   // Queued work may still wait on events of the pool: let it drain before they go.
-  ~MPipeMoE() override {
+  ~MPipeMoELayer() override {
     try {
       b_.synchronize();
     } catch (...) {  // a failed op was reported to whoever synchronised last; nothing to add
     }
   }
 
-  // ---- MoEImpl ------------------------------------------------------------------------------
-  std::string name() const override { return "mpipemoe"; }
-  void init_parameters(std::uint64_t seed) override { MoELayer::init_parameters(seed); }
-  void zero_grad() override { MoELayer::zero_grad(); }
-  float aux_loss() override { return MoELayer::aux_loss(); }
-  MoEParams& params() override { return MoELayer::params(); }
-  MoEParams& grads() override { return MoELayer::grads(); }
-  const RoutingStats& routing() const override { return MoELayer::routing(); }
-  std::vector<GemmProblem> expert_gemms() override { return expert_gemm_problems(); }
-  MoELayer& layer() override { return *this; }
-  nlohmann::json report() override {
+  nlohmann::json report() {
     nlohmann::json r = {{"schedule", so_.strategy == "none" ? "MPipeMoE pipelining (no memory reuse)"
                                                             : "MPipeMoE pipelining with memory reuse"},
                         {"partitions", fixed_n_ > 0 ? nlohmann::json(fixed_n_) : nlohmann::json("auto")},
@@ -128,29 +118,29 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
     return r;
   }
 
-  Tensor forward(const Tensor& x) override {
+  Forwarded forward(const Tensor& x, const WorkKey& key) override {
     const std::int64_t T = x.dim(0);
     int n = fixed_n_;
     if (n <= 0) {
-      // Trials are forward passes too; they must not advance the gate noise of training.
-      const std::uint64_t step = step_;
       // Ranks may hold different token counts; the search and its bounds must see one value on
-      // every rank, or they would run different numbers of trials: the smallest count.
+      // every rank, or they would run different numbers of trials: the smallest count. Trials
+      // are forwards of this very work (its key: the gate noise is the forward's).
       const auto B = static_cast<std::int64_t>(-comm_.all_reduce_max(-static_cast<double>(T)));
-      n = search_.choose(B, [&](int trial_n) { return trial(x, trial_n); });
-      step_ = step;
+      n = search_.choose(B, [&](int trial_n) { return trial(x, key, trial_n); });
     }
     if (n > std::max<std::int64_t>(T, 1))
       throw ConfigError("mpipemoe: partitions = " + std::to_string(n) + " leaves partitions without a token for " +
                         std::to_string(T) + " tokens per rank");
-    return pipelined_forward(x, n);
+    return pipelined_forward(x, key, n);
   }
 
-  Tensor backward(const Tensor& dy, float grad_aux) override;
-
  private:
-  Tensor pipelined_forward(const Tensor& x, int n);
-  void make_plan(int n, std::int64_t T);
+  // Weight gradients in the combined pass: the memory reuse and restore strategies are
+  // defined for it (defer is not taken up).
+  Tensor backward_pass(MoESaved& sv, const Tensor& dy, float grad_aux, bool defer) override;
+  bool defers_weight_gradients() const override { return false; }
+  Forwarded pipelined_forward(const Tensor& x, const WorkKey& key, int n);
+  void make_plan(const MoESaved& sv, int n, std::int64_t T);
   // The strategy of this forward: the fixed one, or Eq. 10's choice; host memory checked.
   void resolve_strategy(std::int64_t T, int n);
   // Eq. 10's throughputs and the memory budgets for partitions of b rows (cached per b).
@@ -169,7 +159,7 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
     if (e) b_.wait(s, *e);
   }
   // One timed forward at n (the granularity search's trial), the same on every rank.
-  double trial(const Tensor& x, int n) {
+  double trial(const Tensor& x, const WorkKey& key, int n) {
     // An n at which no restore strategy fits the memory budget is no candidate, not the end of
     // the run. The verdict is the same on every rank: under "auto" the choice is made from the
     // figures the ranks agree on, before any work is issued.
@@ -181,7 +171,7 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
     b_.synchronize();  // work queued before the trial (zero fills, say) is not the trial's
     comm_.barrier();
     const double t0 = b_.now();
-    pipelined_forward(x, n);
+    trial_state_ = pipelined_forward(x, key, n).saved;
     b_.synchronize();
     comm_.barrier();
     return comm_.all_reduce_max(b_.now() - t0);
@@ -198,6 +188,9 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
 
   int fixed_n_;
   GranularitySearch search_;
+  // What the last trial's forward saved, held until the next forward has resolved its strategy:
+  // the memory budget Eq. 10's choice sees is the device's capacity less what is in use then.
+  SavedPtr trial_state_;
   StrategyOptions so_;
   std::string strategy_;                 // of the last forward ("none" or S1..S4)
   std::vector<StrategyCost> costs_;      // Eq. 10 of the last forward, S1–S4
@@ -212,9 +205,9 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
   std::size_t next_event_ = 0;
 };
 
-// Builds plan_ for n partitions from the gate's routing (saved_: topk_idx, slot) — on a backend
+// Builds plan_ for n partitions from the gate's routing (sv: topk_idx, slot) — on a backend
 // without data (sim) each expert's rows are split evenly across the partitions.
-void MPipeMoE::make_plan(int n, std::int64_t T) {
+void MPipeMoELayer::make_plan(const MoESaved& sv, int n, std::int64_t T) {
   const std::int64_t E = cfg_.num_experts, El = local_experts_, M = cfg_.d_model;
   const int k = cfg_.top_k, ep = comm_.size();
   const auto& sent = routing_.sent_per_expert;
@@ -229,7 +222,7 @@ void MPipeMoE::make_plan(int n, std::int64_t T) {
   };
   std::vector<std::int64_t> first(static_cast<std::size_t>(n) * E * k, -1), count(first.size(), 0);
   if (b_.has_data()) {
-    const auto idx = b_.download_i32(saved_->topk_idx), slot = b_.download_i32(saved_->slot);
+    const auto idx = b_.download_i32(sv.topk_idx), slot = b_.download_i32(sv.slot);
     for (std::int64_t t = 0; t < T; ++t)
       for (int j = 0; j < k; ++j) {
         const std::int32_t r = slot[static_cast<std::size_t>(t * k + j)];
@@ -289,16 +282,16 @@ void MPipeMoE::make_plan(int n, std::int64_t T) {
 }
 
 // ---- 2. forward -----------------------------------------------------------------------------
-Tensor MPipeMoE::pipelined_forward(const Tensor& x, int n) {
+Forwarded MPipeMoELayer::pipelined_forward(const Tensor& x, const WorkKey& key, int n) {
   const std::int64_t T = x.dim(0), M = cfg_.d_model, H = cfg_.d_hidden;
-  if (x.ndim() != 2 || x.dim(1) != M || x.dtype() != cfg_.dtype)
-    throw ConfigError("MoE layer input " + x.describe() + " does not match d_model = " + std::to_string(M));
+  check_input(x);
+  MicrobatchScope mb(b_, key.microbatch);
   resolve_strategy(T, n);  // before any work: a host budget that does not fit is a ConfigError
+  trial_state_.reset();
   Stream& c = *compute_;
-  saved_ = std::make_unique<MoESaved>();
-  MoESaved& sv = *saved_;
+  auto saved = std::make_unique<MoESaved>(key);
+  MoESaved& sv = *saved;
   sv.x = x;
-  ++step_;
   next_event_ = 0;
   route(c, sv);
 
@@ -308,7 +301,7 @@ Tensor MPipeMoE::pipelined_forward(const Tensor& x, int n) {
   if (strategy_ != "none") {
     {
       PhaseScope ph(b_, "dispatch");
-      make_plan(n, T);
+      make_plan(sv, n, T);
       // T_I [N,M]: an activation when backward re-runs the dispatch from it (S2, S4).
       t_i = b_.empty({N, M}, cfg_.dtype,
                      recommunicates(strategy_) ? MemCategory::activations : MemCategory::buffers, c);
@@ -320,7 +313,7 @@ Tensor MPipeMoE::pipelined_forward(const Tensor& x, int n) {
     std::vector<Tensor> t_do(static_cast<std::size_t>(n));
     {
       PhaseScope ph(b_, "dispatch");
-      make_plan(n, T);
+      make_plan(sv, n, T);
       t_i = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
       b_.permute(c, x, sv.slot, t_i);
       // Every buffer the other streams touch is allocated here, before the event they wait on
@@ -353,18 +346,13 @@ Tensor MPipeMoE::pipelined_forward(const Tensor& x, int n) {
   routing_.recv_per_local.assign(static_cast<std::size_t>(local_experts_), 0);
   for (const auto& P : plan_.parts)
     for (std::size_t l = 0; l < P.rows.size(); ++l) routing_.recv_per_local[l] += P.rows[l];
-  return y;
+  return {y, std::move(saved)};
 }
 
 // ---- 3. backward: per partition, combine-backward exchange, experts backward, dispatch-backward
-Tensor MPipeMoE::backward(const Tensor& dy, float grad_aux) {
-  MOELAB_CHECK(saved_ != nullptr, "MPipeMoE::backward called without a forward");
-  MoESaved& sv = *saved_;
+Tensor MPipeMoELayer::backward_pass(MoESaved& sv, const Tensor& dy, float grad_aux, bool) {
   const std::int64_t T = sv.x.dim(0), M = cfg_.d_model, N = sv.t_o.dim(0);
   const int k = cfg_.top_k, n = plan_.n;
-  if (dy.ndim() != 2 || dy.dim(0) != T || dy.dim(1) != M || dy.dtype() != cfg_.dtype)
-    throw ConfigError("MoE layer output gradient " + dy.describe() + " does not match the forward's output [" +
-                      std::to_string(T) + ", " + std::to_string(M) + "]");
   Stream& c = *compute_;
   next_event_ = 0;
   Tensor d_w = b_.empty({T, k}, DType::f32, MemCategory::buffers, c);
@@ -400,7 +388,6 @@ Tensor MPipeMoE::backward(const Tensor& dy, float grad_aux) {
   Tensor dx = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
   dispatch_preprocess_backward(c, sv, d_t_i, dx);
   route_backward(c, sv, d_w, grad_aux, dx);
-  saved_.reset();
   for (auto& P : plan_.parts) P.t_di = P.t_m = Tensor();
   rz_ = ReuseState{};  // rotating buffers, T_I and host copies: freed after their last use above
   return dx;
@@ -420,7 +407,7 @@ namespace {
 Event* at(const std::vector<Event*>& v, int i) { return i >= 0 ? v[static_cast<std::size_t>(i)] : nullptr; }
 }  // namespace
 
-void MPipeMoE::reuse_forward(Tensor& t_i, Tensor& t_o) {
+void MPipeMoELayer::reuse_forward(Tensor& t_i, Tensor& t_o) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
   const int n = plan_.n, nb = std::min(n, 2);
   Stream& c = *compute_;
@@ -500,7 +487,7 @@ void MPipeMoE::reuse_forward(Tensor& t_i, Tensor& t_o) {
   stream_event_order(*d2h_, c);
 }
 
-void MPipeMoE::reuse_backward(const Tensor& d_t_o, Tensor& d_t_i) {
+void MPipeMoELayer::reuse_backward(const Tensor& d_t_o, Tensor& d_t_i) {
   const std::int64_t M = cfg_.d_model;
   const int n = plan_.n, nb = std::min(n, 2);
   Stream& c = *compute_;
@@ -589,7 +576,7 @@ void MPipeMoE::reuse_backward(const Tensor& d_t_o, Tensor& d_t_i) {
   stream_event_order(*h2d_, c);
 }
 
-void MPipeMoE::resolve_strategy(std::int64_t T_local, int n) {
+void MPipeMoELayer::resolve_strategy(std::int64_t T_local, int n) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
   // Every rank must run the same strategy (S2/S4 add collectives). Under "auto" the choice is
   // made for the largest token count over ranks (its memory must fit everywhere) from rates
@@ -638,7 +625,7 @@ void MPipeMoE::resolve_strategy(std::int64_t T_local, int n) {
   }
 }
 
-const Rates& MPipeMoE::rates_for(std::int64_t b, bool agree) {
+const Rates& MPipeMoELayer::rates_for(std::int64_t b, bool agree) {
   if (auto it = rates_.find(b); it != rates_.end()) return it->second;
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
   // One FC1 GEMM of the partition: its rows spread over the local experts.
@@ -712,7 +699,17 @@ const Rates& MPipeMoE::rates_for(std::int64_t b, bool agree) {
   return rates_.emplace(b, std::move(r)).first->second;
 }
 
-// ---- 5. options and registration --------------------------------------------------------------
+// ---- 5. the MoEImpl adapter, options and registration
+namespace {
+class MPipeMoE final : public LayerBackedImpl<MPipeMoELayer> {
+ public:
+  using LayerBackedImpl::LayerBackedImpl;
+  std::string name() const override { return "mpipemoe"; }
+  std::vector<GemmProblem> expert_gemms() override { return layer_.expert_gemm_problems(); }
+  nlohmann::json report() override { return layer_.report(); }
+};
+}  // namespace
+// ---- --------------------------------------------------------------
 namespace {
 int int_option(const nlohmann::json& o, const char* key, int dflt, int lo) {
   if (!o.contains(key)) return dflt;
@@ -776,7 +773,7 @@ std::unique_ptr<MoEImpl> make_mpipemoe(Backend& b, Communicator& c, const ModelC
     throw ConfigError("mpipemoe: t_m_buffers = " + o["t_m_buffers"].dump() +
                       " needs memory reuse (a strategy S1-S4 or auto): without reuse every partition keeps its T_M");
   // Eq. 10's figures and the budgets when given; otherwise the machine model's, a
-  // measurement, or default_throughputs() (MPipeMoE::rates_for).
+  // measurement, or default_throughputs() (MPipeMoELayer::rates_for).
   auto given = [&](const char* key, double scale) -> std::optional<double> {
     if (!o.contains(key)) return std::nullopt;
     return positive_option(o, key, 0) * scale;
