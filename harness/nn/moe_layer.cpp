@@ -29,7 +29,7 @@ Stream& MoEChannels::device_to_host() {
 }
 
 MoELayer::MoELayer(Backend& backend, Communicator& comm, const ModelConfig& cfg, MoEChannels* channels)
-    : b_(backend), comm_(comm), cfg_(cfg) {
+    : b_(backend), comm_(comm), cfg_(cfg), events_(backend) {
   const int ep = comm.size();
   if (cfg.num_experts % ep != 0)
     throw ConfigError("model.num_experts = " + std::to_string(cfg.num_experts) +
@@ -42,8 +42,6 @@ MoELayer::MoELayer(Backend& backend, Communicator& comm, const ModelConfig& cfg,
   combine_ = &channels_->combine();
   dispatch_comm_ = &channels_->dispatch_comm();
   combine_comm_ = &channels_->combine_comm();
-  ev_a_ = b_.create_event();
-  ev_b_ = b_.create_event();
 
   const std::int64_t M = cfg.d_model, H = cfg.d_hidden, E = cfg.num_experts, El = local_experts_;
   auto alloc_pair = [&](Tensor MoEParams::*field, std::vector<std::int64_t> shape) {
@@ -57,7 +55,13 @@ MoELayer::MoELayer(Backend& backend, Communicator& comm, const ModelConfig& cfg,
   zero_grad();
 }
 
-MoELayer::~MoELayer() = default;
+// Queued work may still wait on events of the pool: let it drain before they go.
+MoELayer::~MoELayer() {
+  try {
+    b_.synchronize();
+  } catch (...) {  // a failed op was reported to whoever synchronised last; nothing to add
+  }
+}
 
 void MoELayer::init_parameters(std::uint64_t seed) {
   if (!b_.has_data()) return;
@@ -168,9 +172,18 @@ std::uint64_t MoELayer::work_seed(const WorkKey& k) {
 Tensor MoELayer::dispatch_preprocess(Stream& c, MoESaved& sv) {
   PhaseScope ph(b_, "dispatch");
   const std::int64_t N = std::accumulate(sv.sent.begin(), sv.sent.end(), std::int64_t{0});
-  Tensor t_i = b_.empty({N, cfg_.d_model}, cfg_.dtype, MemCategory::buffers, c);
+  const bool keep = keeps_t_i(sv);
+  Tensor t_i = b_.empty({N, cfg_.d_model}, cfg_.dtype, keep ? MemCategory::activations : MemCategory::buffers, c);
   b_.permute(c, sv.x, sv.slot, t_i);
+  if (keep) sv.t_i = t_i;
   sv.plan = plan_chunks(sv);
+  // What the chunks bring to the local experts, for reports and the GEMM yardstick.
+  routing_.recv_per_local.assign(static_cast<std::size_t>(local_experts_), 0);
+  last_chunk_rows_.clear();
+  for (const Chunk& ch : sv.plan.chunks) {
+    for (std::size_t l = 0; l < ch.rows.size(); ++l) routing_.recv_per_local[l] += ch.rows[l];
+    last_chunk_rows_.push_back(ch.rows);
+  }
   return t_i;
 }
 
@@ -336,6 +349,7 @@ void MoELayer::route_backward(Stream& c, MoESaved& sv, const Tensor& d_w, float 
 void MoELayer::weight_gradients(Stream& c, MoESaved& sv) {
   const std::int64_t T = sv.x.dim(0), M = cfg_.d_model, E = cfg_.num_experts;
   for (auto& w : sv.expert_wgrad) {
+    if (!w.a.defined()) continue;  // a chunk without experts work
     PhaseScope ph(b_, "experts");
     const Chunk& ch = sv.plan.chunks[w.chunk];
     fc2_wgrad(c, ch, w.a, w.d_t_do);
@@ -364,77 +378,42 @@ void MoELayer::check_output_grad(const MoESaved& sv, const Tensor& dy) const {
                       std::to_string(T) + ", " + std::to_string(M) + "]");
 }
 
-// ---- FastMoE: the steps of one chunk, one after the other ------------------------------------
-Forwarded MoELayer::forward(const Tensor& x, const WorkKey& key) {
-  const std::int64_t T = x.dim(0), M = cfg_.d_model, H = cfg_.d_hidden;
+// ---- the steps of a forward and a backward; the schedule is the plan ----------------------------
+Forwarded MoELayer::forward(const Tensor& x, const WorkKey& key) { return run_forward(x, std::make_unique<MoESaved>(key)); }
+
+Forwarded MoELayer::run_forward(const Tensor& x, std::unique_ptr<MoESaved> saved, ChunkHooks* hooks) {
+  const std::int64_t T = x.dim(0), M = cfg_.d_model;
   check_input(x);
-  MicrobatchScope mb(b_, key.microbatch);
-  Stream& c = *compute_;
-  auto saved = std::make_unique<MoESaved>(key);
+  MicrobatchScope mb(b_, saved->key.microbatch);
   MoESaved& sv = *saved;
+  Stream& c = *compute_;
   sv.x = x;
-
   route(c, sv);
-  const Tensor t_i = dispatch_preprocess(c, sv);
-  const Chunk& ch = sv.plan.chunks[0];
-  routing_.recv_per_local = ch.rows;
-
-  sv.t_di = b_.empty({ch.R, M}, cfg_.dtype, MemCategory::activations, c);
-  b_.record(*ev_a_, c);
-  b_.wait(*dispatch_, *ev_a_);
-  dispatch(*dispatch_, *dispatch_comm_, t_i, ch, sv.t_di);
-  b_.record(*ev_b_, *dispatch_);
-  b_.wait(c, *ev_b_);
-
-  sv.t_m = b_.empty({ch.R, H}, cfg_.dtype, MemCategory::activations, c);
-  Tensor t_do = b_.empty({ch.R, M}, cfg_.dtype, MemCategory::buffers, c);
-  experts(c, ch, sv.t_di, sv.t_m, t_do);
-
-  Tensor y = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
-  sv.t_o = b_.empty({t_i.dim(0), M}, cfg_.dtype, MemCategory::activations, c);
-  b_.record(*ev_a_, c);
-  b_.wait(*combine_, *ev_a_);
-  combine(*combine_, *combine_comm_, ch, t_do, sv.t_o);
-  b_.record(*ev_b_, *combine_);
-  b_.wait(c, *ev_b_);
+  Tensor t_i = dispatch_preprocess(c, sv);  // [N,M]
+  Tensor y;                                  // [T,M]
+  if (sv.plan.output_first) y = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
+  issue_forward(*this, sv, std::move(t_i), hooks);
+  if (!y.defined()) y = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
   combine_postprocess(c, sv, y);
   return {y, std::move(saved)};
 }
 
 Tensor MoELayer::backward_pass(MoESaved& sv, const Tensor& dy, float grad_aux, bool defer) {
-  const std::int64_t T = sv.x.dim(0), M = cfg_.d_model;
-  const std::int64_t N = sv.t_o.dim(0), R = sv.t_di.dim(0);
-  const int k = cfg_.top_k;
+  return run_backward(sv, dy, grad_aux, defer);
+}
+
+Tensor MoELayer::run_backward(MoESaved& sv, const Tensor& dy, float grad_aux, bool defer, ChunkHooks* hooks) {
+  const std::int64_t T = sv.x.dim(0), M = cfg_.d_model, N = sv.t_o.dim(0);
   Stream& c = *compute_;
-  const Chunk& ch = sv.plan.chunks[0];
-
-  Tensor d_w = b_.empty({T, k}, DType::f32, MemCategory::buffers, c);
-  Tensor d_t_do = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
-  {
-    Tensor d_t_o = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
-    combine_postprocess_backward(c, sv, dy, d_t_o, d_w);
-    b_.record(*ev_a_, c);
-    b_.wait(*combine_, *ev_a_);
-    combine_backward(*combine_, *combine_comm_, ch, d_t_o, d_t_do);
-    b_.record(*ev_b_, *combine_);
-    b_.wait(c, *ev_b_);
-  }
-
-  Tensor d_t_di = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
-  if (defer) sv.expert_wgrad.resize(1);
-  experts_backward(c, ch, sv.t_di, sv.t_m, d_t_do, d_t_di, defer ? &sv.expert_wgrad[0] : nullptr);
-
-  Tensor dx = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
-  {
-    Tensor d_t_i = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
-    b_.record(*ev_a_, c);
-    b_.wait(*dispatch_, *ev_a_);
-    dispatch_backward(*dispatch_, *dispatch_comm_, ch, d_t_di, d_t_i);
-    b_.record(*ev_b_, *dispatch_);
-    b_.wait(c, *ev_b_);
-    dispatch_preprocess_backward(c, sv, d_t_i, dx);
-  }
-
+  Tensor d_w = b_.empty({T, cfg_.top_k}, DType::f32, MemCategory::buffers, c);  // [T,k]
+  Tensor d_t_o = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);         // [N,M]
+  combine_postprocess_backward(c, sv, dy, d_t_o, d_w);
+  Tensor dx;  // [T,M]
+  if (sv.plan.output_first) dx = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
+  Tensor d_t_i = issue_backward(*this, sv, std::move(d_t_o), defer, hooks);  // [N,M]
+  if (!dx.defined()) dx = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
+  dispatch_preprocess_backward(c, sv, d_t_i, dx);
+  d_t_i = Tensor();
   route_backward(c, sv, d_w, grad_aux, dx, defer);
   return dx;
 }
@@ -501,7 +480,7 @@ float MoELayer::aux_loss() {
 
 std::vector<float> MoELayer::last_noise() { return last_eps_; }
 
-std::vector<GemmProblem> MoELayer::expert_gemm_problems() {
+std::vector<GemmProblem> MoELayer::expert_gemm_problems(bool per_chunk) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
   Stream& c = *compute_;
   std::vector<GemmProblem> ps;
@@ -510,18 +489,20 @@ std::vector<GemmProblem> MoELayer::expert_gemm_problems() {
     b_.fill_zero(c, t);  // defined values: no NaN or denormal slow paths in the timing
     return t;
   };
-  for (std::size_t l = 0; l < routing_.recv_per_local.size(); ++l) {
-    const std::int64_t r = routing_.recv_per_local[l];
-    if (r == 0) continue;
-    const auto li = static_cast<std::int64_t>(l);
-    Tensor t_di = scratch(r, M), t_m = scratch(r, H), t_do = scratch(r, M);
-    ps.push_back({false, false, r, H, M, t_di, params_.w1.select(li), t_m, 1, 0});        // fc1
-    ps.push_back({false, false, r, M, H, t_m, params_.w2.select(li), t_do, 1, 0});        // fc2
-    ps.push_back({false, true, r, H, M, t_do, params_.w2.select(li), scratch(r, H), 1, 0});  // fc2 dgrad
-    ps.push_back({true, false, H, M, r, t_m, t_do, grads_.w2.select(li), 1, 1});          // fc2 wgrad
-    ps.push_back({true, false, M, H, r, t_di, t_m, grads_.w1.select(li), 1, 1});          // fc1 wgrad
-    ps.push_back({false, true, r, M, H, t_m, params_.w1.select(li), scratch(r, M), 1, 0});  // fc1 dgrad
-  }
+  const auto rows_sets = per_chunk ? last_chunk_rows_ : std::vector<std::vector<std::int64_t>>{routing_.recv_per_local};
+  for (const auto& rows : rows_sets)
+    for (std::size_t l = 0; l < rows.size(); ++l) {
+      const std::int64_t r = rows[l];
+      if (r == 0) continue;
+      const auto li = static_cast<std::int64_t>(l);
+      Tensor t_di = scratch(r, M), t_m = scratch(r, H), t_do = scratch(r, M);
+      ps.push_back({false, false, r, H, M, t_di, params_.w1.select(li), t_m, 1, 0});        // fc1
+      ps.push_back({false, false, r, M, H, t_m, params_.w2.select(li), t_do, 1, 0});        // fc2
+      ps.push_back({false, true, r, H, M, t_do, params_.w2.select(li), scratch(r, H), 1, 0});  // fc2 dgrad
+      ps.push_back({true, false, H, M, r, t_m, t_do, grads_.w2.select(li), 1, 1});          // fc2 wgrad
+      ps.push_back({true, false, M, H, r, t_di, t_m, grads_.w1.select(li), 1, 1});          // fc1 wgrad
+      ps.push_back({false, true, r, M, H, t_m, params_.w1.select(li), scratch(r, M), 1, 0});  // fc1 dgrad
+    }
   return ps;
 }
 

@@ -90,9 +90,13 @@ struct MoESaved : Saved {
   Tensor routed_frac, aux_loss; // [E], [1] fp32
   std::vector<std::int64_t> sent;  // [E] kept slots per global expert (rows of T_I per expert)
   ChunkPlan plan;               // the dispatch's chunks
-  Tensor t_di;                  // [R,M]   rows received by the local experts
-  Tensor t_m;                   // [R,H]   FC1 output before the activation
+  struct Kept {
+    Tensor t_di;                // [R_c,M] rows chunk c brought to the local experts
+    Tensor t_m;                 // [R_c,H] their FC1 output before the activation
+  };
+  std::vector<Kept> kept;       // per chunk (empty where a schedule keeps its own buffers)
   Tensor t_o;                   // [N,M]   expert outputs back at their source rank
+  Tensor t_i;                   // [N,M]   kept only where backward sends it again (MPipeMoE S2, S4)
   std::vector<float> eps_host;  // [T,E]   the gate noise drawn (noisy gate, backends with data)
   // Weight-gradient GEMMs that backward_input left for backward_weight, and what they read.
   struct ExpertWgrad {
@@ -142,7 +146,8 @@ class MoELayer {
   // The six expert GEMMs per local expert of one forward+backward with the last forward's
   // row counts (FC1, FC2 forward; dA, dW2, dT_M->dT_DI, dW1 backward), on fresh scratch
   // tensors: the yardstick that `moelab run` times with Backend::time_bare_gemms.
-  std::vector<GemmProblem> expert_gemm_problems();
+  // per_chunk: the six per local expert and chunk of the last forward's plan, with its rows.
+  std::vector<GemmProblem> expert_gemm_problems(bool per_chunk = false);
   const RoutingStats& routing() const { return routing_; }
   std::vector<float> last_noise();       // eps of the last forward (noisy gate), host copy
 
@@ -151,6 +156,8 @@ class MoELayer {
   const ModelConfig& config() const { return cfg_; }
   std::int64_t local_experts() const { return local_experts_; }
   Stream& compute_stream() { return *compute_; }
+  Backend& backend() { return b_; }
+  EventPool& event_pool() { return events_; }  // the events of the layer's passes
   void set_noise_seed(std::uint64_t s) { noise_seed_ = s; }
 
   // ---- the steps, forward. Each issues on the stream it is given (c: the compute stream;
@@ -205,6 +212,14 @@ class MoELayer {
   // The chunks of this layer's schedule (called by dispatch_preprocess once T_I is made):
   // FastMoE's is one chunk exchanging with every rank.
   virtual ChunkPlan plan_chunks(MoESaved& sv);
+  // Whether backward needs T_I again (kept in sv, an activation then).
+  virtual bool keeps_t_i(const MoESaved&) const { return false; }
+  // The forward of sv's work: route, dispatch_preprocess, the plan issued (issue_forward, with
+  // the schedule's hooks if any), combine_postprocess.
+  Forwarded run_forward(const Tensor& x, std::unique_ptr<MoESaved> saved, ChunkHooks* hooks = nullptr);
+  // Its backward: combine_postprocess_backward, the plan issued backward, dispatch_preprocess_backward,
+  // route_backward.
+  Tensor run_backward(MoESaved& sv, const Tensor& dy, float grad_aux, bool defer, ChunkHooks* hooks = nullptr);
 
   Backend& b_;
   Communicator& comm_;
@@ -217,13 +232,14 @@ class MoELayer {
   Stream* combine_;
   Communicator* dispatch_comm_;
   Communicator* combine_comm_;
-  std::unique_ptr<Event> ev_a_, ev_b_;
+  EventPool events_;
   MoEParams params_, grads_;
   RoutingStats routing_;                 // of the last forward
   SavedPtr held_;                        // the one-in-flight API's handle
   std::uint64_t noise_seed_ = 0x5eed;
   std::uint64_t step_ = 0;               // forwards of the one-in-flight API
   std::vector<float> last_eps_;
+  std::vector<std::vector<std::int64_t>> last_chunk_rows_;  // [chunks][El] of the last forward
 };
 
 }  // namespace moelab

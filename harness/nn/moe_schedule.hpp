@@ -68,4 +68,67 @@ struct ChunkPlan {
 Chunk peer_chunk(const std::vector<std::int64_t>& sent, const std::vector<std::int64_t>& recv, std::int64_t El,
                  std::int64_t M, std::span<const int> to, std::span<const int> from);
 
+// ---- issuing a plan ------------------------------------------------------------------------
+// One chunk's tensors in a pass (rows R_c; views when a schedule reuses buffers).
+struct ChunkTensors {
+  Tensor t_di;             // [R_c,M] T_DI_c, saved for backward
+  Tensor t_m;              // [R_c,H] T_M_c, saved for backward
+  Tensor t_do;             // [R_c,M] forward: T_DO_c
+  Tensor d_t_do, d_t_di;   // [R_c,M] backward: dT_DO_c, dT_DI_c
+};
+
+// Events reused from pass to pass. A queued wait keeps the generation of the event it waited
+// for (CUDA semantics), so re-recording one never disturbs an earlier wait, and several
+// microbatches' passes may share a pool.
+class EventPool {
+ public:
+  explicit EventPool(Backend& b) : b_(b) {}
+  void reset() { next_ = 0; }  // at the start of a pass
+  Event* mark(Stream& s);      // an event recorded on s now
+  void after(Stream& s, Event* e) {  // s waits for e (nothing for nullptr)
+    if (e) b_.wait(s, *e);
+  }
+  void order(Stream& from, Stream& to) { after(to, mark(from)); }  // to waits for all of from so far
+
+ private:
+  Backend& b_;
+  std::vector<std::unique_ptr<Event>> events_;
+  std::size_t next_ = 0;
+};
+
+// The steps of a chunk, forward; in backward the same names stand for their mirrors (combine
+// backward first, dispatch backward last).
+enum class ChunkStep { dispatch, experts, combine };
+
+// Per chunk, the events the issuer records: `in` the first exchange done (forward: dispatch;
+// backward: combine backward), `computed` the experts done, `out` the second exchange done.
+struct ChunkEvents {
+  std::vector<Event*> in, computed, out;
+  static Event* at(const std::vector<Event*>& v, int i) { return i >= 0 ? v[static_cast<std::size_t>(i)] : nullptr; }
+};
+
+// What a schedule adds to the issuer (MPipeMoE's memory reuse and restore strategies): its own
+// buffers, the streams that wait for them, and work and waits around the steps.
+class ChunkHooks {
+ public:
+  virtual ~ChunkHooks() = default;
+  virtual void allocate() = 0;                  // on the compute stream, before the pipeline starts
+  virtual ChunkTensors tensors(int chunk) = 0;  // views of them for a chunk
+  virtual std::vector<Stream*> ready() { return {}; }  // more streams that wait for the buffers
+  virtual void start(const ChunkEvents&) {}            // after that, before the first step
+  virtual void before(ChunkStep, int, const ChunkEvents&) {}
+  virtual void after(ChunkStep, int, const ChunkEvents&) {}
+  virtual std::vector<Stream*> join() { return {}; }   // more streams the compute stream waits for at the end
+};
+
+// Runs sv.plan forward: for every chunk its dispatch (T_I -> T_DI_c, on the plan's dispatch
+// lane), experts (compute stream) and combine (T_DO_c -> T_O rows, combine lane), in the plan's
+// order, each step waiting for the one it reads from; the compute stream waits for the last
+// exchanges at the end. Fills sv.t_o [N,M] and, unless hooks supply the buffers, sv.kept.
+void issue_forward(MoELayer& layer, MoESaved& sv, Tensor t_i, ChunkHooks* hooks = nullptr);
+// The mirror: dT_O [N,M] -> per chunk combine backward (dT_O rows -> dT_DO_c), experts backward
+// (-> dT_DI_c; with defer, the weight-gradient GEMMs left in sv), dispatch backward (dT_DI_c ->
+// dT_I rows). Returns dT_I [N,M].
+Tensor issue_backward(MoELayer& layer, MoESaved& sv, Tensor d_t_o, bool defer, ChunkHooks* hooks = nullptr);
+
 }  // namespace moelab
