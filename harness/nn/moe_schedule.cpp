@@ -149,8 +149,10 @@ void issue_forward(MoELayer& L, MoESaved& sv, Tensor t_i, ChunkHooks* hooks) {
   }
   // The dispatch lane's last step was waited for by the last experts step.
   ev.after(c, e.out[static_cast<std::size_t>(n - 1)]);
-  if (hooks)
+  if (hooks) {
     for (Stream* s : hooks->join()) ev.order(*s, c);
+    hooks->finish();
+  }
 }
 
 Tensor issue_backward(MoELayer& L, MoESaved& sv, Tensor d_t_o, bool defer, ChunkHooks* hooks) {
@@ -254,8 +256,10 @@ Tensor issue_backward(MoELayer& L, MoESaved& sv, Tensor d_t_o, bool defer, Chunk
   }
   // The combine lane's last step was waited for by the last experts step.
   ev.after(c, e.out[static_cast<std::size_t>(n - 1)]);
-  if (hooks)
+  if (hooks) {
     for (Stream* s : hooks->join()) ev.order(*s, c);
+    hooks->finish();
+  }
   return d_t_i;
 }
 

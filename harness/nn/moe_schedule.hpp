@@ -119,6 +119,7 @@ class ChunkHooks {
   virtual void before(ChunkStep, int, const ChunkEvents&) {}
   virtual void after(ChunkStep, int, const ChunkEvents&) {}
   virtual std::vector<Stream*> join() { return {}; }   // more streams the compute stream waits for at the end
+  virtual void finish() {}                              // then: the pass's own buffers may go
 };
 
 // Runs sv.plan forward: for every chunk its dispatch (T_I -> T_DI_c, on the plan's dispatch
