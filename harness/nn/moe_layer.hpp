@@ -18,11 +18,12 @@
 //                        T_DO_l = A·W2_l [R_l,M]
 //   combine              all-to-all-v of a chunk back: T_DO_c -> its rows of T_O [N,M]
 //   combine_postprocess  unpermute: y[t] = sum_j w[t,j]·T_O[slot[t,j]]
-// and the mirror steps for backward. Saved for backward (a value, harness/nn/saved.hpp: any
-// number of microbatches may be in flight): x, gate outputs, T_DI, T_M
-// (pre-activation), T_O. The activation A is recomputed from T_M in backward (one [R,H]
-// buffer instead of two kept ones), which is the layout MPipeMoE's memory model assumes
-// (M_act = 4BM + BH).
+// and the mirror steps for backward. A schedule is the chunk plan dispatch_preprocess makes
+// (plan_chunks) and the issuer runs (harness/nn/moe_schedule.hpp); this layer's is one chunk.
+// Saved for backward (a value, harness/nn/saved.hpp: any number of microbatches may be in
+// flight): x, gate outputs, T_DI, T_M (pre-activation), T_O. The activation A is recomputed
+// from T_M in backward (one [R,H] buffer instead of two kept ones), which is the layout
+// MPipeMoE's memory model assumes (M_act = 4BM + BH).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -157,6 +158,7 @@ class MoELayer {
   std::int64_t local_experts() const { return local_experts_; }
   Stream& compute_stream() { return *compute_; }
   Backend& backend() { return b_; }
+  MoEChannels& channels() { return *channels_; }  // to share with the model's other MoE layers
   EventPool& event_pool() { return events_; }  // the events of the layer's passes
   void set_noise_seed(std::uint64_t s) { noise_seed_ = s; }
 

@@ -117,9 +117,7 @@ class MPipeMoELayer final : public MoELayer {
     return pipelined_forward(x, key, n);
   }
 
-  // What the hooks of section 2 need.
   const StrategyOptions& options() const { return so_; }
-  MoEChannels& channels() { return *channels_; }
 
  private:
   ChunkPlan plan_chunks(MoESaved& sv) override;
@@ -179,7 +177,6 @@ ChunkPlan MPipeMoELayer::plan_chunks(MoESaved& s) {
   const MPipeSaved& sv = static_cast<const MPipeSaved&>(s);
   const int n = sv.n;
   const std::int64_t T = sv.x.dim(0);
-
   const std::int64_t E = cfg_.num_experts, El = local_experts_, M = cfg_.d_model;
   const int k = cfg_.top_k, ep = comm_.size();
   const auto& sent = sv.sent;
