@@ -58,8 +58,8 @@ GroupPlan parse_options(const nlohmann::json& options, int world) {
 // chunks, the stream assignment and the order are FasterMoE's.
 class FasterMoELayer final : public MoELayer {
  public:
-  FasterMoELayer(Backend& b, Communicator& c, const ModelConfig& m, int group_size)
-      : MoELayer(b, c, m), G_(group_size), n_g_(c.size() / group_size) {}
+  FasterMoELayer(Backend& b, Communicator& c, const ModelConfig& m, int group_size, MoEChannels* channels)
+      : MoELayer(b, c, m, channels), G_(group_size), n_g_(c.size() / group_size) {}
 
  private:
   ChunkPlan plan_chunks(MoESaved& sv) override;
@@ -91,8 +91,8 @@ ChunkPlan FasterMoELayer::plan_chunks(MoESaved& sv) {
 // ---- the MoEImpl adapter -----------------------------------------------------------------
 class FasterMoE final : public LayerBackedImpl<FasterMoELayer> {
  public:
-  FasterMoE(Backend& b, Communicator& c, const ModelConfig& m, const GroupPlan& plan)
-      : LayerBackedImpl(b, c, m, plan.group_size), plan_(plan) {}
+  FasterMoE(Backend& b, Communicator& c, const ModelConfig& m, const GroupPlan& plan, MoEChannels* channels)
+      : LayerBackedImpl(b, c, m, plan.group_size, channels), plan_(plan) {}
   std::string name() const override { return "fastermoe"; }
   // The six GEMMs per local expert, once per step with that step's rows.
   std::vector<GemmProblem> expert_gemms() override { return layer_.expert_gemm_problems(true); }
@@ -111,14 +111,19 @@ class FasterMoE final : public LayerBackedImpl<FasterMoELayer> {
   GroupPlan plan_;
 };
 
+std::unique_ptr<MoEImpl> make(Backend& b, Communicator& c, const ModelConfig& m, const nlohmann::json& options,
+                              MoEChannels* channels) {
+  const GroupPlan plan = parse_options(options, c.size());  // before any work
+  return std::make_unique<FasterMoE>(b, c, m, plan, channels);
+}
+
 }  // namespace
 
 std::unique_ptr<MoEImpl> make_fastermoe(Backend& b, Communicator& c, const ModelConfig& m,
                                         const nlohmann::json& options) {
-  const GroupPlan plan = parse_options(options, c.size());  // before any work
-  return std::make_unique<FasterMoE>(b, c, m, plan);
+  return make(b, c, m, options, nullptr);
 }
 
-void register_fastermoe() { register_impl("fastermoe", make_fastermoe); }
+void register_fastermoe() { register_impl("fastermoe", make); }
 
 }  // namespace moelab

@@ -23,14 +23,14 @@ std::vector<std::string> impl_names() {
 }
 
 std::unique_ptr<MoEImpl> make_impl(const std::string& name, Backend& b, Communicator& c, const ModelConfig& m,
-                                   const nlohmann::json& options) {
+                                   const nlohmann::json& options, MoEChannels* channels) {
   auto it = registry().find(name);
   if (it == registry().end()) {
     std::string known;
     for (const auto& n : impl_names()) known += (known.empty() ? "" : ", ") + n;
     throw ConfigError("--impl " + name + ": unknown implementation (known: " + known + ")");
   }
-  return it->second(b, c, m, options);
+  return it->second(b, c, m, options, channels);
 }
 
 }  // namespace moelab

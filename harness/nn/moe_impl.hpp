@@ -61,13 +61,16 @@ class LayerBackedImpl : public MoEImpl {
   Layer layer_;
 };
 
+// channels: the streams and communicators to share with the model's other MoE layers, or
+// nullptr for a layer of its own (MoEChannels).
 using ImplFactory = std::function<std::unique_ptr<MoEImpl>(Backend&, Communicator&, const ModelConfig&,
-                                                           const nlohmann::json& options)>;
+                                                           const nlohmann::json& options, MoEChannels* channels)>;
 
 void register_impl(const std::string& name, ImplFactory f);
 // Throws ConfigError naming the unknown implementation and listing the known ones.
 std::unique_ptr<MoEImpl> make_impl(const std::string& name, Backend& b, Communicator& c, const ModelConfig& m,
-                                   const nlohmann::json& options = nlohmann::json::object());
+                                   const nlohmann::json& options = nlohmann::json::object(),
+                                   MoEChannels* channels = nullptr);
 std::vector<std::string> impl_names();
 // Registers every system and baseline built into this binary (impls/registry.cpp).
 void register_builtin_impls();

@@ -54,8 +54,8 @@ struct RoutingStats {
 };
 
 // The streams and communicators MoE layers issue on. A model makes one set for all its MoE
-// layers (L layers need not make 2L streams and duplicate the communicator 2L times); a lone
-// layer makes its own.
+// layers (L layers need not make 2L streams and duplicate the communicator 2L times) and keeps
+// it alive as long as they are; a lone layer makes its own. Making one is collective (dup).
 class MoEChannels {
  public:
   // compute: the backend's default stream; dispatch and combine: new streams, each with its

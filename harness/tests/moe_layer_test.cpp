@@ -533,6 +533,55 @@ INSTANTIATE_TEST_SUITE_P(Impls, MicrobatchesInFlight,
                            return n;
                          });
 
+// The MoE layers of a model share one set of streams and communicators: layers 0 and 1 (a
+// FastMoE and an MPipeMoE layer, made through the registry) on one MoEChannels, their work
+// interleaved, compute what each computes alone.
+TEST(MoELayer, LayersShareOneSetOfChannels) {
+  register_builtin_impls();
+  const ModelConfig cfg = in_flight_config();
+  const std::uint64_t seed = test::fresh_seed();
+  const std::int64_t T = 21;
+  const nlohmann::json opts[2] = {nlohmann::json::object(), {{"partitions", 2}, {"strategy", "S2"}}};
+  const char* names[2] = {"fastmoe", "mpipemoe"};
+  auto run = [&](bool shared) {
+    auto b = make_backend("cpu");
+    auto comm = make_self_communicator(*b);
+    std::unique_ptr<MoEChannels> channels;
+    if (shared) channels = std::make_unique<MoEChannels>(*b, *comm);
+    std::unique_ptr<MoEImpl> layer[2];
+    for (int l = 0; l < 2; ++l) {
+      layer[l] = make_impl(names[l], *b, *comm, cfg, opts[l], channels.get());
+      layer[l]->init_parameters(Rng::mix(seed, l));
+      layer[l]->layer().set_noise_seed(Rng::mix(seed, 5));
+      if (shared) {
+        EXPECT_EQ(&layer[l]->layer().channels(), channels.get());
+      }
+    }
+    if (!shared) {
+      EXPECT_NE(&layer[0]->layer().channels(), &layer[1]->layer().channels());
+    }
+    Stream& s = b->default_stream();
+    Tensor x = b->empty({T, cfg.d_model}, cfg.dtype, MemCategory::activations, s);
+    b->upload(test::uniform(static_cast<std::size_t>(T * cfg.d_model), seed), x);
+    std::vector<std::vector<float>> out;
+    Forwarded f0 = layer[0]->forward(x, {0, 0, 1});
+    Forwarded f1 = layer[1]->forward(f0.y, {1, 0, 1});
+    Tensor d1 = layer[1]->backward_input(*f1.saved, f1.y, 0.1f);
+    layer[1]->backward_weight(*f1.saved);
+    Tensor d0 = layer[0]->backward_input(*f0.saved, d1, 0.1f);
+    layer[0]->backward_weight(*f0.saved);
+    b->synchronize();
+    for (const Tensor* t : {&f0.y, &f1.y, &d1, &d0}) out.push_back(b->download(*t));
+    for (int l = 0; l < 2; ++l)
+      for (Tensor* g : {&layer[l]->grads().w_gate, &layer[l]->grads().w1, &layer[l]->grads().w2})
+        out.push_back(b->download(*g));
+    return out;
+  };
+  const auto alone = run(false), shared = run(true);
+  ASSERT_EQ(alone.size(), shared.size());
+  for (std::size_t i = 0; i < alone.size(); ++i) EXPECT_EQ(alone[i], shared[i]) << "tensor " << i;
+}
+
 // The one-in-flight API keys its work {layer 0, microbatch 0, step} with the step counted per
 // forward, and work_seed of that key is the step: the gate noise is Rng(mix(noise_seed, rank,
 // step)), the stream the layer has always drawn.

@@ -62,8 +62,8 @@ struct Rates {
 class MPipeMoELayer final : public MoELayer {
  public:
   MPipeMoELayer(Backend& b, Communicator& c, const ModelConfig& m, int fixed_n, int max_n, std::int64_t min_rows,
-                StrategyOptions so)
-      : MoELayer(b, c, m), fixed_n_(fixed_n), search_(max_n, min_rows), so_(std::move(so)) {}
+                StrategyOptions so, MoEChannels* channels)
+      : MoELayer(b, c, m, channels), fixed_n_(fixed_n), search_(max_n, min_rows), so_(std::move(so)) {}
 
   nlohmann::json report() {
     nlohmann::json r = {{"schedule", so_.strategy == "none" ? "MPipeMoE pipelining (no memory reuse)"
@@ -577,7 +577,7 @@ const Rates& MPipeMoELayer::rates_for(std::int64_t b, bool agree) {
   return rates_.emplace(b, std::move(r)).first->second;
 }
 
-// ---- 5. the MoEImpl adapter, options and registration
+// ---- 4. the MoEImpl adapter, options and registration ----------------------------------------
 namespace {
 class MPipeMoE final : public LayerBackedImpl<MPipeMoELayer> {
  public:
@@ -586,9 +586,7 @@ class MPipeMoE final : public LayerBackedImpl<MPipeMoELayer> {
   std::vector<GemmProblem> expert_gemms() override { return layer_.expert_gemm_problems(); }
   nlohmann::json report() override { return layer_.report(); }
 };
-}  // namespace
-// ---- --------------------------------------------------------------
-namespace {
+
 int int_option(const nlohmann::json& o, const char* key, int dflt, int lo) {
   if (!o.contains(key)) return dflt;
   const auto& v = o[key];
@@ -605,9 +603,9 @@ double positive_option(const nlohmann::json& o, const char* key, double dflt) {
     throw ConfigError(std::string("mpipemoe: ") + key + " = " + v.dump() + ": expected a positive number");
   return v.get<double>();
 }
-}  // namespace
 
-std::unique_ptr<MoEImpl> make_mpipemoe(Backend& b, Communicator& c, const ModelConfig& m, const nlohmann::json& options) {
+std::unique_ptr<MoEImpl> make(Backend& b, Communicator& c, const ModelConfig& m, const nlohmann::json& options,
+                              MoEChannels* channels) {
   const nlohmann::json o = options.is_null() ? nlohmann::json::object() : options;
   if (!o.is_object()) throw ConfigError("mpipemoe: options must be a JSON object, got " + o.dump());
   static const char* known[] = {"partitions", "max_partitions", "min_partition_tokens", "reuse", "strategy",
@@ -669,9 +667,14 @@ std::unique_ptr<MoEImpl> make_mpipemoe(Backend& b, Communicator& c, const ModelC
   // and device memory for activations + buffers (used by "auto").
   so.host_bytes = given("host_memory_gb", 1e9);
   so.device_bytes = given("memory_gb", 1e9);
-  return std::make_unique<MPipeMoE>(b, c, m, n, max_n, min_rows, std::move(so));
+  return std::make_unique<MPipeMoE>(b, c, m, n, max_n, min_rows, std::move(so), channels);
+}
+}  // namespace
+
+std::unique_ptr<MoEImpl> make_mpipemoe(Backend& b, Communicator& c, const ModelConfig& m, const nlohmann::json& options) {
+  return make(b, c, m, options, nullptr);
 }
 
-void register_mpipemoe() { register_impl("mpipemoe", make_mpipemoe); }
+void register_mpipemoe() { register_impl("mpipemoe", make); }
 
 }  // namespace moelab
