@@ -4,7 +4,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <climits>
 #include <map>
 
 #include "harness/config/json_fields.hpp"

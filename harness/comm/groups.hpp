@@ -24,9 +24,11 @@
 //                           (split from the world; nodes checked before the first split)
 #pragma once
 #include <array>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -118,7 +120,8 @@ void check_nodes(const GroupLayout& l, const NodeMap& nodes);
 // This rank's communicators for a checked layout. Collective over `world` (a world
 // communicator: its ranks are world ranks): check_nodes first (every rank throws the same
 // ConfigError before any communicator is built), then six splits of the world, in the order
-// of kAllGroups.
+// of kAllGroups. nodes: NodeMap::uniform(world, the cluster model's GPUs per node) on sim,
+// gather_nodes(world) on cpu and cuda.
 class ProcessGroups {
  public:
   ProcessGroups(Communicator& world, const GroupLayout& layout, NodeMap nodes);

@@ -75,8 +75,8 @@ TEST(GroupsMpi, EveryLayoutsGroupsComputeOverTheirMembersOnly) {
   std::vector<Stream*> streams;
   for (Group g : kAllGroups) streams.push_back(&b->create_stream(StreamRole::aux, group_name(g)));
   const std::int64_t k = 5;  // all-gather and reduce-scatter block; all-reduce of 3k + 2
-  for (const ParallelLayout& p : layouts(n)) {
-    const GroupLayout l = check_layout(p, n, n, std::nullopt);
+  for (const ParallelLayout& spec : layouts(n)) {
+    const GroupLayout l = check_layout(spec, n, n, std::nullopt);
     SCOPED_TRACE(l.to_string());
     ProcessGroups pg(*world, l, nodes);
     EXPECT_EQ(pg.node(), 0);

@@ -7,8 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <map>
-#include <numeric>
+#include <functional>
 
 #include "harness/backends/sim/sim_backend.hpp"
 #include "harness/comm/groups.hpp"

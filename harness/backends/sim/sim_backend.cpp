@@ -170,7 +170,6 @@ struct SimEvent final : Event {
 
 // A collective call as one rank sees it.
 struct Participation {
-  int rank = 0;                             // world rank
   int member = 0;                           // rank in the communicator
   int arrive = -1, done = -1;               // local task ids
   std::vector<double> bytes_to;             // all_to_all_v: bytes to each member (incl. self)
@@ -723,7 +722,6 @@ class SimCommunicator final : public Communicator {
  private:
   Participation part(int arrive, int done) const {
     Participation p;
-    p.rank = b_.rank();
     p.member = me_;
     p.arrive = arrive;
     p.done = done;
