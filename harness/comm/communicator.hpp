@@ -48,7 +48,9 @@ class Communicator {
   // Collective over this communicator (every rank calls it, in the same order as its other
   // control-plane calls): the ranks with the same color >= 0 form a new communicator, ranked
   // by key, ties by rank here. color < 0 (MPI_UNDEFINED): this rank joins none, nullptr.
-  // The default throws Unsupported (a test double that never splits).
+  // Like dup(), a setup call: not while this communicator's data plane is busy on a stream
+  // (NCCL communicators are not thread-safe). The default throws Unsupported (a test double
+  // that never splits).
   virtual std::unique_ptr<Communicator> split(int color, int key);
   // The world rank of each member, indexed by rank in this communicator. The default is the
   // identity over size(): right for a world communicator.

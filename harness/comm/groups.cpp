@@ -94,29 +94,13 @@ ModelDims model_dims(const TransformerConfig& t) {
   return d;
 }
 
+// Indexed by Group, in its order.
 const char* group_name(Group g) {
-  switch (g) {
-    case Group::tp: return "tp";
-    case Group::pp: return "pp";
-    case Group::dp: return "dp";
-    case Group::ep: return "ep";
-    case Group::etp: return "etp";
-    case Group::edp: return "edp";
-  }
-  return "?";
+  static constexpr const char* names[] = {"tp", "pp", "dp", "ep", "etp", "edp"};
+  return names[static_cast<std::size_t>(g)];
 }
 
-int RankCoords::operator[](Group g) const {
-  switch (g) {
-    case Group::tp: return tp;
-    case Group::pp: return pp;
-    case Group::dp: return dp;
-    case Group::ep: return ep;
-    case Group::etp: return etp;
-    case Group::edp: return edp;
-  }
-  return 0;
-}
+int RankCoords::operator[](Group g) const { return std::array{tp, pp, dp, ep, etp, edp}[static_cast<std::size_t>(g)]; }
 
 // ---- nodes ---------------------------------------------------------------------------------
 
@@ -155,16 +139,28 @@ NodeMap gather_nodes(Communicator& world) {
 
 // ---- the layout ----------------------------------------------------------------------------
 
-int GroupLayout::size(Group g) const {
-  switch (g) {
-    case Group::tp: return tp;
-    case Group::pp: return pp;
-    case Group::dp: return dp;
-    case Group::ep: return ep;
-    case Group::etp: return etp;
-    case Group::edp: return edp;
+int GroupLayout::size(Group g) const { return std::array{tp, pp, dp, ep, etp, edp}[static_cast<std::size_t>(g)]; }
+
+std::vector<ParallelLayout> enumerate_layouts(int world) {
+  std::vector<ParallelLayout> out;
+  for (int pp = 1; pp <= world; ++pp) {
+    if (world % pp) continue;
+    const int stage = world / pp;
+    for (int tp = 1; tp <= stage; ++tp) {
+      if (stage % tp) continue;
+      for (int ep = 1; ep <= stage; ++ep)
+        for (int etp = 1; etp <= stage / ep; ++etp) {
+          if (stage % (ep * etp)) continue;
+          ParallelLayout l;
+          l.tp = tp;
+          l.pp = pp;
+          l.ep = ep;
+          l.etp = etp;
+          out.push_back(l);
+        }
+    }
   }
-  return 1;
+  return out;
 }
 
 RankCoords GroupLayout::coords(int rank) const {

@@ -104,6 +104,10 @@ struct GroupLayout {
   nlohmann::json to_json() const;
 };
 
+// Every layout of a world of `world` ranks that multiplies out (dp inferred, ep·etp dividing
+// each stage), by pp, tp, ep, etp; no model or node constraint applied (check_layout does).
+std::vector<ParallelLayout> enumerate_layouts(int world);
+
 // Checks a layout before anything is built, and resolves dp. ConfigError (one line, naming
 // the sizes and the value they disagree with) when:
 //   tp·pp·dp != world (dp given), or tp·pp does not divide world (dp inferred);

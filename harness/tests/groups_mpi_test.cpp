@@ -36,27 +36,6 @@ std::vector<float> values(int w, int tag, std::int64_t n, std::int64_t from = 0)
 std::int64_t a2a_count(int src, int dst) { return 1 + static_cast<std::int64_t>((g_seed + 3 * src + dst) % 3); }
 float a2a_value(int src, int dst, std::int64_t j) { return static_cast<float>(100 * src + 10 * dst + j); }
 
-// The layouts of a world of n ranks (one host: every node check passes).
-std::vector<ParallelLayout> layouts(int n) {
-  std::vector<ParallelLayout> out;
-  for (int tp = 1; tp <= n; ++tp)
-    for (int pp = 1; pp <= n; ++pp) {
-      if (n % (tp * pp)) continue;
-      const int stage = n / pp;
-      for (int ep = 1; ep <= stage; ++ep)
-        for (int etp = 1; etp <= stage; ++etp) {
-          if (stage % (ep * etp)) continue;
-          ParallelLayout l;
-          l.tp = tp;
-          l.pp = pp;
-          l.ep = ep;
-          l.etp = etp;
-          out.push_back(l);
-        }
-    }
-  return out;
-}
-
 // One group's buffers and what they must hold afterwards.
 struct GroupCheck {
   Group g;
@@ -75,7 +54,7 @@ TEST(GroupsMpi, EveryLayoutsGroupsComputeOverTheirMembersOnly) {
   std::vector<Stream*> streams;
   for (Group g : kAllGroups) streams.push_back(&b->create_stream(StreamRole::aux, group_name(g)));
   const std::int64_t k = 5;  // all-gather and reduce-scatter block; all-reduce of 3k + 2
-  for (const ParallelLayout& spec : layouts(n)) {
+  for (const ParallelLayout& spec : enumerate_layouts(n)) {  // one host: every node check passes
     const GroupLayout l = check_layout(spec, n, n, std::nullopt);
     SCOPED_TRACE(l.to_string());
     ProcessGroups pg(*world, l, nodes);

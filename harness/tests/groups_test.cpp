@@ -168,40 +168,45 @@ TEST(GroupLayoutMath, FewerExpertsThanRanksAreReplicatedOverExpertDp) {
 // the rank formulas invert, and split_members over every rank's (color, key) — what
 // Communicator::split computes — gives exactly members().
 TEST(GroupLayoutMath, SplitArgumentsReproduceTheMembersForEveryLayout) {
-  int layouts = 0;
-  for (int world = 1; world <= 24; ++world)
-    for (int tp = 1; tp <= world; ++tp)
-      for (int pp = 1; pp <= world; ++pp) {
-        if (world % (tp * pp)) continue;
-        const int stage = world / pp;
-        for (int ep = 1; ep <= stage; ++ep)
-          for (int etp = 1; etp <= stage; ++etp) {
-            if (stage % (ep * etp)) continue;
-            ParallelLayout p;
-            p.tp = tp;
-            p.pp = pp;
-            p.ep = ep;
-            p.etp = etp;
-            const GroupLayout l = check_layout(p, world, world, std::nullopt);
-            ++layouts;
-            for (Group g : kAllGroups) {
-              std::vector<std::pair<int, int>> ck;
-              for (int r = 0; r < world; ++r) ck.push_back(l.color_key(g, r));
-              for (int r = 0; r < world; ++r) {
-                const auto m = l.members(g, r);
-                ASSERT_EQ(split_members(ck, ck[static_cast<std::size_t>(r)].first), m)
-                    << l.to_string() << " " << group_name(g) << " rank " << r;
-                ASSERT_EQ(m[static_cast<std::size_t>(l.coords(r)[g])], r);
-              }
-            }
-            for (int r = 0; r < world; ++r) {
-              const RankCoords c = l.coords(r);
-              ASSERT_EQ(c.tp + tp * (c.dp + l.dp * c.pp), r);
-              ASSERT_EQ(c.etp + etp * (c.ep + ep * c.edp) + tp * l.dp * c.pp, r);
-            }
-          }
+  std::size_t layouts = 0;
+  for (int world = 1; world <= 24; ++world) {
+    const auto all = enumerate_layouts(world);
+    layouts += all.size();
+    for (const ParallelLayout& p : all) {
+      const GroupLayout l = check_layout(p, world, world, std::nullopt);
+      for (Group g : kAllGroups) {
+        std::vector<std::pair<int, int>> ck;
+        for (int r = 0; r < world; ++r) ck.push_back(l.color_key(g, r));
+        for (int r = 0; r < world; ++r) {
+          const auto m = l.members(g, r);
+          ASSERT_EQ(split_members(ck, ck[static_cast<std::size_t>(r)].first), m)
+              << l.to_string() << " " << group_name(g) << " rank " << r;
+          ASSERT_EQ(m[static_cast<std::size_t>(l.coords(r)[g])], r);
+        }
       }
-  EXPECT_GT(layouts, 300);
+      for (int r = 0; r < world; ++r) {
+        const RankCoords c = l.coords(r);
+        ASSERT_EQ(c.tp + l.tp * (c.dp + l.dp * c.pp), r);
+        ASSERT_EQ(c.etp + l.etp * (c.ep + l.ep * c.edp) + l.tp * l.dp * c.pp, r);
+      }
+    }
+  }
+  EXPECT_GT(layouts, 300u);
+}
+
+TEST(GroupLayoutMath, EnumeratedLayoutsOfFourRanks) {
+  // (pp, tp) with pp·tp | 4, then (ep, etp) with ep·etp | 4/pp, by hand: pp 1 (stage 4):
+  // tp 1, 2, 4 × (ep, etp) in {11, 12, 14, 21, 22, 41} = 18; pp 2 (stage 2): tp 1, 2 ×
+  // {11, 12, 21} = 6; pp 4: tp 1 × {11} = 1.
+  std::vector<std::string> got;
+  for (const auto& l : enumerate_layouts(4)) got.push_back(l.to_string());
+  EXPECT_EQ(got.size(), 25u);
+  EXPECT_EQ(got.front(), "tp=1,pp=1,dp=?,ep=1,etp=1");
+  EXPECT_EQ(got[5], "tp=1,pp=1,dp=?,ep=4,etp=1");
+  EXPECT_EQ(got.back(), "tp=1,pp=4,dp=?,ep=1,etp=1");
+  EXPECT_NE(std::find(got.begin(), got.end(), "tp=4,pp=1,dp=?,ep=2,etp=2"), got.end());
+  EXPECT_EQ(std::find(got.begin(), got.end(), "tp=1,pp=2,dp=?,ep=2,etp=2"), got.end());  // 4 ranks in a stage of 2
+  for (const auto& l : enumerate_layouts(4)) EXPECT_NO_THROW(check_layout(l, 4, 4, std::nullopt)) << l.to_string();
 }
 
 TEST(SplitMembers, OrdersByKeyThenRankAndSkipsNegativeColors) {
