@@ -5,6 +5,7 @@
 #   scripts/gpu.sh run [OUTDIR]            # on the GPU machine: every step below, results under OUTDIR ($OUT)
 #   scripts/gpu.sh run OUTDIR --only tests,validate    # some steps only (tests, validate, suites, compare)
 #   scripts/gpu.sh run OUTDIR --only suites --run gpu  # suites step with run_suite.py --run gpu (repeatable)
+#   scripts/gpu.sh run OUTDIR --only memcheck           # the optional step: the tests under compute-sanitizer
 #
 # bundle: configures and builds a cuda-only Release build (no MPI, no OpenBLAS, no Google
 # Benchmark; GoogleTest and the CUDA runtime linked statically; sm_90 for H100/H200, or
@@ -23,6 +24,10 @@
 #             runs on the cuda backend, or those given with --run; no suite summary is written)
 #   compare   plots/mpipemoe_gpu.py: the measured MPipeMoE runs against their simulated
 #             counterparts -> OUTDIR/results/measured/cuda/<device class>/mpipemoe/comparison.json
+#   memcheck  (optional, only with --only ...,memcheck: slow) each bundled test binary under
+#             compute-sanitizer --tool memcheck --leak-check full (out-of-bounds and misaligned
+#             device accesses, leaks of device memory) into OUTDIR/memcheck/; $MEMCHECK_FILTER
+#             narrows the tests (a --gtest_filter pattern), $MEMCHECK_TIMEOUT bounds each binary
 # and ends with a table. Without a CUDA device every step says so and skips (exit code 0).
 # Exit code 1 if any step failed. Everything printed is also in OUTDIR/gpu-run.log.
 set -uo pipefail
@@ -213,6 +218,27 @@ step_tests() {
   done
 }
 
+step_memcheck() {
+  local t t0 rc cs
+  if [ -z "$DEVICE" ]; then record memcheck skipped "no CUDA device" 0; return; fi
+  cs="$(command -v compute-sanitizer || true)"
+  [ -n "$cs" ] || [ ! -x /usr/local/cuda/bin/compute-sanitizer ] || cs=/usr/local/cuda/bin/compute-sanitizer
+  if [ -z "$cs" ]; then record memcheck skipped "compute-sanitizer not found (CUDA toolkit's bin/)" 0; return; fi
+  mkdir -p "$OUTDIR/memcheck"
+  for t in "${TESTS[@]}"; do
+    t0=$SECONDS
+    timeout "${MEMCHECK_TIMEOUT:-540}" "$cs" --tool memcheck --leak-check full --error-exitcode 1 \
+      "$BUNDLE/$t" --gtest_filter="${MEMCHECK_FILTER:-*}" >"$OUTDIR/memcheck/$t.log" 2>&1
+    rc=$?
+    if [ "$rc" = 0 ]; then
+      record "memcheck/$t" passed "$(grep -m 1 'ERROR SUMMARY' "$OUTDIR/memcheck/$t.log")" $((SECONDS - t0))
+    else
+      record "memcheck/$t" FAILED "exit code $rc; log: memcheck/$t.log" $((SECONDS - t0))
+      grep -E "ERROR SUMMARY|Invalid|Leaked|FAILED" "$OUTDIR/memcheck/$t.log" | head -n 20
+    fi
+  done
+}
+
 step_validate() {
   local t0=$SECONDS dir
   if [ -z "$DEVICE" ]; then record validate skipped "no CUDA device" 0; return; fi
@@ -281,7 +307,7 @@ run() {
       --only=*) only="${1#--only=}" ;;
       --run) RUN_IDS+=("$2"); shift ;;
       --bundle) BUNDLE="$2"; shift ;;
-      -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+      -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
       -*) die "run: unknown option $1" ;;
       *) OUTDIR="$1" ;;
     esac
@@ -290,7 +316,7 @@ run() {
   [ -n "$OUTDIR" ] || die "run: give OUTDIR (or set OUT)"
   local s
   for s in ${only//,/ }; do
-    case "$s" in tests|validate|suites|compare) ;; *) die "--only: unknown step \"$s\" (tests, validate, suites, compare)" ;; esac
+    case "$s" in tests|validate|suites|compare|memcheck) ;; *) die "--only: unknown step \"$s\" (tests, validate, suites, compare, memcheck)" ;; esac
   done
   case ",$only," in *,suites,*) case ",$only," in *,compare,*) ;; *) only="$only,compare" ;; esac ;; esac
   mkdir -p "$OUTDIR" || die "cannot create $OUTDIR"
@@ -339,7 +365,7 @@ print(mr.slug(mr.device_class(sys.argv[2])))' "$root/scripts" "$DEVICE")"
 
   VALIDATION="-"
   CUDA_RUNS="-"
-  for s in tests validate suites compare; do
+  for s in tests validate suites compare memcheck; do
     case ",$only," in *",$s,"*) ;; *) continue ;; esac
     echo
     echo "== step $s ($((SECONDS - T0)) s so far)"
@@ -371,7 +397,7 @@ print(mr.slug(mr.device_class(sys.argv[2])))' "$root/scripts" "$DEVICE")"
 case "${1:-}" in
   bundle) shift; bundle "$@" ;;
   run) shift; run "$@" ;;
-  -h|--help) sed -n '2,27p' "$0" ;;
-  "") sed -n '2,27p' "$0"; exit 2 ;;
+  -h|--help) sed -n '2,32p' "$0" ;;
+  "") sed -n '2,32p' "$0"; exit 2 ;;
   *) die "unknown command \"$1\" (bundle, run)" ;;
 esac

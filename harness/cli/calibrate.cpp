@@ -20,6 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "harness/cli/run_common.hpp"
 #include "harness/comm/world.hpp"
 #include "harness/metrics/results.hpp"
 #include "harness/runtime/error.hpp"
@@ -76,15 +77,36 @@ int calibrate_command(const std::vector<std::string>& args) {
           "writes a calibration profile for `moelab run --backend sim --profile FILE`.");
       return 0;
     } else {
-      throw ConfigError("unknown option \"" + args[i] + "\" for moelab calibrate (see moelab calibrate --help)");
+      throw ConfigError("unknown option \"" + shown(args[i]) + "\" for moelab calibrate (see moelab calibrate --help)");
     }
   }
   if (backend_name.empty()) throw ConfigError("missing --backend cpu|cuda");
   if (backend_name == "sim") throw ConfigError("--backend sim: calibrate measures a real device (cpu or cuda)");
   if (out.empty()) throw ConfigError("missing --out FILE");
+  // The profile is written after minutes of measuring: its path is checked (and locked, as
+  // `moelab run` does) before any of it, on every rank alike.
+  RunOptions paths;
+  paths.out = out;
+  std::string local_error;
+  try {
+    RunOutputs::check(paths);
+  } catch (const ConfigError& e) {
+    if (world_size() == 1) throw;
+    local_error = e.what();
+  }
   auto b = make_backend(backend_name);
   b->set_rank(world_rank());
   auto comm = make_world_communicator(*b);
+  RunOutputs outputs;
+  if (comm->rank() == 0 && local_error.empty()) {
+    try {
+      outputs.lock(paths);
+    } catch (const ConfigError& e) {
+      if (comm->size() == 1) throw;
+      local_error = e.what();
+    }
+  }
+  if (comm->size() > 1) agree_on_errors(*comm, local_error);
   Stream& s = b->default_stream();
   const int reps = quick ? 3 : 7;
   const bool cpu = b->name() == "cpu";
@@ -183,7 +205,8 @@ int calibrate_command(const std::vector<std::string>& args) {
                   {"elementwise_bw", elementwise},
                   {"launch_latency", launch},
                   {"collectives", collectives}};
-  write_json_atomic(out, profile);
+  outputs.stage(out, profile);
+  outputs.commit();
   std::printf("profile %s\n", out.c_str());
   return 0;
 }

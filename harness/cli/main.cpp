@@ -5,17 +5,23 @@
 //   moelab list
 //   moelab --help, moelab run --help
 //
-// Exit status: 0 success; 2 bad input (a workload file, a flag, a request the backend cannot
-// serve), found before any work starts and with nothing written; 1 a failure during the run,
-// after which every rank is aborted (a rank left waiting in a collective would hang).
+// Exit status: 0 success; 2 bad input (a workload file, a flag, an implementation's option, a
+// request the backend cannot serve), found before any work starts and with nothing written;
+// 3 out of memory (the run cannot fit: found before any work where it can be, else an
+// allocation that failed); 1 a failure during the run, after which every rank is aborted (a
+// rank left waiting in a collective would hang). An error found before any work is agreed by
+// every rank, so every rank exits with the same status and rank 0 alone prints it.
 #include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <new>
 #include <string>
 #include <vector>
 
+#include "harness/cli/run_common.hpp"
 #include "harness/comm/world.hpp"
+#include "harness/config/json_fields.hpp"
 #include "harness/config/model.hpp"
 #include "harness/nn/moe_impl.hpp"
 #include "harness/sim/cluster.hpp"
@@ -55,7 +61,7 @@ int list_command(const std::vector<std::string>& args) {
         "models (--cluster) and the model files of experiments/models/ with their parameter counts.");
     return 0;
   }
-  if (!args.empty()) throw ConfigError("moelab list takes no arguments, got \"" + args[0] + "\"");
+  if (!args.empty()) throw ConfigError("moelab list takes no arguments, got \"" + shown(args[0]) + "\"");
   if (world_rank() != 0) return 0;
   std::puts("implementations (--impl):");
   for (const auto& name : impl_names()) std::printf("  %s\n", name.c_str());
@@ -117,7 +123,7 @@ int dispatch(const std::vector<std::string>& args) {
   if (cmd == "run") return run_command(rest);
   if (cmd == "list") return list_command(rest);
   if (cmd == "calibrate") return calibrate_command(rest);
-  throw ConfigError("unknown command \"" + cmd + "\" (commands: run, list, calibrate; see moelab --help)");
+  throw ConfigError("unknown command \"" + shown(cmd) + "\" (commands: run, list, calibrate; see moelab --help)");
 }
 
 }  // namespace
@@ -139,9 +145,23 @@ int main(int argc, char** argv) {
   } catch (const Unsupported& e) {
     if (world_rank() == 0) std::fprintf(stderr, "moelab: error: %s\n", e.what());
     code = 2;
+  } catch (const cli::AgreedOutOfMemory& e) {
+    // Found before any work and agreed by every rank (cli::start_run): no rank is left waiting.
+    if (world_rank() == 0) std::fprintf(stderr, "moelab: error: %s\n", e.what());
+    code = 3;
   } catch (const OutOfMemory& e) {
     // The configuration does not fit: exit 3 (scripts record such a point as out of memory).
     std::fprintf(stderr, "moelab: error: %s\n", e.what());
+    std::fflush(stderr);
+    if (world_size() > 1) abort_world(3);
+    code = 3;
+  } catch (const std::bad_alloc&) {
+    // An allocation the preflight did not foresee (memory other processes took meanwhile,
+    // say): still out of memory, exit 3, not a crash.
+    std::fprintf(stderr,
+                 "moelab: error (rank %d): out of host memory: an allocation failed (std::bad_alloc); the run needs "
+                 "more memory than this machine could give it\n",
+                 world_rank());
     std::fflush(stderr);
     if (world_size() > 1) abort_world(3);
     code = 3;

@@ -108,7 +108,7 @@ std::int64_t integer_flag(const std::string& flag, const std::string& v, std::in
   errno = 0;
   const long long n = std::strtoll(v.c_str(), &end, 10);
   if (v.empty() || errno || *end || n < lo || n > hi)
-    throw ConfigError(flag + " = \"" + v + "\": expected an integer from " + std::to_string(lo) + " to " +
+    throw ConfigError(flag + " = \"" + shown(v) + "\": expected an integer from " + std::to_string(lo) + " to " +
                       std::to_string(hi));
   return n;
 }
@@ -171,10 +171,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     else if (flag == "--layers") {
       const std::string v = take();
       const auto colon = v.find(':');
-      if (colon == std::string::npos) throw ConfigError("--layers = \"" + v + "\": expected A:B (layers A to B-1)");
+      if (colon == std::string::npos) throw ConfigError("--layers = \"" + shown(v) + "\": expected A:B (layers A to B-1)");
       o.first_layer = static_cast<int>(integer_flag(flag, v.substr(0, colon), 0, 1 << 20));
       o.last_layer = static_cast<int>(integer_flag(flag, v.substr(colon + 1), 1, 1 << 20));
-      if (o.first_layer >= o.last_layer) throw ConfigError("--layers = \"" + v + "\": A must be below B");
+      if (o.first_layer >= o.last_layer) throw ConfigError("--layers = \"" + shown(v) + "\": A must be below B");
     } else if (flag == "--micro-batch")
       o.micro_batch = integer_flag(flag, take(), 1, 1 << 20);
     else if (flag == "--microbatches")
@@ -186,15 +186,15 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     else if (flag == "--optimizer") {
       o.optimizer = take();
       if (o.optimizer != "adam" && o.optimizer != "sgd" && o.optimizer != "none")
-        throw ConfigError("--optimizer = \"" + o.optimizer + "\": expected adam, sgd or none");
+        throw ConfigError("--optimizer = \"" + shown(o.optimizer) + "\": expected adam, sgd or none");
     } else if (flag == "--lr") {
       const std::string v = take();
       char* end = nullptr;
       errno = 0;
       o.lr = std::strtod(v.c_str(), &end);
-      if (errno || *end || !(o.lr > 0) || o.lr > 10) throw ConfigError("--lr = \"" + v + "\": expected a number in (0, 10]");
+      if (errno || *end || !(o.lr > 0) || o.lr > 10) throw ConfigError("--lr = \"" + shown(v) + "\": expected a number in (0, 10]");
     } else {
-      throw ConfigError("unknown option \"" + args[i] + "\" for moelab run (see moelab run --help)");
+      throw ConfigError("unknown option \"" + shown(args[i]) + "\" for moelab run (see moelab run --help)");
     }
   }
   if (o.help) return o;
@@ -212,46 +212,14 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     throw ConfigError("--record-routing applies to --workload runs");
   if (o.impl.empty()) throw ConfigError("missing --impl NAME (moelab list shows the implementations)");
   if (o.backend.empty()) throw ConfigError("missing --backend cpu|cuda|sim");
+  if (o.backend != "cpu" && o.backend != "cuda" && o.backend != "sim")
+    throw ConfigError("--backend \"" + shown(o.backend) + "\" is not a backend (cpu, cuda or sim)");
   if (o.backend == "sim" && o.cluster.empty())
     throw ConfigError("--backend sim needs --cluster NAME (moelab list shows the cluster models)");
   if (o.backend != "sim" && (!o.cluster.empty() || !o.profile.empty() || o.ranks > 0 || o.routing != "uniform"))
     throw ConfigError("--cluster, --profile, --routing and --ranks apply to --backend sim only");
   if (o.out.empty()) o.out = "results/run-" + std::string(o.model.empty() ? "" : "model-") + o.impl + "-" + o.backend + ".json";
-  if (!o.trace.empty() &&
-      std::filesystem::path(o.trace).lexically_normal() == std::filesystem::path(o.out).lexically_normal())
-    throw ConfigError("--trace and --out name the same file " + o.out);
-  return o;
-}
-
-// The file is written at the end, so only check now that it can be: its folder may not
-// exist yet (results/ in a fresh checkout) and is created then, so what must be a writable
-// folder is the nearest part of the path that exists.
-void check_output_path(const std::string& path, const std::string& flag) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  if (fs::is_directory(path, ec)) throw ConfigError(flag + " " + path + ": is a folder; give a file name");
-  fs::path p = fs::absolute(path, ec).parent_path();
-  while (!fs::exists(p, ec) && p.has_parent_path() && p.parent_path() != p) p = p.parent_path();
-  if (!fs::is_directory(p, ec)) throw ConfigError(flag + " " + path + ": " + p.string() + " is not a folder");
-  if (::access(p.c_str(), W_OK | X_OK) != 0)
-    throw ConfigError(flag + " " + path + ": folder " + p.string() + " is not writable (" + std::strerror(errno) + ")");
-}
-
-void check_impl_name(const std::string& name) {
-  const auto names = impl_names();
-  if (std::find(names.begin(), names.end(), name) != names.end()) return;
-  std::string known;
-  for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
-  throw ConfigError("--impl \"" + name + "\" is not a known implementation (known: " +
-                    (known.empty() ? std::string("none built") : known) + ")");
-}
-
-// Bad input seen by only some ranks (a workload file missing on one node, say) must stop
-// every rank the same way: a rank that went on alone would wait forever in a collective.
-void agree_on_errors(Communicator& comm, const std::string& local_error) {
-  const auto all = comm.all_gather_strings(local_error);
-  for (std::size_t r = 0; r < all.size(); ++r)
-    if (!all[r].empty()) throw ConfigError(r == 0 ? all[r] : "rank " + std::to_string(r) + ": " + all[r]);
+  return o;  // the output paths are checked against each other and the file system by RunOutputs::check
 }
 
 // ---- 2. inputs ---------------------------------------------------------------------------
@@ -287,7 +255,8 @@ std::string gemm_library(const Backend& b) {
   return b.name() + " GEMM";
 }
 
-int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const WorkloadConfig& w, const Platform& platform);
+int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const WorkloadConfig& w, const Platform& platform,
+                RunOutputs* outputs, bool preflight = false);
 
 int run_command(const std::vector<std::string>& args) {
   const RunOptions opt = parse_run_options(args);
@@ -296,77 +265,80 @@ int run_command(const std::vector<std::string>& args) {
     return 0;
   }
   if (!opt.model.empty()) return run_model_command(opt);
-  const int rank = world_rank(), world = world_size();
+  const int world = world_size();
 
   // ---- 1. validation: nothing below this block writes a file or starts work unless all of
   //         it passed on every rank.
   check_impl_name(opt.impl);
   if (opt.backend == "sim") {
-    // A simulated cluster: every rank is a thread of this one process.
+    // A simulated cluster: every rank is a thread of this one process. Everything that can be
+    // checked is checked before the cluster is built (a large one takes a while to build).
     if (world > 1) throw ConfigError("--backend sim runs every simulated rank in one process: start it without mpirun");
     WorkloadConfig w = load_workload(opt.workload);
     if (opt.steps > 0) w.steps = opt.steps;
     SimOptions so;
     so.cluster = sim::load_cluster(opt.cluster);
+    const int n = sim_world_size(so.cluster, opt.ranks);
+    validate_for_world(w, n);
+    check_impl_options(opt.impl, opt.impl_options, {w.model, n, w.tokens_per_rank});
     if (!opt.profile.empty()) so.profile = sim::load_profile(opt.profile);
     so.routing = RoutingModel::parse(opt.routing, w.seed);
     so.ranks = opt.ranks;
+    RunOutputs outputs;
+    RunOutputs::check(opt);
+    outputs.lock(opt);
     SimCluster cluster(std::move(so));
-    validate_for_world(w, cluster.size());
-    check_output_path(opt.out, "--out");
-    if (!opt.trace.empty()) check_output_path(opt.trace, "--trace");
-    if (!opt.record_routing.empty()) check_output_path(opt.record_routing, "--record-routing");
     Platform platform{sim::to_json(cluster.options().cluster), cluster.calibration(),
                       cluster.options().routing.describe()};
     int rc = 0;
+    // A ConfigError met by the implementation on a simulated rank (an option that does not
+    // fit the run) stops every rank of this one process: exit 2, one message (main.cpp).
     cluster.run([&](Backend& b, Communicator& c) {
       if (!b.supports(w.model.dtype))
-        throw Unsupported(w.origin + ": model.dtype = \"" + std::string(dtype_name(w.model.dtype)) + "\" is not supported by the sim backend");
-      const int r = run_on_rank(b, c, opt, w, platform);
+        throw Unsupported(shown(w.origin) + ": model.dtype = \"" + std::string(dtype_name(w.model.dtype)) + "\" is not supported by the sim backend");
+      const int r = run_on_rank(b, c, opt, w, platform, c.rank() == 0 ? &outputs : nullptr);
       if (c.rank() == 0) rc = r;
     });
     return rc;
   }
 
   WorkloadConfig w;
-  std::string local_error;
-  try {
-    w = load_workload(opt.workload);
-    if (opt.steps > 0) w.steps = opt.steps;
-    validate_for_world(w, world);
-    if (rank == 0) {
-      check_output_path(opt.out, "--out");
-      if (!opt.trace.empty()) check_output_path(opt.trace, "--trace");
-      if (!opt.record_routing.empty()) check_output_path(opt.record_routing, "--record-routing");
-    }
-  } catch (const ConfigError& e) {
-    if (world == 1) throw;
-    local_error = e.what();
-  }
-  auto backend = make_backend(opt.backend);
-  backend->set_rank(rank);
-  if (local_error.empty() && !backend->supports(w.model.dtype)) {
-    const std::string msg = w.origin + ": model.dtype = \"" + dtype_name(w.model.dtype) +
-                            "\" is not supported by the " + backend->name() + " backend" +
-                            (backend->name() == "cpu" ? " (it computes in fp32; use --backend cuda)" : "");
-    if (world == 1) throw Unsupported(msg);
-    local_error = msg;
-  }
-  auto comm = make_world_communicator(*backend);
-  if (world > 1) agree_on_errors(*comm, local_error);
-  return run_on_rank(*backend, *comm, opt, w, Platform{});
+  StartedRun run;
+  start_run(
+      run, opt,
+      [&] {
+        w = load_workload(opt.workload);
+        if (opt.steps > 0) w.steps = opt.steps;
+        validate_for_world(w, world);
+        check_impl_options(opt.impl, opt.impl_options, {w.model, world, w.tokens_per_rank});
+      },
+      [&](const Backend& b) {
+        if (b.supports(w.model.dtype)) return std::string();
+        return shown(w.origin) + ": model.dtype = \"" + dtype_name(w.model.dtype) + "\" is not supported by the " + b.name() +
+               " backend" + (b.name() == "cpu" ? " (it computes in fp32; use --backend cuda)" : "");
+      },
+      [&](Backend& b, Communicator& c) {
+        WorkloadConfig one = w;  // one step, no warm-up: the preflight (run_common.hpp)
+        one.steps = 1;
+        one.warmup = 0;
+        run_on_rank(b, c, opt, one, Platform{}, nullptr, true);
+      });
+  return run_on_rank(*run.backend, *run.comm, opt, w, Platform{}, world_rank() == 0 ? &run.outputs : nullptr);
 }
 
 // ---- 2.-5. the run on one rank (a process on cpu/cuda, a thread on sim) --------------------
-int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const WorkloadConfig& w, const Platform& platform) {
+// outputs: where rank 0 stages its files (null on the other ranks). preflight: stop after the
+// steps (start_run's check on a simulated copy of the world).
+int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const WorkloadConfig& w, const Platform& platform,
+                RunOutputs* outputs, bool preflight) {
   Backend* backend = &b;
   Communicator* comm = &c;
   const int rank = c.rank(), world = c.size();
   backend->set_allow_tf32(w.model.allow_tf32);
-  auto impl = make_impl(opt.impl, *backend, *comm, w.model, opt.impl_options);
 
   // From here on every rank has accepted the input; an error is a failure of the run.
   try {
+    auto impl = make_impl(opt.impl, *backend, *comm, w.model, opt.impl_options);
     impl->init_parameters(w.seed);
     const Tensor x = random_tokens(*backend, w, rank, 1);   // [T,M]
     const Tensor dy = random_tokens(*backend, w, rank, 2);  // [T,M]
@@ -398,6 +370,8 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
       step_s.push_back(backend->now() - t0);
       if (!opt.record_routing.empty()) routed.push_back(impl->routing().routed_per_expert);
     }
+
+    if (preflight) return 0;
 
     // ---- 4. what this rank measured (memory first: the yardstick allocates) ----------------
     const std::vector<MemSample> mem_samples = backend->memory().timeline();
@@ -525,8 +499,7 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
       std::vector<std::vector<std::vector<std::int64_t>>> calls(static_cast<std::size_t>(w.warmup + w.steps));
       for (const auto& r : ranks)
         for (std::size_t i = 0; i < calls.size(); ++i) calls[i].push_back(r.routed[i]);
-      write_json_atomic(opt.record_routing, routing_trace_json(calls, to_json(w)));
-      std::printf("routing trace   %s\n", opt.record_routing.c_str());
+      outputs->stage(opt.record_routing, routing_trace_json(calls, to_json(w)));
     }
     if (!opt.trace.empty()) {
       // The trace says how it was obtained, like every result (Perfetto ignores the key).
@@ -535,18 +508,22 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
                             {"calibration", result["calibration"]}, {"commit", result["commit"]},
                             {"date", result["date"]},         {"workload", w.name},
                             {"impl", opt.impl}};
-      write_json_atomic(opt.trace, trace, -1);
-      std::printf("trace           %s\n", opt.trace.c_str());
+      outputs->stage(opt.trace, trace, -1);
     }
-    write_json_atomic(opt.out, result);
+    outputs->stage(opt.out, result);
+    outputs->commit();
+    if (!opt.record_routing.empty()) std::printf("routing trace   %s\n", opt.record_routing.c_str());
+    if (!opt.trace.empty()) std::printf("trace           %s\n", opt.trace.c_str());
     std::printf("result          %s\n", opt.out.c_str());
     return 0;
   } catch (const ConfigError& e) {
-    // Past validation, a rank may fail alone; exit 2 is only safe when every rank agrees.
-    if (world > 1) throw std::runtime_error(e.what());
+    // Past validation, a process among several may fail alone: exit 2 is only safe when every
+    // rank agrees, so the run is stopped (exit 1). The ranks of a simulated cluster are threads
+    // of one process, which stops as one: there the error stays what it is (exit 2).
+    if (world > 1 && b.name() != "sim") throw std::runtime_error(e.what());
     throw;
   } catch (const Unsupported& e) {
-    if (world > 1) throw std::runtime_error(e.what());
+    if (world > 1 && b.name() != "sim") throw std::runtime_error(e.what());
     throw;
   }
 }

@@ -1,15 +1,23 @@
 // harness/cli/run_common.hpp — what `moelab run` shares between its two kinds of run: one
 // MoE layer from a workload file (run.cpp) and a whole model from a model file
-// (run_model.cpp): the options, their checks, and the platform a result records.
+// (run_model.cpp): the options, the checks before any work (run_checks.cpp), the files a run
+// writes, and the platform a result records.
 #pragma once
+#include <cstdint>
 #include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "harness/comm/communicator.hpp"
 #include "harness/runtime/backend.hpp"
+#include "harness/runtime/error.hpp"
+#include "harness/sim/cluster.hpp"
 
 namespace moelab::cli {
 
@@ -41,14 +49,86 @@ struct Platform {
 };
 
 RunOptions parse_run_options(const std::vector<std::string>& args);
-// The file is written at the end: check now that it can be (exit 2 otherwise).
-void check_output_path(const std::string& path, const std::string& flag);
 void check_impl_name(const std::string& name);
-// Bad input seen by only some ranks stops every rank the same way.
-void agree_on_errors(Communicator& comm, const std::string& local_error);
 std::string strf(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 std::string category_list(const CategoryBytes& b);  // "activations 12.0, buffers 3.5" (MiB)
 std::string gemm_library(const Backend& b);
+// A user's value (a path, a flag's text) as one short line for a message.
+std::string shown(const std::string& value);
+
+// ---- the checks before a run (harness/cli/run_checks.cpp) ----------------------------------
+
+// Bad input seen by only some ranks stops every rank the same way: ConfigError (exit 2) on
+// every rank, or AgreedOutOfMemory (exit 3) when the first failing rank's error was
+// `out_of_memory`. Rank 0 alone prints (main.cpp).
+void agree_on_errors(Communicator& comm, const std::string& local_error, bool out_of_memory = false);
+// Found before any work and agreed by every rank: exit 3 everywhere, no abort, one message.
+struct AgreedOutOfMemory : OutOfMemory {
+  using OutOfMemory::OutOfMemory;
+};
+
+// The files a run writes (--out, --trace, --record-routing), from validation to the end.
+//   check()   before any work: the paths resolved (symlinks, "..") name different files, none
+//             is a folder or a device, and a file can be created in each one's folder (a
+//             temporary file is made and removed: access(2) tells root yes on /proc).
+//   lock()    for the whole run, after every check passed: flock on "<file>.lock" of each
+//             output, so that a second run into the same files fails at once (exit 2, naming
+//             the first's pid) instead of mixing its files with the first's. The folders are
+//             created here, and removed again when the run ends without its files. The lock
+//             files are removed at the end.
+//   stage()   writes a file under a unique temporary name beside its destination;
+//   commit()  renames every staged file at the very end (the result last). A run that fails
+//             before leaves none of them: the destructor removes what was staged.
+class RunOutputs {
+ public:
+  RunOutputs() = default;
+  RunOutputs(const RunOutputs&) = delete;
+  RunOutputs& operator=(const RunOutputs&) = delete;
+  ~RunOutputs();
+
+  static void check(const RunOptions& opt);
+  void lock(const RunOptions& opt);
+  void stage(const std::string& path, const nlohmann::json& j, int indent = 2);
+  void commit();
+
+ private:
+  struct Held {
+    std::string path;
+    int fd;
+  };
+  std::vector<Held> locks_;
+  std::vector<std::pair<std::string, std::string>> staged_;  // (temporary, destination)
+  std::vector<std::filesystem::path> created_;                // folders lock() made, deepest first
+};
+
+// The ranks a simulated run has: --ranks, or the whole cluster (ConfigError beyond it).
+int sim_world_size(const sim::ClusterModel& cluster, int ranks);
+
+// A cpu or cuda run (one process per rank), started only once every check passed on every
+// rank, in an order that keeps the ranks in step:
+//   1. validate(): the input as this rank sees it (a file may be missing on one node only);
+//      unsupported(backend): why this backend cannot serve the run, "" when it can;
+//   2. agreement over the world communicator;
+//   3. rank 0: the run's own program cut to one step (one_step) on a simulated copy of this
+//      world, shapes only: an implementation's options meet the run exactly as they will
+//      (bad ones are ConfigErrors found here, before any rank allocates), and the memory one
+//      rank holds is measured; on cpu, that times the ranks on this host must fit in the
+//      memory the machine has available (exit 3 otherwise, naming the sizes); the outputs
+//      are locked;
+//   4. agreement again.
+// Bad input: ConfigError or AgreedOutOfMemory on every rank, rank 0 prints.
+struct StartedRun {
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<Communicator> comm;
+  RunOutputs outputs;  // locked on rank 0
+};
+void start_run(StartedRun& run, const RunOptions& opt, const std::function<void()>& validate,
+               const std::function<std::string(const Backend&)>& unsupported,
+               const std::function<void(Backend&, Communicator&)>& one_step);
+
+// What the machine can still give: MemAvailable (/proc/meminfo; sysconf elsewhere), less
+// where the process's cgroup sets a lower limit. 0: unknown.
+std::uint64_t host_memory_available();
 
 // `moelab run --model`: harness/cli/run_model.cpp.
 int run_model_command(const RunOptions& opt);

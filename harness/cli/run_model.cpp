@@ -47,12 +47,12 @@ const std::vector<std::string> kModelPhases = {"embedding", "attention", "mlp", 
 void validate_model_for_world(const TransformerConfig& cfg, const RunOptions& opt, int world) {
   const int last = opt.last_layer < 0 ? cfg.num_layers : opt.last_layer;
   if (last > cfg.num_layers)
-    throw ConfigError("--layers " + std::to_string(opt.first_layer) + ":" + std::to_string(last) + ": " + cfg.origin +
+    throw ConfigError("--layers " + std::to_string(opt.first_layer) + ":" + std::to_string(last) + ": " + shown(cfg.origin) +
                       " has " + std::to_string(cfg.num_layers) + " layers");
   bool any_moe = false;
   for (int l = opt.first_layer; l < last; ++l) any_moe = any_moe || cfg.is_moe(l);
   if (any_moe && cfg.moe.num_experts % world != 0)
-    throw ConfigError(cfg.origin + ": moe.num_experts = " + std::to_string(cfg.moe.num_experts) +
+    throw ConfigError(shown(cfg.origin) + ": moe.num_experts = " + std::to_string(cfg.moe.num_experts) +
                       " is not divisible by the expert-parallel degree " + std::to_string(world) + " (the ranks)");
 }
 
@@ -66,17 +66,20 @@ Tensor random_rows(Backend& b, std::int64_t rows, std::int64_t width, DType dt, 
   return t;
 }
 
+// outputs: where rank 0 stages its files (null on the other ranks). preflight: one step, no
+// warm-up, and stop after it (start_run's check on a simulated copy of the world).
 int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const TransformerConfig& cfg,
-                      const Platform& platform) {
+                      const Platform& platform, RunOutputs* outputs, bool preflight = false) {
   const int rank = c.rank(), world = c.size();
-  const int steps = opt.steps > 0 ? opt.steps : 3, warmup = opt.warmup >= 0 ? opt.warmup : 1;
+  const int steps = preflight ? 1 : opt.steps > 0 ? opt.steps : 3;
+  const int warmup = preflight ? 0 : opt.warmup >= 0 ? opt.warmup : 1;
   ModelOptions mo;
   mo.impl = opt.impl;
   mo.impl_options = opt.impl_options;
   mo.first_layer = opt.first_layer;
   mo.last_layer = opt.last_layer;
-  Model model(b, c, cfg, mo);
   try {
+    Model model(b, c, cfg, mo);
     model.init_parameters(opt.seed);
     std::unique_ptr<Optimizer> optimizer;
     if (opt.optimizer != "none") {
@@ -160,6 +163,8 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       step_s.push_back(b.now() - t0);
       loss_curve.push_back(mean_loss());
     }
+
+    if (preflight) return 0;
 
     // ---- what this rank measured -------------------------------------------------------------
     const std::vector<MemSample> mem_samples = b.memory().timeline();
@@ -298,14 +303,20 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
                             {"device", result["device"]},   {"calibration", result["calibration"]},
                             {"commit", result["commit"]},   {"date", result["date"]},
                             {"model", cfg.name},            {"impl", opt.impl}};
-      write_json_atomic(opt.trace, trace, -1);
-      std::printf("trace           %s\n", opt.trace.c_str());
+      outputs->stage(opt.trace, trace, -1);
     }
-    write_json_atomic(opt.out, result);
+    outputs->stage(opt.out, result);
+    outputs->commit();
+    if (!opt.trace.empty()) std::printf("trace           %s\n", opt.trace.c_str());
     std::printf("result          %s\n", opt.out.c_str());
     return 0;
   } catch (const ConfigError& e) {
-    if (world > 1) throw std::runtime_error(e.what());  // past validation a rank may fail alone
+    // Past validation a process among several may fail alone (exit 1 stops them all); the
+    // threads of a simulated cluster stop as one process, which keeps exit 2.
+    if (world > 1 && b.name() != "sim") throw std::runtime_error(e.what());
+    throw;
+  } catch (const Unsupported& e) {
+    if (world > 1 && b.name() != "sim") throw std::runtime_error(e.what());
     throw;
   }
 }
@@ -313,65 +324,56 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
 }  // namespace
 
 int run_model_command(const RunOptions& opt) {
-  const int rank = world_rank(), world = world_size();
+  const int world = world_size();
   check_impl_name(opt.impl);
+  // The tokens one forward of an MoE layer sees on a rank: a microbatch.
+  const auto tokens = [&](const TransformerConfig& cfg) { return opt.micro_batch * cfg.seq_len; };
   if (opt.backend == "sim") {
     if (world > 1) throw ConfigError("--backend sim runs every simulated rank in one process: start it without mpirun");
     const TransformerConfig cfg = load_transformer(opt.model, opt.model_override);
     SimOptions so;
     so.cluster = sim::load_cluster(opt.cluster);
     // Everything that can be checked is checked before the cluster is built.
-    const int n = opt.ranks > 0 ? opt.ranks : so.cluster.world_size();
-    if (n > so.cluster.world_size())
-      throw ConfigError("--ranks " + std::to_string(n) + " exceeds the " + std::to_string(so.cluster.world_size()) +
-                        " GPUs of cluster " + so.cluster.name);
+    const int n = sim_world_size(so.cluster, opt.ranks);
     validate_model_for_world(cfg, opt, n);
-    check_output_path(opt.out, "--out");
-    if (!opt.trace.empty()) check_output_path(opt.trace, "--trace");
+    check_impl_options(opt.impl, opt.impl_options, {cfg.moe, n, tokens(cfg)});
     if (!opt.profile.empty()) so.profile = sim::load_profile(opt.profile);
     so.routing = RoutingModel::parse(opt.routing, opt.seed);
     so.ranks = opt.ranks;
+    RunOutputs outputs;
+    RunOutputs::check(opt);
+    outputs.lock(opt);
     SimCluster cluster(std::move(so));
     Platform platform{sim::to_json(cluster.options().cluster), cluster.calibration(),
                       cluster.options().routing.describe()};
     int rc = 0;
     cluster.run([&](Backend& b, Communicator& c) {
       if (!b.supports(cfg.dtype))
-        throw Unsupported(cfg.origin + ": dtype = \"" + std::string(dtype_name(cfg.dtype)) +
+        throw Unsupported(shown(cfg.origin) + ": dtype = \"" + std::string(dtype_name(cfg.dtype)) +
                           "\" is not supported by the sim backend");
-      const int r = run_model_on_rank(b, c, opt, cfg, platform);
+      const int r = run_model_on_rank(b, c, opt, cfg, platform, c.rank() == 0 ? &outputs : nullptr);
       if (c.rank() == 0) rc = r;
     });
     return rc;
   }
 
   TransformerConfig cfg;
-  std::string local_error;
-  try {
-    cfg = load_transformer(opt.model, opt.model_override);
-    validate_model_for_world(cfg, opt, world);
-    if (rank == 0) {
-      check_output_path(opt.out, "--out");
-      if (!opt.trace.empty()) check_output_path(opt.trace, "--trace");
-    }
-  } catch (const ConfigError& e) {
-    if (world == 1) throw;
-    local_error = e.what();
-  }
-  auto backend = make_backend(opt.backend);
-  backend->set_rank(rank);
-  if (local_error.empty() && !backend->supports(cfg.dtype)) {
-    const std::string msg = cfg.origin + ": dtype = \"" + dtype_name(cfg.dtype) + "\" is not supported by the " +
-                            backend->name() + " backend" +
-                            (backend->name() == "cpu" ? " (it computes in fp32; override with "
-                                                        "--model-override '{\"dtype\": \"fp32\"}')"
-                                                      : "");
-    if (world == 1) throw Unsupported(msg);
-    local_error = msg;
-  }
-  auto comm = make_world_communicator(*backend);
-  if (world > 1) agree_on_errors(*comm, local_error);
-  return run_model_on_rank(*backend, *comm, opt, cfg, Platform{});
+  StartedRun run;
+  start_run(
+      run, opt,
+      [&] {
+        cfg = load_transformer(opt.model, opt.model_override);
+        validate_model_for_world(cfg, opt, world);
+        check_impl_options(opt.impl, opt.impl_options, {cfg.moe, world, tokens(cfg)});
+      },
+      [&](const Backend& b) {
+        if (b.supports(cfg.dtype)) return std::string();
+        return shown(cfg.origin) + ": dtype = \"" + dtype_name(cfg.dtype) + "\" is not supported by the " + b.name() +
+               " backend" +
+               (b.name() == "cpu" ? " (it computes in fp32; override with --model-override '{\"dtype\": \"fp32\"}')" : "");
+      },
+      [&](Backend& b, Communicator& c) { run_model_on_rank(b, c, opt, cfg, Platform{}, nullptr, true); });
+  return run_model_on_rank(*run.backend, *run.comm, opt, cfg, Platform{}, world_rank() == 0 ? &run.outputs : nullptr);
 }
 
 }  // namespace moelab::cli

@@ -28,9 +28,7 @@ namespace moelab::json_fields {
 
 using nlohmann::json;
 
-[[noreturn]] inline void fail(const std::string& origin, const std::string& msg) {
-  throw ConfigError(origin + ": " + msg);
-}
+
 
 // At most `max` bytes of s, not ending inside a UTF-8 sequence.
 inline std::string cut_utf8(const std::string& s, std::size_t max) {
@@ -111,6 +109,12 @@ inline std::string one_line(const std::string& text, std::size_t max = 60) {
   return out;
 }
 
+// "<origin>: <msg>". The origin is a path or a flag's value as the user gave it: one line,
+// cut to a readable length (a path can hold line breaks, a flag a pasted file).
+[[noreturn]] inline void fail(const std::string& origin, const std::string& msg) {
+  throw ConfigError(one_line(origin, 240) + ": " + msg);
+}
+
 // nlohmann's message without its "[json.exception.out_of_range.406] " prefix: the reader
 // wants what is wrong, not which exception class said so.
 inline std::string library_message(const json::exception& e) {
@@ -158,6 +162,9 @@ inline std::string closest(const std::string& word, const std::vector<std::strin
   const std::string* best = nullptr;
   std::size_t best_d = 3;
   for (const auto& k : known) {
+    // The distance is at least the difference in length: a long word (a file pasted into a
+    // flag) is never compared letter by letter with every name.
+    if ((word.size() > k.size() ? word.size() - k.size() : k.size() - word.size()) >= best_d) continue;
     const std::size_t d = edit_distance(word, k);
     if (d < best_d) {
       best_d = d;

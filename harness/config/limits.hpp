@@ -8,7 +8,9 @@
 // weight matrix E·M·H, the activations T·k·H, the GPUs nodes × gpus, a parameter count) are
 // computed with Checked, which refuses anything above kMaxDerived instead of wrapping; the
 // readers turn that into a ConfigError naming the fields, before any cluster, backend or
-// tensor is built. Tested by harness/tests/config_test.cpp and model_config_test.cpp.
+// tensor is built. Cluster and profile figures have physical ranges here too. Tested by
+// harness/tests/config_test.cpp, model_config_test.cpp and sim_cluster_test.cpp; the readers are
+// fuzzed by harness/fuzz/.
 #pragma once
 #include <cstdint>
 
@@ -35,6 +37,21 @@ constexpr std::int64_t kMaxNodes = std::int64_t{1} << 16;       // nodes
 constexpr std::int64_t kMaxGpusPerNode = 1024;                  // node.gpus, gpus_per_pcie_switch
 constexpr std::int64_t kMaxNicsPerNode = 1024;                  // node.nics
 constexpr std::int64_t kMaxWorld = std::int64_t{1} << 20;       // nodes × gpus
+
+// Figures of clusters and calibration profiles (SI units), each bounded to a physical range:
+// a figure outside it is a typo (a unit slip, a missing exponent) or not a machine at all, and
+// the discrete-event simulation needs finite, representable times (a latency of 1e308 s sums
+// to infinity, and a task then never ends). The ranges are generous: today's GPUs have about
+// 1e15 FLOP/s and 1e12-1e13 B/s of HBM, links 1e9-1e12 B/s, latencies of microseconds.
+constexpr double kMinFlops = 1e6, kMaxFlops = 1e18;                // FLOP/s (peaks, a profile's implied rates)
+constexpr double kMinBandwidth = 1e3, kMaxBandwidth = 1e15;        // bytes/s (HBM, NVLink, PCIe, NIC, copies)
+constexpr double kMinMemoryBytes = 1 << 20;                        // a GPU's or a node's memory
+constexpr double kMaxMemoryBytes = static_cast<double>(std::int64_t{1} << 56);
+constexpr double kMaxLatency = 1.0;                                // seconds, any latency (>= 0)
+constexpr double kMinFraction = 1e-3;                              // efficiencies, interference factors: [this, 1]
+constexpr double kMaxGemmHalfDim = static_cast<double>(std::int64_t{1} << 20);  // efficiency.gemm_half_dim
+constexpr std::int64_t kMaxGemmDim = std::int64_t{1} << 31;        // a profile's GEMM m, n, k
+constexpr double kMinSeconds = 1e-12, kMaxSeconds = 1e6;           // a measured duration (GEMM, collective)
 
 // Any count derived from several fields (elements of a tensor, parameters, bytes at 8 per
 // element included): 2^56 leaves room for bytes (16 per parameter with Adam) and the sums

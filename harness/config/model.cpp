@@ -235,15 +235,16 @@ TransformerConfig parse_transformer(const json& j, const std::string& origin) {
 TransformerConfig load_transformer(const std::string& path) { return load_transformer(path, json()); }
 
 TransformerConfig load_transformer(const std::string& path, const json& overrides) {
-  return json_fields::reading(path, [&] {
-    json j = json_fields::read_file(path, "model file");
-    if (overrides.is_null() || (overrides.is_object() && overrides.empty())) return parse_transformer(j, path);
-    // A field that came from the overrides is not in the file: the messages say so.
-    const std::string origin = path + " with overrides " + show(overrides);
-    if (!overrides.is_object()) fail(origin, "overrides: expected an object of fields, got " + show(overrides));
-    j.merge_patch(overrides);  // RFC 7386: null removes a field, objects merge, the rest replaces
-    return parse_transformer(j, origin);
-  });
+  return json_fields::reading(path, [&] { return parse_transformer(json_fields::read_file(path, "model file"), path, overrides); });
+}
+
+TransformerConfig parse_transformer(json j, const std::string& path, const json& overrides) {
+  if (overrides.is_null() || (overrides.is_object() && overrides.empty())) return parse_transformer(j, path);
+  // A field that came from the overrides is not in the file: the messages say so.
+  const std::string origin = path + " with overrides " + show(overrides);
+  if (!overrides.is_object()) fail(origin, "overrides: expected an object of fields, got " + show(overrides));
+  j.merge_patch(overrides);  // RFC 7386: null removes a field, objects merge, the rest replaces
+  return parse_transformer(j, origin);
 }
 
 json to_json(const TransformerConfig& t) {

@@ -111,6 +111,9 @@ TransformerConfig load_transformer(const std::string& path);
 // patch; a suite's "layers = 3p - 2" arrives this way). null or {} changes nothing.
 TransformerConfig load_transformer(const std::string& path, const nlohmann::json& overrides);
 TransformerConfig parse_transformer(const nlohmann::json& j, const std::string& origin);
+// The JSON of a model file (from `path`) with `overrides` merged over it, as load_transformer
+// reads it (and the model file's fuzz target, harness/fuzz/fuzz_model.cpp, feeds it).
+TransformerConfig parse_transformer(nlohmann::json j, const std::string& path, const nlohmann::json& overrides);
 nlohmann::json to_json(const TransformerConfig& t);
 const char* mlp_name(MlpKind k);
 const char* positions_name(PositionKind k);

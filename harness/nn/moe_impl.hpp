@@ -66,7 +66,21 @@ class LayerBackedImpl : public MoEImpl {
 using ImplFactory = std::function<std::unique_ptr<MoEImpl>(Backend&, Communicator&, const ModelConfig&,
                                                            const nlohmann::json& options, MoEChannels* channels)>;
 
-void register_impl(const std::string& name, ImplFactory f);
+// Checks an implementation's options against the run before anything is built: the world
+// size and tokens per rank are known, no backend or communicator exists yet. Optional; it
+// throws ConfigError naming the option and its value. `moelab run` calls it on every path
+// (cpu, cuda, mpirun, sim) in its validation phase, so that a bad option is exit 2 with one
+// message before the cluster is built or any rank starts work.
+struct ImplCheckContext {
+  const ModelConfig& model;
+  int world = 1;                    // expert-parallel ranks
+  std::int64_t tokens_per_rank = 0;  // T of one forward
+};
+using ImplOptionsCheck = std::function<void(const nlohmann::json& options, const ImplCheckContext& run)>;
+
+void register_impl(const std::string& name, ImplFactory f, ImplOptionsCheck check = {});
+// The registered check of `name` (nothing when none was registered); ConfigError on an unknown name.
+void check_impl_options(const std::string& name, const nlohmann::json& options, const ImplCheckContext& run);
 // Throws ConfigError naming the unknown implementation and listing the known ones.
 std::unique_ptr<MoEImpl> make_impl(const std::string& name, Backend& b, Communicator& c, const ModelConfig& m,
                                    const nlohmann::json& options = nlohmann::json::object(),

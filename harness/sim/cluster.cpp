@@ -3,7 +3,9 @@
 //
 // The files are data with a source for every figure (experiments/hardware/). All numbers
 // in them are SI: FLOP/s, bytes, bytes/s per direction, seconds — the same units as the
-// structs, so a file, the struct and to_json() read alike and round-trip exactly. Every
+// structs, so a file, the struct and to_json() read alike and round-trip exactly. Each
+// figure lies in a physical range (harness/config/limits.hpp: FLOP/s, bandwidths, memory,
+// latencies, fractions), so that every time the simulation derives stays finite. Every
 // problem is a ConfigError of one line naming the file, the field path and the value
 // (harness/config/json_fields.hpp). Fields that the model would ignore for a node's kind
 // (pcie_bw on an NVSwitch node, nic_bw on a node without NICs) are rejected too: a figure
@@ -39,8 +41,6 @@ constexpr const char* kGpusSchema = "moelab.gpus/1";
 constexpr const char* kNodesSchema = "moelab.nodes/1";
 constexpr const char* kClusterSchema = "moelab.cluster/1";
 constexpr const char* kProfileSchema = "moelab.profile/1";
-constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
-constexpr std::int64_t kInt64Max = std::numeric_limits<std::int64_t>::max();
 
 // ---- field readers with the ranges the model needs ------------------------------------
 
@@ -50,27 +50,46 @@ void check_schema(const Fields& f, const char* expected, bool required) {
   if (s != expected) f.bad_value("schema", std::string("is not ") + quote(expected));
 }
 
-// A bandwidth, rate or size: finite and > 0.
-double positive(const Fields& f, const char* key) {
+// A figure in its physical range [lo, hi] (harness/config/limits.hpp); `unit` for the message.
+// The sign is checked first and said plainly ("must be > 0"), the magnitude then.
+enum class Sign { positive, non_negative, fraction };
+double in_range(const Fields& f, const char* key, Sign sign, double lo, double hi, const char* unit) {
   const double v = f.number(key);
-  if (!(v > 0) || !std::isfinite(v)) f.bad_value(key, "must be > 0");
+  if (sign == Sign::positive && !(v > 0)) f.bad_value(key, "must be > 0");
+  if (sign == Sign::non_negative && !(v >= 0)) f.bad_value(key, "must be >= 0");
+  if (sign == Sign::fraction && !(v > 0 && v <= 1)) f.bad_value(key, "must be in (0, 1]");
+  if (!(v >= lo && v <= hi))
+    f.bad_value(key, std::string("is outside [") + json_fields::number_text(lo) + ", " + json_fields::number_text(hi) +
+                         "] " + unit + " (see harness/config/limits.hpp)");
   return v;
 }
-// A latency: finite and >= 0.
-double non_negative(const Fields& f, const char* key) {
-  const double v = f.number(key);
-  if (!(v >= 0) || !std::isfinite(v)) f.bad_value(key, "must be >= 0");
-  return v;
+double flops(const Fields& f, const char* key) {
+  return in_range(f, key, Sign::positive, limits::kMinFlops, limits::kMaxFlops, "FLOP/s");
 }
-double non_negative_or(const Fields& f, const char* key, double fallback) {
-  return f.find(key) ? non_negative(f, key) : fallback;
+double bandwidth(const Fields& f, const char* key) {
+  return in_range(f, key, Sign::positive, limits::kMinBandwidth, limits::kMaxBandwidth, "bytes/s");
 }
-// An efficiency or interference factor: in (0, 1].
+double memory(const Fields& f, const char* key) {
+  return in_range(f, key, Sign::positive, limits::kMinMemoryBytes, limits::kMaxMemoryBytes, "bytes");
+}
+double seconds(const Fields& f, const char* key) {
+  return in_range(f, key, Sign::positive, limits::kMinSeconds, limits::kMaxSeconds, "s");
+}
+double latency(const Fields& f, const char* key) {
+  return in_range(f, key, Sign::non_negative, 0.0, limits::kMaxLatency, "s");
+}
+double latency_or(const Fields& f, const char* key, double fallback) {
+  return f.find(key) ? latency(f, key) : fallback;
+}
+// A measured rate of a profile: 0 or absent means not measured.
+double measured_bandwidth_or_zero(const Fields& f, const char* key) {
+  if (!f.find(key)) return 0.0;
+  if (f.number(key) == 0) return 0.0;
+  return in_range(f, key, Sign::non_negative, limits::kMinBandwidth, limits::kMaxBandwidth, "bytes/s");
+}
+// An efficiency or interference factor.
 double fraction_or(const Fields& f, const char* key, double fallback) {
-  if (!f.find(key)) return fallback;
-  const double v = f.number(key);
-  if (!(v > 0 && v <= 1)) f.bad_value(key, "must be in (0, 1]");
-  return v;
+  return f.find(key) ? in_range(f, key, Sign::fraction, limits::kMinFraction, 1.0, "(a fraction)") : fallback;
 }
 // A field that has no meaning for this object; `why` says when it would.
 void reject_if_present(const Fields& f, const char* key, const std::string& why) {
@@ -117,11 +136,11 @@ GpuSpec parse_gpu(const json& j, const std::string& origin, const std::string& p
   GpuSpec g;
   g.name = key_name ? *key_name : f.string("name");
   (void)f.string_or("description", "");
-  g.flops_bf16 = positive(f, "flops_bf16");
-  g.flops_tf32 = positive(f, "flops_tf32");
-  g.flops_fp32 = positive(f, "flops_fp32");
-  g.memory_bytes = positive(f, "memory_bytes");
-  g.hbm_bw = positive(f, "hbm_bw");
+  g.flops_bf16 = flops(f, "flops_bf16");
+  g.flops_tf32 = flops(f, "flops_tf32");
+  g.flops_fp32 = flops(f, "flops_fp32");
+  g.memory_bytes = memory(f, "memory_bytes");
+  g.hbm_bw = bandwidth(f, "hbm_bw");
   g.source = f.string("source");
   return g;
 }
@@ -161,8 +180,8 @@ NodeSpec parse_node(const json& j, const std::string& origin, const std::string&
   const std::string only_pcie = "only used with intra = \"pcie\" (this node has intra = \"nvswitch\")";
   const std::string only_nvswitch = "only used with intra = \"nvswitch\" (this node has intra = \"pcie\")";
   if (n.intra == "nvswitch") {
-    n.nvlink_bw = positive(f, "nvlink_bw");
-    n.nvlink_latency = non_negative(f, "nvlink_latency");
+    n.nvlink_bw = bandwidth(f, "nvlink_bw");
+    n.nvlink_latency = latency(f, "nvlink_latency");
     for (const char* k : {"gpus_per_pcie_switch", "pcie_bw", "pcie_switch_uplink_bw"}) reject_if_present(f, k, only_pcie);
   } else {
     for (const char* k : {"nvlink_bw", "nvlink_latency"}) reject_if_present(f, k, only_nvswitch);
@@ -171,20 +190,20 @@ NodeSpec parse_node(const json& j, const std::string& origin, const std::string&
       fail(origin, f.path("gpus") + " = " + std::to_string(n.gpus) + " is not divisible by " +
                        f.path("gpus_per_pcie_switch") + " = " + std::to_string(n.gpus_per_pcie_switch) +
                        " (every PCIe switch holds the same number of GPUs)");
-    n.pcie_bw = positive(f, "pcie_bw");
-    n.pcie_switch_uplink_bw = positive(f, "pcie_switch_uplink_bw");
+    n.pcie_bw = bandwidth(f, "pcie_bw");
+    n.pcie_switch_uplink_bw = bandwidth(f, "pcie_switch_uplink_bw");
   }
   // Host copies cross PCIe on every node, so every node has a PCIe latency.
-  n.pcie_latency = non_negative(f, "pcie_latency");
+  n.pcie_latency = latency(f, "pcie_latency");
   n.nics = static_cast<int>(f.integer_or("nics", 0, 0, limits::kMaxNicsPerNode));
   if (n.nics > 0) {
-    n.nic_bw = positive(f, "nic_bw");
-    n.nic_latency = non_negative(f, "nic_latency");
+    n.nic_bw = bandwidth(f, "nic_bw");
+    n.nic_latency = latency(f, "nic_latency");
   } else {
     for (const char* k : {"nic_bw", "nic_latency"}) reject_if_present(f, k, "only used when nics > 0");
   }
-  n.host_memory_bytes = positive(f, "host_memory_bytes");
-  n.host_copy_bw = positive(f, "host_copy_bw");
+  n.host_memory_bytes = memory(f, "host_memory_bytes");
+  n.host_copy_bw = bandwidth(f, "host_copy_bw");
   n.source = f.string("source");
   // Last, so that the node's own fields are checked before another file is read.
   const json& g = f.require("gpu");
@@ -216,9 +235,11 @@ Efficiency parse_efficiency(const Fields& cluster) {
   if (!j->is_object()) cluster.wrong_type("efficiency", *j, "an object");
   Fields f(*j, cluster.origin(), "efficiency.", {"gemm_max", "gemm_half_dim", "mem", "launch_latency", "source"});
   e.gemm_max = fraction_or(f, "gemm_max", e.gemm_max);
-  e.gemm_half_dim = non_negative_or(f, "gemm_half_dim", e.gemm_half_dim);
+  e.gemm_half_dim =
+      f.find("gemm_half_dim") ? in_range(f, "gemm_half_dim", Sign::non_negative, 0.0, limits::kMaxGemmHalfDim,
+                                                    "(a GEMM dimension)") : e.gemm_half_dim;
   e.mem = fraction_or(f, "mem", e.mem);
-  e.launch_latency = non_negative_or(f, "launch_latency", e.launch_latency);
+  e.launch_latency = latency_or(f, "launch_latency", e.launch_latency);
   e.source = f.string_or("source", "");
   return e;
 }
@@ -248,7 +269,7 @@ ClusterModel parse_cluster(const json& j, const std::string& origin) {
   m.description = f.string_or("description", "");
   m.nodes = static_cast<int>(f.integer("nodes", 1, limits::kMaxNodes));
   m.fabric = f.choice_or("fabric", m.fabric, {"infiniband", "ethernet"});
-  m.fabric_latency = non_negative_or(f, "fabric_latency", 0.0);
+  m.fabric_latency = latency_or(f, "fabric_latency", 0.0);
   m.efficiency = parse_efficiency(f);
   m.interference = parse_interference(f);
   m.source = f.string("source");
@@ -343,7 +364,7 @@ ClusterModel load_cluster(const std::string& name_or_path) {
     std::error_code ec;
     if (name_or_path.empty() || !fs::is_regular_file(path, ec)) {
       const auto known = cluster_names();
-      std::string msg = "unknown cluster " + quote(name_or_path);
+      std::string msg = "unknown cluster " + quote(json_fields::one_line(name_or_path));
       if (const std::string best = json_fields::closest(name_or_path, known); !best.empty())
         msg += " (did you mean " + quote(best) + "?)";
       msg += known.empty() ? "; no cluster files in " + dir.string()
@@ -402,12 +423,20 @@ Profile parse_profile(const json& j, const std::string& path) {
       if (!s.is_object()) fail(path, prefix.substr(0, prefix.size() - 1) + ": expected an object, got " + show(s));
       Fields sf(s, path, prefix, {"m", "n", "k", "dtype", "seconds"});
       GemmSample smp;
-      smp.m = sf.integer("m", 1, kInt64Max);
-      smp.n = sf.integer("n", 1, kInt64Max);
-      smp.k = sf.integer("k", 1, kInt64Max);
+      smp.m = sf.integer("m", 1, limits::kMaxGemmDim);
+      smp.n = sf.integer("n", 1, limits::kMaxGemmDim);
+      smp.k = sf.integer("k", 1, limits::kMaxGemmDim);
       (void)sf.require("dtype");
       smp.dtype = parse_dtype(sf.choice_or("dtype", "fp32", {"fp32", "bf16"}));
-      smp.seconds = positive(sf, "seconds");
+      smp.seconds = seconds(sf, "seconds");
+      // The sample's achieved rate scales every GEMM time the sim derives from it.
+      const double rate = 2.0 * static_cast<double>(smp.m) * static_cast<double>(smp.n) * static_cast<double>(smp.k) /
+                          smp.seconds;
+      if (!(rate >= limits::kMinFlops && rate <= limits::kMaxFlops))
+        fail(path, prefix + "seconds = " + show(sf.require("seconds")) + " for a " + std::to_string(smp.m) + " x " +
+                       std::to_string(smp.n) + " x " + std::to_string(smp.k) + " GEMM is " +
+                       json_fields::number_text(rate) + " FLOP/s, outside [" + json_fields::number_text(limits::kMinFlops) +
+                       ", " + json_fields::number_text(limits::kMaxFlops) + "] (see harness/config/limits.hpp)");
       p.gemm.push_back(smp);
     }
   }
@@ -421,18 +450,18 @@ Profile parse_profile(const json& j, const std::string& path) {
       if (!s.is_object()) fail(path, prefix.substr(0, prefix.size() - 1) + ": expected an object, got " + show(s));
       Fields cf(s, path, prefix, {"op", "ranks", "bytes_per_peer", "seconds", "busbw"});
       (void)cf.string("op");
-      (void)cf.integer("ranks", 1, kIntMax);
-      (void)cf.integer("bytes_per_peer", 0, kInt64Max);
-      (void)positive(cf, "seconds");
-      if (cf.find("busbw")) (void)non_negative(cf, "busbw");
+      (void)cf.integer("ranks", 1, limits::kMaxWorld);
+      (void)cf.integer("bytes_per_peer", 0, limits::kMaxDerived);
+      (void)seconds(cf, "seconds");
+      if (cf.find("busbw")) (void)in_range(cf, "busbw", Sign::non_negative, 0.0, limits::kMaxBandwidth, "bytes/s");
     }
   }
   // 0 or absent: not measured (the datasheet figure is used instead).
-  p.h2d_bw = non_negative_or(f, "h2d_bw", 0.0);
-  p.d2h_bw = non_negative_or(f, "d2h_bw", 0.0);
-  p.d2d_bw = non_negative_or(f, "d2d_bw", 0.0);
-  p.elementwise_bw = non_negative_or(f, "elementwise_bw", 0.0);
-  p.launch_latency = non_negative_or(f, "launch_latency", 0.0);
+  p.h2d_bw = measured_bandwidth_or_zero(f, "h2d_bw");
+  p.d2h_bw = measured_bandwidth_or_zero(f, "d2h_bw");
+  p.d2d_bw = measured_bandwidth_or_zero(f, "d2d_bw");
+  p.elementwise_bw = measured_bandwidth_or_zero(f, "elementwise_bw");
+  p.launch_latency = latency_or(f, "launch_latency", 0.0);
   return p;
 }
 

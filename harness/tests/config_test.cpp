@@ -1,11 +1,13 @@
-// harness/tests/config_test.cpp — workload files and result files: every bad input is
-// rejected with one message naming the file, the field and the value; result files are
-// written atomically.
+// harness/tests/config_test.cpp — workload files, cluster and profile figures, routing traces
+// and result files: every bad input is rejected with one message naming the file, the field
+// and the value; result files are written atomically; an implementation's options check is
+// found through the registry.
 //
 //   ctest --test-dir build -R config
 //   build/harness/tests/config_test --gtest_filter='BadWorkload*'
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -17,8 +19,10 @@
 
 #include <gtest/gtest.h>
 
+#include "harness/backends/sim/sim_backend.hpp"
 #include "harness/config/json_fields.hpp"
 #include "harness/config/workload.hpp"
+#include "harness/nn/moe_impl.hpp"
 #include "harness/metrics/results.hpp"
 #include "harness/runtime/error.hpp"
 #include "harness/sim/cluster.hpp"
@@ -446,6 +450,178 @@ TEST(BadInputNeverCrashes, NodeGpusBeyondTheBound) {
   TempDir dir;
   const auto path = dir.write("c.json", cluster_text({{"node", inline_node(2147483647)}}));
   expect_contains(error_of([&] { sim::load_cluster(path); }), {path + ": node.gpus = 2147483647 is too large (at most 1024)"});
+}
+
+// ---- cluster and profile figures in their physical ranges (harness/config/limits.hpp) ----------
+
+// A one-node cluster with its node and GPU inline, every figure valid.
+json inline_cluster() {
+  json gpu = {{"name", "test-gpu"},  {"flops_bf16", 312e12}, {"flops_tf32", 156e12}, {"flops_fp32", 19.5e12},
+              {"memory_bytes", 40e9}, {"hbm_bw", 1.5e12}, {"source", "test"}};
+  json node = inline_node(8);
+  node["gpu"] = gpu;
+  return {{"node", node}, {"nodes", 1}, {"source", "test"},
+          {"efficiency", {{"gemm_max", 0.8}, {"gemm_half_dim", 128}, {"mem", 0.8}, {"launch_latency", 5e-6}}},
+          {"interference", {{"sigma", 0.9}, {"mu", 0.9}, {"eta", 0.9}}}};
+}
+
+class ClusterFigureOutOfRange : public ::testing::TestWithParam<BadCase> {};
+
+TEST_P(ClusterFigureOutOfRange, IsRejectedNamingFieldValueAndRange) {
+  expect_rejected(inline_cluster(), GetParam(), [](const std::string& p) { sim::load_cluster(p); });
+}
+
+// Each of these once passed (a finite, positive number) and made the simulation's times
+// infinite or its tasks never end ("launch_latency": 1e308: "task 'fill_zero' never ended").
+INSTANTIATE_TEST_SUITE_P(
+    Figures, ClusterFigureOutOfRange,
+    ::testing::Values(
+        BadCase{"launch_latency_1e308", [](json& j) { j["efficiency"]["launch_latency"] = 1e308; },
+                {"efficiency.launch_latency = 1e+308 is outside [0, 1] s"}},
+        BadCase{"fabric_latency_1e6", [](json& j) { j["fabric_latency"] = 1e6; }, {"fabric_latency = 1000000.0 is outside [0, 1] s"}},
+        BadCase{"nvlink_latency_huge", [](json& j) { j["node"]["nvlink_latency"] = 1e300; }, {"node.nvlink_latency = 1e+300 is outside"}},
+        BadCase{"nvlink_bw_tiny", [](json& j) { j["node"]["nvlink_bw"] = 1e-300; }, {"node.nvlink_bw = 1e-300 is outside [1000, 1e+15] bytes/s"}},
+        BadCase{"nic_bw_huge", [](json& j) { j["node"]["nic_bw"] = 1e300; }, {"node.nic_bw = 1e+300 is outside [1000, 1e+15] bytes/s"}},
+        BadCase{"host_copy_bw_tiny", [](json& j) { j["node"]["host_copy_bw"] = 1; }, {"node.host_copy_bw = 1 is outside"}},
+        BadCase{"host_memory_tiny", [](json& j) { j["node"]["host_memory_bytes"] = 1; }, {"node.host_memory_bytes = 1 is outside"}},
+        BadCase{"gpu_flops_huge", [](json& j) { j["node"]["gpu"]["flops_bf16"] = 1e300; },
+                {"node.gpu.flops_bf16 = 1e+300 is outside [1e+06, 1e+18] FLOP/s"}},
+        BadCase{"gpu_flops_tiny", [](json& j) { j["node"]["gpu"]["flops_fp32"] = 1e-300; }, {"node.gpu.flops_fp32 = 1e-300 is outside"}},
+        BadCase{"gpu_memory_huge", [](json& j) { j["node"]["gpu"]["memory_bytes"] = 1e300; }, {"node.gpu.memory_bytes = 1e+300 is outside"}},
+        BadCase{"hbm_bw_tiny", [](json& j) { j["node"]["gpu"]["hbm_bw"] = 1e-300; }, {"node.gpu.hbm_bw = 1e-300 is outside"}},
+        BadCase{"gemm_max_tiny", [](json& j) { j["efficiency"]["gemm_max"] = 1e-300; },
+                {"efficiency.gemm_max = 1e-300 is outside [0.001, 1] (a fraction)"}},
+        BadCase{"gemm_half_dim_huge", [](json& j) { j["efficiency"]["gemm_half_dim"] = 1e300; },
+                {"efficiency.gemm_half_dim = 1e+300 is outside"}},
+        BadCase{"sigma_tiny", [](json& j) { j["interference"]["sigma"] = 1e-9; }, {"interference.sigma = 1e-09 is outside"}}),
+    [](const ::testing::TestParamInfo<BadCase>& p) { return p.param.name; });
+
+TEST(ClusterFigures, TheShippedClustersAreInsideTheRanges) {
+  for (const auto& name : sim::cluster_names()) EXPECT_NO_THROW(sim::load_cluster(name)) << name;
+  TempDir dir;
+  EXPECT_NO_THROW(sim::load_cluster(dir.write("c.json", inline_cluster().dump())));
+}
+
+json valid_profile() {
+  return {{"schema", "moelab.profile/1"},
+          {"device", "test"},
+          {"gemm", json::array({{{"m", 1024}, {"n", 1024}, {"k", 1024}, {"dtype", "bf16"}, {"seconds", 1e-5}}})},
+          {"h2d_bw", 20e9},
+          {"launch_latency", 4e-6},
+          {"collectives", json::array({{{"op", "all_to_all_v"}, {"ranks", 2}, {"bytes_per_peer", 4096},
+                                         {"seconds", 1e-5}, {"busbw", 1e9}}})}};
+}
+
+class ProfileFigureOutOfRange : public ::testing::TestWithParam<BadCase> {};
+
+TEST_P(ProfileFigureOutOfRange, IsRejectedNamingFieldValueAndRange) {
+  expect_rejected(valid_profile(), GetParam(), [](const std::string& p) { sim::load_profile(p); });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Figures, ProfileFigureOutOfRange,
+    ::testing::Values(
+        BadCase{"launch_latency_1e308", [](json& j) { j["launch_latency"] = 1e308; }, {"launch_latency = 1e+308 is outside [0, 1] s"}},
+        BadCase{"h2d_bw_huge", [](json& j) { j["h2d_bw"] = 1e300; }, {"h2d_bw = 1e+300 is outside"}},
+        BadCase{"gemm_seconds_tiny", [](json& j) { j["gemm"][0]["seconds"] = 1e-300; }, {"gemm[0].seconds = 1e-300 is outside"}},
+        BadCase{"gemm_rate_beyond_any_gpu", [](json& j) { j["gemm"][0]["seconds"] = 1e-11; },
+                {"gemm[0].seconds = 1e-11 for a 1024 x 1024 x 1024 GEMM is", "FLOP/s, outside [1e+06, 1e+18]"}},
+        BadCase{"gemm_m_huge", [](json& j) { j["gemm"][0]["m"] = 1ll << 40; }, {"gemm[0].m = 1099511627776 is too large"}},
+        BadCase{"collective_seconds_zero", [](json& j) { j["collectives"][0]["seconds"] = 0; },
+                {"collectives[0].seconds = 0 must be > 0"}}),
+    [](const ::testing::TestParamInfo<BadCase>& p) { return p.param.name; });
+
+TEST(ProfileFigures, ZeroMeansNotMeasured) {
+  TempDir dir;
+  json j = valid_profile();
+  j["h2d_bw"] = 0;
+  j["launch_latency"] = 0;
+  const sim::Profile p = sim::load_profile(dir.write("p.json", j.dump()));
+  EXPECT_EQ(p.h2d_bw, 0.0);
+  EXPECT_EQ(p.launch_latency, 0.0);
+}
+
+// ---- routing traces (--routing trace:FILE) ------------------------------------------------------
+
+TEST(RoutingTrace, ReadsWhatRecordRoutingWrites) {
+  TempDir dir;
+  const std::vector<std::vector<std::vector<std::int64_t>>> calls = {{{3, 1}, {2, 2}}, {{4, 0}, {0, 4}}};
+  const auto path = dir.write("t.json", routing_trace_json(calls, json::object()).dump());
+  EXPECT_EQ(RoutingModel::parse("trace:" + path, 1).trace, calls);
+}
+
+class BadRoutingTrace : public ::testing::TestWithParam<BadCase> {};
+
+TEST_P(BadRoutingTrace, IsOneLineNamingTheFileAndTheEntry) {
+  const json valid = routing_trace_json({{{3, 1}, {2, 2}}}, json::object());
+  expect_rejected(valid, GetParam(), [](const std::string& p) { RoutingModel::parse("trace:" + p, 1); });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Traces, BadRoutingTrace,
+    ::testing::Values(
+        BadCase{"wrong_schema", [](json& j) { j["schema"] = "x"; }, {"schema = \"x\" is not \"moelab.routing-trace/1\""}},
+        BadCase{"unknown_field", [](json& j) { j["cals"] = 1; }, {"unknown field \"cals\""}},
+        BadCase{"calls_not_array", [](json& j) { j["calls"] = "x"; }, {"calls: expected a non-empty array"}},
+        BadCase{"empty_calls", [](json& j) { j["calls"] = json::array(); }, {"calls: expected a non-empty array"}},
+        BadCase{"call_without_ranks", [](json& j) { j["calls"][0] = json::array(); }, {"calls[0]: expected a non-empty array of ranks"}},
+        BadCase{"count_is_a_string", [](json& j) { j["calls"][0][1][0] = "2"; }, {"calls[0][1][0]: expected a count", "got \"2\""}},
+        BadCase{"negative_count", [](json& j) { j["calls"][0][0][1] = -1; }, {"calls[0][0][1]: expected a count from 0"}},
+        BadCase{"count_beyond_int32", [](json& j) { j["calls"][0][0][0] = 1ll << 40; }, {"calls[0][0][0]: expected a count"}},
+        BadCase{"fractional_count", [](json& j) { j["calls"][0][0][0] = 1.5; }, {"calls[0][0][0]: expected a count"}}),
+    [](const ::testing::TestParamInfo<BadCase>& p) { return p.param.name; });
+
+TEST(RoutingTrace, MalformedFileAndLongSpecsAreOneShortLine) {
+  TempDir dir;
+  const auto path = dir.write("t.json", "{\"schema\": ");
+  expect_contains(error_of([&] { RoutingModel::parse("trace:" + path, 1); }), {path + ": malformed JSON"});
+  const std::string spec = "zipf:" + std::string(100000, '1') + "\nx";
+  const std::string msg = error_of([&] { RoutingModel::parse(spec, 1); });
+  expect_contains(msg, {"--routing zipf:111"});
+  EXPECT_LT(msg.size(), 200u) << msg;
+  expect_contains(error_of([] { RoutingModel::parse("zipf:1e999", 1); }), {"the Zipf exponent must be a number in (0, 100]"});
+}
+
+// ---- messages never echo a long value in full, and never compare it letter by letter ---------------
+
+TEST(Messages, AClosestNameSearchSkipsWordsFarLongerThanEveryName) {
+  // Once an edit distance over every letter of the word against each name: seconds for a file
+  // pasted into --cluster. The bound on the distance makes it instant and the answer the same.
+  const std::string word(50u << 20, 'a');
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(json_fields::closest(word, {"dgx-a100x1", "h100x1", "a800x2"}), "");
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 1.0);
+  EXPECT_EQ(json_fields::closest("h100x2", {"dgx-a100x1", "h100x1", "a800x2"}), "h100x1");
+  const std::string msg = error_of([&] { sim::load_cluster(std::string(1 << 20, 'x') + "\nnext line"); });
+  expect_contains(msg, {"unknown cluster \"xxx"});
+  EXPECT_LT(msg.size(), 1000u);
+}
+
+// ---- the implementations' registry: an options check beside each factory --------------------------
+
+TEST(ImplRegistry, ARegisteredOptionsCheckSeesTheRunAndAnUnregisteredOneChecksNothing) {
+  ImplCheckContext seen{ModelConfig{}, 0, 0};
+  int calls = 0;
+  register_impl(
+      "config-test-checked", [](Backend&, Communicator&, const ModelConfig&, const json&) -> std::unique_ptr<MoEImpl> { return nullptr; },
+      [&](const json& o, const ImplCheckContext& run) {
+        ++calls;
+        seen.world = run.world;
+        seen.tokens_per_rank = run.tokens_per_rank;
+        if (o.contains("partitions") && o["partitions"].get<std::int64_t>() > run.tokens_per_rank)
+          throw ConfigError("config-test-checked: partitions = " + o["partitions"].dump() + " exceeds the tokens");
+      });
+  register_impl("config-test-unchecked",
+                [](Backend&, Communicator&, const ModelConfig&, const json&) -> std::unique_ptr<MoEImpl> { return nullptr; });
+  const ModelConfig m;
+  EXPECT_NO_THROW(check_impl_options("config-test-checked", json{{"partitions", 4}}, {m, 8, 512}));
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(seen.world, 8);
+  EXPECT_EQ(seen.tokens_per_rank, 512);
+  expect_contains(error_of([&] { check_impl_options("config-test-checked", json{{"partitions", 1000}}, {m, 8, 512}); }),
+                  {"partitions = 1000 exceeds the tokens"});
+  EXPECT_NO_THROW(check_impl_options("config-test-unchecked", json{{"anything", 1}}, {m, 8, 512}));
+  expect_contains(error_of([&] { check_impl_options("no-such-impl", json::object(), {m, 1, 1}); }), {"no-such-impl"});
 }
 
 // ---- options given on the command line (--impl-options) ------------------------------------------

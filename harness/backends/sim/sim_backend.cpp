@@ -20,6 +20,8 @@
 #include <numeric>
 #include <thread>
 
+#include "harness/config/json_fields.hpp"
+#include "harness/config/limits.hpp"
 #include "harness/runtime/error.hpp"
 #include "harness/runtime/random.hpp"
 
@@ -29,44 +31,81 @@ namespace moelab {
 // 1. Routing model
 // ============================================================================================
 
+namespace {
+
+// A routing trace (`moelab run --record-routing`, routing_trace_json below): read through the
+// same JSON reader as every input file, so that a damaged or hostile file is a one-line
+// ConfigError naming the file and the field, never the library's exception or a crash.
+std::vector<std::vector<std::vector<std::int64_t>>> read_routing_trace(const std::string& path) {
+  using json_fields::Fields;
+  using json_fields::fail;
+  using json_fields::show;
+  return json_fields::reading(path, [&] {
+    const nlohmann::json j = json_fields::read_file(path, "routing trace");
+    if (!j.is_object()) fail(path, "expected a routing trace object at the top level, got " + show(j));
+    Fields f(j, path, "", {"schema", "description", "workload", "calls"});
+    if (f.string("schema") != "moelab.routing-trace/1")
+      f.bad_value("schema", "is not \"moelab.routing-trace/1\" (a trace written by moelab run --record-routing)");
+    (void)f.string_or("description", "");
+    const nlohmann::json& calls = f.require("calls");
+    if (!calls.is_array() || calls.empty()) f.wrong_type("calls", calls, "a non-empty array [call][rank][expert] of counts");
+    std::vector<std::vector<std::vector<std::int64_t>>> out;
+    out.reserve(calls.size());
+    for (std::size_t c = 0; c < calls.size(); ++c) {
+      const std::string at = "calls[" + std::to_string(c) + "]";
+      const nlohmann::json& ranks = calls[c];
+      if (!ranks.is_array() || ranks.empty())
+        fail(path, at + ": expected a non-empty array of ranks, got " + show(ranks));
+      auto& call = out.emplace_back();
+      for (std::size_t r = 0; r < ranks.size(); ++r) {
+        const std::string rat = at + "[" + std::to_string(r) + "]";
+        const nlohmann::json& experts = ranks[r];
+        if (!experts.is_array() || experts.empty() || experts.size() > static_cast<std::size_t>(limits::kMaxExperts))
+          fail(path, rat + ": expected an array of 1 to " + std::to_string(limits::kMaxExperts) +
+                         " counts (one per expert), got " + show(experts));
+        auto& row = call.emplace_back();
+        row.reserve(experts.size());
+        for (std::size_t e = 0; e < experts.size(); ++e) {
+          const nlohmann::json& v = experts[e];
+          // Slots routed by one rank to one expert: at most the routed slots of a rank.
+          if (!v.is_number_integer() || v.get<std::int64_t>() < 0 || v.get<std::int64_t>() > limits::kMaxRoutedSlots)
+            fail(path, rat + "[" + std::to_string(e) + "]: expected a count from 0 to " +
+                           std::to_string(limits::kMaxRoutedSlots) + ", got " + show(v));
+          row.push_back(v.get<std::int64_t>());
+        }
+      }
+    }
+    return out;
+  });
+}
+
+}  // namespace
+
 RoutingModel RoutingModel::parse(const std::string& spec, std::uint64_t seed) {
   RoutingModel m;
   m.seed = seed;
+  const std::string shown = json_fields::one_line(spec, 80);
   if (spec.empty() || spec == "uniform") return m;
   if (spec.rfind("zipf", 0) == 0) {
     m.kind = Kind::zipf;
     if (spec.size() > 4) {
-      if (spec[4] != ':') throw ConfigError("--routing " + spec + ": expected zipf:S, e.g. zipf:1.2");
+      if (spec[4] != ':') throw ConfigError("--routing " + shown + ": expected zipf:S, e.g. zipf:1.2");
       char* end = nullptr;
       m.zipf_s = std::strtod(spec.c_str() + 5, &end);
-      if (!end || *end || !(m.zipf_s > 0))
-        throw ConfigError("--routing " + spec + ": the Zipf exponent must be a positive number");
+      // Beyond an exponent of 100 every token already goes to the most popular experts.
+      if (!end || *end || !(m.zipf_s > 0 && m.zipf_s <= 100))
+        throw ConfigError("--routing " + shown + ": the Zipf exponent must be a number in (0, 100]");
     }
     return m;
   }
   if (spec.rfind("trace:", 0) == 0) {
     m.kind = Kind::trace;
     m.trace_path = spec.substr(6);
-    std::ifstream f(m.trace_path);
-    if (!f) throw ConfigError("--routing " + spec + ": cannot open " + m.trace_path);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(f);
-    } catch (const nlohmann::json::exception& e) {
-      throw ConfigError(m.trace_path + ": malformed JSON: " + e.what());
-    }
-    if (!j.is_object() || j.value("schema", "") != "moelab.routing-trace/1" || !j.contains("calls") ||
-        !j["calls"].is_array() || j["calls"].empty())
-      throw ConfigError(m.trace_path + ": not a routing trace (expected schema \"moelab.routing-trace/1\" with a "
-                        "non-empty \"calls\" array)");
-    try {
-      m.trace = j["calls"].get<std::vector<std::vector<std::vector<std::int64_t>>>>();
-    } catch (const nlohmann::json::exception& e) {
-      throw ConfigError(m.trace_path + ": calls: expected [call][rank][expert] counts: " + e.what());
-    }
+    if (m.trace_path.empty()) throw ConfigError("--routing trace: needs a file, e.g. trace:routing.json");
+    m.trace = read_routing_trace(m.trace_path);
     return m;
   }
-  throw ConfigError("--routing " + spec + ": unknown routing model (expected uniform, zipf:S or trace:FILE)");
+  throw ConfigError("--routing " + shown + ": unknown routing model (expected uniform, zipf:S or trace:FILE)");
 }
 
 std::string RoutingModel::describe() const {
@@ -84,10 +123,10 @@ std::vector<std::int64_t> RoutingModel::draw(int rank, std::int64_t call, std::i
   std::vector<std::int64_t> routed(E, 0);
   if (kind == Kind::trace) {
     const auto& c = trace[static_cast<std::size_t>(call) % trace.size()];
-    if (c.empty()) throw ConfigError(trace_path + ": a call with no ranks");
+    if (c.empty()) throw ConfigError(json_fields::one_line(trace_path, 160) + ": a call with no ranks");
     const auto& r = c[static_cast<std::size_t>(rank) % c.size()];
     if (r.size() != E)
-      throw ConfigError(trace_path + ": recorded " + std::to_string(r.size()) + " experts, the model has " +
+      throw ConfigError(json_fields::one_line(trace_path, 160) + ": recorded " + std::to_string(r.size()) + " experts, the model has " +
                         std::to_string(experts));
     // Rescale when the trace was recorded with another token count.
     const double recorded = static_cast<double>(std::accumulate(r.begin(), r.end(), std::int64_t{0}));
