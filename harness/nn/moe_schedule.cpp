@@ -117,10 +117,10 @@ class Pass {
 // so a buffer an exchange writes is made before the event the exchange waits for, and one it
 // touches is freed only after the compute stream has waited for it. Pipelined (the other streams
 // run ahead of the compute stream): all made before the `ready` event the first exchanges wait
-// for, freed at the end. One chunk in flight: each made just before the step that writes it;
-// the layer's input to the chunks (T_I, dT_O) and dT_DO freed as soon as their last reader is
-// done, the rest at the end.
-void issue_forward(MoELayer& L, MoESaved& sv, Tensor t_i, ChunkHooks* hooks) {
+// for. One chunk in flight: each made just before the step that writes it, and dT_O, the
+// largest, released as soon as it is sent (the experts' backward runs without it). The pass
+// hands the rest back (PassBuffers); hooks release their own in finish().
+PassBuffers issue_forward(MoELayer& L, MoESaved& sv, const Tensor& t_i, ChunkHooks* hooks) {
   Backend& b = L.backend();
   const ModelConfig& cfg = L.config();
   const ChunkPlan& plan = sv.plan;
@@ -133,7 +133,9 @@ void issue_forward(MoELayer& L, MoESaved& sv, Tensor t_i, ChunkHooks* hooks) {
   const int n = pass.chunks();
   const std::int64_t N = t_i.dim(0), M = cfg.d_model, H = cfg.d_hidden;
   const auto chunk = [&](int i) -> const Chunk& { return plan.chunks[static_cast<std::size_t>(i)]; };
-  std::vector<ChunkTensors> buf(static_cast<std::size_t>(n));
+  PassBuffers out;
+  std::vector<ChunkTensors>& buf = out.chunks;
+  buf.resize(static_cast<std::size_t>(n));
   const auto at = [&](int i) -> ChunkTensors& { return buf[static_cast<std::size_t>(i)]; };
   if (!hooks) sv.kept.assign(static_cast<std::size_t>(n), {});
   auto make_t_di = [&](int i) {  // T_DI_c [R_c,M]
@@ -171,10 +173,7 @@ void issue_forward(MoELayer& L, MoESaved& sv, Tensor t_i, ChunkHooks* hooks) {
       },
       [&](int i) {  // C_i
         ev.after(c, e.in[static_cast<std::size_t>(i)]);
-        if (!pass.ahead()) {
-          if (i + 1 == n) t_i = Tensor();  // its last dispatch is done
-          make_t_m_t_do(i);
-        }
+        if (!pass.ahead()) make_t_m_t_do(i);
         pass.step(ChunkStep::experts, i, e.computed, [&]() -> Stream& {
           if (!(plan.skip_empty && chunk(i).R == 0)) L.experts(c, chunk(i), at(i).t_di, at(i).t_m, at(i).t_do);
           if (!sv.t_o.defined()) sv.t_o = b.empty({N, M}, cfg.dtype, MemCategory::activations, c);  // before R_i waits
@@ -188,9 +187,10 @@ void issue_forward(MoELayer& L, MoESaved& sv, Tensor t_i, ChunkHooks* hooks) {
           return cs;
         });
       });
+  return out;
 }
 
-Tensor issue_backward(MoELayer& L, MoESaved& sv, Tensor d_t_o, bool defer, ChunkHooks* hooks) {
+PassBuffers issue_backward(MoELayer& L, MoESaved& sv, Tensor& d_t_o, bool defer, ChunkHooks* hooks) {
   Backend& b = L.backend();
   const ModelConfig& cfg = L.config();
   const ChunkPlan& plan = sv.plan;
@@ -203,7 +203,10 @@ Tensor issue_backward(MoELayer& L, MoESaved& sv, Tensor d_t_o, bool defer, Chunk
   const int n = pass.chunks();
   const std::int64_t N = d_t_o.dim(0), M = cfg.d_model;
   const auto chunk = [&](int i) -> const Chunk& { return plan.chunks[static_cast<std::size_t>(i)]; };
-  std::vector<ChunkTensors> buf(static_cast<std::size_t>(n));
+  PassBuffers out;
+  std::vector<ChunkTensors>& buf = out.chunks;
+  buf.resize(static_cast<std::size_t>(n));
+  Tensor& d_t_i = out.d_t_i;  // [N,M]
   const auto at = [&](int i) -> ChunkTensors& { return buf[static_cast<std::size_t>(i)]; };
   auto make = [&](Tensor& t, int i) { t = b.empty({chunk(i).R, M}, cfg.dtype, MemCategory::buffers, c); };  // [R_i,M]
   if (!hooks)
@@ -212,7 +215,6 @@ Tensor issue_backward(MoELayer& L, MoESaved& sv, Tensor d_t_o, bool defer, Chunk
       at(i).t_m = sv.kept[static_cast<std::size_t>(i)].t_m;
     }
   if (defer) sv.expert_wgrad.assign(static_cast<std::size_t>(n), {});
-  Tensor d_t_i;  // [N,M]
   if (pass.ahead()) {
     d_t_i = b.empty({N, M}, cfg.dtype, MemCategory::buffers, c);
     if (hooks) hooks->allocate();
@@ -250,7 +252,6 @@ Tensor issue_backward(MoELayer& L, MoESaved& sv, Tensor d_t_o, bool defer, Chunk
             if (w) w->chunk = static_cast<std::size_t>(i);
             L.experts_backward(c, chunk(i), t.t_di, t.t_m, t.d_t_do, t.d_t_di, w);
           }
-          if (!pass.ahead()) t.d_t_do = Tensor();  // read by the compute stream alone (a deferred dW2 keeps its own)
           if (!d_t_i.defined()) d_t_i = b.empty({N, M}, cfg.dtype, MemCategory::buffers, c);  // before S'_i waits
           return c;
         });
@@ -262,7 +263,7 @@ Tensor issue_backward(MoELayer& L, MoESaved& sv, Tensor d_t_o, bool defer, Chunk
           return ds;
         });
       });
-  return d_t_i;
+  return out;
 }
 
 }  // namespace moelab
