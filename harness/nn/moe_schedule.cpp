@@ -55,23 +55,34 @@ namespace {
 // (forward: dispatch; backward: combine backward), `second` the one that takes them back.
 class Pass {
  public:
+  struct Context {  // what every step is issued with
+    Backend& b;
+    const ModelConfig& cfg;
+    const ChunkPlan& plan;
+    Stream& c;   // compute
+    Stream& ds;  // the dispatch lane's stream
+    Stream& cs;  // the combine lane's stream
+    EventPool& ev;
+  };
   Pass(MoELayer& L, const ChunkPlan& plan, ChunkHooks* hooks)
-      : plan_(plan), hooks_(hooks), c_(L.compute_stream()), ev_(L.event_pool()),
-        n_(static_cast<int>(plan.chunks.size())) {
+      : ctx{L.backend(), L.config(), plan, L.compute_stream(), *plan.dispatch.stream, *plan.combine.stream,
+            L.event_pool()},
+        hooks_(hooks), n_(static_cast<int>(plan.chunks.size())) {
     MOELAB_CHECK(!plan.one_in_flight || !hooks, "a schedule with its own buffers is pipelined");
-    ev_.reset();
+    ctx.ev.reset();
     e.in.assign(static_cast<std::size_t>(n_), nullptr);
     e.computed = e.out = e.in;
   }
   int chunks() const { return n_; }
-  bool ahead() const { return !plan_.one_in_flight; }
+  const Chunk& chunk(int i) const { return ctx.plan.chunks[static_cast<std::size_t>(i)]; }
+  bool ahead() const { return !ctx.plan.one_in_flight; }
   // Pipelined: the compute stream has made every buffer; the first exchanges' lane and the
   // hooks' streams wait for that before they run ahead.
   void ready(Stream& first_lane) {
-    Event* ready = ev_.mark(c_);
-    ev_.after(first_lane, ready);
+    Event* ready = ctx.ev.mark(ctx.c);
+    ctx.ev.after(first_lane, ready);
     if (hooks_) {
-      for (Stream* s : hooks_->ready()) ev_.after(*s, ready);
+      for (Stream* s : hooks_->ready()) ctx.ev.after(*s, ready);
       hooks_->start(e);
     }
   }
@@ -81,7 +92,7 @@ class Pass {
   void step(ChunkStep kind, int i, std::vector<Event*>& done, F issue) {
     if (hooks_) hooks_->before(kind, i, e);
     Stream& s = issue();
-    done[static_cast<std::size_t>(i)] = ev_.mark(s);
+    done[static_cast<std::size_t>(i)] = ctx.ev.mark(s);
     if (hooks_) hooks_->after(kind, i, e);
   }
   // first(i + lookahead), experts(i), second(i) for i = 0, 1, ...; then the compute stream
@@ -89,26 +100,24 @@ class Pass {
   // experts step) and for the hooks' streams.
   template <class First, class Experts, class Second>
   void run(First first, Experts experts, Second second) {
-    const int lead = std::min(plan_.lookahead, n_);
+    const int lead = std::min(ctx.plan.lookahead, n_);
     for (int i = 0; i < lead; ++i) first(i);
     for (int i = 0; i < n_; ++i) {
       if (i + lead < n_) first(i + lead);
       experts(i);
       second(i);
     }
-    ev_.after(c_, e.out[static_cast<std::size_t>(n_ - 1)]);
+    ctx.ev.after(ctx.c, e.out[static_cast<std::size_t>(n_ - 1)]);
     if (hooks_) {
-      for (Stream* s : hooks_->join()) ev_.order(*s, c_);
+      for (Stream* s : hooks_->join()) ctx.ev.order(*s, ctx.c);
       hooks_->finish();
     }
   }
+  Context ctx;
   ChunkEvents e;
 
  private:
-  const ChunkPlan& plan_;
   ChunkHooks* hooks_;
-  Stream& c_;
-  EventPool& ev_;
   const int n_;
 };
 }  // namespace
@@ -121,18 +130,12 @@ class Pass {
 // largest, released as soon as it is sent (the experts' backward runs without it). The pass
 // hands the rest back (PassBuffers); hooks release their own in finish().
 PassBuffers issue_forward(MoELayer& L, MoESaved& sv, const Tensor& t_i, ChunkHooks* hooks) {
-  Backend& b = L.backend();
-  const ModelConfig& cfg = L.config();
-  const ChunkPlan& plan = sv.plan;
-  Stream& c = L.compute_stream();
-  Stream& ds = *plan.dispatch.stream;
-  Stream& cs = *plan.combine.stream;
-  EventPool& ev = L.event_pool();
-  Pass pass(L, plan, hooks);
+  Pass pass(L, sv.plan, hooks);
+  auto& [b, cfg, plan, c, ds, cs, ev] = pass.ctx;
   ChunkEvents& e = pass.e;
   const int n = pass.chunks();
   const std::int64_t N = t_i.dim(0), M = cfg.d_model, H = cfg.d_hidden;
-  const auto chunk = [&](int i) -> const Chunk& { return plan.chunks[static_cast<std::size_t>(i)]; };
+  const auto chunk = [&](int i) -> const Chunk& { return pass.chunk(i); };
   PassBuffers out;
   std::vector<ChunkTensors>& buf = out.chunks;
   buf.resize(static_cast<std::size_t>(n));
@@ -191,18 +194,12 @@ PassBuffers issue_forward(MoELayer& L, MoESaved& sv, const Tensor& t_i, ChunkHoo
 }
 
 PassBuffers issue_backward(MoELayer& L, MoESaved& sv, Tensor& d_t_o, bool defer, ChunkHooks* hooks) {
-  Backend& b = L.backend();
-  const ModelConfig& cfg = L.config();
-  const ChunkPlan& plan = sv.plan;
-  Stream& c = L.compute_stream();
-  Stream& ds = *plan.dispatch.stream;
-  Stream& cs = *plan.combine.stream;
-  EventPool& ev = L.event_pool();
-  Pass pass(L, plan, hooks);
+  Pass pass(L, sv.plan, hooks);
+  auto& [b, cfg, plan, c, ds, cs, ev] = pass.ctx;
   ChunkEvents& e = pass.e;
   const int n = pass.chunks();
   const std::int64_t N = d_t_o.dim(0), M = cfg.d_model;
-  const auto chunk = [&](int i) -> const Chunk& { return plan.chunks[static_cast<std::size_t>(i)]; };
+  const auto chunk = [&](int i) -> const Chunk& { return pass.chunk(i); };
   PassBuffers out;
   std::vector<ChunkTensors>& buf = out.chunks;
   buf.resize(static_cast<std::size_t>(n));
