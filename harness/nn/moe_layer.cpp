@@ -389,14 +389,20 @@ Forwarded MoELayer::run_forward(const Tensor& x, std::unique_ptr<MoESaved> saved
   Stream& c = *compute_;
   sv.x = x;
   route(c, sv);
-  Tensor t_i = dispatch_preprocess(c, sv);  // [N,M]
-  Tensor y;                                  // [T,M]
+  const Tensor t_i = dispatch_preprocess(c, sv);  // [N,M]
+  Tensor y;                                        // [T,M]
   if (sv.plan.output_first) y = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
-  issue_forward(*this, sv, std::move(t_i), hooks);
+  PassBuffers pass = issue_forward(*this, sv, t_i, hooks);
+  if (pipeline_buffers_go_first(sv.plan)) pass = {};
   if (!y.defined()) y = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
   combine_postprocess(c, sv, y);
   return {y, std::move(saved)};
-}
+}  // T_I and the other buffers go here, ordered after the unpermute on the compute stream
+
+// A pipelined schedule that makes the output after its pipeline (MPipeMoE) releases the
+// pipeline's buffers first, so that the output may take their memory (the M_buf^pipe of
+// MPipeMoE's memory model, §III-C); FastMoE and FasterMoE hold them to the end of the pass.
+bool MoELayer::pipeline_buffers_go_first(const ChunkPlan& plan) { return !plan.one_in_flight && !plan.output_first; }
 
 Tensor MoELayer::backward_pass(MoESaved& sv, const Tensor& dy, float grad_aux, bool defer) {
   return run_backward(sv, dy, grad_aux, defer);
@@ -410,13 +416,14 @@ Tensor MoELayer::run_backward(MoESaved& sv, const Tensor& dy, float grad_aux, bo
   combine_postprocess_backward(c, sv, dy, d_t_o, d_w);
   Tensor dx;  // [T,M]
   if (sv.plan.output_first) dx = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
-  Tensor d_t_i = issue_backward(*this, sv, std::move(d_t_o), defer, hooks);  // [N,M]
+  PassBuffers pass = issue_backward(*this, sv, d_t_o, defer, hooks);
+  if (pipeline_buffers_go_first(sv.plan)) pass.chunks.clear();
   if (!dx.defined()) dx = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
-  dispatch_preprocess_backward(c, sv, d_t_i, dx);
-  d_t_i = Tensor();
+  dispatch_preprocess_backward(c, sv, pass.d_t_i, dx);
+  if (sv.plan.one_in_flight) pass.d_t_i = Tensor();  // one in flight: dT_I too goes once used
   route_backward(c, sv, d_w, grad_aux, dx, defer);
   return dx;
-}
+}  // the buffers, dT_O and dw go here, ordered after the gate's backward on the compute stream
 
 // ---- the handle API and the one-in-flight wrapper --------------------------------------------
 Tensor MoELayer::backward_input(Saved& s, const Tensor& dy, float grad_aux) {

@@ -222,6 +222,7 @@ class MoELayer {
   // Its backward: combine_postprocess_backward, the plan issued backward, dispatch_preprocess_backward,
   // route_backward.
   Tensor run_backward(MoESaved& sv, const Tensor& dy, float grad_aux, bool defer, ChunkHooks* hooks = nullptr);
+  static bool pipeline_buffers_go_first(const ChunkPlan& plan);
 
   Backend& b_;
   Communicator& comm_;

@@ -55,23 +55,34 @@ namespace {
 // (forward: dispatch; backward: combine backward), `second` the one that takes them back.
 class Pass {
  public:
+  struct Context {  // what every step is issued with
+    Backend& b;
+    const ModelConfig& cfg;
+    const ChunkPlan& plan;
+    Stream& c;   // compute
+    Stream& ds;  // the dispatch lane's stream
+    Stream& cs;  // the combine lane's stream
+    EventPool& ev;
+  };
   Pass(MoELayer& L, const ChunkPlan& plan, ChunkHooks* hooks)
-      : plan_(plan), hooks_(hooks), c_(L.compute_stream()), ev_(L.event_pool()),
-        n_(static_cast<int>(plan.chunks.size())) {
+      : ctx{L.backend(), L.config(), plan, L.compute_stream(), *plan.dispatch.stream, *plan.combine.stream,
+            L.event_pool()},
+        hooks_(hooks), n_(static_cast<int>(plan.chunks.size())) {
     MOELAB_CHECK(!plan.one_in_flight || !hooks, "a schedule with its own buffers is pipelined");
-    ev_.reset();
+    ctx.ev.reset();
     e.in.assign(static_cast<std::size_t>(n_), nullptr);
     e.computed = e.out = e.in;
   }
   int chunks() const { return n_; }
-  bool ahead() const { return !plan_.one_in_flight; }
+  const Chunk& chunk(int i) const { return ctx.plan.chunks[static_cast<std::size_t>(i)]; }
+  bool ahead() const { return !ctx.plan.one_in_flight; }
   // Pipelined: the compute stream has made every buffer; the first exchanges' lane and the
   // hooks' streams wait for that before they run ahead.
   void ready(Stream& first_lane) {
-    Event* ready = ev_.mark(c_);
-    ev_.after(first_lane, ready);
+    Event* ready = ctx.ev.mark(ctx.c);
+    ctx.ev.after(first_lane, ready);
     if (hooks_) {
-      for (Stream* s : hooks_->ready()) ev_.after(*s, ready);
+      for (Stream* s : hooks_->ready()) ctx.ev.after(*s, ready);
       hooks_->start(e);
     }
   }
@@ -81,7 +92,7 @@ class Pass {
   void step(ChunkStep kind, int i, std::vector<Event*>& done, F issue) {
     if (hooks_) hooks_->before(kind, i, e);
     Stream& s = issue();
-    done[static_cast<std::size_t>(i)] = ev_.mark(s);
+    done[static_cast<std::size_t>(i)] = ctx.ev.mark(s);
     if (hooks_) hooks_->after(kind, i, e);
   }
   // first(i + lookahead), experts(i), second(i) for i = 0, 1, ...; then the compute stream
@@ -89,26 +100,24 @@ class Pass {
   // experts step) and for the hooks' streams.
   template <class First, class Experts, class Second>
   void run(First first, Experts experts, Second second) {
-    const int lead = std::min(plan_.lookahead, n_);
+    const int lead = std::min(ctx.plan.lookahead, n_);
     for (int i = 0; i < lead; ++i) first(i);
     for (int i = 0; i < n_; ++i) {
       if (i + lead < n_) first(i + lead);
       experts(i);
       second(i);
     }
-    ev_.after(c_, e.out[static_cast<std::size_t>(n_ - 1)]);
+    ctx.ev.after(ctx.c, e.out[static_cast<std::size_t>(n_ - 1)]);
     if (hooks_) {
-      for (Stream* s : hooks_->join()) ev_.order(*s, c_);
+      for (Stream* s : hooks_->join()) ctx.ev.order(*s, ctx.c);
       hooks_->finish();
     }
   }
+  Context ctx;
   ChunkEvents e;
 
  private:
-  const ChunkPlan& plan_;
   ChunkHooks* hooks_;
-  Stream& c_;
-  EventPool& ev_;
   const int n_;
 };
 }  // namespace
@@ -117,23 +126,19 @@ class Pass {
 // so a buffer an exchange writes is made before the event the exchange waits for, and one it
 // touches is freed only after the compute stream has waited for it. Pipelined (the other streams
 // run ahead of the compute stream): all made before the `ready` event the first exchanges wait
-// for, freed at the end. One chunk in flight: each made just before the step that writes it;
-// the layer's input to the chunks (T_I, dT_O) and dT_DO freed as soon as their last reader is
-// done, the rest at the end.
-void issue_forward(MoELayer& L, MoESaved& sv, Tensor t_i, ChunkHooks* hooks) {
-  Backend& b = L.backend();
-  const ModelConfig& cfg = L.config();
-  const ChunkPlan& plan = sv.plan;
-  Stream& c = L.compute_stream();
-  Stream& ds = *plan.dispatch.stream;
-  Stream& cs = *plan.combine.stream;
-  EventPool& ev = L.event_pool();
-  Pass pass(L, plan, hooks);
+// for. One chunk in flight: each made just before the step that writes it, and dT_O, the
+// largest, released as soon as it is sent (the experts' backward runs without it). The pass
+// hands the rest back (PassBuffers); hooks release their own in finish().
+PassBuffers issue_forward(MoELayer& L, MoESaved& sv, const Tensor& t_i, ChunkHooks* hooks) {
+  Pass pass(L, sv.plan, hooks);
+  auto& [b, cfg, plan, c, ds, cs, ev] = pass.ctx;
   ChunkEvents& e = pass.e;
   const int n = pass.chunks();
   const std::int64_t N = t_i.dim(0), M = cfg.d_model, H = cfg.d_hidden;
-  const auto chunk = [&](int i) -> const Chunk& { return plan.chunks[static_cast<std::size_t>(i)]; };
-  std::vector<ChunkTensors> buf(static_cast<std::size_t>(n));
+  const auto chunk = [&](int i) -> const Chunk& { return pass.chunk(i); };
+  PassBuffers out;
+  std::vector<ChunkTensors>& buf = out.chunks;
+  buf.resize(static_cast<std::size_t>(n));
   const auto at = [&](int i) -> ChunkTensors& { return buf[static_cast<std::size_t>(i)]; };
   if (!hooks) sv.kept.assign(static_cast<std::size_t>(n), {});
   auto make_t_di = [&](int i) {  // T_DI_c [R_c,M]
@@ -171,10 +176,7 @@ void issue_forward(MoELayer& L, MoESaved& sv, Tensor t_i, ChunkHooks* hooks) {
       },
       [&](int i) {  // C_i
         ev.after(c, e.in[static_cast<std::size_t>(i)]);
-        if (!pass.ahead()) {
-          if (i + 1 == n) t_i = Tensor();  // its last dispatch is done
-          make_t_m_t_do(i);
-        }
+        if (!pass.ahead()) make_t_m_t_do(i);
         pass.step(ChunkStep::experts, i, e.computed, [&]() -> Stream& {
           if (!(plan.skip_empty && chunk(i).R == 0)) L.experts(c, chunk(i), at(i).t_di, at(i).t_m, at(i).t_do);
           if (!sv.t_o.defined()) sv.t_o = b.empty({N, M}, cfg.dtype, MemCategory::activations, c);  // before R_i waits
@@ -188,22 +190,20 @@ void issue_forward(MoELayer& L, MoESaved& sv, Tensor t_i, ChunkHooks* hooks) {
           return cs;
         });
       });
+  return out;
 }
 
-Tensor issue_backward(MoELayer& L, MoESaved& sv, Tensor d_t_o, bool defer, ChunkHooks* hooks) {
-  Backend& b = L.backend();
-  const ModelConfig& cfg = L.config();
-  const ChunkPlan& plan = sv.plan;
-  Stream& c = L.compute_stream();
-  Stream& ds = *plan.dispatch.stream;
-  Stream& cs = *plan.combine.stream;
-  EventPool& ev = L.event_pool();
-  Pass pass(L, plan, hooks);
+PassBuffers issue_backward(MoELayer& L, MoESaved& sv, Tensor& d_t_o, bool defer, ChunkHooks* hooks) {
+  Pass pass(L, sv.plan, hooks);
+  auto& [b, cfg, plan, c, ds, cs, ev] = pass.ctx;
   ChunkEvents& e = pass.e;
   const int n = pass.chunks();
   const std::int64_t N = d_t_o.dim(0), M = cfg.d_model;
-  const auto chunk = [&](int i) -> const Chunk& { return plan.chunks[static_cast<std::size_t>(i)]; };
-  std::vector<ChunkTensors> buf(static_cast<std::size_t>(n));
+  const auto chunk = [&](int i) -> const Chunk& { return pass.chunk(i); };
+  PassBuffers out;
+  std::vector<ChunkTensors>& buf = out.chunks;
+  buf.resize(static_cast<std::size_t>(n));
+  Tensor& d_t_i = out.d_t_i;  // [N,M]
   const auto at = [&](int i) -> ChunkTensors& { return buf[static_cast<std::size_t>(i)]; };
   auto make = [&](Tensor& t, int i) { t = b.empty({chunk(i).R, M}, cfg.dtype, MemCategory::buffers, c); };  // [R_i,M]
   if (!hooks)
@@ -212,7 +212,6 @@ Tensor issue_backward(MoELayer& L, MoESaved& sv, Tensor d_t_o, bool defer, Chunk
       at(i).t_m = sv.kept[static_cast<std::size_t>(i)].t_m;
     }
   if (defer) sv.expert_wgrad.assign(static_cast<std::size_t>(n), {});
-  Tensor d_t_i;  // [N,M]
   if (pass.ahead()) {
     d_t_i = b.empty({N, M}, cfg.dtype, MemCategory::buffers, c);
     if (hooks) hooks->allocate();
@@ -250,7 +249,6 @@ Tensor issue_backward(MoELayer& L, MoESaved& sv, Tensor d_t_o, bool defer, Chunk
             if (w) w->chunk = static_cast<std::size_t>(i);
             L.experts_backward(c, chunk(i), t.t_di, t.t_m, t.d_t_do, t.d_t_di, w);
           }
-          if (!pass.ahead()) t.d_t_do = Tensor();  // read by the compute stream alone (a deferred dW2 keeps its own)
           if (!d_t_i.defined()) d_t_i = b.empty({N, M}, cfg.dtype, MemCategory::buffers, c);  // before S'_i waits
           return c;
         });
@@ -262,7 +260,7 @@ Tensor issue_backward(MoELayer& L, MoESaved& sv, Tensor d_t_o, bool defer, Chunk
           return ds;
         });
       });
-  return d_t_i;
+  return out;
 }
 
 }  // namespace moelab

@@ -48,10 +48,9 @@ struct ChunkPlan {
   Lane dispatch;                 // each chunk's dispatch (forward) / dispatch backward
   Lane combine;                  // each chunk's combine (forward) / combine backward
   int lookahead = 0;             // FasterMoE: 1 (S_{i+1} is queued before C_i)
-  // One chunk in flight (FastMoE): each buffer is made just before the step that writes it and
-  // released once the compute stream has waited for its last reader. Otherwise (pipelined) the
-  // other streams run ahead of the compute stream, so every buffer they touch is made before
-  // the pipeline starts and released when it has ended.
+  // One chunk in flight (FastMoE): each buffer is made just before the step that writes it.
+  // Otherwise (pipelined) the other streams run ahead of the compute stream, so every buffer
+  // they touch is made before the pipeline starts (issue_forward has the whole rule).
   bool one_in_flight = false;
   // The layer's output (y forward, dx backward) made with the buffers, before the pipeline
   // (FasterMoE's implementation does so), rather than after it.
@@ -122,14 +121,20 @@ class ChunkHooks {
   virtual void finish() {}                              // then: the pass's own buffers may go
 };
 
+// The buffers a pass made, handed back: the schedule decides when they go (MoELayer::run_forward).
+struct PassBuffers {
+  std::vector<ChunkTensors> chunks;  // per chunk: T_DO_c (forward); dT_DO_c, dT_DI_c (backward)
+  Tensor d_t_i;                      // [N,M] backward: dT_I
+};
+
 // Runs sv.plan forward: for every chunk its dispatch (T_I -> T_DI_c, on the plan's dispatch
 // lane), experts (compute stream) and combine (T_DO_c -> T_O rows, combine lane), in the plan's
 // order, each step waiting for the one it reads from; the compute stream waits for the last
 // exchanges at the end. Fills sv.t_o [N,M] and, unless hooks supply the buffers, sv.kept.
-void issue_forward(MoELayer& layer, MoESaved& sv, Tensor t_i, ChunkHooks* hooks = nullptr);
+PassBuffers issue_forward(MoELayer& layer, MoESaved& sv, const Tensor& t_i, ChunkHooks* hooks = nullptr);
 // The mirror: dT_O [N,M] -> per chunk combine backward (dT_O rows -> dT_DO_c), experts backward
 // (-> dT_DI_c; with defer, the weight-gradient GEMMs left in sv), dispatch backward (dT_DI_c ->
-// dT_I rows). Returns dT_I [N,M].
-Tensor issue_backward(MoELayer& layer, MoESaved& sv, Tensor d_t_o, bool defer, ChunkHooks* hooks = nullptr);
+// dT_I rows). One chunk in flight, d_t_o is released once sent.
+PassBuffers issue_backward(MoELayer& layer, MoESaved& sv, Tensor& d_t_o, bool defer, ChunkHooks* hooks = nullptr);
 
 }  // namespace moelab
