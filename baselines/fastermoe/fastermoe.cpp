@@ -1,17 +1,16 @@
-// baselines/fastermoe/fastermoe.cpp — FasterMoE's smart schedule on the harness's MoELayer
-// (see fastermoe.hpp for the schedule, README.md for paper section -> code and a timeline).
+// baselines/fastermoe/fastermoe.cpp — FasterMoE's smart schedule as a chunk plan for the
+// harness's MoE layer (see fastermoe.hpp for the schedule, README.md for paper section -> code
+// and a timeline).
 //   ctest --test-dir build -R "fastermoe|moe_layer_mpi"
 //
-// Notation as in harness/nn/moe_layer.hpp: T tokens, M d_model, H d_hidden, El local experts,
-// N dispatched rows (T_I), W ranks, G group size, n_g = W / G steps, R_i rows received in
-// step i (T_DI_i). Only the exchange and the expert compute are stepped; T_I and T_O stay
-// global (one permute, one unpermute), so the gate and the row order of T_I are the base
-// layer's and every step reads or fills a disjoint set of T_I / T_O rows.
+// Notation as in harness/nn/moe_layer.hpp: W ranks, G group size, n_g = W / G steps. Only the
+// exchange and the expert compute are stepped; T_I and T_O stay global (one permute, one
+// unpermute), so the gate and the row order of T_I are the base layer's and every step reads
+// or fills a disjoint set of T_I / T_O rows.
 #include "baselines/fastermoe/fastermoe.hpp"
 
 #include <algorithm>
 #include <limits>
-#include <numeric>
 #include <string>
 
 #include "harness/runtime/error.hpp"
@@ -54,269 +53,49 @@ GroupPlan parse_options(const nlohmann::json& options, int world) {
   return p;
 }
 
-// ---- the layer ---------------------------------------------------------------------------
+// ---- the planner -------------------------------------------------------------------------
+// The base layer's steps, issued by the chunk issuer (harness/nn/moe_schedule.hpp): only the
+// chunks, the stream assignment and the order are FasterMoE's.
 class FasterMoELayer final : public MoELayer {
  public:
-  FasterMoELayer(Backend& b, Communicator& c, const ModelConfig& m, int group_size)
-      : MoELayer(b, c, m), G_(group_size), n_g_(c.size() / group_size) {
-    for (int i = 0; i < n_g_; ++i) {
-      ev_arrived_.push_back(b_.create_event());
-      ev_computed_.push_back(b_.create_event());
-    }
-    ev_ready_ = b_.create_event();
-    ev_returned_ = b_.create_event();
-  }
-
-  Tensor forward(const Tensor& x) override;
-  Tensor backward(const Tensor& dy, float grad_aux) override;
-  // The six expert GEMMs per local expert and step, with the last forward's per-step rows.
-  std::vector<GemmProblem> step_gemm_problems();
+  FasterMoELayer(Backend& b, Communicator& c, const ModelConfig& m, int group_size, MoEChannels* channels)
+      : MoELayer(b, c, m, channels), G_(group_size), n_g_(c.size() / group_size) {}
 
  private:
-  // Group-wise exchange (§4): the peers and rows of one step.
-  struct Step {
-    std::vector<Segment> sends;        // T_I rows to each (peer of the target group, its local expert)
-    std::vector<Segment> recvs;        // T_DI_i rows from each (peer of the source group, my local expert)
-    std::vector<std::int64_t> rows;    // [El] rows of each local expert in T_DI_i
-    std::vector<std::int64_t> offset;  // [El] first row of each local expert in T_DI_i
-    std::int64_t total = 0;            // R_i
-    Tensor t_di;                       // [R_i,M] saved for backward
-    Tensor t_m;                        // [R_i,H] saved for backward (FC1 output before the activation)
-  };
-  void plan_steps(const std::vector<std::int64_t>& sent, const std::vector<std::int64_t>& recv);
-
+  ChunkPlan plan_chunks(MoESaved& sv) override;
   const int G_, n_g_;
-  std::vector<Step> steps_;
-  std::vector<std::unique_ptr<Event>> ev_arrived_;   // [n_g] the step's rows are in (S_i, or R'_i in backward)
-  std::vector<std::unique_ptr<Event>> ev_computed_;  // [n_g] C_i done
-  std::unique_ptr<Event> ev_ready_;     // compute -> communication: the exchange buffers exist and T_I is permuted
-  std::unique_ptr<Event> ev_returned_;  // communication -> compute: the last exchange is done
 };
 
 // Step i: my group g sends to group (g + i) mod n_g and receives from group (g - i) mod n_g.
-// sent[p*El + l]: rows of T_I for local expert l of rank p (T_I is expert-major, i.e.
-// destination-rank-major); recv[p*El + l]: rows rank p sends to my local expert l. Segments
-// are listed per peer in local-expert order on both sides, so that they match; T_DI_i is
-// local-expert-major with the source ranks in rank order within an expert.
-void FasterMoELayer::plan_steps(const std::vector<std::int64_t>& sent, const std::vector<std::int64_t>& recv) {
-  const std::int64_t M = cfg_.d_model, El = local_experts_;
-  const int W = comm_.size(), g = comm_.rank() / G_;
-  const auto at = [El](int p, std::int64_t l) { return static_cast<std::size_t>(p * El + l); };
-  std::vector<std::int64_t> first_row(static_cast<std::size_t>(W) + 1, 0);  // first T_I row of each peer
-  for (int p = 0; p < W; ++p)
-    first_row[static_cast<std::size_t>(p) + 1] =
-        first_row[static_cast<std::size_t>(p)] +
-        std::accumulate(sent.begin() + static_cast<std::ptrdiff_t>(at(p, 0)),
-                        sent.begin() + static_cast<std::ptrdiff_t>(at(p, El)), std::int64_t{0});
-  steps_.assign(static_cast<std::size_t>(n_g_), Step{});
+ChunkPlan FasterMoELayer::plan_chunks(MoESaved& sv) {
+  const auto recv = comm_.exchange_counts(sv.sent);  // [W*El] rows each peer sends my local experts
+  const int g = comm_.rank() / G_;
+  ChunkPlan plan;
   for (int i = 0; i < n_g_; ++i) {
-    Step& st = steps_[static_cast<std::size_t>(i)];
     const int target = (g + i) % n_g_, source = (g - i + n_g_) % n_g_;
-    st.rows.assign(static_cast<std::size_t>(El), 0);
-    for (int p = source * G_; p < (source + 1) * G_; ++p)
-      for (std::int64_t l = 0; l < El; ++l) st.rows[static_cast<std::size_t>(l)] += recv[at(p, l)];
-    st.offset.assign(static_cast<std::size_t>(El), 0);
-    std::exclusive_scan(st.rows.begin(), st.rows.end(), st.offset.begin(), std::int64_t{0});
-    st.total = std::accumulate(st.rows.begin(), st.rows.end(), std::int64_t{0});
-    std::vector<std::int64_t> fill = st.offset;  // next free row of each local expert in T_DI_i
+    std::vector<int> to, from;
     for (int k = 0; k < G_; ++k) {
-      const int to = target * G_ + k, from = source * G_ + k;
-      std::int64_t row = first_row[static_cast<std::size_t>(to)];
-      for (std::int64_t l = 0; l < El; ++l) {
-        st.sends.push_back({to, row * M, sent[at(to, l)] * M});
-        row += sent[at(to, l)];
-        const std::int64_t nr = recv[at(from, l)];
-        st.recvs.push_back({from, fill[static_cast<std::size_t>(l)] * M, nr * M});
-        fill[static_cast<std::size_t>(l)] += nr;
-      }
+      to.push_back(target * G_ + k);
+      from.push_back(source * G_ + k);
     }
+    plan.chunks.push_back(peer_chunk(sv.sent, recv, local_experts_, cfg_.d_model, to, from));
   }
-}
-
-Tensor FasterMoELayer::forward(const Tensor& x) {
-  const std::int64_t T = x.dim(0), M = cfg_.d_model, H = cfg_.d_hidden, El = local_experts_;
-  if (x.ndim() != 2 || x.dim(1) != M || x.dtype() != cfg_.dtype)
-    throw ConfigError("MoE layer input " + x.describe() + " does not match d_model = " + std::to_string(M) +
-                      ", dtype " + dtype_name(cfg_.dtype));
-  Stream& c = *compute_;
-  Stream& cs = *dispatch_;            // FasterMoE's communication stream: every S and R, in order
-  Communicator& cc = *dispatch_comm_;
-  saved_ = std::make_unique<Saved>();
-  Saved& sv = *saved_;
-  sv.x = x;
-  ++step_;
-
-  gate_phase(x);
-
-  // ---- dispatch preparation: permute to T_I [N,M], exchange counts, plan the n_g steps ----
-  Tensor t_i;
-  {
-    PhaseScope ph(b_, "dispatch");
-    const auto& sent = routing_.sent_per_expert;
-    const std::int64_t N = std::accumulate(sent.begin(), sent.end(), std::int64_t{0});
-    t_i = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
-    b_.permute(c, x, sv.slot, t_i);
-    const auto recv = comm_.exchange_counts(sent);
-    plan_steps(sent, recv);
-    sv.rows_per_local.assign(static_cast<std::size_t>(El), 0);
-    for (const Step& st : steps_)
-      for (std::int64_t l = 0; l < El; ++l) sv.rows_per_local[static_cast<std::size_t>(l)] += st.rows[static_cast<std::size_t>(l)];
-    routing_.recv_per_local = sv.rows_per_local;
-  }
-
-  // Every buffer the communication stream touches is allocated on the compute stream before
-  // ev_ready_ (stream-ordered memory): T_DI_i [R_i,M], T_O [N,M]. T_M_i [R_i,H] and
-  // T_DO_i [R_i,M] are the experts' (compute stream).
-  std::vector<Tensor> t_do(static_cast<std::size_t>(n_g_));
-  for (int i = 0; i < n_g_; ++i) {
-    Step& st = steps_[static_cast<std::size_t>(i)];
-    st.t_di = b_.empty({st.total, M}, cfg_.dtype, MemCategory::activations, c);
-    st.t_m = b_.empty({st.total, H}, cfg_.dtype, MemCategory::activations, c);
-    t_do[static_cast<std::size_t>(i)] = b_.empty({st.total, M}, cfg_.dtype, MemCategory::buffers, c);
-  }
-  sv.t_o = b_.empty({t_i.dim(0), M}, cfg_.dtype, MemCategory::activations, c);
-  Tensor y = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
-  b_.record(*ev_ready_, c);
-  b_.wait(cs, *ev_ready_);
-
-  // S_i: T_I rows for the target group -> T_DI_i from the source group.
-  auto dispatch_step = [&](int i) {
-    Step& st = steps_[static_cast<std::size_t>(i)];
-    PhaseScope ph(b_, "dispatch");
-    cc.all_to_all_v(cs, t_i, st.sends, st.t_di, st.recvs);
-    b_.record(*ev_arrived_[static_cast<std::size_t>(i)], cs);
-  };
-  // C_i: the experts on the step's rows.
-  auto expert_step = [&](int i) {
-    Step& st = steps_[static_cast<std::size_t>(i)];
-    PhaseScope ph(b_, "experts");
-    b_.wait(c, *ev_arrived_[static_cast<std::size_t>(i)]);
-    if (st.total > 0) experts_forward(c, st.t_di, st.rows, st.offset, st.t_m, t_do[static_cast<std::size_t>(i)]);
-    b_.record(*ev_computed_[static_cast<std::size_t>(i)], c);
-  };
-  // R_i: T_DO_i back to the source group's T_O rows (the segments of S_i reversed).
-  auto combine_step = [&](int i) {
-    Step& st = steps_[static_cast<std::size_t>(i)];
-    PhaseScope ph(b_, "combine");
-    b_.wait(cs, *ev_computed_[static_cast<std::size_t>(i)]);
-    cc.all_to_all_v(cs, t_do[static_cast<std::size_t>(i)], st.recvs, sv.t_o, st.sends);
-  };
-  // Communication stream: S_0, S_1, R_0, S_2, R_1, ..., R_{n_g-1}; compute stream: C_0, C_1, ...
-  dispatch_step(0);
-  for (int i = 0; i < n_g_; ++i) {
-    if (i + 1 < n_g_) dispatch_step(i + 1);
-    expert_step(i);
-    combine_step(i);
-  }
-
-  // ---- combine: unpermute T_O [N,M] with the gate weights -> y [T,M] ------------------------
-  {
-    PhaseScope ph(b_, "combine");
-    b_.record(*ev_returned_, cs);
-    b_.wait(c, *ev_returned_);
-    b_.unpermute(c, sv.t_o, sv.slot, sv.topk_w, y);
-  }
-  return y;  // t_i and T_DO_i are freed here, after the compute stream waited for the last R
-}
-
-Tensor FasterMoELayer::backward(const Tensor& dy, float grad_aux) {
-  MOELAB_CHECK(saved_ != nullptr, "FasterMoE backward called without a forward");
-  Saved& sv = *saved_;
-  const std::int64_t T = sv.x.dim(0), M = cfg_.d_model, N = sv.t_o.dim(0);
-  const int k = cfg_.top_k;
-  if (dy.ndim() != 2 || dy.dim(0) != T || dy.dim(1) != M || dy.dtype() != cfg_.dtype)
-    throw ConfigError("MoE layer output gradient " + dy.describe() + " does not match the forward's output [" +
-                      std::to_string(T) + ", " + std::to_string(M) + "]");
-  Stream& c = *compute_;
-  Stream& cs = *dispatch_;
-  Communicator& cc = *dispatch_comm_;
-
-  // ---- combine backward, local part: dT_O [N,M] and dw [T,k] from dy ------------------------
-  Tensor d_w = b_.empty({T, k}, DType::f32, MemCategory::buffers, c);
-  Tensor d_t_o = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
-  {
-    PhaseScope ph(b_, "combine");
-    b_.unpermute_backward(c, dy, sv.t_o, sv.slot, sv.topk_w, d_t_o, d_w);
-  }
-  std::vector<Tensor> d_t_do(static_cast<std::size_t>(n_g_)), d_t_di(static_cast<std::size_t>(n_g_));
-  for (int i = 0; i < n_g_; ++i) {
-    const std::int64_t R = steps_[static_cast<std::size_t>(i)].total;
-    d_t_do[static_cast<std::size_t>(i)] = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);  // [R_i,M]
-    d_t_di[static_cast<std::size_t>(i)] = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);  // [R_i,M]
-  }
-  Tensor d_t_i = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
-  Tensor dx = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
-  b_.record(*ev_ready_, c);
-  b_.wait(cs, *ev_ready_);
-
-  // R'_i: dT_O rows of the step's target group -> dT_DO_i from its source group.
-  auto combine_back_step = [&](int i) {
-    Step& st = steps_[static_cast<std::size_t>(i)];
-    PhaseScope ph(b_, "combine");
-    cc.all_to_all_v(cs, d_t_o, st.sends, d_t_do[static_cast<std::size_t>(i)], st.recvs);
-    b_.record(*ev_arrived_[static_cast<std::size_t>(i)], cs);
-  };
-  // C'_i: experts backward on the step's rows; dW1, dW2 accumulate (beta = 1) over steps.
-  auto expert_back_step = [&](int i) {
-    Step& st = steps_[static_cast<std::size_t>(i)];
-    PhaseScope ph(b_, "experts");
-    b_.wait(c, *ev_arrived_[static_cast<std::size_t>(i)]);
-    if (st.total > 0)
-      experts_backward(c, st.t_di, st.t_m, d_t_do[static_cast<std::size_t>(i)], st.rows, st.offset,
-                       d_t_di[static_cast<std::size_t>(i)]);
-    b_.record(*ev_computed_[static_cast<std::size_t>(i)], c);
-  };
-  // S'_i: dT_DI_i back to the source group's dT_I rows.
-  auto dispatch_back_step = [&](int i) {
-    Step& st = steps_[static_cast<std::size_t>(i)];
-    PhaseScope ph(b_, "dispatch");
-    b_.wait(cs, *ev_computed_[static_cast<std::size_t>(i)]);
-    cc.all_to_all_v(cs, d_t_di[static_cast<std::size_t>(i)], st.recvs, d_t_i, st.sends);
-  };
-  // Communication stream: R'_0, R'_1, S'_0, R'_2, S'_1, ..., S'_{n_g-1}; compute: C'_0, C'_1, ...
-  combine_back_step(0);
-  for (int i = 0; i < n_g_; ++i) {
-    if (i + 1 < n_g_) combine_back_step(i + 1);
-    expert_back_step(i);
-    dispatch_back_step(i);
-  }
-
-  // ---- dispatch backward, local part: dT_I [N,M] -> dx [T,M]; then the gate ----------------
-  {
-    PhaseScope ph(b_, "dispatch");
-    b_.record(*ev_returned_, cs);
-    b_.wait(c, *ev_returned_);
-    b_.permute_backward(c, d_t_i, sv.slot, dx);
-  }
-  gate_backward_phase(d_w, grad_aux, dx);
-  // Frees the saved activations (T_DI_i, T_M_i, T_O, gate outputs), ordered after everything
-  // above on the compute stream. The plan (segments, rows) stays for step_gemm_problems().
-  saved_.reset();
-  for (Step& st : steps_) st.t_di = st.t_m = Tensor();
-  return dx;
-}
-
-std::vector<GemmProblem> FasterMoELayer::step_gemm_problems() {
-  // The base layer builds the six GEMMs per local expert from routing_.recv_per_local: let it
-  // do so once per step with that step's rows (one formula for the problems, not two).
-  const std::vector<std::int64_t> total = routing_.recv_per_local;
-  std::vector<GemmProblem> ps;
-  for (const Step& st : steps_) {
-    routing_.recv_per_local = st.rows;
-    auto p = expert_gemm_problems();
-    ps.insert(ps.end(), p.begin(), p.end());
-  }
-  routing_.recv_per_local = total;
-  return ps;
+  // One communication stream carries every S and R, in the order S_0, S_1, R_0, S_2, R_1, ...
+  plan.dispatch = plan.combine = {dispatch_, dispatch_comm_};
+  plan.lookahead = 1;
+  plan.output_first = true;  // as fmoe's fused forward allocates its output with its buffers
+  plan.skip_empty = true;
+  return plan;
 }
 
 // ---- the MoEImpl adapter -----------------------------------------------------------------
 class FasterMoE final : public LayerBackedImpl<FasterMoELayer> {
  public:
-  FasterMoE(Backend& b, Communicator& c, const ModelConfig& m, const GroupPlan& plan)
-      : LayerBackedImpl(b, c, m, plan.group_size), plan_(plan) {}
+  FasterMoE(Backend& b, Communicator& c, const ModelConfig& m, const GroupPlan& plan, MoEChannels* channels)
+      : LayerBackedImpl(b, c, m, plan.group_size, channels), plan_(plan) {}
   std::string name() const override { return "fastermoe"; }
-  std::vector<GemmProblem> expert_gemms() override { return layer_.step_gemm_problems(); }
+  // The six GEMMs per local expert, once per step with that step's rows.
+  std::vector<GemmProblem> expert_gemms() override { return layer_.expert_gemm_problems(true); }
   nlohmann::json report() override {
     nlohmann::json r = {{"schedule", "FasterMoE smart schedule"}, {"group_size", plan_.group_size},
                         {"steps", plan_.steps}};
@@ -332,14 +111,19 @@ class FasterMoE final : public LayerBackedImpl<FasterMoELayer> {
   GroupPlan plan_;
 };
 
+std::unique_ptr<MoEImpl> make(Backend& b, Communicator& c, const ModelConfig& m, const nlohmann::json& options,
+                              MoEChannels* channels) {
+  const GroupPlan plan = parse_options(options, c.size());  // before any work
+  return std::make_unique<FasterMoE>(b, c, m, plan, channels);
+}
+
 }  // namespace
 
 std::unique_ptr<MoEImpl> make_fastermoe(Backend& b, Communicator& c, const ModelConfig& m,
                                         const nlohmann::json& options) {
-  const GroupPlan plan = parse_options(options, c.size());  // before any work
-  return std::make_unique<FasterMoE>(b, c, m, plan);
+  return make(b, c, m, options, nullptr);
 }
 
-void register_fastermoe() { register_impl("fastermoe", make_fastermoe); }
+void register_fastermoe() { register_impl("fastermoe", make); }
 
 }  // namespace moelab

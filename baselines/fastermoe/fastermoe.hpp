@@ -8,8 +8,12 @@
 // and receives from group (g - i) mod n_g. Per step: S_i (dispatch exchange), C_i (experts),
 // R_i (combine exchange); on two streams the communication stream runs S_0, S_1, R_0, S_2,
 // R_1, ... and the compute stream C_0, C_1, ..., so S_{i+1} and R_{i-1} overlap C_i.
-// Gate, permute, unpermute and the experts' math are the harness's MoELayer's: outputs and
-// gradients equal the unpipelined layer's up to fp32 summation order.
+// Gate, permute, unpermute and the experts' math are the harness's MoELayer's, and the steps
+// are issued by its chunk issuer (harness/nn/moe_schedule.hpp): this baseline is a planner
+// (the steps as chunks, one communication stream, S_{i+1} queued before C_i). Outputs and
+// gradients equal the unpipelined layer's up to fp32 summation order. Any number of
+// microbatches may be in flight (MoEImpl's handle API); backward_weight runs the expert and
+// gate weight-gradient GEMMs that backward_input deferred, as for FastMoE.
 //
 // Options (JSON object): {"group_size": G}, G a positive integer dividing the world size;
 // a world smaller than G runs as one group of W (report() says so). Anything else is a

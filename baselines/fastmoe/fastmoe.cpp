@@ -14,14 +14,19 @@ class FastMoE final : public LayerBackedImpl<MoELayer> {
   nlohmann::json report() override { return {{"schedule", "unpipelined expert parallelism"}}; }
 };
 
+std::unique_ptr<MoEImpl> make(Backend& b, Communicator& c, const ModelConfig& m, const nlohmann::json& options,
+                              MoEChannels* channels) {
+  if (!options.is_null() && !options.empty())
+    throw ConfigError("fastmoe takes no options, got " + options.dump());
+  return std::make_unique<FastMoE>(b, c, m, channels);
+}
+
 }  // namespace
 
 std::unique_ptr<MoEImpl> make_fastmoe(Backend& b, Communicator& c, const ModelConfig& m, const nlohmann::json& options) {
-  if (!options.is_null() && !options.empty())
-    throw ConfigError("fastmoe takes no options, got " + options.dump());
-  return std::make_unique<FastMoE>(b, c, m);
+  return make(b, c, m, options, nullptr);
 }
 
-void register_fastmoe() { register_impl("fastmoe", make_fastmoe); }
+void register_fastmoe() { register_impl("fastmoe", make); }
 
 }  // namespace moelab

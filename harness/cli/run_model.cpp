@@ -8,7 +8,8 @@
 // A step: zero_grad; for each of --microbatches microbatches of --micro-batch sequences: forward,
 // backward (input then weight gradients); the replicated parameters' gradients summed over the
 // ranks (data parallelism; the experts are sharded by expert parallelism over the same ranks);
-// one optimizer step. Inputs are the synthetic language of harness/nn/data.hpp (a stage without
+// one optimizer step. Inputs are the synthetic language of harness/nn/data.hpp, new tokens
+// every step, uploaded before the step's clock starts (a stage without
 // the embedding gets random activations, one without the head a random output gradient).
 // Reported: tokens/s, step time split by block kind (attention, mlp, the MoE layer's phases,
 // embedding, head, optimizer), model FLOPs utilisation where the backend knows its peak,
@@ -55,12 +56,6 @@ void validate_model_for_world(const TransformerConfig& cfg, const RunOptions& op
                       " is not divisible by the expert-parallel degree " + std::to_string(world) + " (the ranks)");
 }
 
-Tensor upload_ids(Backend& b, const std::vector<std::int32_t>& v) {
-  Tensor t = b.empty({static_cast<std::int64_t>(v.size())}, DType::i32, MemCategory::activations, b.default_stream());
-  b.upload_i32(v, t);
-  return t;
-}
-
 Tensor random_rows(Backend& b, std::int64_t rows, std::int64_t width, DType dt, std::uint64_t seed) {
   Tensor t = b.empty({rows, width}, dt, MemCategory::activations, b.default_stream());
   if (!b.has_data()) return t;
@@ -98,17 +93,24 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     const auto next = synthetic_successor(cfg.vocab_size, opt.seed);
     const Tensor dy = model.has_head() ? Tensor() : random_rows(b, T, M, cfg.dtype, Rng::mix(opt.seed, 2, static_cast<std::uint64_t>(rank)));
 
-    // One batch per microbatch, the same every step (the numbers, not the timing, change with data).
-    std::vector<Batch> batches;
+    // One batch per microbatch, new tokens every step, uploaded before the step's clock starts.
+    std::vector<Batch> batches(static_cast<std::size_t>(opt.microbatches));
     for (int mb = 0; mb < opt.microbatches; ++mb) {
-      const TokenBatch tb = synthetic_batch(next, opt.micro_batch, S, opt.seed, 1, mb, rank);
-      Batch x;
-      x.input = model.has_embedding() ? upload_ids(b, tb.ids)
+      Batch& x = batches[static_cast<std::size_t>(mb)];
+      x.input = model.has_embedding() ? b.empty({T}, DType::i32, MemCategory::activations, b.default_stream())
                                       : random_rows(b, T, M, cfg.dtype, Rng::mix(opt.seed, 1, Rng::mix(static_cast<std::uint64_t>(rank), static_cast<std::uint64_t>(mb))));
-      if (model.has_head()) x.targets = upload_ids(b, tb.targets);
+      if (model.has_head()) x.targets = b.empty({T}, DType::i32, MemCategory::activations, b.default_stream());
       x.loss_scale = scale;
-      batches.push_back(x);
     }
+    auto prepare = [&](std::uint64_t step_no) {
+      if (!b.has_data()) return;
+      for (int mb = 0; mb < opt.microbatches; ++mb) {
+        const TokenBatch tb = synthetic_batch(next, opt.micro_batch, S, opt.seed, step_no, mb, rank);
+        Batch& x = batches[static_cast<std::size_t>(mb)];
+        if (model.has_embedding()) b.upload_i32(tb.ids, x.input);
+        if (model.has_head()) b.upload_i32(tb.targets, x.targets);
+      }
+    };
 
     std::vector<Tensor> losses;  // [T] fp32 per microbatch of the last step
     std::uint64_t step_no = 0;
@@ -141,6 +143,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
 
     std::vector<double> loss_curve;
     for (int i = 0; i < warmup; ++i) {
+      prepare(step_no + 1);
       step();
       loss_curve.push_back(mean_loss());
     }
@@ -152,6 +155,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     const double window_start = b.now();
     std::vector<double> step_s;
     for (int i = 0; i < steps; ++i) {
+      prepare(step_no + 1);
       c.barrier();
       const double t0 = b.now();
       step();

@@ -11,11 +11,18 @@
 // One communicator must be used from one stream at a time (all ranks must issue its calls in
 // the same order). To let two collectives overlap — MPipeMoE's dispatch and combine, say —
 // give each its own communicator with dup().
+//
+// Groups: split() carves a communicator into disjoint sub-communicators with MPI_Comm_split's
+// semantics (MPI 4.0, section 7.4.2): the ranks passing the same color form one, ordered by
+// key and then by their rank in the parent. Ranks and peers are always numbered within the
+// communicator; world_ranks() translates them to the world (for the topology, node placement
+// and reports). harness/comm/groups.hpp builds the TP/PP/DP/EP groups of a layout this way.
 #pragma once
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "harness/runtime/backend.hpp"
@@ -38,6 +45,17 @@ class Communicator {
   virtual std::string kind() const = 0;  // "self", "mpi", "nccl", "sim"
   // An independent channel over the same ranks (collective: every rank must call it).
   virtual std::unique_ptr<Communicator> dup() = 0;
+  // Collective over this communicator (every rank calls it, in the same order as its other
+  // control-plane calls): the ranks with the same color >= 0 form a new communicator, ranked
+  // by key, ties by rank here. color < 0 (MPI_UNDEFINED): this rank joins none, nullptr.
+  // Like dup(), a setup call: not while this communicator's data plane is busy on a stream
+  // (NCCL communicators are not thread-safe). The default throws Unsupported (a test double
+  // that never splits).
+  virtual std::unique_ptr<Communicator> split(int color, int key);
+  // The world rank of each member, indexed by rank in this communicator. The default is the
+  // identity over size(): right for a world communicator.
+  virtual std::vector<int> world_ranks() const;
+  int world_rank(int rank) const;  // world_ranks()[rank]
 
   // ---- data plane (stream-ordered) -----------------------------------------------------
   // All-to-all-v: send's segments go to their peers, recv's segments are filled from theirs.
@@ -67,6 +85,10 @@ class Communicator {
 // Bytes this rank sends to other ranks (self excluded) for an all_to_all_v: the comm_bytes
 // of its cost descriptor.
 double segments_bytes_to_others(std::span<const Segment> sends, int self, DType dtype);
+
+// split()'s membership rule, for implementations that compute it themselves: given every
+// rank's (color, key) by rank, the ranks that share `color`, ordered by key then rank.
+std::vector<int> split_members(std::span<const std::pair<int, int>> color_key, int color);
 
 // A world of one rank: every collective is a local copy on the backend.
 std::unique_ptr<Communicator> make_self_communicator(Backend& backend);

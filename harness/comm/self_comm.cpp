@@ -19,6 +19,9 @@ class SelfCommunicator final : public Communicator {
   int size() const override { return 1; }
   std::string kind() const override { return "self"; }
   std::unique_ptr<Communicator> dup() override { return std::make_unique<SelfCommunicator>(b_); }
+  std::unique_ptr<Communicator> split(int color, int) override {
+    return color < 0 ? nullptr : std::make_unique<SelfCommunicator>(b_);
+  }
 
   void all_to_all_v(Stream& s, const Tensor& send, std::span<const Segment> sends, Tensor& recv,
                     std::span<const Segment> recvs) override {

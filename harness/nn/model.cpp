@@ -33,9 +33,13 @@ Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const M
   }
   for (int l = first_; l < last_; ++l) {
     blocks_.push_back(std::make_unique<AttentionBlock>(b, s_, cfg, l));
-    if (cfg.is_moe(l))
-      blocks_.push_back(std::make_unique<FfnBlock>(b, s_, cfg, l, make_impl(opt.impl, b, ep, cfg.moe, opt.impl_options),
-                                                   opt.aux_loss_coef));
+    if (cfg.is_moe(l)) {
+      // Every MoE layer of the model issues on one set of streams and communicators: L layers
+      // do not make 2L streams and 2L duplicates of the expert-parallel communicator.
+      if (!channels_) channels_ = std::make_unique<MoEChannels>(b, ep);
+      blocks_.push_back(std::make_unique<FfnBlock>(
+          b, s_, cfg, l, make_impl(opt.impl, b, ep, cfg.moe, opt.impl_options, channels_.get()), opt.aux_loss_coef));
+    }
     else
       blocks_.push_back(std::make_unique<FfnBlock>(b, s_, cfg, l));
   }

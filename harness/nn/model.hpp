@@ -85,6 +85,7 @@ class Model {
   ModelOptions opt_;
   Stream& s_;
   int first_ = 0, last_ = 0;
+  std::unique_ptr<MoEChannels> channels_;  // shared by the MoE layers; outlives them (declared first)
   Embedding* embedding_ = nullptr;
   Head* head_ = nullptr;
   std::vector<std::unique_ptr<Block>> blocks_;  // in order: [embedding] (attention, ffn)* [head]

@@ -44,8 +44,8 @@ std::vector<std::string> impl_names() {
 }
 
 std::unique_ptr<MoEImpl> make_impl(const std::string& name, Backend& b, Communicator& c, const ModelConfig& m,
-                                   const nlohmann::json& options) {
-  return entry(name).make(b, c, m, options);
+                                   const nlohmann::json& options, MoEChannels* channels) {
+  return entry(name).make(b, c, m, options, channels);
 }
 
 }  // namespace moelab

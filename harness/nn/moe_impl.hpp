@@ -19,9 +19,6 @@ class MoEImpl {
   virtual std::string name() const = 0;
   virtual void init_parameters(std::uint64_t seed) = 0;
   virtual void zero_grad() = 0;
-  virtual Tensor forward(const Tensor& x) = 0;                   // [T,M] -> [T,M]
-  virtual Tensor backward(const Tensor& dy, float grad_aux) = 0; // [T,M] -> [T,M]
-  virtual float aux_loss() = 0;
   virtual MoEParams& params() = 0;
   virtual MoEParams& grads() = 0;
   virtual const RoutingStats& routing() const = 0;
@@ -32,18 +29,18 @@ class MoEImpl {
   // Implementation-specific facts for the result file (chosen n, strategy, ...).
   virtual nlohmann::json report() { return nlohmann::json::object(); }
 
-  // Saved state as a value (harness/nn/saved.hpp). Interim: one microbatch in flight,
-  // served by the calls above.
-  virtual Forwarded forward(const Tensor& x, const WorkKey& key) {
-    Tensor y = forward(x);
-    return {y, std::make_unique<Saved>(key)};
+  // ---- any number of microbatches in flight (harness/nn/saved.hpp; MoELayer documents each)
+  Forwarded forward(const Tensor& x, const WorkKey& key) { return layer().forward(x, key); }  // [T,M] -> [T,M]
+  Tensor backward_input(Saved& s, const Tensor& dy, float grad_aux) {                        // [T,M] -> [T,M]
+    return layer().backward_input(s, dy, grad_aux);
   }
-  virtual Tensor backward_input(Saved& s, const Tensor& dy, float grad_aux) {
-    s.input_done = true;
-    return backward(dy, grad_aux);
-  }
-  virtual void backward_weight(Saved& s) { s.weight_done = true; }
-  virtual float aux_loss(const Saved&) { return aux_loss(); }
+  void backward_weight(Saved& s) { layer().backward_weight(s); }
+  float aux_loss(const Saved& s) { return layer().aux_loss(s); }  // synchronises
+
+  // ---- one microbatch in flight (a handle held inside the layer) ----------------------------
+  Tensor forward(const Tensor& x) { return layer().forward(x); }                      // [T,M] -> [T,M]
+  Tensor backward(const Tensor& dy, float grad_aux) { return layer().backward(dy, grad_aux); }  // [T,M] -> [T,M]
+  float aux_loss() { return layer().aux_loss(); }
 };
 
 // The part of MoEImpl every implementation built on a layer (MoELayer or a schedule derived
@@ -55,9 +52,6 @@ class LayerBackedImpl : public MoEImpl {
   explicit LayerBackedImpl(Args&&... args) : layer_(std::forward<Args>(args)...) {}
   void init_parameters(std::uint64_t seed) override { layer_.init_parameters(seed); }
   void zero_grad() override { layer_.zero_grad(); }
-  Tensor forward(const Tensor& x) override { return layer_.forward(x); }
-  Tensor backward(const Tensor& dy, float grad_aux) override { return layer_.backward(dy, grad_aux); }
-  float aux_loss() override { return layer_.aux_loss(); }
   MoEParams& params() override { return layer_.params(); }
   MoEParams& grads() override { return layer_.grads(); }
   const RoutingStats& routing() const override { return layer_.routing(); }
@@ -67,8 +61,10 @@ class LayerBackedImpl : public MoEImpl {
   Layer layer_;
 };
 
+// channels: the streams and communicators to share with the model's other MoE layers, or
+// nullptr for a layer of its own (MoEChannels).
 using ImplFactory = std::function<std::unique_ptr<MoEImpl>(Backend&, Communicator&, const ModelConfig&,
-                                                           const nlohmann::json& options)>;
+                                                           const nlohmann::json& options, MoEChannels* channels)>;
 
 // Checks an implementation's options against the run before anything is built: the world
 // size and tokens per rank are known, no backend or communicator exists yet. Optional; it
@@ -87,7 +83,8 @@ void register_impl(const std::string& name, ImplFactory f, ImplOptionsCheck chec
 void check_impl_options(const std::string& name, const nlohmann::json& options, const ImplCheckContext& run);
 // Throws ConfigError naming the unknown implementation and listing the known ones.
 std::unique_ptr<MoEImpl> make_impl(const std::string& name, Backend& b, Communicator& c, const ModelConfig& m,
-                                   const nlohmann::json& options = nlohmann::json::object());
+                                   const nlohmann::json& options = nlohmann::json::object(),
+                                   MoEChannels* channels = nullptr);
 std::vector<std::string> impl_names();
 // Registers every system and baseline built into this binary (impls/registry.cpp).
 void register_builtin_impls();

@@ -11,21 +11,37 @@
 
 namespace moelab {
 
+MoEChannels::MoEChannels(Backend& b, Communicator& comm)
+    : b_(b), dispatch_comm_(comm.dup()), combine_comm_(comm.dup()) {
+  compute_ = &b_.default_stream();
+  dispatch_ = &b_.create_stream(StreamRole::dispatch, "dispatch");
+  combine_ = &b_.create_stream(StreamRole::combine, "combine");
+}
 
-MoELayer::MoELayer(Backend& backend, Communicator& comm, const ModelConfig& cfg)
-    : b_(backend), comm_(comm), cfg_(cfg) {
+Stream& MoEChannels::host_to_device() {
+  if (!h2d_) h2d_ = &b_.create_stream(StreamRole::h2d, "h2d");
+  return *h2d_;
+}
+
+Stream& MoEChannels::device_to_host() {
+  if (!d2h_) d2h_ = &b_.create_stream(StreamRole::d2h, "d2h");
+  return *d2h_;
+}
+
+MoELayer::MoELayer(Backend& backend, Communicator& comm, const ModelConfig& cfg, MoEChannels* channels)
+    : b_(backend), comm_(comm), cfg_(cfg), events_(backend) {
   const int ep = comm.size();
   if (cfg.num_experts % ep != 0)
     throw ConfigError("model.num_experts = " + std::to_string(cfg.num_experts) +
                       " is not divisible by the expert-parallel degree " + std::to_string(ep));
   local_experts_ = cfg.num_experts / ep;
-  dispatch_comm_ = comm.dup();
-  combine_comm_ = comm.dup();
-  compute_ = &b_.default_stream();
-  dispatch_ = &b_.create_stream(StreamRole::dispatch, "dispatch");
-  combine_ = &b_.create_stream(StreamRole::combine, "combine");
-  ev_a_ = b_.create_event();
-  ev_b_ = b_.create_event();
+  if (!channels) own_channels_ = std::make_unique<MoEChannels>(b_, comm);
+  channels_ = channels ? channels : own_channels_.get();
+  compute_ = &channels_->compute();
+  dispatch_ = &channels_->dispatch();
+  combine_ = &channels_->combine();
+  dispatch_comm_ = &channels_->dispatch_comm();
+  combine_comm_ = &channels_->combine_comm();
 
   const std::int64_t M = cfg.d_model, H = cfg.d_hidden, E = cfg.num_experts, El = local_experts_;
   auto alloc_pair = [&](Tensor MoEParams::*field, std::vector<std::int64_t> shape) {
@@ -39,7 +55,13 @@ MoELayer::MoELayer(Backend& backend, Communicator& comm, const ModelConfig& cfg)
   zero_grad();
 }
 
-MoELayer::~MoELayer() = default;
+// Queued work may still wait on events of the pool: let it drain before they go.
+MoELayer::~MoELayer() {
+  try {
+    b_.synchronize();
+  } catch (...) {  // a failed op was reported to whoever synchronised last; nothing to add
+  }
+}
 
 void MoELayer::init_parameters(std::uint64_t seed) {
   if (!b_.has_data()) return;
@@ -84,14 +106,13 @@ std::vector<GemmProblem> per_expert(const std::vector<std::int64_t>& rows, const
 }
 }  // namespace
 
-// ---- gate: logits [T,E] -> probs, top-k, capacity, slots ----------------------------------
-// Fills the gate part of saved_ and routing_. The layer's one host synchronisation is here:
-// the counts size the all-to-all-v.
-void MoELayer::gate_phase(const Tensor& x) {
+// ---- route: logits [T,E] -> probs, top-k, capacity, slots -----------------------------------
+// Fills the gate part of sv and routing_. The layer's one host synchronisation is here: the
+// counts size the all-to-all-v.
+void MoELayer::route(Stream& c, MoESaved& sv) {
+  const Tensor& x = sv.x;
   const std::int64_t T = x.dim(0), M = cfg_.d_model, E = cfg_.num_experts;
   const int k = cfg_.top_k;
-  Stream& c = *compute_;
-  Saved& sv = *saved_;
   PhaseScope ph(b_, "gate");
   Tensor logits = b_.empty({T, E}, DType::f32, MemCategory::buffers, c);
   b_.gemm(c, {false, false, T, E, M, x, params_.w_gate, logits, 1.0f, 0.0f}, "gate_logits");
@@ -100,10 +121,11 @@ void MoELayer::gate_phase(const Tensor& x) {
     b_.gemm(c, {false, false, T, E, M, x, params_.w_noise, sv.noise_raw, 1.0f, 0.0f}, "gate_noise_logits");
     sv.eps = b_.empty({T, E}, DType::f32, MemCategory::activations, c);
     if (b_.has_data()) {  // the noise is drawn on the host so that tests can replay it
-      Rng rng(Rng::mix(noise_seed_, static_cast<std::uint64_t>(comm_.rank()), step_));
-      last_eps_.resize(static_cast<std::size_t>(T * E));
-      for (auto& v : last_eps_) v = static_cast<float>(rng.normal());
-      b_.upload(last_eps_, sv.eps);
+      Rng rng(Rng::mix(noise_seed_, static_cast<std::uint64_t>(comm_.rank()), work_seed(sv.key)));
+      sv.eps_host.resize(static_cast<std::size_t>(T * E));
+      for (auto& v : sv.eps_host) v = static_cast<float>(rng.normal());
+      b_.upload(sv.eps_host, sv.eps);
+      last_eps_ = sv.eps_host;
     }
     Tensor noisy = b_.empty({T, E}, DType::f32, MemCategory::buffers, c);
     b_.noisy_logits(c, logits, sv.noise_raw, sv.eps, noisy);
@@ -130,34 +152,111 @@ void MoELayer::gate_phase(const Tensor& x) {
   for (std::size_t e = 0; e < frac.size(); ++e)
     routing_.routed_per_expert[e] = std::llround(static_cast<double>(frac[e]) * static_cast<double>(T * k));
   routing_.capacity = g.capacity;
-  routing_.sent_per_expert.assign(counts.begin(), counts.end());
-  const std::int64_t kept = std::accumulate(routing_.sent_per_expert.begin(), routing_.sent_per_expert.end(),
-                                            std::int64_t{0});
+  sv.sent.assign(counts.begin(), counts.end());
+  routing_.sent_per_expert = sv.sent;
+  const std::int64_t kept = std::accumulate(sv.sent.begin(), sv.sent.end(), std::int64_t{0});
   routing_.dropped = T * k - kept;
+}
+
+// (layer, microbatch, step) -> one word, equal to step for layer 0, microbatch 0: the lone
+// layer's noise stream, Rng(mix(noise_seed, rank, step)), is unchanged by the keys. For other
+// (layer, microbatch) the steps are shifted by a pseudo-random offset, so streams do not repeat.
+std::uint64_t MoELayer::work_seed(const WorkKey& k) {
+  const auto offset = [](int layer, int mb) {
+    return Rng::mix(static_cast<std::uint64_t>(layer), static_cast<std::uint64_t>(mb));
+  };
+  return k.step + (offset(k.layer, k.microbatch) - offset(0, 0));
+}
+
+// ---- dispatch_preprocess: permute x -> T_I [N,M]; counts; the chunk plan --------------------
+Tensor MoELayer::dispatch_preprocess(Stream& c, MoESaved& sv) {
+  PhaseScope ph(b_, "dispatch");
+  const std::int64_t N = std::accumulate(sv.sent.begin(), sv.sent.end(), std::int64_t{0});
+  const bool keep = keeps_t_i(sv);
+  Tensor t_i = b_.empty({N, cfg_.d_model}, cfg_.dtype, keep ? MemCategory::activations : MemCategory::buffers, c);
+  b_.permute(c, sv.x, sv.slot, t_i);
+  if (keep) sv.t_i = t_i;
+  sv.plan = plan_chunks(sv);
+  // What the chunks bring to the local experts, for reports and the GEMM yardstick.
+  routing_.recv_per_local.assign(static_cast<std::size_t>(local_experts_), 0);
+  last_chunk_rows_.clear();
+  for (const Chunk& ch : sv.plan.chunks) {
+    for (std::size_t l = 0; l < ch.rows.size(); ++l) routing_.recv_per_local[l] += ch.rows[l];
+    last_chunk_rows_.push_back(ch.rows);
+  }
+  return t_i;
+}
+
+ChunkPlan MoELayer::plan_chunks(MoESaved& sv) {
+  // recv[p*El + l]: rows rank p sends to my local expert l
+  const auto recv = comm_.exchange_counts(sv.sent);
+  std::vector<int> everyone(static_cast<std::size_t>(comm_.size()));
+  std::iota(everyone.begin(), everyone.end(), 0);
+  ChunkPlan plan;
+  plan.chunks.push_back(peer_chunk(sv.sent, recv, local_experts_, cfg_.d_model, everyone, everyone));
+  plan.dispatch = {dispatch_, dispatch_comm_};
+  plan.combine = {combine_, combine_comm_};
+  plan.one_in_flight = true;
+  return plan;
+}
+
+void MoELayer::dispatch(Stream& s, Communicator& comm, const Tensor& t_i, const Chunk& ch, Tensor& t_di) {
+  PhaseScope ph(b_, "dispatch");
+  comm.all_to_all_v(s, t_i, ch.sends, t_di, ch.recvs);
 }
 
 // ---- experts, forward: per local expert l, rows [off_l, off_l + r_l) ------------------------
 // T_M = T_DI·W1_l [r,H]; A = act(T_M) (a temporary); T_DO = A·W2_l [r,M].
-void MoELayer::experts_forward(Stream& c, const Tensor& t_di, const std::vector<std::int64_t>& rows,
-                               const std::vector<std::int64_t>& off, Tensor& t_m, Tensor& t_do) {
+void MoELayer::experts(Stream& c, const Chunk& ch, const Tensor& t_di, Tensor& t_m, Tensor& t_do) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden, R = t_di.dim(0);
-  b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
-    return GemmProblem{false, false, r, H, M, t_di.rows(o, r), params_.w1.select(l), t_m.rows(o, r), 1, 0};
-  }), "fc1");
+  PhaseScope ph(b_, "experts");
+  expert_fc1(c, ch, t_di, t_m);
   Tensor a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
   b_.activation_forward(c, cfg_.activation, t_m, a);
-  b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+  b_.grouped_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{false, false, r, M, H, a.rows(o, r), params_.w2.select(l), t_do.rows(o, r), 1, 0};
   }), "fc2");
 }
 
-// ---- experts, backward: the mirror of experts_forward, A recomputed from T_M ---------------
+void MoELayer::expert_fc1(Stream& c, const Chunk& ch, const Tensor& t_di, Tensor& t_m, const char* name) {
+  const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
+  PhaseScope ph(b_, "experts");
+  b_.grouped_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+    return GemmProblem{false, false, r, H, M, t_di.rows(o, r), params_.w1.select(l), t_m.rows(o, r), 1, 0};
+  }), name);
+}
+
+void MoELayer::combine(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& t_do, Tensor& t_o) {
+  PhaseScope ph(b_, "combine");
+  comm.all_to_all_v(s, t_do, ch.recvs, t_o, ch.sends);
+}
+
+void MoELayer::combine_postprocess(Stream& c, const MoESaved& sv, Tensor& y) {
+  PhaseScope ph(b_, "combine");
+  b_.unpermute(c, sv.t_o, sv.slot, sv.topk_w, y);
+}
+
+// ---- backward steps ---------------------------------------------------------------------------
+void MoELayer::combine_postprocess_backward(Stream& c, const MoESaved& sv, const Tensor& dy, Tensor& d_t_o,
+                                            Tensor& d_w) {
+  PhaseScope ph(b_, "combine");
+  b_.unpermute_backward(c, dy, sv.t_o, sv.slot, sv.topk_w, d_t_o, d_w);
+}
+
+void MoELayer::combine_backward(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& d_t_o, Tensor& d_t_do) {
+  PhaseScope ph(b_, "combine");
+  comm.all_to_all_v(s, d_t_o, ch.sends, d_t_do, ch.recvs);
+}
+
+// ---- experts, backward: the mirror of experts(), A recomputed from T_M ----------------------
 // dA = dT_DO·W2^T; dW2 += A^T·dT_DO; dT_M = dA * act'(T_M); dW1 += T_DI^T·dT_M;
 // dT_DI = dT_M·W1^T.
-void MoELayer::experts_backward(Stream& c, const Tensor& t_di, const Tensor& t_m, const Tensor& d_t_do,
-                                const std::vector<std::int64_t>& rows, const std::vector<std::int64_t>& off,
-                                Tensor& d_t_di) {
+void MoELayer::experts_backward(Stream& c, const Chunk& ch, const Tensor& t_di, const Tensor& t_m,
+                                const Tensor& d_t_do, Tensor& d_t_di, MoESaved::ExpertWgrad* defer) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden, R = t_di.dim(0);
+  const auto& rows = ch.rows;
+  const auto& off = ch.offset;
+  PhaseScope ph(b_, "experts");
   Tensor a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
   b_.activation_forward(c, cfg_.activation, t_m, a);
   Tensor d_a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
@@ -165,27 +264,51 @@ void MoELayer::experts_backward(Stream& c, const Tensor& t_di, const Tensor& t_m
   b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{false, true, r, H, M, d_t_do.rows(o, r), params_.w2.select(l), d_a.rows(o, r), 1, 0};
   }), "fc2_dgrad");
-  // dW2 += A^T · dT_DO               [H,r]x[r,M]
-  b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
-    return GemmProblem{true, false, H, M, r, a.rows(o, r), d_t_do.rows(o, r), grads_.w2.select(l), 1, 1};
-  }), "fc2_wgrad");
+  if (!defer) fc2_wgrad(c, ch, a, d_t_do);
   // dT_M = dA * act'(T_M), in place
   b_.activation_backward(c, cfg_.activation, t_m, d_a, d_a);
-  // dW1 += T_DI^T · dT_M             [M,r]x[r,H]
-  b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
-    return GemmProblem{true, false, M, H, r, t_di.rows(o, r), d_a.rows(o, r), grads_.w1.select(l), 1, 1};
-  }), "fc1_wgrad");
+  if (!defer) fc1_wgrad(c, ch, t_di, d_a);
   // dT_DI = dT_M · W1^T              [r,H]x[H,M]
   b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{false, true, r, M, H, d_a.rows(o, r), params_.w1.select(l), d_t_di.rows(o, r), 1, 0};
   }), "fc1_dgrad");
+  if (defer) {
+    defer->t_di = t_di;
+    defer->a = a;
+    defer->d_t_m = d_a;
+    defer->d_t_do = d_t_do;
+  }
 }
 
-// ---- gate backward: d_logits, then dWg, dWn and the gate's share of dx (accumulated) --------
-void MoELayer::gate_backward_phase(const Tensor& d_w, float grad_aux, Tensor& dx) {
-  Saved& sv = *saved_;
+// dW2 += A^T · dT_DO               [H,r]x[r,M]
+void MoELayer::fc2_wgrad(Stream& c, const Chunk& ch, const Tensor& a, const Tensor& d_t_do) {
+  const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
+  b_.grouped_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+    return GemmProblem{true, false, H, M, r, a.rows(o, r), d_t_do.rows(o, r), grads_.w2.select(l), 1, 1};
+  }), "fc2_wgrad");
+}
+
+// dW1 += T_DI^T · dT_M             [M,r]x[r,H]
+void MoELayer::fc1_wgrad(Stream& c, const Chunk& ch, const Tensor& t_di, const Tensor& d_t_m) {
+  const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
+  b_.grouped_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+    return GemmProblem{true, false, M, H, r, t_di.rows(o, r), d_t_m.rows(o, r), grads_.w1.select(l), 1, 1};
+  }), "fc1_wgrad");
+}
+
+void MoELayer::dispatch_backward(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& d_t_di, Tensor& d_t_i) {
+  PhaseScope ph(b_, "dispatch");
+  comm.all_to_all_v(s, d_t_di, ch.recvs, d_t_i, ch.sends);
+}
+
+void MoELayer::dispatch_preprocess_backward(Stream& c, const MoESaved& sv, const Tensor& d_t_i, Tensor& dx) {
+  PhaseScope ph(b_, "dispatch");
+  b_.permute_backward(c, d_t_i, sv.slot, dx);
+}
+
+// ---- route backward: d_logits, then dWg, dWn and the gate's share of dx (accumulated) -------
+void MoELayer::route_backward(Stream& c, MoESaved& sv, const Tensor& d_w, float grad_aux, Tensor& dx, bool defer) {
   const std::int64_t T = sv.x.dim(0), M = cfg_.d_model, E = cfg_.num_experts;
-  Stream& c = *compute_;
   PhaseScope ph(b_, "gate");
   GateBackward g;
   g.probs = sv.probs;
@@ -205,156 +328,166 @@ void MoELayer::gate_backward_phase(const Tensor& d_w, float grad_aux, Tensor& dx
     return t;
   };
   const Tensor d_logits = in_dtype(g.d_logits);
-  b_.gemm(c, {true, false, M, E, T, sv.x, d_logits, grads_.w_gate, 1, 1}, "gate_wgrad");
+  if (defer)
+    sv.gate_d_logits = d_logits;
+  else
+    b_.gemm(c, {true, false, M, E, T, sv.x, d_logits, grads_.w_gate, 1, 1}, "gate_wgrad");
   b_.gemm(c, {false, true, T, M, E, d_logits, params_.w_gate, dx, 1, 1}, "gate_dgrad");
   if (cfg_.noisy_gate) {
     Tensor d_noise = b_.empty({T, E}, DType::f32, MemCategory::buffers, c);
     b_.noisy_logits_backward(c, g.d_logits, sv.noise_raw, sv.eps, d_noise);
     const Tensor d_noise_x = in_dtype(d_noise);
-    b_.gemm(c, {true, false, M, E, T, sv.x, d_noise_x, grads_.w_noise, 1, 1}, "gate_noise_wgrad");
+    if (defer)
+      sv.gate_d_noise = d_noise_x;
+    else
+      b_.gemm(c, {true, false, M, E, T, sv.x, d_noise_x, grads_.w_noise, 1, 1}, "gate_noise_wgrad");
     b_.gemm(c, {false, true, T, M, E, d_noise_x, params_.w_noise, dx, 1, 1}, "gate_noise_dgrad");
   }
 }
 
-Tensor MoELayer::forward(const Tensor& x) {
-  const std::int64_t T = x.dim(0), M = cfg_.d_model, H = cfg_.d_hidden;
-  const std::int64_t El = local_experts_;
-  const int ep = comm_.size();
+// ---- the deferred weight gradients (zero-bubble "W") ---------------------------------------
+void MoELayer::weight_gradients(Stream& c, MoESaved& sv) {
+  const std::int64_t T = sv.x.dim(0), M = cfg_.d_model, E = cfg_.num_experts;
+  for (auto& w : sv.expert_wgrad) {
+    if (!w.a.defined()) continue;  // a chunk without experts work
+    PhaseScope ph(b_, "experts");
+    const Chunk& ch = sv.plan.chunks[w.chunk];
+    fc2_wgrad(c, ch, w.a, w.d_t_do);
+    fc1_wgrad(c, ch, w.t_di, w.d_t_m);
+  }
+  sv.expert_wgrad.clear();
+  PhaseScope ph(b_, "gate");
+  if (sv.gate_d_logits.defined())
+    b_.gemm(c, {true, false, M, E, T, sv.x, sv.gate_d_logits, grads_.w_gate, 1, 1}, "gate_wgrad");
+  if (sv.gate_d_noise.defined())
+    b_.gemm(c, {true, false, M, E, T, sv.x, sv.gate_d_noise, grads_.w_noise, 1, 1}, "gate_noise_wgrad");
+  sv.gate_d_logits = sv.gate_d_noise = Tensor();
+}
+
+void MoELayer::check_input(const Tensor& x) const {
+  const std::int64_t M = cfg_.d_model;
   if (x.ndim() != 2 || x.dim(1) != M || x.dtype() != cfg_.dtype)
     throw ConfigError("MoE layer input " + x.describe() + " does not match d_model = " + std::to_string(M) +
                       ", dtype " + dtype_name(cfg_.dtype));
-  Stream& c = *compute_;
-  saved_ = std::make_unique<Saved>();
-  Saved& sv = *saved_;
-  sv.x = x;
-  ++step_;
-
-  gate_phase(x);
-
-  // ---- dispatch: permute to T_I [N,M], exchange counts, all-to-all-v to T_DI [R,M] ------
-  Tensor t_i;
-  {
-    PhaseScope ph(b_, "dispatch");
-    const auto& sent = routing_.sent_per_expert;  // expert-major == destination-rank-major
-    const std::int64_t N = std::accumulate(sent.begin(), sent.end(), std::int64_t{0});
-    t_i = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
-    b_.permute(c, x, sv.slot, t_i);
-
-    // recv[p*El + l]: rows rank p sends to my local expert l
-    const auto recv = comm_.exchange_counts(sent);
-    sv.rows_per_local.assign(static_cast<std::size_t>(El), 0);
-    for (int p = 0; p < ep; ++p)
-      for (std::int64_t l = 0; l < El; ++l)
-        sv.rows_per_local[static_cast<std::size_t>(l)] += recv[static_cast<std::size_t>(p * El + l)];
-    sv.local_offset.assign(static_cast<std::size_t>(El), 0);
-    std::exclusive_scan(sv.rows_per_local.begin(), sv.rows_per_local.end(), sv.local_offset.begin(),
-                        std::int64_t{0});
-    const std::int64_t R = std::accumulate(sv.rows_per_local.begin(), sv.rows_per_local.end(), std::int64_t{0});
-    routing_.recv_per_local = sv.rows_per_local;
-
-    // Segments, listed per peer in local-expert order on both sides so that they match.
-    std::int64_t send_row = 0;
-    std::vector<std::int64_t> fill = sv.local_offset;  // next free row of each local expert
-    for (int p = 0; p < ep; ++p)
-      for (std::int64_t l = 0; l < El; ++l) {
-        const std::int64_t ns = sent[static_cast<std::size_t>(p * El + l)];
-        sv.sends.push_back({p, send_row * M, ns * M});
-        send_row += ns;
-        const std::int64_t nr = recv[static_cast<std::size_t>(p * El + l)];
-        sv.recvs.push_back({p, fill[static_cast<std::size_t>(l)] * M, nr * M});
-        fill[static_cast<std::size_t>(l)] += nr;
-      }
-
-    sv.t_di = b_.empty({R, M}, cfg_.dtype, MemCategory::activations, c);
-    b_.record(*ev_a_, c);
-    b_.wait(*dispatch_, *ev_a_);
-    dispatch_comm_->all_to_all_v(*dispatch_, t_i, sv.sends, sv.t_di, sv.recvs);
-    b_.record(*ev_b_, *dispatch_);
-    b_.wait(c, *ev_b_);
-  }
-
-  // ---- experts: T_M = T_DI·W1, A = act(T_M), T_DO = A·W2 per local expert ---------------
-  sv.t_m = b_.empty({sv.t_di.dim(0), H}, cfg_.dtype, MemCategory::activations, c);
-  Tensor t_do = b_.empty({sv.t_di.dim(0), M}, cfg_.dtype, MemCategory::buffers, c);
-  {
-    PhaseScope ph(b_, "experts");
-    experts_forward(c, sv.t_di, sv.rows_per_local, sv.local_offset, sv.t_m, t_do);
-  }
-
-  // ---- combine: all-to-all-v back to T_O [N,M], unpermute with the gate weights ----------
-  Tensor y = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
-  {
-    PhaseScope ph(b_, "combine");
-    sv.t_o = b_.empty({t_i.dim(0), M}, cfg_.dtype, MemCategory::activations, c);
-    b_.record(*ev_a_, c);
-    b_.wait(*combine_, *ev_a_);
-    combine_comm_->all_to_all_v(*combine_, t_do, sv.recvs, sv.t_o, sv.sends);
-    b_.record(*ev_b_, *combine_);
-    b_.wait(c, *ev_b_);
-    b_.unpermute(c, sv.t_o, sv.slot, sv.topk_w, y);
-  }
-  return y;
 }
 
-Tensor MoELayer::backward(const Tensor& dy, float grad_aux) {
-  MOELAB_CHECK(saved_ != nullptr, "MoELayer::backward called without a forward");
-  Saved& sv = *saved_;
+void MoELayer::check_output_grad(const MoESaved& sv, const Tensor& dy) const {
   const std::int64_t T = sv.x.dim(0), M = cfg_.d_model;
-  const std::int64_t N = sv.t_o.dim(0), R = sv.t_di.dim(0);
-  const int k = cfg_.top_k;
   if (dy.ndim() != 2 || dy.dim(0) != T || dy.dim(1) != M || dy.dtype() != cfg_.dtype)
     throw ConfigError("MoE layer output gradient " + dy.describe() + " does not match the forward's output [" +
                       std::to_string(T) + ", " + std::to_string(M) + "]");
+}
+
+// ---- the steps of a forward and a backward; the schedule is the plan ----------------------------
+Forwarded MoELayer::forward(const Tensor& x, const WorkKey& key) { return run_forward(x, std::make_unique<MoESaved>(key)); }
+
+Forwarded MoELayer::run_forward(const Tensor& x, std::unique_ptr<MoESaved> saved, ChunkHooks* hooks) {
+  const std::int64_t T = x.dim(0), M = cfg_.d_model;
+  check_input(x);
+  MicrobatchScope mb(b_, saved->key.microbatch);
+  MoESaved& sv = *saved;
   Stream& c = *compute_;
+  sv.x = x;
+  route(c, sv);
+  const Tensor t_i = dispatch_preprocess(c, sv);  // [N,M]
+  Tensor y;                                        // [T,M]
+  if (sv.plan.output_first) y = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
+  PassBuffers pass = issue_forward(*this, sv, t_i, hooks);
+  if (pipeline_buffers_go_first(sv.plan)) pass = {};
+  if (!y.defined()) y = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
+  combine_postprocess(c, sv, y);
+  return {y, std::move(saved)};
+}  // T_I and the other buffers go here, ordered after the unpermute on the compute stream
 
-  // ---- combine backward: dT_O and dw from dy, all-to-all-v back to the experts ----------
-  Tensor d_w = b_.empty({T, k}, DType::f32, MemCategory::buffers, c);
-  Tensor d_t_do = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
+// A pipelined schedule that makes the output after its pipeline (MPipeMoE) releases the
+// pipeline's buffers first, so that the output may take their memory (the M_buf^pipe of
+// MPipeMoE's memory model, §III-C); FastMoE and FasterMoE hold them to the end of the pass.
+bool MoELayer::pipeline_buffers_go_first(const ChunkPlan& plan) { return !plan.one_in_flight && !plan.output_first; }
+
+Tensor MoELayer::backward_pass(MoESaved& sv, const Tensor& dy, float grad_aux, bool defer) {
+  return run_backward(sv, dy, grad_aux, defer);
+}
+
+Tensor MoELayer::run_backward(MoESaved& sv, const Tensor& dy, float grad_aux, bool defer, ChunkHooks* hooks) {
+  const std::int64_t T = sv.x.dim(0), M = cfg_.d_model, N = sv.t_o.dim(0);
+  Stream& c = *compute_;
+  Tensor d_w = b_.empty({T, cfg_.top_k}, DType::f32, MemCategory::buffers, c);  // [T,k]
+  Tensor d_t_o = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);         // [N,M]
+  combine_postprocess_backward(c, sv, dy, d_t_o, d_w);
+  Tensor dx;  // [T,M]
+  if (sv.plan.output_first) dx = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
+  PassBuffers pass = issue_backward(*this, sv, d_t_o, defer, hooks);
+  if (pipeline_buffers_go_first(sv.plan)) pass.chunks.clear();
+  if (!dx.defined()) dx = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
+  dispatch_preprocess_backward(c, sv, pass.d_t_i, dx);
+  if (sv.plan.one_in_flight) pass.d_t_i = Tensor();  // one in flight: dT_I too goes once used
+  route_backward(c, sv, d_w, grad_aux, dx, defer);
+  return dx;
+}  // the buffers, dT_O and dw go here, ordered after the gate's backward on the compute stream
+
+// ---- the handle API and the one-in-flight wrapper --------------------------------------------
+Tensor MoELayer::backward_input(Saved& s, const Tensor& dy, float grad_aux) {
+  MoESaved& sv = saved_as<MoESaved>(s, "MoE layer");
+  MOELAB_CHECK(!sv.input_done, "MoE layer: backward_input called twice on one saved state");
+  check_output_grad(sv, dy);
+  MicrobatchScope mb(b_, sv.key.microbatch);
+  const bool defer = defers_weight_gradients();
+  Tensor dx = backward_pass(sv, dy, grad_aux, defer);
+  sv.input_done = true;
+  sv.weight_done = !defer;
+  return dx;
+}
+
+void MoELayer::backward_weight(Saved& s) {
+  MoESaved& sv = saved_as<MoESaved>(s, "MoE layer");
+  MOELAB_CHECK(sv.input_done, "MoE layer: backward_weight before backward_input");
+  if (sv.weight_done) return;
+  MicrobatchScope mb(b_, sv.key.microbatch);
+  weight_gradients(*compute_, sv);
+  sv.weight_done = true;
+}
+
+float MoELayer::aux_loss(const Saved& s) {
+  const auto* sv = dynamic_cast<const MoESaved*>(&s);
+  MOELAB_CHECK(sv != nullptr, "MoE layer: aux_loss given a saved state of another layer");
+  if (!b_.has_data()) return 0.0f;
+  return b_.download(sv->aux_loss)[0];
+}
+
+const std::vector<float>& MoELayer::noise(const Saved& s) const {
+  const auto* sv = dynamic_cast<const MoESaved*>(&s);
+  MOELAB_CHECK(sv != nullptr, "MoE layer: noise given a saved state of another layer");
+  return sv->eps_host;
+}
+
+Tensor MoELayer::forward(const Tensor& x) {
+  held_.reset();  // a forward without its backward: its state goes first
+  Forwarded f = forward(x, WorkKey{0, 0, ++step_});
+  held_ = std::move(f.saved);
+  return f.y;
+}
+
+Tensor MoELayer::backward(const Tensor& dy, float grad_aux) {
+  MOELAB_CHECK(held_ != nullptr, "MoELayer::backward called without a forward");
+  MoESaved& sv = saved_as<MoESaved>(*held_, "MoE layer");
+  check_output_grad(sv, dy);
+  Tensor dx;
   {
-    PhaseScope ph(b_, "combine");
-    Tensor d_t_o = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
-    b_.unpermute_backward(c, dy, sv.t_o, sv.slot, sv.topk_w, d_t_o, d_w);
-    b_.record(*ev_a_, c);
-    b_.wait(*combine_, *ev_a_);
-    combine_comm_->all_to_all_v(*combine_, d_t_o, sv.sends, d_t_do, sv.recvs);
-    b_.record(*ev_b_, *combine_);
-    b_.wait(c, *ev_b_);
+    MicrobatchScope mb(b_, sv.key.microbatch);
+    dx = backward_pass(sv, dy, grad_aux, false);
   }
-
-  // ---- experts backward (A recomputed from T_M) ------------------------------------------
-  Tensor d_t_di = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
-  {
-    PhaseScope ph(b_, "experts");
-    experts_backward(c, sv.t_di, sv.t_m, d_t_do, sv.rows_per_local, sv.local_offset, d_t_di);
-  }
-
-  // ---- dispatch backward: all-to-all-v back to the source ranks, un-permute -------------
-  Tensor dx = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
-  {
-    PhaseScope ph(b_, "dispatch");
-    Tensor d_t_i = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
-    b_.record(*ev_a_, c);
-    b_.wait(*dispatch_, *ev_a_);
-    dispatch_comm_->all_to_all_v(*dispatch_, d_t_di, sv.recvs, d_t_i, sv.sends);
-    b_.record(*ev_b_, *dispatch_);
-    b_.wait(c, *ev_b_);
-    b_.permute_backward(c, d_t_i, sv.slot, dx);
-  }
-
-  gate_backward_phase(d_w, grad_aux, dx);
-  saved_.reset();  // frees the activations, ordered after everything above on the compute stream
+  held_.reset();  // frees the activations, ordered after everything above on the compute stream
   return dx;
 }
 
 float MoELayer::aux_loss() {
-  MOELAB_CHECK(saved_ != nullptr, "MoELayer::aux_loss: no forward to read it from");
-  if (!b_.has_data()) return 0.0f;
-  return b_.download(saved_->aux_loss)[0];
+  MOELAB_CHECK(held_ != nullptr, "MoELayer::aux_loss: no forward to read it from");
+  return aux_loss(*held_);
 }
 
 std::vector<float> MoELayer::last_noise() { return last_eps_; }
 
-std::vector<GemmProblem> MoELayer::expert_gemm_problems() {
+std::vector<GemmProblem> MoELayer::expert_gemm_problems(bool per_chunk) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
   Stream& c = *compute_;
   std::vector<GemmProblem> ps;
@@ -363,18 +496,20 @@ std::vector<GemmProblem> MoELayer::expert_gemm_problems() {
     b_.fill_zero(c, t);  // defined values: no NaN or denormal slow paths in the timing
     return t;
   };
-  for (std::size_t l = 0; l < routing_.recv_per_local.size(); ++l) {
-    const std::int64_t r = routing_.recv_per_local[l];
-    if (r == 0) continue;
-    const auto li = static_cast<std::int64_t>(l);
-    Tensor t_di = scratch(r, M), t_m = scratch(r, H), t_do = scratch(r, M);
-    ps.push_back({false, false, r, H, M, t_di, params_.w1.select(li), t_m, 1, 0});        // fc1
-    ps.push_back({false, false, r, M, H, t_m, params_.w2.select(li), t_do, 1, 0});        // fc2
-    ps.push_back({false, true, r, H, M, t_do, params_.w2.select(li), scratch(r, H), 1, 0});  // fc2 dgrad
-    ps.push_back({true, false, H, M, r, t_m, t_do, grads_.w2.select(li), 1, 1});          // fc2 wgrad
-    ps.push_back({true, false, M, H, r, t_di, t_m, grads_.w1.select(li), 1, 1});          // fc1 wgrad
-    ps.push_back({false, true, r, M, H, t_m, params_.w1.select(li), scratch(r, M), 1, 0});  // fc1 dgrad
-  }
+  const auto rows_sets = per_chunk ? last_chunk_rows_ : std::vector<std::vector<std::int64_t>>{routing_.recv_per_local};
+  for (const auto& rows : rows_sets)
+    for (std::size_t l = 0; l < rows.size(); ++l) {
+      const std::int64_t r = rows[l];
+      if (r == 0) continue;
+      const auto li = static_cast<std::int64_t>(l);
+      Tensor t_di = scratch(r, M), t_m = scratch(r, H), t_do = scratch(r, M);
+      ps.push_back({false, false, r, H, M, t_di, params_.w1.select(li), t_m, 1, 0});        // fc1
+      ps.push_back({false, false, r, M, H, t_m, params_.w2.select(li), t_do, 1, 0});        // fc2
+      ps.push_back({false, true, r, H, M, t_do, params_.w2.select(li), scratch(r, H), 1, 0});  // fc2 dgrad
+      ps.push_back({true, false, H, M, r, t_m, t_do, grads_.w2.select(li), 1, 1});          // fc2 wgrad
+      ps.push_back({true, false, M, H, r, t_di, t_m, grads_.w1.select(li), 1, 1});          // fc1 wgrad
+      ps.push_back({false, true, r, M, H, t_m, params_.w1.select(li), scratch(r, M), 1, 0});  // fc1 dgrad
+    }
   return ps;
 }
 

@@ -6,18 +6,24 @@
 // Notation (per rank): T tokens, M d_model, H d_hidden, E experts in all, El = E / EP local
 // experts, k top-k, N dispatched rows (kept token-slots of this rank), R received rows.
 //
-// Forward, in the papers' vocabulary (MPipeMoE §II):
-//   gate      logits = x·Wg (+ eps·softplus(x·Wn))  [T,E] -> softmax, top-k, capacity
-//             -> slot [T,k], counts [E]; aux loss (Switch/GShard)
-//   dispatch  permute x -> T_I [N,M] (expert-major), exchange counts, all-to-all-v
-//             -> T_DI [R,M] (local-expert-major, source rank within expert)
-//   experts   for each local expert l: T_M = T_DI_l·W1_l [R_l,H]; A = act(T_M);
-//             T_DO_l = A·W2_l [R_l,M]
-//   combine   all-to-all-v T_DO -> T_O [N,M] (back in T_I's order); unpermute:
-//             y[t] = sum_j w[t,j]·T_O[slot[t,j]]
-// Saved for backward: x, gate outputs, T_DI, T_M (pre-activation), T_O. The activation A is
-// recomputed from T_M in backward (one [R,H] buffer instead of two kept ones), which is the
-// layout MPipeMoE's memory model assumes (M_act = 4BM + BH).
+// Forward, in the papers' vocabulary (MPipeMoE §II), as public steps (the split of
+// Megatron-Core's token dispatcher: the pre/post steps never communicate data, so schedules
+// differ only in how they issue the steps, and on which streams):
+//   route                logits = x·Wg (+ eps·softplus(x·Wn))  [T,E] -> softmax, top-k, capacity
+//                        -> slot [T,k], counts [E]; aux loss (Switch/GShard)
+//   dispatch_preprocess  permute x -> T_I [N,M] (expert-major), exchange counts, plan the chunks
+//   dispatch             all-to-all-v of a chunk: T_I rows -> T_DI_c [R_c,M] (local-expert-major,
+//                        source rank within expert)
+//   experts              for each local expert l: T_M = T_DI_l·W1_l [R_l,H]; A = act(T_M);
+//                        T_DO_l = A·W2_l [R_l,M]
+//   combine              all-to-all-v of a chunk back: T_DO_c -> its rows of T_O [N,M]
+//   combine_postprocess  unpermute: y[t] = sum_j w[t,j]·T_O[slot[t,j]]
+// and the mirror steps for backward. A schedule is the chunk plan dispatch_preprocess makes
+// (plan_chunks) and the issuer runs (harness/nn/moe_schedule.hpp); this layer's is one chunk.
+// Saved for backward (a value, harness/nn/saved.hpp: any number of microbatches may be in
+// flight): x, gate outputs, T_DI, T_M (pre-activation), T_O. The activation A is recomputed
+// from T_M in backward (one [R,H] buffer instead of two kept ones), which is the layout
+// MPipeMoE's memory model assumes (M_act = 4BM + BH).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -25,6 +31,8 @@
 
 #include "harness/comm/communicator.hpp"
 #include "harness/config/workload.hpp"
+#include "harness/nn/moe_schedule.hpp"
+#include "harness/nn/saved.hpp"
 #include "harness/runtime/backend.hpp"
 
 namespace moelab {
@@ -45,12 +53,69 @@ struct RoutingStats {
   std::int64_t capacity = 0;                  // per expert, 0 = unlimited
 };
 
+// The streams and communicators MoE layers issue on. A model makes one set for all its MoE
+// layers (L layers need not make 2L streams and duplicate the communicator 2L times) and keeps
+// it alive as long as they are; a lone layer makes its own. Making one is collective (dup).
+class MoEChannels {
+ public:
+  // compute: the backend's default stream; dispatch and combine: new streams, each with its
+  // own duplicate of comm (a communicator is used from one stream, communicator.hpp).
+  MoEChannels(Backend& b, Communicator& comm);
+  Stream& compute() { return *compute_; }
+  Stream& dispatch() { return *dispatch_; }
+  Stream& combine() { return *combine_; }
+  Communicator& dispatch_comm() { return *dispatch_comm_; }
+  Communicator& combine_comm() { return *combine_comm_; }
+  // Host copies (MPipeMoE's offloads and fetches), made on first use.
+  Stream& host_to_device();
+  Stream& device_to_host();
+
+ private:
+  Backend& b_;
+  std::unique_ptr<Communicator> dispatch_comm_, combine_comm_;
+  Stream* compute_;
+  Stream* dispatch_;
+  Stream* combine_;
+  Stream* h2d_ = nullptr;
+  Stream* d2h_ = nullptr;
+};
+
+// What a forward leaves for its backward. Destroying it frees its tensors (stream-ordered).
+struct MoESaved : Saved {
+  using Saved::Saved;
+  Tensor x;                     // [T,M]   layer input
+  Tensor noise_raw, eps;        // [T,E]   fp32, noisy gate only
+  Tensor probs;                 // [T,E]   fp32
+  Tensor topk_idx, topk_w;      // [T,k]   int32 / fp32
+  Tensor slot;                  // [T,k]   int32 row in T_I, -1 = dropped
+  Tensor routed_frac, aux_loss; // [E], [1] fp32
+  std::vector<std::int64_t> sent;  // [E] kept slots per global expert (rows of T_I per expert)
+  ChunkPlan plan;               // the dispatch's chunks
+  struct Kept {
+    Tensor t_di;                // [R_c,M] rows chunk c brought to the local experts
+    Tensor t_m;                 // [R_c,H] their FC1 output before the activation
+  };
+  std::vector<Kept> kept;       // per chunk (empty where a schedule keeps its own buffers)
+  Tensor t_o;                   // [N,M]   expert outputs back at their source rank
+  Tensor t_i;                   // [N,M]   kept only where backward sends it again (MPipeMoE S2, S4)
+  std::vector<float> eps_host;  // [T,E]   the gate noise drawn (noisy gate, backends with data)
+  // Weight-gradient GEMMs that backward_input left for backward_weight, and what they read.
+  struct ExpertWgrad {
+    std::size_t chunk = 0;      // of plan.chunks
+    Tensor t_di;                // [R_c,M]
+    Tensor a, d_t_m;            // [R_c,H] act(T_M), dT_M
+    Tensor d_t_do;              // [R_c,M]
+  };
+  std::vector<ExpertWgrad> expert_wgrad;
+  Tensor gate_d_logits, gate_d_noise;  // [T,E] in the layer's dtype
+};
+
 class MoELayer {
  public:
-  // comm spans the expert-parallel group (its size is EP). The layer creates its own
-  // streams (compute, dispatch, combine) and duplicates comm for the dispatch and combine
-  // channels so that a scheduler may overlap them.
-  MoELayer(Backend& backend, Communicator& comm, const ModelConfig& cfg);
+  // comm spans the expert-parallel group (its size is EP). channels: the streams and
+  // communicators to issue on, shared by the MoE layers of a model; none given, the layer makes
+  // its own (MoEChannels).
+  MoELayer(Backend& backend, Communicator& comm, const ModelConfig& cfg, MoEChannels* channels = nullptr);
   virtual ~MoELayer();
 
   // Deterministic in (seed, global expert id): the same experts get the same weights
@@ -58,17 +123,32 @@ class MoELayer {
   void init_parameters(std::uint64_t seed);
   void zero_grad();
 
-  // x [T,M] -> y [T,M]. Issues work on the layer's streams and returns without waiting.
-  // With a noisy gate, eps [T,E] is drawn from Rng(mix(noise_seed, rank, step)).
-  virtual Tensor forward(const Tensor& x);
-  // dy [T,M] -> dx [T,M]; accumulates into grads(). grad_aux = dL/d aux_loss.
-  virtual Tensor backward(const Tensor& dy, float grad_aux);
+  // ---- any number of microbatches in flight (harness/nn/saved.hpp) ---------------------
+  // x [T,M] -> y [T,M] and the saved state. Issues work and returns without waiting; memory
+  // allocated for it is charged to key.microbatch. With a noisy gate, eps [T,E] is drawn from
+  // Rng(mix(noise_seed, rank, work_seed(key))): the same numbers whatever the order of the work.
+  virtual Forwarded forward(const Tensor& x, const WorkKey& key);
+  // dy [T,M] -> dx [T,M]; grad_aux = dL/d aux_loss. The input gradient; the weight gradients
+  // (fc1/fc2 and gate wgrad GEMMs) are deferred to backward_weight where the schedule allows it
+  // (defers_weight_gradients()), else done here.
+  Tensor backward_input(Saved& s, const Tensor& dy, float grad_aux);
+  // The deferred weight-gradient GEMMs, accumulated into grads(); a no-op when none were left.
+  void backward_weight(Saved& s);
+  float aux_loss(const Saved& s);        // synchronises
+  const std::vector<float>& noise(const Saved& s) const;  // eps drawn for it (host copy)
 
+  // ---- one microbatch in flight: a handle held inside, key {0, 0, step} with the step
+  //      counted per forward -----------------------------------------------------------------
+  Tensor forward(const Tensor& x);
+  // backward_input and backward_weight together, the weight gradients in place (as the
+  // layer's op sequence has always been), then the saved state freed.
+  Tensor backward(const Tensor& dy, float grad_aux);
   float aux_loss();                      // of the last forward (synchronises)
   // The six expert GEMMs per local expert of one forward+backward with the last forward's
   // row counts (FC1, FC2 forward; dA, dW2, dT_M->dT_DI, dW1 backward), on fresh scratch
   // tensors: the yardstick that `moelab run` times with Backend::time_bare_gemms.
-  std::vector<GemmProblem> expert_gemm_problems();
+  // per_chunk: the six per local expert and chunk of the last forward's plan, with its rows.
+  std::vector<GemmProblem> expert_gemm_problems(bool per_chunk = false);
   const RoutingStats& routing() const { return routing_; }
   std::vector<float> last_noise();       // eps of the last forward (noisy gate), host copy
 
@@ -77,53 +157,92 @@ class MoELayer {
   const ModelConfig& config() const { return cfg_; }
   std::int64_t local_experts() const { return local_experts_; }
   Stream& compute_stream() { return *compute_; }
+  Backend& backend() { return b_; }
+  MoEChannels& channels() { return *channels_; }  // to share with the model's other MoE layers
+  EventPool& event_pool() { return events_; }  // the events of the layer's passes
   void set_noise_seed(std::uint64_t s) { noise_seed_ = s; }
 
- protected:
-  // ---- the phases, for schedules that reorder dispatch, experts and combine (MPipeMoE,
-  //      FasterMoE derive from this layer and keep its gate and experts) ------------------
-  struct Saved {
-    Tensor x;                     // [T,M]   layer input
-    Tensor noise_raw, eps;        // [T,E]   fp32, noisy gate only
-    Tensor probs;                 // [T,E]   fp32
-    Tensor topk_idx, topk_w;      // [T,k]   int32 / fp32
-    Tensor slot;                  // [T,k]   int32 row in T_I, -1 = dropped
-    Tensor routed_frac, aux_loss; // [E], [1] fp32
-    Tensor t_di;                  // [R,M]   rows received by the local experts
-    Tensor t_m;                   // [R,H]   FC1 output before the activation
-    Tensor t_o;                   // [N,M]   expert outputs back at their source rank
-    std::vector<Segment> sends;   // dispatch: T_I segments to each (peer, local expert of peer)
-    std::vector<Segment> recvs;   // dispatch: T_DI segments from each (peer, my local expert)
-    std::vector<std::int64_t> rows_per_local;  // [El]
-    std::vector<std::int64_t> local_offset;    // [El] first row of each local expert in T_DI
-  };
+  // ---- the steps, forward. Each issues on the stream it is given (c: the compute stream;
+  //      s, comm: a communication stream and the communicator used from it) ---------------
+  // Gate on sv.x: fills the gate part of sv and routing(); the layer's one host
+  // synchronisation (the counts size the all-to-all-v).
+  void route(Stream& c, MoESaved& sv);
+  // The word the gate noise of a piece of work is keyed by: step for layer 0, microbatch 0.
+  static std::uint64_t work_seed(const WorkKey& k);
+  // T_I [N,M] = x permuted expert-major; exchanges the counts and plans the chunks (sv.plan).
+  Tensor dispatch_preprocess(Stream& c, MoESaved& sv);
+  // T_I rows of chunk ch -> t_di [R_c,M].
+  void dispatch(Stream& s, Communicator& comm, const Tensor& t_i, const Chunk& ch, Tensor& t_di);
+  // The experts on chunk ch's rows: t_m [R_c,H] = T_DI·W1 (kept), t_do [R_c,M] = act(t_m)·W2.
+  void experts(Stream& c, const Chunk& ch, const Tensor& t_di, Tensor& t_m, Tensor& t_do);
+  // FC1 alone (t_m = T_DI·W1): the first GEMM of experts(), and MPipeMoE's recomputation.
+  void expert_fc1(Stream& c, const Chunk& ch, const Tensor& t_di, Tensor& t_m, const char* name = "fc1");
+  // t_do [R_c,M] -> chunk ch's rows of t_o [N,M].
+  void combine(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& t_do, Tensor& t_o);
+  // y [T,M] = unpermute(T_O) with the gate weights.
+  void combine_postprocess(Stream& c, const MoESaved& sv, Tensor& y);
 
-  // gate on x: fills saved_ (probs, top-k, slots, routed fractions, aux loss) and routing_
-  // (counts per expert, synchronising the compute stream to read them).
-  void gate_phase(const Tensor& x);
-  // The experts on rows [off_l, off_l + rows_l) of each local expert l, on stream c.
-  void experts_forward(Stream& c, const Tensor& t_di, const std::vector<std::int64_t>& rows,
-                       const std::vector<std::int64_t>& off, Tensor& t_m, Tensor& t_do);
-  void experts_backward(Stream& c, const Tensor& t_di, const Tensor& t_m, const Tensor& d_t_do,
-                        const std::vector<std::int64_t>& rows, const std::vector<std::int64_t>& off, Tensor& d_t_di);
-  // d_w [T,k] -> d_logits -> dW_gate, dW_noise, and the gate's share added into dx.
-  void gate_backward_phase(const Tensor& d_w, float grad_aux, Tensor& dx);
+  // ---- the steps, backward (the mirror) -------------------------------------------------
+  // dy [T,M] -> dT_O [N,M], dw [T,k] fp32.
+  void combine_postprocess_backward(Stream& c, const MoESaved& sv, const Tensor& dy, Tensor& d_t_o, Tensor& d_w);
+  // chunk ch's rows of dT_O -> d_t_do [R_c,M].
+  void combine_backward(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& d_t_o, Tensor& d_t_do);
+  // dT_DO -> dT_DI [R_c,M]; dW1, dW2 accumulate, or (defer given) what they need is kept there.
+  void experts_backward(Stream& c, const Chunk& ch, const Tensor& t_di, const Tensor& t_m, const Tensor& d_t_do,
+                        Tensor& d_t_di, MoESaved::ExpertWgrad* defer = nullptr);
+  // d_t_di [R_c,M] -> chunk ch's rows of dT_I [N,M].
+  void dispatch_backward(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& d_t_di, Tensor& d_t_i);
+  // dT_I [N,M] -> dx [T,M] (overwrites dx).
+  void dispatch_preprocess_backward(Stream& c, const MoESaved& sv, const Tensor& d_t_i, Tensor& dx);
+  // dw [T,k] -> d_logits -> dW_gate, dW_noise, and the gate's share added into dx; with defer,
+  // d_logits is kept in sv for weight_gradients instead of the two wgrad GEMMs.
+  void route_backward(Stream& c, MoESaved& sv, const Tensor& d_w, float grad_aux, Tensor& dx, bool defer = false);
+  // The GEMMs experts_backward and route_backward left in sv: fc2_wgrad, fc1_wgrad per chunk,
+  // gate_wgrad, gate_noise_wgrad.
+  void weight_gradients(Stream& c, MoESaved& sv);
+
+ protected:
+  // The whole backward of a forward (input and, unless defer, weight gradients).
+  virtual Tensor backward_pass(MoESaved& sv, const Tensor& dy, float grad_aux, bool defer);
+  // Whether backward_input may leave the weight gradients to backward_weight.
+  virtual bool defers_weight_gradients() const { return true; }
+  void fc2_wgrad(Stream& c, const Chunk& ch, const Tensor& a, const Tensor& d_t_do);     // dW2 += A^T·dT_DO
+  void fc1_wgrad(Stream& c, const Chunk& ch, const Tensor& t_di, const Tensor& d_t_m);  // dW1 += T_DI^T·dT_M
+  void check_input(const Tensor& x) const;
+  void check_output_grad(const MoESaved& sv, const Tensor& dy) const;
+
+  // The chunks of this layer's schedule (called by dispatch_preprocess once T_I is made):
+  // FastMoE's is one chunk exchanging with every rank.
+  virtual ChunkPlan plan_chunks(MoESaved& sv);
+  // Whether backward needs T_I again (kept in sv, an activation then).
+  virtual bool keeps_t_i(const MoESaved&) const { return false; }
+  // The forward of sv's work: route, dispatch_preprocess, the plan issued (issue_forward, with
+  // the schedule's hooks if any), combine_postprocess.
+  Forwarded run_forward(const Tensor& x, std::unique_ptr<MoESaved> saved, ChunkHooks* hooks = nullptr);
+  // Its backward: combine_postprocess_backward, the plan issued backward, dispatch_preprocess_backward,
+  // route_backward.
+  Tensor run_backward(MoESaved& sv, const Tensor& dy, float grad_aux, bool defer, ChunkHooks* hooks = nullptr);
+  static bool pipeline_buffers_go_first(const ChunkPlan& plan);
 
   Backend& b_;
   Communicator& comm_;
-  std::unique_ptr<Communicator> dispatch_comm_, combine_comm_;
   ModelConfig cfg_;
   std::int64_t local_experts_;
+  std::unique_ptr<MoEChannels> own_channels_;  // when none were given
+  MoEChannels* channels_;
   Stream* compute_;
   Stream* dispatch_;
   Stream* combine_;
-  std::unique_ptr<Event> ev_a_, ev_b_;
+  Communicator* dispatch_comm_;
+  Communicator* combine_comm_;
+  EventPool events_;
   MoEParams params_, grads_;
-  RoutingStats routing_;
-  std::unique_ptr<Saved> saved_;
+  RoutingStats routing_;                 // of the last forward
+  SavedPtr held_;                        // the one-in-flight API's handle
   std::uint64_t noise_seed_ = 0x5eed;
-  std::uint64_t step_ = 0;
+  std::uint64_t step_ = 0;               // forwards of the one-in-flight API
   std::vector<float> last_eps_;
+  std::vector<std::vector<std::int64_t>> last_chunk_rows_;  // [chunks][El] of the last forward
 };
 
 }  // namespace moelab

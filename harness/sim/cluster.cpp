@@ -594,6 +594,7 @@ Route Topology::p2p(int src, int dst) const {
   Route r;
   if (node_src == node_dst) {
     r.resources = {at(link_out_, src)};
+    r.links = {pcie ? LinkClass::pcie : LinkClass::nvlink};
     if (pcie) {
       const int switches = nd.gpus / nd.gpus_per_pcie_switch;
       const int sw_src = node_src * switches + local_src / nd.gpus_per_pcie_switch;
@@ -615,8 +616,32 @@ Route Topology::p2p(int src, int dst) const {
   r.resources.push_back(at(nic_in_, node_dst * nd.nics + local_dst % nd.nics));
   if (pcie) r.resources.push_back(at(link_in_, dst));
   r.latency = nd.nic_latency + m_.fabric_latency;
+  r.links = pcie ? std::vector<LinkClass>{LinkClass::pcie, LinkClass::nic} : std::vector<LinkClass>{LinkClass::nic};
   return r;
 }
+
+const char* link_class_name(LinkClass c) {
+  switch (c) {
+    case LinkClass::nvlink: return "nvlink";
+    case LinkClass::pcie: return "pcie";
+    case LinkClass::nic: return "nic";
+  }
+  return "?";
+}
+
+double& LinkBytes::operator[](LinkClass c) {
+  return c == LinkClass::nvlink ? nvlink : c == LinkClass::pcie ? pcie : nic;
+}
+double LinkBytes::operator[](LinkClass c) const {
+  return c == LinkClass::nvlink ? nvlink : c == LinkClass::pcie ? pcie : nic;
+}
+LinkBytes& LinkBytes::operator+=(const LinkBytes& o) {
+  nvlink += o.nvlink;
+  pcie += o.pcie;
+  nic += o.nic;
+  return *this;
+}
+nlohmann::json LinkBytes::to_json() const { return {{"nvlink", nvlink}, {"pcie", pcie}, {"nic", nic}}; }
 
 Route Topology::host_to_device(int rank) const {
   check_rank(rank, m_.world_size(), "host_to_device");
@@ -624,6 +649,7 @@ Route Topology::host_to_device(int rank) const {
   const auto i = static_cast<std::size_t>(rank);
   Route r;
   r.latency = nd.pcie_latency;
+  r.links = {LinkClass::pcie};  // the host link is PCIe on both kinds of node
   if (nd.intra == "nvswitch") {
     r.resources = {host_link_[2 * i]};
   } else {
@@ -639,6 +665,7 @@ Route Topology::device_to_host(int rank) const {
   const auto i = static_cast<std::size_t>(rank);
   Route r;
   r.latency = nd.pcie_latency;
+  r.links = {LinkClass::pcie};  // the host link is PCIe on both kinds of node
   if (nd.intra == "nvswitch") {
     r.resources = {host_link_[2 * i + 1]};
   } else {

@@ -105,11 +105,28 @@ struct Profile {
 Profile load_profile(const std::string& path);  // ConfigError on bad files
 nlohmann::json to_json(const Profile& p);
 
+// The kinds of link a transfer can cross, for accounting: NVLink (through the node's
+// NVSwitch), PCIe (a GPU's link to its switch, or a switch's uplink) and the NICs between
+// nodes.
+enum class LinkClass { nvlink, pcie, nic };
+const char* link_class_name(LinkClass c);
+
+// Bytes by link class. A transfer counts once in every class it crosses: between nodes of a
+// PCIe machine that is both PCIe and NIC.
+struct LinkBytes {
+  double nvlink = 0, pcie = 0, nic = 0;
+  double& operator[](LinkClass c);
+  double operator[](LinkClass c) const;
+  LinkBytes& operator+=(const LinkBytes& o);
+  nlohmann::json to_json() const;
+};
+
 // A route through the cluster: the resources a transfer occupies (all at once, as a fluid
-// flow) and its latency.
+// flow), its latency and the link classes it crosses.
 struct Route {
   std::vector<int> resources;
   double latency = 0;
+  std::vector<LinkClass> links;
 };
 
 // The cluster's resources registered in an engine (per GPU: SMs, HBM, NVLink out/in or PCIe

@@ -650,7 +650,7 @@ TEST(ImplRegistry, ARegisteredOptionsCheckSeesTheRunAndAnUnregisteredOneChecksNo
   ImplCheckContext seen{ModelConfig{}, 0, 0};
   int calls = 0;
   register_impl(
-      "config-test-checked", [](Backend&, Communicator&, const ModelConfig&, const json&) -> std::unique_ptr<MoEImpl> { return nullptr; },
+      "config-test-checked", [](Backend&, Communicator&, const ModelConfig&, const json&, MoEChannels*) -> std::unique_ptr<MoEImpl> { return nullptr; },
       [&](const json& o, const ImplCheckContext& run) {
         ++calls;
         seen.world = run.world;
@@ -659,7 +659,7 @@ TEST(ImplRegistry, ARegisteredOptionsCheckSeesTheRunAndAnUnregisteredOneChecksNo
           throw ConfigError("config-test-checked: partitions = " + o["partitions"].dump() + " exceeds the tokens");
       });
   register_impl("config-test-unchecked",
-                [](Backend&, Communicator&, const ModelConfig&, const json&) -> std::unique_ptr<MoEImpl> { return nullptr; });
+                [](Backend&, Communicator&, const ModelConfig&, const json&, MoEChannels*) -> std::unique_ptr<MoEImpl> { return nullptr; });
   const ModelConfig m;
   EXPECT_NO_THROW(check_impl_options("config-test-checked", json{{"partitions", 4}}, {m, 8, 512}));
   EXPECT_EQ(calls, 1);

@@ -1,6 +1,7 @@
 // harness/tests/moe_layer_mpi_test.cpp — every MoE implementation (FastMoE, FasterMoE,
 // MPipeMoE, ...) on N MPI ranks (expert parallelism EP = N, cpu backend, Open MPI) gives the
-// same outputs and gradients as the single-process layer and the float64 reference.
+// same outputs and gradients as the single-process layer and the float64 reference, with one
+// microbatch and with two in flight.
 //   mpirun --oversubscribe -np 4 build/harness/tests/moe_layer_mpi_test
 // Every rank holds different tokens (and a different, awkward count of them). Since inputs
 // and parameters are functions of the seed, each rank can rebuild every other rank's tokens
@@ -190,6 +191,113 @@ INSTANTIATE_TEST_SUITE_P(Impls, MoELayerMpi,
                                            (std::get<0>(tp.param) ? "_noisy" : "_plain");
                            return n;
                          });
+
+// ---- two microbatches in flight on every rank ------------------------------------------------
+// forward 0, forward 1, backward_input 1, backward_input 0, backward_weight 1, backward_weight 0
+// (the gate noise keyed by (layer, microbatch, step)): the outputs, input gradients and summed
+// parameter gradients of the float64 reference over every rank's tokens of both microbatches,
+// and every microbatch's memory returned once its Saved is gone.
+class MicrobatchesInFlightMpi : public ::testing::TestWithParam<std::size_t> {};
+
+std::int64_t mb_tokens(int rank, int mb) { return mb == 0 ? 23 + 11 * rank : 13 + 7 * rank; }
+const WorkKey kMbKeys[2] = {{2, 0, 5}, {2, 1, 5}};
+
+std::vector<double> keyed_noise(std::uint64_t seed, int r, int mb, const ModelConfig& cfg) {
+  Rng nr(Rng::mix(Rng::mix(seed, 5), static_cast<std::uint64_t>(r), MoELayer::work_seed(kMbKeys[mb])));
+  std::vector<double> eps(static_cast<std::size_t>(mb_tokens(r, mb) * cfg.num_experts));
+  for (auto& e : eps) e = static_cast<float>(nr.normal());  // the layer draws fp32 noise
+  return eps;
+}
+std::vector<float> mb_input(std::uint64_t seed, int r, int mb, std::int64_t M, int what) {
+  return test::uniform(static_cast<std::size_t>(mb_tokens(r, mb) * M), Rng::mix(seed, 300 + 100 * what + 10 * r + mb));
+}
+
+TEST_P(MicrobatchesInFlightMpi, MatchFloat64ReferenceAndReturnTheirMemory) {
+  const ImplCase& ic = impl_cases()[GetParam()];
+  SCOPED_TRACE(ic.name + " " + ic.options.dump());
+  const ModelConfig cfg = config(true);
+  const int rank = world_rank(), size = world_size();
+  const std::int64_t M = cfg.d_model;
+  // Every rank derives, without communicating, the same first seed whose inputs have no near-tie.
+  std::uint64_t seed = g_seed;
+  ref::Params P;
+  {
+    auto b1 = make_backend("cpu");
+    auto self = make_self_communicator(*b1);
+    for (;; seed = Rng::mix(seed, 78)) {
+      MoELayer single(*b1, *self, cfg);
+      single.init_parameters(seed);
+      P = test::reference_params(*b1, single);
+      bool ok = true;
+      for (int r = 0; r < size && ok; ++r)
+        for (int m = 0; m < 2 && ok; ++m)
+          ok = ref::forward_backward(cfg, P, test::to_double(mb_input(seed, r, m, M, 0)), keyed_noise(seed, r, m, cfg),
+                                     nullptr, 0, nullptr)
+                   .min_topk_gap > 1e-6;
+      if (ok) break;
+    }
+  }
+  auto b = make_backend("cpu");
+  b->set_rank(rank);
+  auto comm = make_world_communicator(*b);
+  auto impl = make_impl(ic.name, *b, *comm, cfg, ic.options);
+  impl->init_parameters(seed);
+  impl->layer().set_noise_seed(Rng::mix(seed, 5));
+  Stream& s = b->default_stream();
+  const float ga = 0.25f;
+  std::vector<float> y_h[2], dx_h[2];
+  {
+    Tensor x[2], dy[2], dx[2];
+    Forwarded f[2];
+    for (int m = 0; m < 2; ++m) {
+      x[m] = b->empty({mb_tokens(rank, m), M}, cfg.dtype, MemCategory::activations, s);
+      dy[m] = b->empty({mb_tokens(rank, m), M}, cfg.dtype, MemCategory::activations, s);
+      b->upload(mb_input(seed, rank, m, M, 0), x[m]);
+      b->upload(mb_input(seed, rank, m, M, 1), dy[m]);
+    }
+    f[0] = impl->forward(x[0], kMbKeys[0]);
+    f[1] = impl->forward(x[1], kMbKeys[1]);
+    dx[1] = impl->backward_input(*f[1].saved, dy[1], ga);
+    dx[0] = impl->backward_input(*f[0].saved, dy[0], ga);
+    impl->backward_weight(*f[1].saved);
+    impl->backward_weight(*f[0].saved);
+    b->synchronize();
+    for (int m = 0; m < 2; ++m) {
+      y_h[m] = b->download(f[m].y);
+      dx_h[m] = b->download(dx[m]);
+    }
+  }
+  b->synchronize();
+  const auto in_use = b->memory().microbatch_in_use();
+  for (int m = 0; m < 2; ++m) EXPECT_EQ(in_use.count(m) ? in_use.at(m) : 0, 0u) << "microbatch " << m;
+
+  ref::Grads sum, mine;  // expert gradients over every rank's tokens; this rank's gate gradient
+  sum.init(P, 0);
+  mine.init(P, 0);
+  for (int r = 0; r < size; ++r)
+    for (int m = 0; m < 2; ++m) {
+      ref::Grads G;
+      G.init(P, mb_tokens(r, m));
+      const auto dyd = test::to_double(mb_input(seed, r, m, M, 1));
+      const auto R = ref::forward_backward(cfg, P, test::to_double(mb_input(seed, r, m, M, 0)),
+                                           keyed_noise(seed, r, m, cfg), &dyd, ga, &G);
+      for (std::size_t i = 0; i < sum.dw1.size(); ++i) sum.dw1[i] += G.dw1[i];
+      for (std::size_t i = 0; i < sum.dw2.size(); ++i) sum.dw2[i] += G.dw2[i];
+      if (r != rank) continue;
+      for (std::size_t i = 0; i < mine.dwg.size(); ++i) mine.dwg[i] += G.dwg[i];
+      const std::string mb = " of microbatch " + std::to_string(m);
+      EXPECT_TRUE(test::all_close("y" + mb, y_h[m], R.y, 1e-4));
+      EXPECT_TRUE(test::all_close("dx" + mb, dx_h[m], G.dx, 1e-4));
+    }
+  EXPECT_TRUE(test::all_close("dW_gate", b->download(impl->grads().w_gate), mine.dwg, 1e-4));
+  const std::int64_t El = impl->layer().local_experts(), H = cfg.d_hidden;
+  const auto off = static_cast<std::ptrdiff_t>(rank * El * M * H), len = static_cast<std::ptrdiff_t>(El * M * H);
+  EXPECT_TRUE(test::all_close("dW1", b->download(impl->grads().w1), {sum.dw1.begin() + off, sum.dw1.begin() + off + len}, 1e-4));
+  EXPECT_TRUE(test::all_close("dW2", b->download(impl->grads().w2), {sum.dw2.begin() + off, sum.dw2.begin() + off + len}, 1e-4));
+}
+
+INSTANTIATE_TEST_SUITE_P(Impls, MicrobatchesInFlightMpi, ::testing::Range(std::size_t{0}, impl_cases().size()),
+                         [](const auto& tp) { return impl_cases()[tp.param].name + "_" + std::to_string(tp.param); });
 
 }  // namespace
 }  // namespace moelab

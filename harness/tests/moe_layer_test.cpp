@@ -1,11 +1,15 @@
 // harness/tests/moe_layer_test.cpp — the expert-parallel MoE layer against a float64 dense
 // reference, forward and backward, on fresh random inputs; a finite-difference check; the
-// permute/unpermute round trip. Runs on cpu always, on cuda (fp32 and bf16) when a device
-// is present.
+// permute/unpermute round trip; several microbatches in flight on one layer (every schedule:
+// the same outputs, noise and summed gradients as one after the other, memory returned per
+// microbatch). Runs on cpu always, on cuda (fp32 and bf16) when a device is present.
 //   ctest --test-dir build -R moe_layer_test      (MOELAB_TEST_SEED=<n> replays a seed)
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "harness/comm/communicator.hpp"
+#include "harness/nn/moe_impl.hpp"
 #include "harness/nn/moe_layer.hpp"
 #include "harness/tests/moe_reference.hpp"
 #include "harness/tests/test_util.hpp"
@@ -337,6 +341,273 @@ TEST(MoELayer, GradientsAccumulateAcrossBackwardCalls) {
   layer.zero_grad();
   step();
   EXPECT_TRUE(test::all_close("after zero_grad", b->download(layer.grads().w1), test::to_double(once[1]), 1e-5));
+}
+
+}  // namespace
+}  // namespace moelab
+
+// ---- several microbatches in flight (harness/nn/saved.hpp) ---------------------------------
+
+namespace moelab {
+namespace {
+
+struct InFlightCase {
+  std::string impl;
+  nlohmann::json options;
+  bool defers;  // backward_input leaves the weight gradients to backward_weight
+};
+void PrintTo(const InFlightCase& c, std::ostream* os) { *os << c.impl << " " << c.options.dump(); }
+
+ModelConfig in_flight_config() {
+  ModelConfig cfg;
+  cfg.d_model = 12;
+  cfg.d_hidden = 20;
+  cfg.num_experts = 6;
+  cfg.top_k = 2;
+  cfg.capacity_factor = 1.0;  // some slots are dropped
+  cfg.noisy_gate = true;      // the noise must follow the work's key, not the order of calls
+  cfg.renormalize = true;
+  return cfg;
+}
+
+// What one schedule of two microbatches produced.
+struct TwoMicrobatches {
+  std::vector<float> y[2], dx[2], eps[2];
+  std::vector<float> dwg, dwn, dw1, dw2;
+  bool weight_grads_after_input = false;  // any dW1 entry nonzero right after both backward_inputs
+  std::size_t in_use_in_flight[2] = {0, 0};  // device bytes charged to each microbatch, both in flight
+  std::map<int, std::size_t> in_use_after;   // ... once every Saved and output is gone
+};
+
+constexpr std::int64_t kTokens[2] = {29, 18};
+const WorkKey kKeys[2] = {{3, 0, 7}, {3, 1, 7}};  // layer 3, microbatches 0 and 1, step 7
+
+// interleaved: forward 0, forward 1, backward_input 1, backward_input 0, backward_weight 1,
+// backward_weight 0; else each microbatch's forward and backward one after the other, the
+// second microbatch first when `reverse`.
+TwoMicrobatches run_two(const InFlightCase& ic, std::uint64_t seed, bool interleaved, bool reverse = false) {
+  auto b = make_backend("cpu");
+  auto comm = make_self_communicator(*b);
+  register_builtin_impls();
+  const ModelConfig cfg = in_flight_config();
+  auto impl = make_impl(ic.impl, *b, *comm, cfg, ic.options);
+  impl->init_parameters(seed);
+  impl->layer().set_noise_seed(Rng::mix(seed, 5));
+  Stream& s = b->default_stream();
+  TwoMicrobatches r;
+  {
+    Tensor x[2], dy[2];
+    for (int m = 0; m < 2; ++m) {
+      x[m] = b->empty({kTokens[m], cfg.d_model}, cfg.dtype, MemCategory::activations, s);
+      dy[m] = b->empty({kTokens[m], cfg.d_model}, cfg.dtype, MemCategory::activations, s);
+      b->upload(test::uniform(static_cast<std::size_t>(kTokens[m] * cfg.d_model), Rng::mix(seed, 10 + m)), x[m]);
+      b->upload(test::uniform(static_cast<std::size_t>(kTokens[m] * cfg.d_model), Rng::mix(seed, 20 + m)), dy[m]);
+    }
+    Forwarded f[2];
+    Tensor dx[2];
+    auto fwd = [&](int m) {
+      f[m] = impl->forward(x[m], kKeys[m]);
+      r.eps[m] = impl->layer().noise(*f[m].saved);
+    };
+    auto bwd_input = [&](int m) { dx[m] = impl->backward_input(*f[m].saved, dy[m], 0.3f); };
+    if (interleaved) {
+      fwd(0);
+      fwd(1);
+      b->synchronize();
+      const auto mb = b->memory().microbatch_in_use();
+      for (int m = 0; m < 2; ++m) r.in_use_in_flight[m] = mb.count(m) ? mb.at(m) : 0;
+      bwd_input(1);
+      bwd_input(0);
+      b->synchronize();
+      for (float v : b->download(impl->grads().w1)) r.weight_grads_after_input |= v != 0.0f;
+      impl->backward_weight(*f[1].saved);
+      impl->backward_weight(*f[0].saved);
+    } else {
+      for (int m : reverse ? std::vector<int>{1, 0} : std::vector<int>{0, 1}) {
+        fwd(m);
+        bwd_input(m);
+        impl->backward_weight(*f[m].saved);
+      }
+    }
+    b->synchronize();
+    for (int m = 0; m < 2; ++m) {
+      r.y[m] = b->download(f[m].y);
+      r.dx[m] = b->download(dx[m]);
+    }
+  }  // every Saved, output and input gone
+  b->synchronize();
+  r.in_use_after = b->memory().microbatch_in_use();
+  r.dwg = b->download(impl->grads().w_gate);
+  r.dwn = b->download(impl->grads().w_noise);
+  r.dw1 = b->download(impl->grads().w1);
+  r.dw2 = b->download(impl->grads().w2);
+  return r;
+}
+
+class MicrobatchesInFlight : public ::testing::TestWithParam<InFlightCase> {};
+
+TEST_P(MicrobatchesInFlight, SameAsOneAfterTheOtherAndTheFloat64Reference) {
+  const InFlightCase& ic = GetParam();
+  const ModelConfig cfg = in_flight_config();
+  std::uint64_t seed = test::fresh_seed();
+  // Inputs whose top-k probabilities are well apart (fp32 and float64 route alike).
+  auto b = make_backend("cpu");
+  auto self = make_self_communicator(*b);
+  ref::Params P;
+  std::vector<double> eps_ref[2];
+  for (int attempt = 0;; ++attempt, seed = Rng::mix(seed, 41)) {
+    ASSERT_LT(attempt, 50) << "no input without a near-tie";
+    MoELayer single(*b, *self, cfg);
+    single.init_parameters(seed);
+    P = test::reference_params(*b, single);
+    bool ok = true;
+    for (int m = 0; m < 2 && ok; ++m) {
+      // The noise of (layer, microbatch, step): Rng(mix(noise_seed, rank, work_seed(key))).
+      Rng nr(Rng::mix(Rng::mix(seed, 5), 0, MoELayer::work_seed(kKeys[m])));
+      eps_ref[m].resize(static_cast<std::size_t>(kTokens[m] * cfg.num_experts));
+      for (auto& v : eps_ref[m]) v = static_cast<float>(nr.normal());
+      const auto x = test::to_double(test::uniform(static_cast<std::size_t>(kTokens[m] * cfg.d_model), Rng::mix(seed, 10 + m)));
+      ok = ref::forward_backward(cfg, P, x, eps_ref[m], nullptr, 0, nullptr).min_topk_gap > 1e-4;
+    }
+    if (ok) break;
+  }
+  SCOPED_TRACE("seed " + std::to_string(seed));
+
+  const TwoMicrobatches a = run_two(ic, seed, true), s = run_two(ic, seed, false), r = run_two(ic, seed, false, true);
+  for (int m = 0; m < 2; ++m) {
+    SCOPED_TRACE("microbatch " + std::to_string(m));
+    // The noise is the key's, whatever the order the work was issued in.
+    EXPECT_EQ(a.eps[m], s.eps[m]);
+    EXPECT_EQ(r.eps[m], s.eps[m]);
+    EXPECT_EQ(test::to_double(a.eps[m]), eps_ref[m]);
+    // Each microbatch's forward and input gradient depend on nothing else in flight.
+    EXPECT_EQ(a.y[m], s.y[m]);
+    EXPECT_EQ(a.dx[m], s.dx[m]);
+    EXPECT_EQ(r.y[m], s.y[m]);
+    // Memory: charged to the microbatch while in flight, all of it returned once its Saved went.
+    EXPECT_GT(a.in_use_in_flight[m], 0u);
+    for (const TwoMicrobatches* t : {&a, &s, &r})
+      EXPECT_EQ(t->in_use_after.count(m) ? t->in_use_after.at(m) : 0, 0u);
+  }
+  EXPECT_NE(a.eps[0], std::vector<float>(a.eps[0].size(), a.eps[0][0]));
+  EXPECT_NE(std::vector<float>(a.eps[0].begin(), a.eps[0].begin() + 10),
+            std::vector<float>(a.eps[1].begin(), a.eps[1].begin() + 10));  // different microbatches, different noise
+  EXPECT_EQ(a.weight_grads_after_input, !ic.defers);
+  // Summed gradients: the same sums in another order.
+  EXPECT_TRUE(test::all_close("dW_gate", a.dwg, test::to_double(s.dwg), 1e-5));
+  EXPECT_TRUE(test::all_close("dW_noise", a.dwn, test::to_double(s.dwn), 1e-5));
+  EXPECT_TRUE(test::all_close("dW1", a.dw1, test::to_double(s.dw1), 1e-5));
+  EXPECT_TRUE(test::all_close("dW2", a.dw2, test::to_double(s.dw2), 1e-5));
+
+  // The float64 reference, microbatch by microbatch, the parameter gradients summed.
+  ref::Grads G;
+  G.init(P, 0);
+  for (int m = 0; m < 2; ++m) {
+    ref::Grads g;
+    g.init(P, kTokens[m]);
+    g.dwg = G.dwg, g.dwn = G.dwn, g.dw1 = G.dw1, g.dw2 = G.dw2;
+    const auto x = test::to_double(test::uniform(static_cast<std::size_t>(kTokens[m] * cfg.d_model), Rng::mix(seed, 10 + m)));
+    const auto dy = test::to_double(test::uniform(static_cast<std::size_t>(kTokens[m] * cfg.d_model), Rng::mix(seed, 20 + m)));
+    const ref::Result R = ref::forward_backward(cfg, P, x, eps_ref[m], &dy, 0.3, &g);
+    EXPECT_TRUE(test::all_close("y" + std::to_string(m), a.y[m], R.y, 1e-4));
+    EXPECT_TRUE(test::all_close("dx" + std::to_string(m), a.dx[m], g.dx, 1e-4));
+    G.dwg = g.dwg, G.dwn = g.dwn, G.dw1 = g.dw1, G.dw2 = g.dw2;
+  }
+  EXPECT_TRUE(test::all_close("dW_gate vs float64", a.dwg, G.dwg, 1e-4));
+  EXPECT_TRUE(test::all_close("dW_noise vs float64", a.dwn, G.dwn, 1e-4));
+  EXPECT_TRUE(test::all_close("dW1 vs float64", a.dw1, G.dw1, 1e-4));
+  EXPECT_TRUE(test::all_close("dW2 vs float64", a.dw2, G.dw2, 1e-4));
+}
+
+INSTANTIATE_TEST_SUITE_P(Impls, MicrobatchesInFlight,
+                         ::testing::Values(InFlightCase{"fastmoe", nlohmann::json::object(), true},
+                                           InFlightCase{"fastermoe", {{"group_size", 1}}, true},
+                                           InFlightCase{"mpipemoe", {{"partitions", 3}}, false},
+                                           InFlightCase{"mpipemoe", {{"partitions", 2}, {"strategy", "S2"}}, false},
+                                           InFlightCase{"mpipemoe", {{"partitions", 3}, {"strategy", "S3"}}, false},
+                                           InFlightCase{"mpipemoe",
+                                                        {{"partitions", 3}, {"strategy", "S1"}, {"t_m_buffers", 2}},
+                                                        false}),
+                         [](const auto& tp) {
+                           std::string n = tp.param.impl + "_" + std::to_string(tp.index);
+                           return n;
+                         });
+
+// The MoE layers of a model share one set of streams and communicators: layers 0 and 1 (a
+// FastMoE and an MPipeMoE layer, made through the registry) on one MoEChannels, their work
+// interleaved, compute what each computes alone.
+TEST(MoELayer, LayersShareOneSetOfChannels) {
+  register_builtin_impls();
+  const ModelConfig cfg = in_flight_config();
+  const std::uint64_t seed = test::fresh_seed();
+  const std::int64_t T = 21;
+  const nlohmann::json opts[2] = {nlohmann::json::object(), {{"partitions", 2}, {"strategy", "S2"}}};
+  const char* names[2] = {"fastmoe", "mpipemoe"};
+  auto run = [&](bool shared) {
+    auto b = make_backend("cpu");
+    auto comm = make_self_communicator(*b);
+    std::unique_ptr<MoEChannels> channels;
+    if (shared) channels = std::make_unique<MoEChannels>(*b, *comm);
+    std::unique_ptr<MoEImpl> layer[2];
+    for (int l = 0; l < 2; ++l) {
+      layer[l] = make_impl(names[l], *b, *comm, cfg, opts[l], channels.get());
+      layer[l]->init_parameters(Rng::mix(seed, l));
+      layer[l]->layer().set_noise_seed(Rng::mix(seed, 5));
+      if (shared) {
+        EXPECT_EQ(&layer[l]->layer().channels(), channels.get());
+      }
+    }
+    if (!shared) {
+      EXPECT_NE(&layer[0]->layer().channels(), &layer[1]->layer().channels());
+    }
+    Stream& s = b->default_stream();
+    Tensor x = b->empty({T, cfg.d_model}, cfg.dtype, MemCategory::activations, s);
+    b->upload(test::uniform(static_cast<std::size_t>(T * cfg.d_model), seed), x);
+    std::vector<std::vector<float>> out;
+    Forwarded f0 = layer[0]->forward(x, {0, 0, 1});
+    Forwarded f1 = layer[1]->forward(f0.y, {1, 0, 1});
+    Tensor d1 = layer[1]->backward_input(*f1.saved, f1.y, 0.1f);
+    layer[1]->backward_weight(*f1.saved);
+    Tensor d0 = layer[0]->backward_input(*f0.saved, d1, 0.1f);
+    layer[0]->backward_weight(*f0.saved);
+    b->synchronize();
+    for (const Tensor* t : {&f0.y, &f1.y, &d1, &d0}) out.push_back(b->download(*t));
+    for (int l = 0; l < 2; ++l)
+      for (Tensor* g : {&layer[l]->grads().w_gate, &layer[l]->grads().w1, &layer[l]->grads().w2})
+        out.push_back(b->download(*g));
+    return out;
+  };
+  const auto alone = run(false), shared = run(true);
+  ASSERT_EQ(alone.size(), shared.size());
+  for (std::size_t i = 0; i < alone.size(); ++i) EXPECT_EQ(alone[i], shared[i]) << "tensor " << i;
+}
+
+// The one-in-flight API keys its work {layer 0, microbatch 0, step} with the step counted per
+// forward, and work_seed of that key is the step: the gate noise is Rng(mix(noise_seed, rank,
+// step)), the stream the layer has always drawn.
+TEST(MoELayer, OneInFlightNoiseIsTheStepsStream) {
+  auto b = make_backend("cpu");
+  auto comm = make_self_communicator(*b);
+  ModelConfig cfg = in_flight_config();
+  const std::uint64_t seed = test::fresh_seed();
+  MoELayer layer(*b, *comm, cfg);
+  layer.init_parameters(seed);
+  layer.set_noise_seed(Rng::mix(seed, 5));
+  Tensor x = b->empty({9, cfg.d_model}, cfg.dtype, MemCategory::activations, layer.compute_stream());
+  b->upload(test::uniform(static_cast<std::size_t>(9 * cfg.d_model), seed), x);
+  for (std::uint64_t step = 1; step <= 3; ++step) {
+    EXPECT_EQ(MoELayer::work_seed({0, 0, step}), step);
+    layer.forward(x);
+    Rng rng(Rng::mix(Rng::mix(seed, 5), 0, step));
+    std::vector<float> want(static_cast<std::size_t>(9 * cfg.num_experts));
+    for (auto& v : want) v = static_cast<float>(rng.normal());
+    EXPECT_EQ(layer.last_noise(), want) << "step " << step;
+    // ... and the same key through the handle API draws the same numbers.
+    const Forwarded f = layer.forward(x, {0, 0, step});
+    EXPECT_EQ(layer.noise(*f.saved), want) << "step " << step;
+  }
+  EXPECT_NE(MoELayer::work_seed({0, 1, 1}), MoELayer::work_seed({0, 0, 1}));
+  EXPECT_NE(MoELayer::work_seed({1, 0, 1}), MoELayer::work_seed({0, 0, 1}));
 }
 
 }  // namespace

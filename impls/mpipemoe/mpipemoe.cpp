@@ -1,10 +1,11 @@
 // impls/mpipemoe/mpipemoe.cpp — see mpipemoe.hpp. Sections follow the data:
-//   1. the partition plan: which rows of T_I each partition sends where (host)
-//   2. forward: S_p / C_p / R_p on three streams (no reuse: every partition its own tensors)
-//   3. backward: the mirror
-//   4. memory reuse (§III-C) and the restore strategies S1–S4 (§III-D): forward, backward,
-//      and the strategy of a forward (fixed, or chosen by Eq. 10, §III-E)
-//   5. options and registration
+//   1. the partition plan: which rows of T_I each partition sends where (host); the chunks the
+//      harness's issuer runs as S_p / C_p / R_p on three streams (harness/nn/moe_schedule.hpp)
+//   2. memory reuse (§III-C) and the restore strategies S1–S4 (§III-D): the issuer's hooks,
+//      forward and backward
+//   3. the layer: the granularity search (§III-B, Algorithm 1), the strategy of a forward
+//      (fixed, or chosen by Eq. 10, §III-E)
+//   4. options and registration
 #include "impls/mpipemoe/mpipemoe.hpp"
 
 #include <algorithm>
@@ -23,33 +24,18 @@
 namespace moelab {
 namespace {
 
-// ---- 1. the partition plan ----------------------------------------------------------------
-// Partition p holds tokens [p*T/n, (p+1)*T/n). In T_I (expert-major; within an expert, by
-// choice j then token t) the rows of one (partition, expert, choice) are contiguous, so a
-// partition's dispatch is a list of contiguous segments of the global T_I: no extra copy.
-struct Partition {
-  std::vector<Segment> sends, recvs;          // dispatch segments (combine: the same, reversed)
-  std::vector<std::int64_t> rows, offset;     // [El] rows per local expert in T_DI_p, and offsets
-  std::int64_t R = 0;                         // rows this rank's experts receive
-  Tensor t_di, t_m;                           // saved for backward
-};
-
-struct Plan {
-  int n = 1;
-  std::vector<Partition> parts;
-};
-
-// Memory reuse (§III-C): instead of one T_DI_p, T_M_p, T_DO_p per partition, rotating buffers
-// sized for the largest partition — two for T_DI and T_DO (one communicated while the other
-// is computed on), one for T_M — used by partition p as buffer p % 2 (T_M: the only one).
-// They and the offloaded copies live from forward to backward.
-struct ReuseState {
-  std::int64_t r_max = 0;           // rows of the largest partition
-  Tensor t_di[2];                   // [r_max,M] activations (the restored T_DI in backward)
-  Tensor t_m[2];                    // [r_max,H] activations (the restored T_M in backward);
-                                    // the second only with t_m_buffers = 2
-  int nm = 1;                       // T_M buffers in use: partition p uses t_m[p % nm]
-  Tensor t_i;                       // [N,M] kept for S2/S4: the dispatch is re-run from it
+// What a forward with n partitions leaves for its backward: the layer's (MoESaved) and, with
+// memory reuse (§III-C), the rotating buffers sized for the largest partition — two for T_DI,
+// one for T_M (two with t_m_buffers = 2) — and the offloaded copies, which live from forward to
+// backward. Partition p uses T_DI[p % 2] and T_M[p % nm].
+struct MPipeSaved final : MoESaved {
+  MPipeSaved(const WorkKey& k, int parts, std::string s) : MoESaved(k), n(parts), strategy(std::move(s)) {}
+  int n;
+  std::string strategy;                 // "none" or S1..S4
+  std::int64_t r_max = 0;               // rows of the largest partition
+  Tensor t_di[2];                       // [r_max,M] activations (the restored T_DI in backward)
+  Tensor t_m[2];                        // [r_max,H] activations (the restored T_M in backward)
+  int nm = 1;                           // T_M buffers in use
   std::vector<Tensor> host_di, host_m;  // [R_p,M] / [R_p,H] pinned host, per partition (offload)
 };
 
@@ -73,34 +59,17 @@ struct Rates {
 
 }  // namespace
 
-class MPipeMoE final : public MoELayer, public MoEImpl {
+class MPipeMoELayer final : public MoELayer {
  public:
-  MPipeMoE(Backend& b, Communicator& c, const ModelConfig& m, int fixed_n, int max_n, std::int64_t min_rows,
-           StrategyOptions so)
-      : MoELayer(b, c, m), fixed_n_(fixed_n), search_(max_n, min_rows), so_(std::move(so)) {}
-  // Queued work may still wait on events of the pool: let it drain before they go.
-  ~MPipeMoE() override {
-    try {
-      b_.synchronize();
-    } catch (...) {  // a failed op was reported to whoever synchronised last; nothing to add
-    }
-  }
+  MPipeMoELayer(Backend& b, Communicator& c, const ModelConfig& m, int fixed_n, int max_n, std::int64_t min_rows,
+                StrategyOptions so, MoEChannels* channels)
+      : MoELayer(b, c, m, channels), fixed_n_(fixed_n), search_(max_n, min_rows), so_(std::move(so)) {}
 
-  // ---- MoEImpl ------------------------------------------------------------------------------
-  std::string name() const override { return "mpipemoe"; }
-  void init_parameters(std::uint64_t seed) override { MoELayer::init_parameters(seed); }
-  void zero_grad() override { MoELayer::zero_grad(); }
-  float aux_loss() override { return MoELayer::aux_loss(); }
-  MoEParams& params() override { return MoELayer::params(); }
-  MoEParams& grads() override { return MoELayer::grads(); }
-  const RoutingStats& routing() const override { return MoELayer::routing(); }
-  std::vector<GemmProblem> expert_gemms() override { return expert_gemm_problems(); }
-  MoELayer& layer() override { return *this; }
-  nlohmann::json report() override {
+  nlohmann::json report() {
     nlohmann::json r = {{"schedule", so_.strategy == "none" ? "MPipeMoE pipelining (no memory reuse)"
                                                             : "MPipeMoE pipelining with memory reuse"},
                         {"partitions", fixed_n_ > 0 ? nlohmann::json(fixed_n_) : nlohmann::json("auto")},
-                        {"last_n", plan_.n},
+                        {"last_n", last_n_},
                         {"strategy", so_.strategy},
                         {"t_m_buffers", so_.t_m_buffers},
                         {"granularity_search", search_.report()}};
@@ -112,7 +81,7 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
                            {"host_pinned_bytes", memory_.host_bytes},
                            {"saving_ratio_phi", memory_.phi}};
     }
-    if (so_.strategy != "none" && plan_.n == 1)
+    if (so_.strategy != "none" && last_n_ == 1)
       r["note"] = "memory reuse with n = 1 saves nothing: one partition has nothing to rotate with";
     if (!costs_.empty()) {
       nlohmann::json all = nlohmann::json::object();
@@ -131,49 +100,42 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
     return r;
   }
 
-  Tensor forward(const Tensor& x) override {
+  Forwarded forward(const Tensor& x, const WorkKey& key) override {
+    check_input(x);
     const std::int64_t T = x.dim(0);
     int n = fixed_n_;
     if (n <= 0) {
-      // Trials are forward passes too; they must not advance the gate noise of training.
-      const std::uint64_t step = step_;
       // Ranks may hold different token counts; the search and its bounds must see one value on
-      // every rank, or they would run different numbers of trials: the smallest count.
+      // every rank, or they would run different numbers of trials: the smallest count. Trials
+      // are forwards of this very work (its key: the gate noise is the forward's).
       const auto B = static_cast<std::int64_t>(-comm_.all_reduce_max(-static_cast<double>(T)));
-      n = search_.choose(B, [&](int trial_n) { return trial(x, trial_n); });
-      step_ = step;
+      n = search_.choose(B, [&](int trial_n) { return trial(x, key, trial_n); });
     }
     if (n > std::max<std::int64_t>(T, 1))
       throw ConfigError("mpipemoe: partitions = " + std::to_string(n) + " leaves partitions without a token for " +
                         std::to_string(T) + " tokens per rank");
-    return pipelined_forward(x, n);
+    return pipelined_forward(x, key, n);
   }
 
-  Tensor backward(const Tensor& dy, float grad_aux) override;
+  const StrategyOptions& options() const { return so_; }
 
  private:
-  Tensor pipelined_forward(const Tensor& x, int n);
-  void make_plan(int n, std::int64_t T);
+  ChunkPlan plan_chunks(MoESaved& sv) override;
+  bool keeps_t_i(const MoESaved& sv) const override {
+    return recommunicates(static_cast<const MPipeSaved&>(sv).strategy);
+  }
+  // Weight gradients in the combined pass: the memory reuse and restore strategies are
+  // defined for it (backward_weight has nothing left to do).
+  bool defers_weight_gradients() const override { return false; }
+  Tensor backward_pass(MoESaved& sv, const Tensor& dy, float grad_aux, bool defer) override;
+  Forwarded pipelined_forward(const Tensor& x, const WorkKey& key, int n);
   // The strategy of this forward: the fixed one, or Eq. 10's choice; host memory checked.
   void resolve_strategy(std::int64_t T, int n);
   // Eq. 10's throughputs and the memory budgets for partitions of b rows (cached per b).
   // agree: every rank calls it at once and all take the smallest figures.
   const Rates& rates_for(std::int64_t b, bool agree);
-  void reuse_forward(Tensor& t_i, Tensor& t_o);          // §4: S_p / C_p / R_p on rotating buffers
-  void reuse_backward(const Tensor& d_t_o, Tensor& d_t_i);    // §4: restore, then the mirror
-  void fc1(Stream& c, const Tensor& t_di, const Partition& P, Tensor& t_m);  // T_M = T_DI·W1
-  // An event recorded on s now (nullptr-safe waits below); from the per-pass pool.
-  Event* mark(Stream& s) {
-    if (next_event_ == events_.size()) events_.push_back(b_.create_event());
-    Event* e = events_[next_event_++].get();
-    b_.record(*e, s);
-    return e;
-  }
-  void after(Stream& s, Event* e) {
-    if (e) b_.wait(s, *e);
-  }
   // One timed forward at n (the granularity search's trial), the same on every rank.
-  double trial(const Tensor& x, int n) {
+  double trial(const Tensor& x, const WorkKey& key, int n) {
     // An n at which no restore strategy fits the memory budget is no candidate, not the end of
     // the run. The verdict is the same on every rank: under "auto" the choice is made from the
     // figures the ranks agree on, before any work is issued.
@@ -185,43 +147,39 @@ class MPipeMoE final : public MoELayer, public MoEImpl {
     b_.synchronize();  // work queued before the trial (zero fills, say) is not the trial's
     comm_.barrier();
     const double t0 = b_.now();
-    pipelined_forward(x, n);
+    trial_state_ = pipelined_forward(x, key, n).saved;
     b_.synchronize();
     comm_.barrier();
     return comm_.all_reduce_max(b_.now() - t0);
   }
-  // `to` waits for everything issued on `from` so far. Events come from a pool reused from
-  // step to step: a queued wait keeps its own generation of an event (CUDA semantics), so
-  // re-recording an event never disturbs an earlier wait on it.
-  void stream_event_order(Stream& from, Stream& to) {
-    if (next_event_ == events_.size()) events_.push_back(b_.create_event());
-    Event& e = *events_[next_event_++];
-    b_.record(e, from);
-    b_.wait(to, e);
-  }
 
   int fixed_n_;
   GranularitySearch search_;
+  // What the last trial's forward saved, held until the next forward has resolved its strategy:
+  // the memory budget Eq. 10's choice sees is the device's capacity less what is in use then.
+  SavedPtr trial_state_;
   StrategyOptions so_;
   std::string strategy_;                 // of the last forward ("none" or S1..S4)
+  int last_n_ = 1;                       // partitions of the last forward
   std::vector<StrategyCost> costs_;      // Eq. 10 of the last forward, S1–S4
   std::map<std::int64_t, Rates> rates_;  // by partition rows
   std::int64_t rates_key_ = 0;           // of the last forward
   MemoryPrediction memory_;              // the memory model of the last forward's strategy
-  ReuseState rz_;
-  Stream* h2d_ = nullptr;                // host copies (S1–S3), created on first use
-  Stream* d2h_ = nullptr;
-  Plan plan_;
-  std::vector<std::unique_ptr<Event>> events_;  // one per ordering edge of a pass, reused
-  std::size_t next_event_ = 0;
 };
 
-// Builds plan_ for n partitions from the gate's routing (saved_: topk_idx, slot) — on a backend
-// without data (sim) each expert's rows are split evenly across the partitions.
-void MPipeMoE::make_plan(int n, std::int64_t T) {
+// ---- 1. the partition plan ----------------------------------------------------------------
+// Partition p holds tokens [p*T/n, (p+1)*T/n). In T_I (expert-major; within an expert, by
+// choice j then token t) the rows of one (partition, expert, choice) are contiguous, so a
+// partition's dispatch is a list of contiguous segments of the global T_I: no extra copy.
+// From the gate's routing (sv: topk_idx, slot) — on a backend without data (sim) each expert's
+// rows are split evenly across the partitions.
+ChunkPlan MPipeMoELayer::plan_chunks(MoESaved& s) {
+  const MPipeSaved& sv = static_cast<const MPipeSaved&>(s);
+  const int n = sv.n;
+  const std::int64_t T = sv.x.dim(0);
   const std::int64_t E = cfg_.num_experts, El = local_experts_, M = cfg_.d_model;
   const int k = cfg_.top_k, ep = comm_.size();
-  const auto& sent = routing_.sent_per_expert;
+  const auto& sent = sv.sent;
   std::vector<std::int64_t> expert_start(static_cast<std::size_t>(E), 0);
   std::exclusive_scan(sent.begin(), sent.end(), expert_start.begin(), std::int64_t{0});
   auto part_of = [&](std::int64_t t) { return static_cast<int>(t * n / std::max<std::int64_t>(T, 1)); };
@@ -233,7 +191,7 @@ void MPipeMoE::make_plan(int n, std::int64_t T) {
   };
   std::vector<std::int64_t> first(static_cast<std::size_t>(n) * E * k, -1), count(first.size(), 0);
   if (b_.has_data()) {
-    const auto idx = b_.download_i32(saved_->topk_idx), slot = b_.download_i32(saved_->slot);
+    const auto idx = b_.download_i32(sv.topk_idx), slot = b_.download_i32(sv.slot);
     for (std::int64_t t = 0; t < T; ++t)
       for (int j = 0; j < k; ++j) {
         const std::int32_t r = slot[static_cast<std::size_t>(t * k + j)];
@@ -266,11 +224,10 @@ void MPipeMoE::make_plan(int n, std::int64_t T) {
                  static_cast<std::size_t>(l)) * static_cast<std::size_t>(k) + static_cast<std::size_t>(j)];
   };
 
-  plan_ = Plan{};
-  plan_.n = n;
-  plan_.parts.resize(static_cast<std::size_t>(n));
+  ChunkPlan plan;
+  plan.chunks.resize(static_cast<std::size_t>(n));
   for (int p = 0; p < n; ++p) {
-    Partition& P = plan_.parts[static_cast<std::size_t>(p)];
+    Chunk& P = plan.chunks[static_cast<std::size_t>(p)];
     P.rows.assign(static_cast<std::size_t>(El), 0);
     for (int q = 0; q < ep; ++q)
       for (std::int64_t l = 0; l < El; ++l)
@@ -290,351 +247,214 @@ void MPipeMoE::make_plan(int n, std::int64_t T) {
           fill[static_cast<std::size_t>(l)] += nr;
         }
   }
+  // S on the dispatch stream and channel, R on the combine stream and channel (§III-A).
+  plan.dispatch = {dispatch_, dispatch_comm_};
+  plan.combine = {combine_, combine_comm_};
+  return plan;
 }
 
-// ---- 2. forward -----------------------------------------------------------------------------
-Tensor MPipeMoE::pipelined_forward(const Tensor& x, int n) {
-  const std::int64_t T = x.dim(0), M = cfg_.d_model, H = cfg_.d_hidden;
-  if (x.ndim() != 2 || x.dim(1) != M || x.dtype() != cfg_.dtype)
-    throw ConfigError("MoE layer input " + x.describe() + " does not match d_model = " + std::to_string(M));
-  resolve_strategy(T, n);  // before any work: a host budget that does not fit is a ConfigError
-  Stream& c = *compute_;
-  saved_ = std::make_unique<Saved>();
-  Saved& sv = *saved_;
-  sv.x = x;
-  ++step_;
-  next_event_ = 0;
-  gate_phase(x);
-
-  const auto& sent = routing_.sent_per_expert;
-  const std::int64_t N = std::accumulate(sent.begin(), sent.end(), std::int64_t{0});
-  Tensor t_i;
-  if (strategy_ != "none") {
-    {
-      PhaseScope ph(b_, "dispatch");
-      make_plan(n, T);
-      // T_I [N,M]: an activation when backward re-runs the dispatch from it (S2, S4).
-      t_i = b_.empty({N, M}, cfg_.dtype,
-                     recommunicates(strategy_) ? MemCategory::activations : MemCategory::buffers, c);
-      b_.permute(c, x, sv.slot, t_i);
-      sv.t_o = b_.empty({N, M}, cfg_.dtype, MemCategory::activations, c);
-    }
-    reuse_forward(t_i, sv.t_o);
-  } else {
-    std::vector<Tensor> t_do(static_cast<std::size_t>(n));
-    {
-      PhaseScope ph(b_, "dispatch");
-      make_plan(n, T);
-      t_i = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
-      b_.permute(c, x, sv.slot, t_i);
-      // Every buffer the other streams touch is allocated here, before the event they wait on
-      // (stream-ordered allocation).
-      sv.t_o = b_.empty({N, M}, cfg_.dtype, MemCategory::activations, c);
-      for (int p = 0; p < n; ++p) {
-        Partition& P = plan_.parts[static_cast<std::size_t>(p)];
-        P.t_di = b_.empty({P.R, M}, cfg_.dtype, MemCategory::activations, c);
-        P.t_m = b_.empty({P.R, H}, cfg_.dtype, MemCategory::activations, c);
-        t_do[static_cast<std::size_t>(p)] = b_.empty({P.R, M}, cfg_.dtype, MemCategory::buffers, c);
-      }
-      stream_event_order(c, *dispatch_);
-    }
-    for (int p = 0; p < n; ++p) {
-      Partition& P = plan_.parts[static_cast<std::size_t>(p)];
-      {
-        PhaseScope ph(b_, "dispatch");  // S_p
-        dispatch_comm_->all_to_all_v(*dispatch_, t_i, P.sends, P.t_di, P.recvs);
-        stream_event_order(*dispatch_, c);
-      }
-      {
-        PhaseScope ph(b_, "experts");  // C_p
-        experts_forward(c, P.t_di, P.rows, P.offset, P.t_m, t_do[static_cast<std::size_t>(p)]);
-        stream_event_order(c, *combine_);
-      }
-      {
-        PhaseScope ph(b_, "combine");  // R_p
-        combine_comm_->all_to_all_v(*combine_, t_do[static_cast<std::size_t>(p)], P.recvs, sv.t_o, P.sends);
-      }
-    }
-  }
-  Tensor y = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
-  {
-    PhaseScope ph(b_, "combine");
-    stream_event_order(*combine_, c);
-    stream_event_order(*dispatch_, c);  // t_i is freed on the compute stream after its last reader
-    b_.unpermute(c, sv.t_o, sv.slot, sv.topk_w, y);
-  }
-  routing_.recv_per_local.assign(static_cast<std::size_t>(local_experts_), 0);
-  for (const auto& P : plan_.parts)
-    for (std::size_t l = 0; l < P.rows.size(); ++l) routing_.recv_per_local[l] += P.rows[l];
-  return y;
-}
-
-// ---- 3. backward: per partition, combine-backward exchange, experts backward, dispatch-backward
-Tensor MPipeMoE::backward(const Tensor& dy, float grad_aux) {
-  MOELAB_CHECK(saved_ != nullptr, "MPipeMoE::backward called without a forward");
-  Saved& sv = *saved_;
-  const std::int64_t T = sv.x.dim(0), M = cfg_.d_model, N = sv.t_o.dim(0);
-  const int k = cfg_.top_k, n = plan_.n;
-  if (dy.ndim() != 2 || dy.dim(0) != T || dy.dim(1) != M || dy.dtype() != cfg_.dtype)
-    throw ConfigError("MoE layer output gradient " + dy.describe() + " does not match the forward's output [" +
-                      std::to_string(T) + ", " + std::to_string(M) + "]");
-  Stream& c = *compute_;
-  next_event_ = 0;
-  Tensor d_w = b_.empty({T, k}, DType::f32, MemCategory::buffers, c);
-  Tensor d_t_o = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
-  Tensor d_t_i = b_.empty({N, M}, cfg_.dtype, MemCategory::buffers, c);
-  if (strategy_ != "none") {
-    {
-      PhaseScope ph(b_, "combine");
-      b_.unpermute_backward(c, dy, sv.t_o, sv.slot, sv.topk_w, d_t_o, d_w);
-    }
-    reuse_backward(d_t_o, d_t_i);
-  } else {
-    std::vector<Tensor> d_t_do(static_cast<std::size_t>(n)), d_t_di(static_cast<std::size_t>(n));
-    for (int p = 0; p < n; ++p) {
-      const std::int64_t R = plan_.parts[static_cast<std::size_t>(p)].R;
-      d_t_do[static_cast<std::size_t>(p)] = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
-      d_t_di[static_cast<std::size_t>(p)] = b_.empty({R, M}, cfg_.dtype, MemCategory::buffers, c);
-    }
-    {
-      PhaseScope ph(b_, "combine");
-      b_.unpermute_backward(c, dy, sv.t_o, sv.slot, sv.topk_w, d_t_o, d_w);
-      stream_event_order(c, *combine_);
-      stream_event_order(c, *dispatch_);
-    }
-    for (int p = 0; p < n; ++p) {
-      Partition& P = plan_.parts[static_cast<std::size_t>(p)];
-      {
-        PhaseScope ph(b_, "combine");  // R'_p: output gradients to the experts
-        combine_comm_->all_to_all_v(*combine_, d_t_o, P.sends, d_t_do[static_cast<std::size_t>(p)], P.recvs);
-        stream_event_order(*combine_, c);
-      }
-      {
-        PhaseScope ph(b_, "experts");  // C'_p
-        experts_backward(c, P.t_di, P.t_m, d_t_do[static_cast<std::size_t>(p)], P.rows, P.offset,
-                         d_t_di[static_cast<std::size_t>(p)]);
-        stream_event_order(c, *dispatch_);
-      }
-      {
-        PhaseScope ph(b_, "dispatch");  // S'_p: input gradients back to the tokens' ranks
-        dispatch_comm_->all_to_all_v(*dispatch_, d_t_di[static_cast<std::size_t>(p)], P.recvs, d_t_i, P.sends);
-      }
-    }
-    {
-      PhaseScope ph(b_, "dispatch");
-      stream_event_order(*dispatch_, c);
-      stream_event_order(*combine_, c);
-    }
-  }
-  Tensor dx = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
-  {
-    PhaseScope ph(b_, "dispatch");
-    b_.permute_backward(c, d_t_i, sv.slot, dx);
-  }
-  gate_backward_phase(d_w, grad_aux, dx);
-  saved_.reset();
-  for (auto& P : plan_.parts) P.t_di = P.t_m = Tensor();
-  rz_ = ReuseState{};  // rotating buffers, T_I and host copies: freed after their last use above
-  return dx;
-}
-
-// ---- 4. memory reuse (§III-C) and the restore strategies (§III-D) ------------------------------
-// Partition p uses rotating buffer p % 2 of T_DI, T_DO (and in backward dT_DI, dT_DO) and the
-// one T_M. A buffer is overwritten only after its previous user finished, by events:
+// ---- 2. memory reuse (§III-C) and the restore strategies (§III-D) ------------------------------
+// Partition p uses rotating buffer p % 2 of T_DI, T_DO (and in backward dT_DI, dT_DO) and
+// T_M[p % nm]. A buffer is overwritten only after its previous user finished, by events:
 //   forward   S_p  (dispatch) waits C_{p-2} and the offload of T_DI_{p-2}  (T_DI[p%2])
-//             C_p  (compute)  waits S_p, R_{p-2} (T_DO[p%2]) and the offload of T_M_{p-1} (T_M)
+//             C_p  (compute)  waits S_p, R_{p-2} (T_DO[p%2]) and the offload of T_M_{p-nm} (T_M)
 //             R_p  (combine)  waits C_p;   offloads (d2h) wait S_p / C_p
 //   backward  restore T_DI_p (h2d copy or dispatch re-run) waits C'_{p-2}; restore T_M_p (h2d)
-//             waits C'_{p-1}; R'_p waits C'_{p-2} (dT_DO[p%2]); C'_p waits R'_p, the restores
+//             waits C'_{p-nm}; R'_p waits C'_{p-2} (dT_DO[p%2]); C'_p waits R'_p, the restores
 //             and S'_{p-2} (dT_DI[p%2]); S'_p waits C'_p.
-// Every wait points at work issued earlier, so no stream can wait on a later one.
+// Every wait points at work issued earlier, so no stream can wait on a later one. The issuer
+// (harness/nn/moe_schedule.hpp) issues S, C, R and the waits on each other's events; what is
+// MPipeMoE's — the buffers, the offloads and restores, the extra waits — are these hooks.
 namespace {
-Event* at(const std::vector<Event*>& v, int i) { return i >= 0 ? v[static_cast<std::size_t>(i)] : nullptr; }
+const auto at = ChunkEvents::at;
+
+// Forward: T_DI_p and T_M_p into the rotating buffers, offloaded where the strategy says (S1:
+// both, S2: T_M, S3: T_DI) to pinned host memory on the d2h stream.
+class ReuseForward final : public ChunkHooks {
+ public:
+  ReuseForward(MPipeMoELayer& L, MPipeSaved& sv)
+      : L_(L), sv_(sv), b_(L.backend()), c_(L.compute_stream()), ev_(L.event_pool()),
+        off_di_(offloads_t_di(sv.strategy)), off_m_(offloads_t_m(sv.strategy)) {}
+
+  // (The plan exists from here on: dispatch_preprocess made it.)
+  void allocate() override {
+    L_.channels().host_to_device();  // the host-copy streams are made on first use, in this order
+    d2h_ = &L_.channels().device_to_host();
+    di_saved_.assign(sv_.plan.chunks.size(), nullptr);
+    m_saved_.assign(sv_.plan.chunks.size(), nullptr);
+    const ModelConfig& cfg = L_.config();
+    const std::int64_t M = cfg.d_model, H = cfg.d_hidden;
+    const int n = sv_.n, nb = std::min(n, 2);
+    for (const Chunk& P : sv_.plan.chunks) sv_.r_max = std::max(sv_.r_max, P.R);
+    for (int i = 0; i < nb; ++i) {
+      sv_.t_di[i] = b_.empty({sv_.r_max, M}, cfg.dtype, MemCategory::activations, c_);  // [r_max,M]
+      t_do_[i] = b_.empty({sv_.r_max, M}, cfg.dtype, MemCategory::buffers, c_);         // [r_max,M]
+    }
+    sv_.nm = off_m_ ? std::min(nb, L_.options().t_m_buffers) : 1;  // a second T_M helps only its offload
+    for (int i = 0; i < sv_.nm; ++i)
+      sv_.t_m[i] = b_.empty({sv_.r_max, H}, cfg.dtype, MemCategory::activations, c_);    // [r_max,H]
+    for (const Chunk& P : sv_.plan.chunks) {  // pinned host copies, [R_p,M] / [R_p,H]
+      if (off_di_)
+        sv_.host_di.push_back(b_.empty({P.R, M}, cfg.dtype, MemCategory::host_pinned, c_, MemSpace::host_pinned));
+      if (off_m_)
+        sv_.host_m.push_back(b_.empty({P.R, H}, cfg.dtype, MemCategory::host_pinned, c_, MemSpace::host_pinned));
+    }
+  }
+  ChunkTensors tensors(int p) override {
+    const std::int64_t R = sv_.plan.chunks[static_cast<std::size_t>(p)].R;
+    return {sv_.t_di[p % 2].rows(0, R), sv_.t_m[p % sv_.nm].rows(0, R), t_do_[p % 2].rows(0, R), {}, {}};
+  }
+  std::vector<Stream*> ready() override { return {d2h_}; }
+  void before(ChunkStep step, int p, const ChunkEvents& e) override {
+    if (step == ChunkStep::dispatch) {  // S_p overwrites T_DI[p%2]:
+      ev_.after(*sv_.plan.dispatch.stream, at(e.computed, p - 2));  // C_{p-2} has read it
+      ev_.after(*sv_.plan.dispatch.stream, at(di_saved_, p - 2));   // and its offload has copied it out
+    } else if (step == ChunkStep::experts) {
+      ev_.after(c_, at(e.out, p - 2));          // R_{p-2} has sent T_DO[p%2]
+      ev_.after(c_, at(m_saved_, p - sv_.nm));  // the offload of T_M_{p-nm} has copied this T_M out
+    }
+  }
+  void after(ChunkStep step, int p, const ChunkEvents& e) override {
+    const auto i = static_cast<std::size_t>(p);
+    if (step == ChunkStep::dispatch && off_di_) {  // S1, S3: T_DI_p -> pinned host [R_p,M]
+      PhaseScope ph(b_, "offload");
+      ev_.after(*d2h_, e.in[i]);
+      b_.copy(*d2h_, tensors(p).t_di, sv_.host_di[i]);
+      di_saved_[i] = ev_.mark(*d2h_);
+    } else if (step == ChunkStep::experts && off_m_) {  // S1, S2: T_M_p -> pinned host [R_p,H]
+      PhaseScope ph(b_, "offload");
+      ev_.after(*d2h_, e.computed[i]);
+      b_.copy(*d2h_, tensors(p).t_m, sv_.host_m[i]);
+      m_saved_[i] = ev_.mark(*d2h_);
+    }
+  }
+  std::vector<Stream*> join() override { return {d2h_}; }  // the offloads
+  void finish() override { t_do_[0] = t_do_[1] = Tensor(); }
+
+ private:
+  MPipeMoELayer& L_;
+  MPipeSaved& sv_;
+  Backend& b_;
+  Stream& c_;
+  EventPool& ev_;
+  const bool off_di_, off_m_;
+  Stream* d2h_ = nullptr;
+  Tensor t_do_[2];  // [r_max,M] rotating
+  std::vector<Event*> di_saved_, m_saved_;  // per partition: its offload is done
+};
+
+// Backward: T_DI_p and T_M_p restored into the rotating buffers before C'_p — T_DI fetched from
+// the host (S1, S3) or sent again from the kept T_I (S2, S4), T_M fetched (S1, S2) or recomputed
+// by FC1 from the restored T_DI (S3, S4) — each restore prefetched under C'_{p-1} where its
+// buffer allows.
+class ReuseBackward final : public ChunkHooks {
+ public:
+  ReuseBackward(MPipeMoELayer& L, MPipeSaved& sv)
+      : L_(L), sv_(sv), b_(L.backend()), c_(L.compute_stream()), ev_(L.event_pool()),
+        h2d_(L.channels().host_to_device()), off_di_(offloads_t_di(sv.strategy)), off_m_(offloads_t_m(sv.strategy)),
+        recomm_(recommunicates(sv.strategy)), recomp_(recomputes(sv.strategy)),
+        prefetch_m_(off_m_ && sv.nm == 2),  // with one T_M its restore waits for C'_{p-1}
+        di_back_(sv.plan.chunks.size()), m_back_(sv.plan.chunks.size()) {}
+
+  void allocate() override {  // rotating gradient buffers [r_max,M]
+    const ModelConfig& cfg = L_.config();
+    for (int i = 0; i < std::min(sv_.n, 2); ++i) {
+      d_t_do_[i] = b_.empty({sv_.r_max, cfg.d_model}, cfg.dtype, MemCategory::buffers, c_);
+      d_t_di_[i] = b_.empty({sv_.r_max, cfg.d_model}, cfg.dtype, MemCategory::buffers, c_);
+    }
+  }
+  ChunkTensors tensors(int p) override {
+    const std::int64_t R = sv_.plan.chunks[static_cast<std::size_t>(p)].R;
+    return {sv_.t_di[p % 2].rows(0, R), sv_.t_m[p % sv_.nm].rows(0, R), {}, d_t_do_[p % 2].rows(0, R),
+            d_t_di_[p % 2].rows(0, R)};
+  }
+  std::vector<Stream*> ready() override { return {sv_.plan.dispatch.stream, &h2d_}; }
+  void start(const ChunkEvents& e) override {
+    restore_di(0, e);
+    if (prefetch_m_) restore_m(0, e);
+  }
+  void before(ChunkStep step, int p, const ChunkEvents& e) override {
+    if (step == ChunkStep::combine) {  // R'_p overwrites dT_DO[p%2]: C'_{p-2} has read it
+      ev_.after(*sv_.plan.combine.stream, at(e.computed, p - 2));
+    } else if (step == ChunkStep::experts) {
+      ev_.after(c_, di_back_[static_cast<std::size_t>(p)]);
+      ev_.after(c_, m_back_[static_cast<std::size_t>(p)]);
+      ev_.after(c_, at(e.out, p - 2));  // S'_{p-2} has sent dT_DI[p%2]
+      // S3, S4: T_M recomputed from the restored T_DI by the forward's FC1, bit for bit
+      if (recomp_) {
+        ChunkTensors t = tensors(p);
+        L_.expert_fc1(c_, sv_.plan.chunks[static_cast<std::size_t>(p)], t.t_di, t.t_m, "fc1_recompute");
+      }
+    }
+  }
+  void after(ChunkStep step, int p, const ChunkEvents& e) override {
+    if (step != ChunkStep::combine) return;
+    if (p + 1 < sv_.n) restore_di(p + 1, e);  // prefetch: overlaps C'_p
+    if (prefetch_m_ && p + 1 < sv_.n) restore_m(p + 1, e);
+    if (off_m_ && !prefetch_m_) restore_m(p, e);
+  }
+  std::vector<Stream*> join() override { return {&h2d_}; }
+  void finish() override { d_t_do_[0] = d_t_do_[1] = d_t_di_[0] = d_t_di_[1] = Tensor(); }
+
+ private:
+  // T_DI_p into T_DI[p%2]: S1/S3 fetch the host copy, S2/S4 re-run S_p from the kept T_I.
+  void restore_di(int p, const ChunkEvents& e) {
+    const auto i = static_cast<std::size_t>(p);
+    Tensor di = tensors(p).t_di;
+    if (off_di_) {
+      PhaseScope ph(b_, "fetch");
+      ev_.after(h2d_, at(e.computed, p - 2));  // C'_{p-2} has read this buffer
+      b_.copy(h2d_, sv_.host_di[i], di);
+      di_back_[i] = ev_.mark(h2d_);
+    } else if (recomm_) {  // the forward's S_p again
+      Stream& ds = *sv_.plan.dispatch.stream;
+      ev_.after(ds, at(e.computed, p - 2));
+      L_.dispatch(ds, *sv_.plan.dispatch.comm, sv_.t_i, sv_.plan.chunks[i], di);
+      di_back_[i] = ev_.mark(ds);
+    }
+  }
+  // T_M_p into T_M[p%nm]: S1/S2 fetch the host copy (S3/S4 recompute it in C'_p).
+  void restore_m(int p, const ChunkEvents& e) {
+    const auto i = static_cast<std::size_t>(p);
+    PhaseScope ph(b_, "fetch");
+    ev_.after(h2d_, at(e.computed, p - sv_.nm));  // C'_{p-nm} has read this T_M
+    Tensor m = tensors(p).t_m;
+    b_.copy(h2d_, sv_.host_m[i], m);
+    m_back_[i] = ev_.mark(h2d_);
+  }
+
+  MPipeMoELayer& L_;
+  MPipeSaved& sv_;
+  Backend& b_;
+  Stream& c_;
+  EventPool& ev_;
+  Stream& h2d_;
+  const bool off_di_, off_m_, recomm_, recomp_, prefetch_m_;
+  Tensor d_t_do_[2], d_t_di_[2];  // [r_max,M] rotating
+  std::vector<Event*> di_back_, m_back_;  // per partition: restored
+};
 }  // namespace
 
-void MPipeMoE::fc1(Stream& c, const Tensor& t_di, const Partition& P, Tensor& t_m) {
-  // T_M = T_DI·W1 per local expert l on rows [off_l, off_l + r_l): [r,M]x[M,H] — exactly the
-  // forward's FC1 (pre-activation), so the recomputed T_M equals the forward's bit for bit.
-  const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
-  std::vector<GemmProblem> ps;
-  for (std::size_t l = 0; l < P.rows.size(); ++l) {
-    const std::int64_t r = P.rows[l], o = P.offset[l];
-    if (r > 0)
-      ps.push_back({false, false, r, H, M, t_di.rows(o, r), params_.w1.select(static_cast<std::int64_t>(l)),
-                    t_m.rows(o, r), 1, 0});
-  }
-  b_.grouped_gemm(c, ps, "fc1_recompute");
+// ---- 3. the layer: a forward at n partitions, its backward, the strategy -----------------------
+Forwarded MPipeMoELayer::pipelined_forward(const Tensor& x, const WorkKey& key, int n) {
+  resolve_strategy(x.dim(0), n);  // before any work: a host budget that does not fit is a ConfigError
+  trial_state_.reset();
+  last_n_ = n;
+  auto saved = std::make_unique<MPipeSaved>(key, n, strategy_);
+  MPipeSaved& sv = *saved;
+  if (sv.strategy == "none") return run_forward(x, std::move(saved));
+  ReuseForward hooks(*this, sv);
+  return run_forward(x, std::move(saved), &hooks);
 }
 
-void MPipeMoE::reuse_forward(Tensor& t_i, Tensor& t_o) {
-  const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
-  const int n = plan_.n, nb = std::min(n, 2);
-  Stream& c = *compute_;
-  if (!h2d_) h2d_ = &b_.create_stream(StreamRole::h2d, "h2d");
-  if (!d2h_) d2h_ = &b_.create_stream(StreamRole::d2h, "d2h");
-  const bool off_di = offloads_t_di(strategy_), off_m = offloads_t_m(strategy_);
-
-  // ---- buffers: allocated on the compute stream before the other streams' first wait ----
-  rz_ = ReuseState{};
-  for (const auto& P : plan_.parts) rz_.r_max = std::max(rz_.r_max, P.R);
-  Tensor t_do[2];
-  for (int i = 0; i < nb; ++i) {
-    rz_.t_di[i] = b_.empty({rz_.r_max, M}, cfg_.dtype, MemCategory::activations, c);  // [r_max,M]
-    t_do[i] = b_.empty({rz_.r_max, M}, cfg_.dtype, MemCategory::buffers, c);          // [r_max,M]
-  }
-  rz_.nm = off_m ? std::min(nb, so_.t_m_buffers) : 1;  // a second T_M helps only its offload (S1, S2)
-  for (int i = 0; i < rz_.nm; ++i)
-    rz_.t_m[i] = b_.empty({rz_.r_max, H}, cfg_.dtype, MemCategory::activations, c);     // [r_max,H]
-  if (recommunicates(strategy_)) rz_.t_i = t_i;  // S2, S4: backward re-runs S_p from T_I
-  for (const auto& P : plan_.parts) {             // pinned host copies, [R_p,M] / [R_p,H]
-    if (off_di)
-      rz_.host_di.push_back(b_.empty({P.R, M}, cfg_.dtype, MemCategory::host_pinned, c, MemSpace::host_pinned));
-    if (off_m)
-      rz_.host_m.push_back(b_.empty({P.R, H}, cfg_.dtype, MemCategory::host_pinned, c, MemSpace::host_pinned));
-  }
-  {
-    PhaseScope ph(b_, "dispatch");
-    Event* ready = mark(c);
-    after(*dispatch_, ready);
-    after(*d2h_, ready);
-  }
-
-  std::vector<Event*> s_done(static_cast<std::size_t>(n)), c_done(s_done), r_done(s_done), di_saved(s_done),
-      m_saved(s_done);
-  for (int p = 0; p < n; ++p) {
-    const Partition& P = plan_.parts[static_cast<std::size_t>(p)];
-    const auto i = static_cast<std::size_t>(p % 2);
-    Tensor di = rz_.t_di[i].rows(0, P.R), m = rz_.t_m[p % rz_.nm].rows(0, P.R), dout = t_do[i].rows(0, P.R);
-    {
-      PhaseScope ph(b_, "dispatch");  // S_p: T_I segments -> T_DI[p%2]
-      after(*dispatch_, at(c_done, p - 2));    // C_{p-2} has read this buffer
-      after(*dispatch_, at(di_saved, p - 2));  // and its offload has copied it out
-      dispatch_comm_->all_to_all_v(*dispatch_, t_i, P.sends, di, P.recvs);
-      s_done[static_cast<std::size_t>(p)] = mark(*dispatch_);
-    }
-    if (off_di) {
-      PhaseScope ph(b_, "offload");  // S1, S3: T_DI_p -> pinned host [R_p,M]
-      after(*d2h_, s_done[static_cast<std::size_t>(p)]);
-      b_.copy(*d2h_, di, rz_.host_di[static_cast<std::size_t>(p)]);
-      di_saved[static_cast<std::size_t>(p)] = mark(*d2h_);
-    }
-    {
-      PhaseScope ph(b_, "experts");  // C_p: T_M = T_DI·W1, T_DO = act(T_M)·W2
-      after(c, s_done[static_cast<std::size_t>(p)]);
-      after(c, at(r_done, p - 2));   // R_{p-2} has sent T_DO[p%2]
-      after(c, at(m_saved, p - rz_.nm));  // the offload of T_M_{p-nm} has copied this T_M out
-      experts_forward(c, di, P.rows, P.offset, m, dout);
-      c_done[static_cast<std::size_t>(p)] = mark(c);
-    }
-    if (off_m) {
-      PhaseScope ph(b_, "offload");  // S1, S2: T_M_p -> pinned host [R_p,H]
-      after(*d2h_, c_done[static_cast<std::size_t>(p)]);
-      b_.copy(*d2h_, m, rz_.host_m[static_cast<std::size_t>(p)]);
-      m_saved[static_cast<std::size_t>(p)] = mark(*d2h_);
-    }
-    {
-      PhaseScope ph(b_, "combine");  // R_p: T_DO[p%2] -> T_O segments
-      after(*combine_, c_done[static_cast<std::size_t>(p)]);
-      combine_comm_->all_to_all_v(*combine_, dout, P.recvs, t_o, P.sends);
-      r_done[static_cast<std::size_t>(p)] = mark(*combine_);
-    }
-  }
-  // The compute stream (where T_I, T_DO and the buffers are freed) waits for every stream.
-  PhaseScope ph(b_, "combine");
-  stream_event_order(*combine_, c);
-  stream_event_order(*dispatch_, c);
-  stream_event_order(*d2h_, c);
+Tensor MPipeMoELayer::backward_pass(MoESaved& s, const Tensor& dy, float grad_aux, bool) {
+  MPipeSaved& sv = static_cast<MPipeSaved&>(s);
+  if (sv.strategy == "none") return run_backward(sv, dy, grad_aux, false);
+  ReuseBackward hooks(*this, sv);
+  return run_backward(sv, dy, grad_aux, false, &hooks);
 }
 
-void MPipeMoE::reuse_backward(const Tensor& d_t_o, Tensor& d_t_i) {
-  const std::int64_t M = cfg_.d_model;
-  const int n = plan_.n, nb = std::min(n, 2);
-  Stream& c = *compute_;
-  const bool off_di = offloads_t_di(strategy_), off_m = offloads_t_m(strategy_), recomm = recommunicates(strategy_),
-             recomp = recomputes(strategy_);
-  Tensor d_t_do[2], d_t_di[2];  // rotating gradient buffers [r_max,M]
-  for (int i = 0; i < nb; ++i) {
-    d_t_do[i] = b_.empty({rz_.r_max, M}, cfg_.dtype, MemCategory::buffers, c);
-    d_t_di[i] = b_.empty({rz_.r_max, M}, cfg_.dtype, MemCategory::buffers, c);
-  }
-  {
-    PhaseScope ph(b_, "combine");
-    Event* ready = mark(c);  // dT_O written, buffers allocated
-    after(*combine_, ready);
-    after(*dispatch_, ready);
-    after(*h2d_, ready);
-  }
-  std::vector<Event*> di_back(static_cast<std::size_t>(n)), m_back(di_back), rp_done(di_back), cp_done(di_back),
-      sp_done(di_back);
-
-  // ---- restore T_DI_p into T_DI[p%2]: S1/S3 fetch the host copy, S2/S4 re-run S_p ----------
-  auto restore_di = [&](int p) {
-    const Partition& P = plan_.parts[static_cast<std::size_t>(p)];
-    Tensor di = rz_.t_di[static_cast<std::size_t>(p % 2)].rows(0, P.R);
-    if (off_di) {
-      PhaseScope ph(b_, "fetch");
-      after(*h2d_, at(cp_done, p - 2));  // C'_{p-2} has read this buffer
-      b_.copy(*h2d_, rz_.host_di[static_cast<std::size_t>(p)], di);
-      di_back[static_cast<std::size_t>(p)] = mark(*h2d_);
-    } else if (recomm) {
-      PhaseScope ph(b_, "dispatch");  // the forward's S_p again, from the kept T_I
-      after(*dispatch_, at(cp_done, p - 2));
-      dispatch_comm_->all_to_all_v(*dispatch_, rz_.t_i, P.sends, di, P.recvs);
-      di_back[static_cast<std::size_t>(p)] = mark(*dispatch_);
-    }
-  };
-  // ---- restore T_M_p into T_M[p%nm]: S1/S2 fetch the host copy (S3/S4 recompute in C'_p)
-  auto restore_m = [&](int p) {
-    PhaseScope ph(b_, "fetch");
-    const Partition& P = plan_.parts[static_cast<std::size_t>(p)];
-    Tensor m = rz_.t_m[p % rz_.nm].rows(0, P.R);
-    after(*h2d_, at(cp_done, p - rz_.nm));  // C'_{p-nm} has read this T_M
-    b_.copy(*h2d_, rz_.host_m[static_cast<std::size_t>(p)], m);
-    m_back[static_cast<std::size_t>(p)] = mark(*h2d_);
-  };
-
-  // With one T_M its restore waits for C'_{p-1}; with two it is prefetched like T_DI.
-  const bool prefetch_m = off_m && rz_.nm == 2;
-  restore_di(0);
-  if (prefetch_m) restore_m(0);
-  for (int p = 0; p < n; ++p) {
-    const Partition& P = plan_.parts[static_cast<std::size_t>(p)];
-    const auto i = static_cast<std::size_t>(p % 2);
-    Tensor di = rz_.t_di[i].rows(0, P.R), m = rz_.t_m[p % rz_.nm].rows(0, P.R);
-    Tensor ddo = d_t_do[i].rows(0, P.R), ddi = d_t_di[i].rows(0, P.R);
-    {
-      PhaseScope ph(b_, "combine");  // R'_p: dT_O segments -> dT_DO[p%2]
-      after(*combine_, at(cp_done, p - 2));
-      combine_comm_->all_to_all_v(*combine_, d_t_o, P.sends, ddo, P.recvs);
-      rp_done[static_cast<std::size_t>(p)] = mark(*combine_);
-    }
-    if (p + 1 < n) restore_di(p + 1);  // prefetch: overlaps C'_p
-    if (prefetch_m && p + 1 < n) restore_m(p + 1);
-    if (off_m && !prefetch_m) restore_m(p);
-    {
-      PhaseScope ph(b_, "experts");  // C'_p
-      after(c, rp_done[static_cast<std::size_t>(p)]);
-      after(c, di_back[static_cast<std::size_t>(p)]);
-      after(c, m_back[static_cast<std::size_t>(p)]);
-      after(c, at(sp_done, p - 2));  // S'_{p-2} has sent dT_DI[p%2]
-      if (recomp) fc1(c, di, P, m);  // S3, S4: T_M recomputed from the restored T_DI
-      experts_backward(c, di, m, ddo, P.rows, P.offset, ddi);
-      cp_done[static_cast<std::size_t>(p)] = mark(c);
-    }
-    {
-      PhaseScope ph(b_, "dispatch");  // S'_p: dT_DI[p%2] -> dT_I segments
-      after(*dispatch_, cp_done[static_cast<std::size_t>(p)]);
-      dispatch_comm_->all_to_all_v(*dispatch_, ddi, P.recvs, d_t_i, P.sends);
-      sp_done[static_cast<std::size_t>(p)] = mark(*dispatch_);
-    }
-  }
-  PhaseScope ph(b_, "dispatch");
-  stream_event_order(*dispatch_, c);
-  stream_event_order(*combine_, c);
-  stream_event_order(*h2d_, c);
-}
-
-void MPipeMoE::resolve_strategy(std::int64_t T_local, int n) {
+void MPipeMoELayer::resolve_strategy(std::int64_t T_local, int n) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
   // Every rank must run the same strategy (S2/S4 add collectives). Under "auto" the choice is
   // made for the largest token count over ranks (its memory must fit everywhere) from rates
@@ -683,7 +503,7 @@ void MPipeMoE::resolve_strategy(std::int64_t T_local, int n) {
   }
 }
 
-const Rates& MPipeMoE::rates_for(std::int64_t b, bool agree) {
+const Rates& MPipeMoELayer::rates_for(std::int64_t b, bool agree) {
   if (auto it = rates_.find(b); it != rates_.end()) return it->second;
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
   // One FC1 GEMM of the partition: its rows spread over the local experts.
@@ -757,8 +577,16 @@ const Rates& MPipeMoE::rates_for(std::int64_t b, bool agree) {
   return rates_.emplace(b, std::move(r)).first->second;
 }
 
-// ---- 5. options and registration --------------------------------------------------------------
+// ---- 4. the MoEImpl adapter, options and registration ----------------------------------------
 namespace {
+class MPipeMoE final : public LayerBackedImpl<MPipeMoELayer> {
+ public:
+  using LayerBackedImpl::LayerBackedImpl;
+  std::string name() const override { return "mpipemoe"; }
+  std::vector<GemmProblem> expert_gemms() override { return layer_.expert_gemm_problems(); }
+  nlohmann::json report() override { return layer_.report(); }
+};
+
 int int_option(const nlohmann::json& o, const char* key, int dflt, int lo) {
   if (!o.contains(key)) return dflt;
   const auto& v = o[key];
@@ -775,9 +603,9 @@ double positive_option(const nlohmann::json& o, const char* key, double dflt) {
     throw ConfigError(std::string("mpipemoe: ") + key + " = " + v.dump() + ": expected a positive number");
   return v.get<double>();
 }
-}  // namespace
 
-std::unique_ptr<MoEImpl> make_mpipemoe(Backend& b, Communicator& c, const ModelConfig& m, const nlohmann::json& options) {
+std::unique_ptr<MoEImpl> make(Backend& b, Communicator& c, const ModelConfig& m, const nlohmann::json& options,
+                              MoEChannels* channels) {
   const nlohmann::json o = options.is_null() ? nlohmann::json::object() : options;
   if (!o.is_object()) throw ConfigError("mpipemoe: options must be a JSON object, got " + o.dump());
   static const char* known[] = {"partitions", "max_partitions", "min_partition_tokens", "reuse", "strategy",
@@ -821,7 +649,7 @@ std::unique_ptr<MoEImpl> make_mpipemoe(Backend& b, Communicator& c, const ModelC
     throw ConfigError("mpipemoe: t_m_buffers = " + o["t_m_buffers"].dump() +
                       " needs memory reuse (a strategy S1-S4 or auto): without reuse every partition keeps its T_M");
   // Eq. 10's figures and the budgets when given; otherwise the machine model's, a
-  // measurement, or default_throughputs() (MPipeMoE::rates_for).
+  // measurement, or default_throughputs() (MPipeMoELayer::rates_for).
   auto given = [&](const char* key, double scale) -> std::optional<double> {
     if (!o.contains(key)) return std::nullopt;
     return positive_option(o, key, 0) * scale;
@@ -839,9 +667,14 @@ std::unique_ptr<MoEImpl> make_mpipemoe(Backend& b, Communicator& c, const ModelC
   // and device memory for activations + buffers (used by "auto").
   so.host_bytes = given("host_memory_gb", 1e9);
   so.device_bytes = given("memory_gb", 1e9);
-  return std::make_unique<MPipeMoE>(b, c, m, n, max_n, min_rows, std::move(so));
+  return std::make_unique<MPipeMoE>(b, c, m, n, max_n, min_rows, std::move(so), channels);
+}
+}  // namespace
+
+std::unique_ptr<MoEImpl> make_mpipemoe(Backend& b, Communicator& c, const ModelConfig& m, const nlohmann::json& options) {
+  return make(b, c, m, options, nullptr);
 }
 
-void register_mpipemoe() { register_impl("mpipemoe", make_mpipemoe); }
+void register_mpipemoe() { register_impl("mpipemoe", make); }
 
 }  // namespace moelab

@@ -7,7 +7,12 @@
 // R on the combine stream over another communicator, so S_{p+1}, C_p and R_{p-1} overlap
 // (§III-A). The backward pass mirrors it. The gate, the permute into the expert-major T_I
 // and the unpermute stay global: routing, capacity and every number computed are those of
-// the unpipelined layer, and n = 1 is the FastMoE baseline exactly.
+// the unpipelined layer, and n = 1 is the FastMoE baseline exactly. The partitions are a
+// chunk plan run by the harness's chunk issuer (harness/nn/moe_schedule.hpp); memory reuse and
+// the restore strategies are its hooks. Any number of microbatches may be in flight (MoEImpl's
+// handle API; each forward's rotating buffers and offloaded copies live in its saved value),
+// but the weight gradients are done in backward_input, whose memory reuse and restore
+// strategies are defined for a combined backward: backward_weight has nothing left to do.
 //
 // Options (JSON, `moelab run --impl mpipemoe --impl-options '{...}'`):
 //   "partitions": n (a positive integer) or "auto" (the online granularity search, §III-B)

@@ -2,6 +2,7 @@
 #include "harness/backends/cpu/mpi_comm.hpp"
 
 #include <climits>
+#include <numeric>
 
 #include "harness/runtime/error.hpp"
 
@@ -28,6 +29,16 @@ class MpiCommunicator final : public Communicator {
     MPI_Comm_set_errhandler(ctrl_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(data_, &rank_);
     MPI_Comm_size(data_, &size_);
+    // World rank of each member, for the topology and reports (MPI_Group_translate_ranks).
+    MPI_Group mine = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+    MPI_Comm_group(data_, &mine);
+    MPI_Comm_group(MPI_COMM_WORLD, &world);
+    std::vector<int> ranks(static_cast<std::size_t>(size_));
+    std::iota(ranks.begin(), ranks.end(), 0);
+    world_ranks_.resize(ranks.size());
+    MPI_Group_translate_ranks(mine, size_, ranks.data(), world, world_ranks_.data());
+    MPI_Group_free(&mine);
+    MPI_Group_free(&world);
   }
   ~MpiCommunicator() override {
     int finalized = 0;
@@ -42,6 +53,16 @@ class MpiCommunicator final : public Communicator {
   int size() const override { return size_; }
   std::string kind() const override { return "mpi"; }
   std::unique_ptr<Communicator> dup() override { return std::make_unique<MpiCommunicator>(b_, data_); }
+  // On the control-plane communicator: the data plane may be busy on a stream's worker.
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    MPI_Comm part = MPI_COMM_NULL;
+    check(MPI_Comm_split(ctrl_, color < 0 ? MPI_UNDEFINED : color, key, &part), "MPI_Comm_split");
+    if (part == MPI_COMM_NULL) return nullptr;
+    auto c = std::make_unique<MpiCommunicator>(b_, part);
+    MPI_Comm_free(&part);
+    return c;
+  }
+  std::vector<int> world_ranks() const override { return world_ranks_; }
 
   void all_to_all_v(Stream& s, const Tensor& send, std::span<const Segment> sends, Tensor& recv,
                     std::span<const Segment> recvs) override {
@@ -183,6 +204,7 @@ class MpiCommunicator final : public Communicator {
   CpuBackend& b_;
   MPI_Comm data_ = MPI_COMM_NULL, ctrl_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
+  std::vector<int> world_ranks_;
 };
 
 }  // namespace

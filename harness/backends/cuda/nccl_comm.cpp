@@ -14,6 +14,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
+#include <utility>
 
 #include "harness/backends/cuda/cuda_backend.hpp"
 #include "harness/runtime/error.hpp"
@@ -36,9 +38,9 @@ ncclDataType_t nccl_type(DType t) {
 
 class NcclCommunicator final : public Communicator {
  public:
-  // Takes ownership of `comm`.
-  NcclCommunicator(Backend& b, ncclComm_t comm, int rank, int size)
-      : b_(b), device_(cuda_device_of(b)), comm_(comm), rank_(rank), size_(size) {
+  // Takes ownership of `comm`. world_ranks: the world rank of each member, by rank in `comm`.
+  NcclCommunicator(Backend& b, ncclComm_t comm, int rank, int size, std::vector<int> world_ranks)
+      : b_(b), device_(cuda_device_of(b)), comm_(comm), rank_(rank), size_(size), world_ranks_(std::move(world_ranks)) {
     try {
       cuda(cudaSetDevice(device_), "cudaSetDevice");
       cuda(cudaStreamCreateWithFlags(&ctrl_, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -61,12 +63,43 @@ class NcclCommunicator final : public Communicator {
   int size() const override { return size_; }
   std::string kind() const override { return "nccl"; }
 
-  std::unique_ptr<Communicator> dup() override {
+  std::unique_ptr<Communicator> dup() override { return split(0, rank_); }
+
+  // ncclCommSplit orders a color's ranks by key, then by rank here (nccl.h) — MPI_Comm_split's
+  // rule, which split_members computes from an all-gather of every rank's (color, key, world
+  // rank): NCCL itself does not tell a member the others' world ranks. The all-gather also
+  // runs on the ranks that leave (NCCL_SPLIT_NOCOLOR), since ncclCommSplit is collective.
+  std::unique_ptr<Communicator> split(int color, int key) override {
     set_device();
+    const auto all = all_gather_i64({color < 0 ? -1 : color, key, world_ranks_[static_cast<std::size_t>(rank_)]});
+    std::vector<std::pair<int, int>> color_key;
+    for (int r = 0; r < size_; ++r)
+      color_key.emplace_back(static_cast<int>(all[3 * static_cast<std::size_t>(r)]),
+                             static_cast<int>(all[3 * static_cast<std::size_t>(r) + 1]));
     ncclComm_t c = nullptr;
-    nccl(ncclCommSplit(comm_, 0, rank_, &c, nullptr), "ncclCommSplit");
-    return std::make_unique<NcclCommunicator>(b_, c, rank_, size_);
+    nccl(ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &c, nullptr), "ncclCommSplit");
+    if (color < 0) {
+      if (c) ncclCommDestroy(c);
+      return nullptr;
+    }
+    const std::vector<int> members = split_members(color_key, color);
+    std::vector<int> world;
+    int me = -1;
+    for (std::size_t i = 0; i < members.size(); ++i) {
+      world.push_back(static_cast<int>(all[3 * static_cast<std::size_t>(members[i]) + 2]));
+      if (members[i] == rank_) me = static_cast<int>(i);
+    }
+    int nccl_rank = -1, nccl_size = -1;
+    const ncclResult_t r1 = ncclCommUserRank(c, &nccl_rank), r2 = ncclCommCount(c, &nccl_size);
+    if (r1 != ncclSuccess || r2 != ncclSuccess || nccl_rank != me || nccl_size != static_cast<int>(members.size())) {
+      ncclCommDestroy(c);
+      fail("ncclCommSplit(color " + std::to_string(color) + ", key " + std::to_string(key) + ") gave rank " +
+           std::to_string(nccl_rank) + " of " + std::to_string(nccl_size) + ", expected " + std::to_string(me) +
+           " of " + std::to_string(members.size()));
+    }
+    return std::make_unique<NcclCommunicator>(b_, c, me, static_cast<int>(members.size()), std::move(world));
   }
+  std::vector<int> world_ranks() const override { return world_ranks_; }
 
   // ---- data plane ----------------------------------------------------------------------
 
@@ -210,16 +243,7 @@ class NcclCommunicator final : public Communicator {
     set_device();
     // Lengths first, then every string padded to the longest.
     const auto n = static_cast<std::size_t>(size_);
-    std::int64_t len = static_cast<std::int64_t>(s.size());
-    std::vector<std::int64_t> lens(n);
-    {
-      char* d = static_cast<char*>(scratch((n + 1) * sizeof(std::int64_t)));
-      cuda(cudaMemcpyAsync(d, &len, sizeof len, cudaMemcpyHostToDevice, ctrl_), "cudaMemcpyAsync");
-      nccl(ncclAllGather(d, d + sizeof len, 1, ncclInt64, comm_, ctrl_), "ncclAllGather (string lengths)");
-      cuda(cudaMemcpyAsync(lens.data(), d + sizeof len, n * sizeof len, cudaMemcpyDeviceToHost, ctrl_),
-           "cudaMemcpyAsync");
-      sync_ctrl();
-    }
+    const std::vector<std::int64_t> lens = all_gather_i64({static_cast<std::int64_t>(s.size())});
     const auto longest = static_cast<std::size_t>(std::max<std::int64_t>(1, *std::max_element(lens.begin(), lens.end())));
     std::string padded(longest, '\0');
     std::memcpy(padded.data(), s.data(), s.size());
@@ -278,6 +302,18 @@ class NcclCommunicator final : public Communicator {
     return scratch_;
   }
   void sync_ctrl() const { cuda(cudaStreamSynchronize(ctrl_), "cudaStreamSynchronize (control plane)"); }
+  // Every rank's `mine` (the same count on each), concatenated in rank order.
+  std::vector<std::int64_t> all_gather_i64(const std::vector<std::int64_t>& mine) {
+    const std::size_t bytes = mine.size() * sizeof(std::int64_t);
+    std::vector<std::int64_t> out(mine.size() * static_cast<std::size_t>(size_));
+    char* d = static_cast<char*>(scratch(bytes * (static_cast<std::size_t>(size_) + 1)));
+    cuda(cudaMemcpyAsync(d, mine.data(), bytes, cudaMemcpyHostToDevice, ctrl_), "cudaMemcpyAsync");
+    nccl(ncclAllGather(d, d + bytes, mine.size(), ncclInt64, comm_, ctrl_), "ncclAllGather (int64)");
+    cuda(cudaMemcpyAsync(out.data(), d + bytes, out.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost, ctrl_),
+         "cudaMemcpyAsync");
+    sync_ctrl();
+    return out;
+  }
   double reduce_double(double v, ncclRedOp_t op, const char* call) {
     set_device();
     void* d = scratch(sizeof(double));
@@ -292,6 +328,7 @@ class NcclCommunicator final : public Communicator {
   int device_;
   ncclComm_t comm_ = nullptr;
   int rank_, size_;
+  std::vector<int> world_ranks_;
   cudaStream_t ctrl_ = nullptr;
   void* scratch_ = nullptr;
   std::size_t scratch_bytes_ = 0;
@@ -322,7 +359,9 @@ std::unique_ptr<Communicator> make_nccl_communicator(Backend& cuda_backend, cons
   const ncclResult_t r = ncclCommInitRank(&comm, size, uid, rank);
   if (r != ncclSuccess)
     throw CommError("rank " + std::to_string(rank) + ": ncclCommInitRank failed: " + ncclGetErrorString(r));
-  return std::make_unique<NcclCommunicator>(cuda_backend, comm, rank, size);
+  std::vector<int> world(static_cast<std::size_t>(size));
+  std::iota(world.begin(), world.end(), 0);
+  return std::make_unique<NcclCommunicator>(cuda_backend, comm, rank, size, std::move(world));
 }
 
 }  // namespace moelab

@@ -16,7 +16,8 @@ namespace moelab {
 std::array<char, 128> nccl_unique_id();
 
 // ncclCommInitRank on the cuda backend's device. Collective: all `size` ranks must call it
-// with the same id. Throws CommError on any NCCL failure.
+// with the same id. Its ranks are world ranks 0..size-1 (world_ranks() is the identity);
+// split() derives sub-communicators with ncclCommSplit. Throws CommError on any NCCL failure.
 std::unique_ptr<Communicator> make_nccl_communicator(Backend& cuda_backend, const std::array<char, 128>& id, int rank,
                                                      int size);
 

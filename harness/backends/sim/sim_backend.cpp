@@ -225,18 +225,21 @@ struct SimEvent final : Event {
 
 // A collective call as one rank sees it.
 struct Participation {
-  int rank = 0;
+  int member = 0;                           // rank in the communicator
   int arrive = -1, done = -1;               // local task ids
-  std::vector<double> bytes_to;             // all_to_all_v: bytes to each peer (incl. self)
+  std::vector<double> bytes_to;             // all_to_all_v: bytes to each member (incl. self)
   double bytes = 0;                         // ring collectives and p2p: payload bytes
 };
 
-enum class CollKind { all_to_all_v, all_gather, reduce_scatter, all_reduce, p2p };
+// barrier: a sub-communicator's barrier, which joins its members' host timelines (a world
+// barrier instead runs the engine; see SimCommunicator::barrier).
+enum class CollKind { all_to_all_v, all_gather, reduce_scatter, all_reduce, p2p, barrier };
 
 struct Instance {
   CollKind kind = CollKind::p2p;
+  std::vector<int> members;          // world ranks, by rank in the communicator
   std::vector<Participation> parts;  // by arrival
-  int p2p_src = -1, p2p_dst = -1;
+  int p2p_src = -1, p2p_dst = -1;    // ranks in the communicator
 };
 
 }  // namespace
@@ -258,13 +261,15 @@ struct SimCluster::Impl {
     std::uint64_t generation = 0;
     std::vector<std::string> result;
   };
-  std::map<std::string, Gather> gathers;  // by communicator id
+  std::map<std::string, Gather> gathers;  // by communicator id: each group meets on its own
   bool aborted = false;
   std::string abort_reason;
   std::uint64_t epoch = 0;
   double epoch_base = 0;     // virtual time at which the current epoch started
 
-  std::vector<std::string> rendezvous(const std::string& comm, int rank, std::string payload, bool evaluate);
+  // Every member of communicator `comm` (`size` of them) hands in a payload; all get the
+  // payloads by rank in the communicator. evaluate: a world barrier (size == n).
+  std::vector<std::string> rendezvous(const std::string& comm, int rank, int size, std::string payload, bool evaluate);
   void evaluate();  // all rank threads are parked in a rendezvous
 };
 
@@ -510,7 +515,10 @@ class SimBackendImpl final : public Backend {
   }
 
   std::vector<OpRecord> timeline() override { return records_; }
-  void clear_timeline() override { records_.clear(); }
+  void clear_timeline() override {
+    records_.clear();
+    link_bytes_ = {};
+  }
 
   // ---- used by the communicator and the evaluation ----------------------------------------
   // A collective's two tasks on stream s: `arrive` (this rank is ready) and `done` (this
@@ -560,6 +568,17 @@ class SimBackendImpl final : public Backend {
     now_ = now;
   }
   const sim::Topology& topology() const { return topo_; }
+  // A host-side barrier of a sub-communicator: `arrive` is the host reaching it, `done` the
+  // host leaving it; the evaluation makes `done` wait for every member's `arrive`.
+  std::pair<int, int> host_barrier() {
+    host_join({});
+    const int a = host_;
+    host_join({});
+    return {a, host_};
+  }
+  // Bytes this rank sent by the collectives in its timeline, by link class.
+  void add_link_bytes(const sim::LinkBytes& b) { link_bytes_ += b; }
+  const sim::LinkBytes& link_bytes() const { return link_bytes_; }
 
  protected:
   void* raw_alloc(std::size_t bytes, MemSpace space, Stream&) override {
@@ -656,6 +675,7 @@ class SimBackendImpl final : public Backend {
   int host_ = -1;
   double now_ = 0;
   std::int64_t gate_calls_ = 0;
+  sim::LinkBytes link_bytes_;
 };
 
 // ============================================================================================
@@ -664,23 +684,46 @@ class SimBackendImpl final : public Backend {
 
 namespace {
 
+// A communicator over `members` (world ranks, in rank order): the world, a dup or a split.
+// Peers are numbered in the communicator; flows run between the members' GPUs, so the
+// topology prices a group inside a node and one across nodes differently. Its id names its
+// collectives' instances and its rendezvous: the same on every member, unique per group.
 class SimCommunicator final : public Communicator {
  public:
-  SimCommunicator(SimCluster::Impl& c, SimBackendImpl& b, std::string id) : c_(c), b_(b), id_(std::move(id)) {}
-  int rank() const override { return b_.rank(); }
-  int size() const override { return c_.n; }
+  SimCommunicator(SimCluster::Impl& c, SimBackendImpl& b, std::string id, std::vector<int> members)
+      : c_(c), b_(b), id_(std::move(id)), members_(std::move(members)) {
+    const auto it = std::find(members_.begin(), members_.end(), b_.rank());
+    MOELAB_CHECK(it != members_.end(), "sim communicator " + id_ + " does not contain rank " + std::to_string(b_.rank()));
+    me_ = static_cast<int>(it - members_.begin());
+  }
+  int rank() const override { return me_; }
+  int size() const override { return static_cast<int>(members_.size()); }
   std::string kind() const override { return "sim"; }
   std::unique_ptr<Communicator> dup() override {
-    return std::make_unique<SimCommunicator>(c_, b_, id_ + "/" + std::to_string(dups_++));
+    return std::make_unique<SimCommunicator>(c_, b_, id_ + "/" + std::to_string(dups_++), members_);
   }
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    const auto all = c_.rendezvous(id_, me_, size(), nlohmann::json::array({color, key}).dump(), false);
+    const std::string id = id_ + "/split" + std::to_string(splits_++) + ":" + std::to_string(color);
+    if (color < 0) return nullptr;
+    std::vector<std::pair<int, int>> color_key;
+    for (const auto& a : all) {
+      const auto ck = nlohmann::json::parse(a);
+      color_key.emplace_back(ck[0].get<int>(), ck[1].get<int>());
+    }
+    std::vector<int> world;
+    for (int m : split_members(color_key, color)) world.push_back(members_[static_cast<std::size_t>(m)]);
+    return std::make_unique<SimCommunicator>(c_, b_, id, std::move(world));
+  }
+  std::vector<int> world_ranks() const override { return members_; }
 
   void all_to_all_v(Stream& s, const Tensor& send, std::span<const Segment> sends, Tensor&,
                     std::span<const Segment>) override {
     Participation p;
-    p.bytes_to.assign(static_cast<std::size_t>(c_.n), 0.0);
+    p.bytes_to.assign(members_.size(), 0.0);
     double local = 0;
     for (const auto& sg : sends) {
-      if (sg.peer < 0 || sg.peer >= c_.n) throw CommError("rank " + std::to_string(rank()) + ": all_to_all_v segment to rank " + std::to_string(sg.peer) + " outside the world of " + std::to_string(c_.n));
+      if (sg.peer < 0 || sg.peer >= size()) throw CommError("rank " + std::to_string(rank()) + ": all_to_all_v segment to rank " + std::to_string(sg.peer) + " outside the world of " + std::to_string(size()));
       const double b = static_cast<double>(sg.count) * static_cast<double>(dtype_size(send.dtype()));
       p.bytes_to[static_cast<std::size_t>(sg.peer)] += b;
       if (sg.peer == rank()) local += b;
@@ -690,80 +733,100 @@ class SimCommunicator final : public Communicator {
   }
   void all_gather(Stream& s, const Tensor& send, Tensor&) override { ring(s, "all_gather", CollKind::all_gather, static_cast<double>(send.nbytes())); }
   void reduce_scatter(Stream& s, const Tensor&, Tensor& recv) override { ring(s, "reduce_scatter", CollKind::reduce_scatter, static_cast<double>(recv.nbytes())); }
-  void all_reduce(Stream& s, Tensor& buf) override { ring(s, "all_reduce", CollKind::all_reduce, static_cast<double>(buf.nbytes()) / c_.n); }
+  void all_reduce(Stream& s, Tensor& buf) override { ring(s, "all_reduce", CollKind::all_reduce, static_cast<double>(buf.nbytes()) / size()); }
   void send(Stream& s, const Tensor& t, int peer) override { p2p(s, t, rank(), peer, "send"); }
   void recv(Stream& s, Tensor& t, int peer) override { p2p(s, t, peer, rank(), "recv"); }
 
-  void barrier() override { c_.rendezvous(id_, rank(), "", true); }
+  // A barrier over every rank runs the engine (times become final there). A group's barrier
+  // cannot (the other ranks are not waiting): it meets its members and joins their host
+  // timelines, so that what a member issues after it starts no earlier than the last arrival.
+  void barrier() override {
+    if (size() == c_.n) {
+      c_.rendezvous(id_, me_, size(), "", true);
+      return;
+    }
+    auto [a, d] = b_.host_barrier();
+    add_part(id_ + "#barrier" + std::to_string(barriers_++), CollKind::barrier, "barrier", part(a, d));
+    c_.rendezvous(id_, me_, size(), "", false);
+  }
   std::vector<std::int64_t> exchange_counts(const std::vector<std::int64_t>& send) override {
-    MOELAB_CHECK(send.size() % static_cast<std::size_t>(c_.n) == 0, "exchange_counts: size not a multiple of ranks");
-    const std::size_t c = send.size() / static_cast<std::size_t>(c_.n);
-    const auto all = c_.rendezvous(id_, rank(), nlohmann::json(send).dump(), false);
+    MOELAB_CHECK(send.size() % members_.size() == 0, "exchange_counts: size not a multiple of ranks");
+    const std::size_t c = send.size() / members_.size();
+    const auto all = c_.rendezvous(id_, me_, size(), nlohmann::json(send).dump(), false);
     std::vector<std::int64_t> out;
-    for (int p = 0; p < c_.n; ++p) {
-      const auto v = nlohmann::json::parse(all[static_cast<std::size_t>(p)]).get<std::vector<std::int64_t>>();
-      out.insert(out.end(), v.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(rank()) * c),
-                 v.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(rank() + 1) * c));
+    const auto me = static_cast<std::size_t>(me_);
+    for (const auto& a : all) {
+      const auto v = nlohmann::json::parse(a).get<std::vector<std::int64_t>>();
+      out.insert(out.end(), v.begin() + static_cast<std::ptrdiff_t>(me * c),
+                 v.begin() + static_cast<std::ptrdiff_t>((me + 1) * c));
     }
     return out;
   }
   double all_reduce_max(double v) override {
     double m = -INFINITY;
-    for (const auto& s : c_.rendezvous(id_, rank(), nlohmann::json(v).dump(), false)) m = std::max(m, nlohmann::json::parse(s).get<double>());
+    for (const auto& s : c_.rendezvous(id_, me_, size(), nlohmann::json(v).dump(), false)) m = std::max(m, nlohmann::json::parse(s).get<double>());
     return m;
   }
   double all_reduce_sum(double v) override {
     double m = 0;  // summed in rank order: deterministic
-    for (const auto& s : c_.rendezvous(id_, rank(), nlohmann::json(v).dump(), false)) m += nlohmann::json::parse(s).get<double>();
+    for (const auto& s : c_.rendezvous(id_, me_, size(), nlohmann::json(v).dump(), false)) m += nlohmann::json::parse(s).get<double>();
     return m;
   }
-  std::vector<std::string> all_gather_strings(const std::string& s) override { return c_.rendezvous(id_, rank(), s, false); }
+  std::vector<std::string> all_gather_strings(const std::string& s) override { return c_.rendezvous(id_, me_, size(), s, false); }
 
  private:
-  void join(Stream& s, const std::string& nm, CollKind kind, Participation p, const OpCost& cost) {
-    auto [a, d] = b_.collective(s, nm, cost);
-    p.rank = rank();
-    p.arrive = a;
-    p.done = d;
-    const std::string key = id_ + "#" + std::to_string(seq_++);
+  Participation part(int arrive, int done) const {
+    Participation p;
+    p.member = me_;
+    p.arrive = arrive;
+    p.done = done;
+    return p;
+  }
+  // Adds this rank's part to the instance `key`, which every member's call of the same
+  // collective shares.
+  void add_part(const std::string& key, CollKind kind, const std::string& nm, Participation p, int src = -1,
+                int dst = -1) {
     std::lock_guard lk(c_.mu);
     Instance& in = c_.instances[key];
     if (!in.parts.empty() && in.kind != kind)
       throw CommError("rank " + std::to_string(rank()) + ": collective mismatch on " + id_ + ": this rank called " + nm + " where another called a different collective");
     in.kind = kind;
+    in.members = members_;
+    in.p2p_src = src;
+    in.p2p_dst = dst;
     in.parts.push_back(std::move(p));
+  }
+  void join(Stream& s, const std::string& nm, CollKind kind, Participation p, const OpCost& cost) {
+    auto [a, d] = b_.collective(s, nm, cost);
+    Participation full = part(a, d);
+    full.bytes_to = std::move(p.bytes_to);
+    full.bytes = p.bytes;
+    add_part(id_ + "#" + std::to_string(seq_++), kind, nm, std::move(full));
   }
   void ring(Stream& s, const std::string& nm, CollKind kind, double chunk) {
     Participation p;
     p.bytes = chunk;
-    const double n = c_.n;
+    const double n = size();
     const double sent = (kind == CollKind::all_reduce ? 2.0 : 1.0) * (n - 1) * chunk;
     join(s, nm, kind, std::move(p), cost_collective(sent, chunk));
   }
   void p2p(Stream& s, const Tensor& t, int src, int dst, const std::string& nm) {
-    if (src == dst || src < 0 || dst < 0 || src >= c_.n || dst >= c_.n)
+    if (src == dst || src < 0 || dst < 0 || src >= size() || dst >= size())
       throw CommError("rank " + std::to_string(rank()) + ": " + nm + " between ranks " + std::to_string(src) + " and " + std::to_string(dst));
     auto [a, d] = b_.collective(s, nm, cost_collective(nm == "send" ? static_cast<double>(t.nbytes()) : 0.0, 0.0));
-    Participation p;
-    p.rank = rank();
-    p.arrive = a;
-    p.done = d;
+    Participation p = part(a, d);
     p.bytes = static_cast<double>(t.nbytes());
     const std::string pair = std::to_string(src) + ">" + std::to_string(dst);
-    const std::string key = id_ + "#p2p:" + pair + "#" + std::to_string(p2p_seq_[pair]++);
-    std::lock_guard lk(c_.mu);
-    Instance& in = c_.instances[key];
-    in.kind = CollKind::p2p;
-    in.p2p_src = src;
-    in.p2p_dst = dst;
-    in.parts.push_back(std::move(p));
+    add_part(id_ + "#p2p:" + pair + "#" + std::to_string(p2p_seq_[pair]++), CollKind::p2p, nm, std::move(p), src, dst);
   }
 
   SimCluster::Impl& c_;
   SimBackendImpl& b_;
   std::string id_;
-  std::uint64_t seq_ = 0;
-  int dups_ = 0;
+  std::vector<int> members_;
+  int me_ = 0;
+  std::uint64_t seq_ = 0, barriers_ = 0;
+  int dups_ = 0, splits_ = 0;
   std::map<std::string, std::uint64_t> p2p_seq_;
 };
 
@@ -773,18 +836,18 @@ class SimCommunicator final : public Communicator {
 // 5. Rendezvous and evaluation
 // ============================================================================================
 
-std::vector<std::string> SimCluster::Impl::rendezvous(const std::string& comm, int rank, std::string payload,
-                                                      bool eval) {
+std::vector<std::string> SimCluster::Impl::rendezvous(const std::string& comm, int rank, int size,
+                                                      std::string payload, bool eval) {
   std::unique_lock lk(mu);
   if (aborted) throw CommError("rank " + std::to_string(rank) + ": " + abort_reason);
   Gather& g = gathers[comm];
-  if (g.payloads.empty()) g.payloads.resize(static_cast<std::size_t>(n));
+  if (g.payloads.empty()) g.payloads.resize(static_cast<std::size_t>(size));
   g.payloads[static_cast<std::size_t>(rank)] = std::move(payload);
   const std::uint64_t gen = g.generation;
-  if (++g.arrived == n) {
+  if (++g.arrived == size) {
     if (eval) evaluate();
     g.result = std::move(g.payloads);
-    g.payloads.assign(static_cast<std::size_t>(n), std::string());
+    g.payloads.assign(static_cast<std::size_t>(size), std::string());
     g.arrived = 0;
     ++g.generation;
     cv.notify_all();
@@ -815,6 +878,8 @@ void SimCluster::Impl::evaluate() {
   // added with its flows among its dependencies.
   std::vector<sim::Task> flows;
   std::map<int, std::vector<int>> done_deps;  // global id of a done task -> flow ids
+  std::vector<sim::LinkBytes> sent(static_cast<std::size_t>(n));  // by the sending world rank
+  // src, dst: world ranks.
   auto flow = [&](int src, int dst, double bytes, int arrive_src, int arrive_dst, double extra_latency,
                   int done_src, int done_dst) {
     sim::Task f;
@@ -828,6 +893,7 @@ void SimCluster::Impl::evaluate() {
       const sim::Route route = topo.p2p(src, dst);
       f.latency = route.latency + extra_latency;
       for (int res : route.resources) f.demands.push_back({res, bytes});
+      for (sim::LinkClass c : route.links) sent[static_cast<std::size_t>(src)][c] += bytes;
     }
     f.deps = {arrive_src, arrive_dst};
     const int id = total + static_cast<int>(flows.size());
@@ -835,33 +901,46 @@ void SimCluster::Impl::evaluate() {
     done_deps[done_src].push_back(id);
     if (done_dst != done_src) done_deps[done_dst].push_back(id);
   };
+  // Instances in key order; within one, members are numbered in the communicator and mapped
+  // to world ranks (w) for the topology.
   for (auto& [key, in] : instances) {
-    const int expected = in.kind == CollKind::p2p ? 2 : n;
+    const int m = static_cast<int>(in.members.size());
+    const int expected = in.kind == CollKind::p2p ? 2 : m;
     if (static_cast<int>(in.parts.size()) != expected)
       throw CommError("collective " + key + " was called by " + std::to_string(in.parts.size()) + " of " +
                       std::to_string(expected) + " ranks before a barrier: every rank must issue the same collectives");
-    std::vector<const Participation*> by_rank(static_cast<std::size_t>(n), nullptr);
-    for (const auto& p : in.parts) by_rank[static_cast<std::size_t>(p.rank)] = &p;
-    auto arrive = [&](int r) { return gid(r, by_rank[static_cast<std::size_t>(r)]->arrive); };
-    auto done = [&](int r) { return gid(r, by_rank[static_cast<std::size_t>(r)]->done); };
+    std::vector<const Participation*> by_member(static_cast<std::size_t>(m), nullptr);
+    for (const auto& p : in.parts) by_member[static_cast<std::size_t>(p.member)] = &p;
+    auto w = [&](int i) { return in.members[static_cast<std::size_t>(i)]; };
+    auto part = [&](int i) { return by_member[static_cast<std::size_t>(i)]; };
+    auto arrive = [&](int i) { return gid(w(i), part(i)->arrive); };
+    auto done = [&](int i) { return gid(w(i), part(i)->done); };
     if (in.kind == CollKind::p2p) {
       const int s = in.p2p_src, d = in.p2p_dst;
-      flow(s, d, by_rank[static_cast<std::size_t>(s)]->bytes, arrive(s), arrive(d), 0.0, done(s), done(d));
+      flow(w(s), w(d), part(s)->bytes, arrive(s), arrive(d), 0.0, done(s), done(d));
     } else if (in.kind == CollKind::all_to_all_v) {
-      for (int s = 0; s < n; ++s)
-        for (int d = 0; d < n; ++d) {
-          const double b = by_rank[static_cast<std::size_t>(s)]->bytes_to[static_cast<std::size_t>(d)];
-          if (b > 0) flow(s, d, b, arrive(s), arrive(d), 0.0, done(s), done(d));
+      for (int s = 0; s < m; ++s)
+        for (int d = 0; d < m; ++d) {
+          const double b = part(s)->bytes_to[static_cast<std::size_t>(d)];
+          if (b > 0) flow(w(s), w(d), b, arrive(s), arrive(d), 0.0, done(s), done(d));
         }
-    } else if (n > 1) {
-      // Ring algorithms (NCCL's for these sizes): n-1 steps (2(n-1) for all-reduce), each rank
-      // sends one chunk per step to its successor; modelled as one flow per ring edge.
-      const double steps = (in.kind == CollKind::all_reduce ? 2.0 : 1.0) * (n - 1);
-      for (int s = 0; s < n; ++s) {
-        const int d = (s + 1) % n;
-        const sim::Route route = topo.p2p(s, d);
-        flow(s, d, steps * by_rank[static_cast<std::size_t>(s)]->bytes, arrive(s), arrive(d),
-             (steps - 1) * route.latency, done(s), done(d));
+    } else if (in.kind == CollKind::barrier) {
+      // One empty task after every member's arrival, before every member's departure.
+      sim::Task j;
+      j.name = "barrier";
+      for (int i = 0; i < m; ++i) j.deps.push_back(arrive(i));
+      const int id = total + static_cast<int>(flows.size());
+      flows.push_back(std::move(j));
+      for (int i = 0; i < m; ++i) done_deps[done(i)].push_back(id);
+    } else if (m > 1) {
+      // Ring algorithms (NCCL's for these sizes): m-1 steps (2(m-1) for all-reduce), each
+      // member sends one chunk per step to its successor in the communicator's rank order;
+      // modelled as one flow per ring edge.
+      const double steps = (in.kind == CollKind::all_reduce ? 2.0 : 1.0) * (m - 1);
+      for (int s = 0; s < m; ++s) {
+        const int d = (s + 1) % m;
+        const sim::Route route = topo.p2p(w(s), w(d));
+        flow(w(s), w(d), steps * part(s)->bytes, arrive(s), arrive(d), (steps - 1) * route.latency, done(s), done(d));
       }
     }
   }
@@ -904,6 +983,7 @@ void SimCluster::Impl::evaluate() {
     backends[static_cast<std::size_t>(r)]->commit(start, end, epoch_base, quiet);
   }
   if (quiet) {
+    for (int r = 0; r < n; ++r) backends[static_cast<std::size_t>(r)]->add_link_bytes(sent[static_cast<std::size_t>(r)]);
     epoch_base += barrier;
     ++epoch;
     instances.clear();
@@ -929,6 +1009,13 @@ SimCluster::~SimCluster() = default;
 int SimCluster::size() const { return impl_->n; }
 const SimOptions& SimCluster::options() const { return impl_->opt; }
 Backend& SimCluster::backend(int rank) { return *impl_->backends.at(static_cast<std::size_t>(rank)); }
+sim::LinkBytes SimCluster::link_bytes(int rank) const { return impl_->backends.at(static_cast<std::size_t>(rank))->link_bytes(); }
+
+sim::LinkBytes sim_link_bytes(const Backend& b) {
+  const auto* s = dynamic_cast<const SimBackendImpl*>(&b);
+  if (!s) throw Unsupported("link bytes are recorded by the sim backend only, not by " + b.name());
+  return s->link_bytes();
+}
 std::string SimCluster::calibration() const { return impl_->opt.profile ? impl_->opt.profile->name : "datasheet"; }
 
 void SimCluster::run(const std::function<void(Backend&, Communicator&)>& program) {
@@ -937,7 +1024,9 @@ void SimCluster::run(const std::function<void(Backend&, Communicator&)>& program
   for (int r = 0; r < impl_->n; ++r) {
     threads.emplace_back([&, r] {
       try {
-        SimCommunicator world(*impl_, *impl_->backends[static_cast<std::size_t>(r)], "world");
+        std::vector<int> everyone(static_cast<std::size_t>(impl_->n));
+        std::iota(everyone.begin(), everyone.end(), 0);
+        SimCommunicator world(*impl_, *impl_->backends[static_cast<std::size_t>(r)], "world", std::move(everyone));
         program(*impl_->backends[static_cast<std::size_t>(r)], world);
       } catch (...) {
         errors[static_cast<std::size_t>(r)] = std::current_exception();

@@ -8,9 +8,10 @@
 // becomes a task of a dependency graph: its stream's previous op, the events it waits on and
 // the host's last synchronisation; its cost descriptor becomes demands on the cluster's
 // resources (harness/sim/cluster.hpp). Collectives become point-to-point flows over the
-// topology. The discrete-event engine (harness/sim/engine.hpp) turns the graph into times at
-// every barrier of the world communicator; if every rank was idle there, the times are final
-// and the graph starts afresh from that instant.
+// topology; a communicator split into groups runs its collectives among its members' GPUs
+// only. The discrete-event engine (harness/sim/engine.hpp) turns the graph into times at
+// every barrier over all ranks (the world communicator or a dup of it); if every rank was
+// idle there, the times are final and the graph starts afresh from that instant.
 //
 // Tokens per expert come from a routing model instead of a real gate: uniform, Zipf skew,
 // or a trace recorded from a real run (`moelab run --record-routing`). Same seed, same
@@ -74,6 +75,10 @@ class SimCluster {
   // failure is rethrown here after every thread has stopped.
   void run(const std::function<void(Backend&, Communicator&)>& program);
   Backend& backend(int rank);
+  // Bytes `rank` sent over each link class (NVLink, PCIe, NIC) by the collectives in its
+  // timeline: counted where the times become final and reset by clear_timeline(), so they
+  // describe the same ops as timeline(). A flow inside a GPU (to itself) crosses no link.
+  sim::LinkBytes link_bytes(int rank) const;
   std::string calibration() const;  // profile name, or "datasheet"
 
   struct Impl;
@@ -81,5 +86,9 @@ class SimCluster {
  private:
   std::unique_ptr<Impl> impl_;
 };
+
+// SimCluster::link_bytes for the rank that `b` simulates, from inside a program; Unsupported
+// for a backend other than sim.
+sim::LinkBytes sim_link_bytes(const Backend& b);
 
 }  // namespace moelab
