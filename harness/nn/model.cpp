@@ -25,6 +25,8 @@ Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const M
   if (first_ < 0 || first_ >= last_ || last_ > cfg.num_layers)
     throw ConfigError("--layers " + std::to_string(first_) + ":" + std::to_string(last_) + " is not a range of the " +
                       std::to_string(cfg.num_layers) + " layers of " + cfg.name);
+  if (opt.tp && opt.tp->size() > 1)
+    throw ConfigError("tensor parallelism (tp = " + std::to_string(opt.tp->size()) + ") is not built yet");
   b.set_allow_tf32(cfg.allow_tf32);
   if (first_ == 0) {
     auto e = std::make_unique<Embedding>(b, s_, cfg);

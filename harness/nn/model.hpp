@@ -30,6 +30,11 @@ struct ModelOptions {
   nlohmann::json impl_options = nlohmann::json::object();
   int first_layer = 0, last_layer = -1;          // [first, last); -1: to the end
   float aux_loss_coef = 0.01f;                   // Switch Transformer's alpha (Fedus et al. 2022, §2.2)
+  // Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): the group that splits attention
+  // heads and the FFN; null or size 1: no tensor parallelism. With sequence_parallel the TP
+  // ranks hold different tokens outside the TP regions (Korthikanti et al. 2022, §4.2.2).
+  Communicator* tp = nullptr;
+  bool sequence_parallel = false;
 };
 
 // One microbatch's input: token ids [T] int32 (a stage with the embedding) or activations
