@@ -131,7 +131,13 @@ class Pass {
 // hands the rest back (PassBuffers); hooks release their own in finish().
 PassBuffers issue_forward(MoELayer& L, MoESaved& sv, const Tensor& t_i, ChunkHooks* hooks) {
   Pass pass(L, sv.plan, hooks);
-  auto& [b, cfg, plan, c, ds, cs, ev] = pass.ctx;
+  // Named references, not a structured binding: the steps' lambdas capture them, which clang
+  // accepts only from version 16 (C++20's P1091R3), and the fuzz build uses clang.
+  Backend& b = pass.ctx.b;
+  const ModelConfig& cfg = pass.ctx.cfg;
+  const ChunkPlan& plan = pass.ctx.plan;
+  Stream &c = pass.ctx.c, &ds = pass.ctx.ds, &cs = pass.ctx.cs;
+  EventPool& ev = pass.ctx.ev;
   ChunkEvents& e = pass.e;
   const int n = pass.chunks();
   const std::int64_t N = t_i.dim(0), M = cfg.d_model, H = cfg.d_hidden;
@@ -195,7 +201,11 @@ PassBuffers issue_forward(MoELayer& L, MoESaved& sv, const Tensor& t_i, ChunkHoo
 
 PassBuffers issue_backward(MoELayer& L, MoESaved& sv, Tensor& d_t_o, bool defer, ChunkHooks* hooks) {
   Pass pass(L, sv.plan, hooks);
-  auto& [b, cfg, plan, c, ds, cs, ev] = pass.ctx;
+  Backend& b = pass.ctx.b;
+  const ModelConfig& cfg = pass.ctx.cfg;
+  const ChunkPlan& plan = pass.ctx.plan;
+  Stream &c = pass.ctx.c, &ds = pass.ctx.ds, &cs = pass.ctx.cs;
+  EventPool& ev = pass.ctx.ev;
   ChunkEvents& e = pass.e;
   const int n = pass.chunks();
   const std::int64_t N = d_t_o.dim(0), M = cfg.d_model;

@@ -902,8 +902,11 @@ void SimCluster::Impl::evaluate() {
     if (done_dst != done_src) done_deps[done_dst].push_back(id);
   };
   // Instances in key order; within one, members are numbered in the communicator and mapped
-  // to world ranks (w) for the topology.
-  for (auto& [key, in] : instances) {
+  // to world ranks (w) for the topology. (No structured binding: the lambdas below capture `in`,
+  // which clang accepts only from version 16, and the fuzz build uses clang.)
+  for (auto& entry : instances) {
+    const auto& key = entry.first;
+    auto& in = entry.second;
     const int m = static_cast<int>(in.members.size());
     const int expected = in.kind == CollKind::p2p ? 2 : m;
     if (static_cast<int>(in.parts.size()) != expected)
