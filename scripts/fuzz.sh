@@ -24,7 +24,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${FUZZ_BUILD_DIR:-$root/build-fuzz}"
 jobs="${JOBS:-$(nproc)}"
-all_targets=(workload model cluster catalogue profile routing_trace impl_options)
+all_targets=(workload model cluster catalogue profile routing_trace impl_options parallel_layout)
 total=60
 per_target=""
 runs=-1
@@ -65,13 +65,14 @@ if [ "$mode" = check ]; then
 fi
 
 if [ "$mode" = corpus ]; then
-  # The seeds: every shipped file of each kind, the options of the suites, and a profile and a
-  # routing trace written by the moelab of the normal build (scripts/test.sh builds it).
+  # The seeds: every shipped file of each kind, the options of the suites, a few layouts, and a
+  # profile and a routing trace written by the moelab of the normal build (scripts/test.sh
+  # builds it).
   moelab="${MOELAB:-$root/build/harness/moelab}"
   [ -x "$moelab" ] || { echo "fuzz.sh: $moelab not built (cmake --build build --target moelab)" >&2; exit 2; }
   c="$root/harness/fuzz/corpus"
   rm -rf "$c"
-  mkdir -p "$c"/{workload,model,cluster,catalogue,profile,routing_trace,impl_options}
+  mkdir -p "$c"/{workload,model,cluster,catalogue,profile,routing_trace,impl_options,parallel_layout}
   cp "$root"/experiments/workloads/*.json "$c/workload/"
   cp "$root"/experiments/models/*.json "$c/model/"
   printf '\0{"num_layers": 3, "moe": {"num_experts": 8}}' | cat "$root/experiments/models/tiny-moe.json" - >"$c/model/tiny-moe-with-override"
@@ -95,6 +96,12 @@ for suite in sorted(root.glob("experiments/*/suite.json")):
 for i, s in enumerate(sorted(seen)):
     (out / f"options-{i:02d}.json").write_text(s)
 EOF
+  # Layouts (no file holds one yet): the examples of harness/comm/groups.hpp and docs/architecture.md.
+  i=0
+  for l in "" "tp=2,pp=2,dp=4,ep=8,etp=1" "dp=8" "ep=8" "tp=8" "pp=4,ep=2" "tp=2,ep=4,etp=2" "pp=2,dp=?"; do
+    printf '%s' "$l" >"$c/parallel_layout/layout-$i"
+    i=$((i + 1))
+  done
   w="$(mktemp -d)"
   "$moelab" calibrate --backend cpu --quick --name fuzz-seed --out "$c/profile/cpu-quick.json" >/dev/null
   "$moelab" run --workload "$root/experiments/workloads/tiny.json" --impl fastmoe --backend cpu \
