@@ -68,7 +68,8 @@ def main():
     try:
         suites = [mr.load_suite(s, a.experiments) for s in (a.suite or mr.registered_suites(a.experiments))]
     except mr.SchemaError as e:
-        sys.exit(f"figures.py: {e}")
+        print(f"figures.py: {e}", file=sys.stderr)
+        return 2
     bad = 0
     for s in suites:
         bad += len(make(s, results, figures)[2])

@@ -14,7 +14,6 @@ device memory of every implementation per token count (bars, GiB). Each figure i
 Needs matplotlib (Debian: apt-get install python3-matplotlib).
 """
 import argparse
-import json
 import os
 import sys
 
@@ -40,11 +39,14 @@ def main():
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "results", "figures"))
     a = ap.parse_args()
     plt = mr.pyplot("mpipemoe.py")
+    if not os.path.exists(a.summary):
+        print(f"mpipemoe.py: {a.summary}: no such file (run scripts/run_suite.py first)", file=sys.stderr)
+        return 2
     try:
-        with open(a.summary) as f:
-            s = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        sys.exit(f"mpipemoe.py: cannot read {a.summary}: {e} (run scripts/run_suite.py first)")
+        s = mr.load_summary(a.summary)
+    except mr.SchemaError as e:
+        print(f"mpipemoe.py: {e}", file=sys.stderr)
+        return 2
     pts = s["points"]
     clusters = list(dict.fromkeys(p["cluster"] for p in pts))
     if a.cluster:
@@ -153,4 +155,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

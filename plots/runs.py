@@ -11,7 +11,6 @@ Runs that were skipped are listed under the figure. Needs matplotlib (Debian:
 apt-get install python3-matplotlib).
 """
 import argparse
-import json
 import os
 import sys
 
@@ -30,11 +29,14 @@ def main():
     a = ap.parse_args()
     plt = mr.pyplot("runs.py")
     from matplotlib.patches import Patch
+    if not os.path.exists(a.summary):
+        print(f"runs.py: {a.summary}: no such file (run scripts/run_suite.py first)", file=sys.stderr)
+        return 2
     try:
-        with open(a.summary) as f:
-            s = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        sys.exit(f"runs.py: cannot read {a.summary}: {e} (run scripts/run_suite.py first)")
+        s = mr.load_summary(a.summary)
+    except mr.SchemaError as e:
+        print(f"runs.py: {e}", file=sys.stderr)
+        return 2
     runs = [r for r in s.get("runs", []) if "results" in r]
     skipped = [r for r in s.get("runs", []) if "results" not in r]
     if not runs:
@@ -98,4 +100,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -80,6 +80,11 @@ def main():
     if a.results and len(a.results) != len(a.traces):
         sys.exit(f"timeline.py: {len(a.traces)} traces but {len(a.results)} result files")
 
+    try:
+        results = [mr.load_result(p) for p in a.results or []]
+    except mr.SchemaError as e:
+        print(f"timeline.py: {e}", file=sys.stderr)
+        return 2
     panels = [load_rank(p, a.rank) for p in a.traces]
     t_end = max(max(e["ts"] + e["dur"] for e in ops) for _, _, ops in panels) / 1e3  # ms
     heights = [max(len(t), 1) for t, _, _ in panels]
@@ -104,9 +109,8 @@ def main():
         ax.set_ylim(-0.6, len(tids) - 0.4)
         ax.grid(axis="x", linestyle=":", linewidth=0.6)
         title = labels[k]
-        if a.results:
-            with open(a.results[k]) as f:
-                m = json.load(f)["metrics"]
+        if results:
+            m = results[k]["metrics"]
             step, lim = m["step_time_s"]["median"] * 1e3, m["overlap_limit_s"] * 1e3
             title += (f": step {step:.2f} ms, bound max(comm, compute) {lim:.2f} ms "
                       f"({step / lim:.2f}x of it), overlap {100 * m['overlap_ratio']:.0f}%")
@@ -126,4 +130,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

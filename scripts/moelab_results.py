@@ -15,9 +15,11 @@ interrupted run leaves the old file or the complete new one, never a truncated o
 """
 import glob
 import json
+import math
 import os
 import re
 import shutil
+import string
 import sys
 import tempfile
 
@@ -48,10 +50,41 @@ def load_json(path):
     if not text.strip():
         raise SchemaError(f"{path}: empty file")
     try:
-        return json.loads(text)
+        doc = json.loads(text, parse_constant=_NonFinite)
     except json.JSONDecodeError as e:
         end = "" if text.rstrip().endswith(("}", "]")) else " (the file ends before the JSON does: truncated?)"
         raise SchemaError(f"{path}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}{end}") from None
+    except RecursionError:
+        raise SchemaError(f"{path}: JSON nested too deeply to read") from None
+    where = _find_non_finite(doc)
+    if where is not None:
+        field, name = where
+        raise SchemaError(f"{path}: field {_field(field or '(top level)')}: {name} is not a JSON number "
+                          f"(JSON has no NaN or infinity)")
+    return doc
+
+
+class _NonFinite:
+    """NaN, Infinity or -Infinity as Python's json module reads them (they are not JSON: RFC 8259,
+    section 6), kept as a marker so that the error names the field."""
+
+    def __init__(self, name):
+        self.name = name
+
+
+def _find_non_finite(doc, where=""):
+    """(dotted field, constant) of the first _NonFinite in doc, or None. Iterative: a file deep
+    enough to parse is not too deep to search."""
+    stack = [(doc, where)]
+    while stack:
+        v, w = stack.pop()
+        if isinstance(v, _NonFinite):
+            return w, v.name
+        if isinstance(v, dict):
+            stack += [(x, f"{w}.{k}" if w else k) for k, x in reversed(list(v.items()))]
+        elif isinstance(v, list):
+            stack += [(x, f"{w}[{i}]") for i, x in reversed(list(enumerate(v)))]
+    return None
 
 
 def _atomic(path, write):
@@ -120,15 +153,33 @@ def copy_atomic(src, dst):
 # ---- checking values ------------------------------------------------------------------------
 
 def _kind(v):
+    """A value of the file as an error message shows it: one short line."""
     if v is None:
         return "null"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
-        return "a number"
+        t = str(v)
+        return f"the number {t if len(t) <= 24 else t[:21] + '...'}"
     if isinstance(v, str):
-        return f'"{v[:40]}"'
+        return json.dumps(v[:40]) + ("..." if len(v) > 40 else "")  # quotes, escapes line breaks
     return "a list" if isinstance(v, list) else "an object"
+
+
+def _field(path):
+    """A dotted field path in a message: quoted, and a key holding a line break stays on the one line."""
+    f = json.dumps(path)
+    return f if len(f) <= 120 else f[:117] + '..."'
+
+
+_NAME_RULE = 'expected a name usable in a file name (not empty, no "/" or control characters, not "." or "..")'
+
+
+def _is_name(v):
+    return bool(v) and "/" not in v and v not in (".", "..") and not any(ord(ch) < 32 for ch in v)
+
+
+ABSENT = object()  # an optional field that a file leaves out
 
 
 class _Checker:
@@ -138,73 +189,96 @@ class _Checker:
         self.path = path
 
     def fail(self, field, msg):
-        raise SchemaError(f'{self.path}: field "{field}": {msg}')
+        raise SchemaError(f"{self.path}: field {_field(field)}: {msg}")
 
     def get(self, obj, key, where, required=True):
+        """(dotted field, value); the value is ABSENT for an optional field that is not there.
+        An optional field that is there is checked like a required one: null only where the
+        caller allows null (a reader's .get(key, default) would see None, not the default)."""
         field = f"{where}.{key}" if where else key
         if not isinstance(obj, dict):
             self.fail(where or "(top level)", f"expected an object, got {_kind(obj)}")
         if key not in obj:
             if required:
                 self.fail(field, "missing")
-            return field, None
+            return field, ABSENT
         return field, obj[key]
 
-    def number(self, obj, key, where="", required=True, minimum=None, null=False):
+    def number(self, obj, key, where="", required=True, minimum=None, null=False, positive=False):
         field, v = self.get(obj, key, where, required)
-        if v is None and (null or not required):
-            return v
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
+        if v is ABSENT or (v is None and null):
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             self.fail(field, f"expected a number, got {_kind(v)}")
         if minimum is not None and v < minimum:
             self.fail(field, f"expected a number >= {minimum}, got {v}")
+        if positive and v <= 0:
+            self.fail(field, f"expected a number > 0, got {v}")
         return v
 
     def integer(self, obj, key, where="", required=True, minimum=None):
         field, v = self.get(obj, key, where, required)
-        if v is None and not required:
-            return v
+        if v is ABSENT:
+            return None
         if isinstance(v, bool) or not isinstance(v, int):
             self.fail(field, f"expected an integer, got {_kind(v)}")
         if minimum is not None and v < minimum:
-            self.fail(field, f"expected an integer >= {minimum}, got {v}")
+            self.fail(field, f"expected an integer >= {minimum}, got {_kind(v)}")
         return v
 
     def string(self, obj, key, where="", required=True, null=False, choices=None):
         field, v = self.get(obj, key, where, required)
-        if v is None and (null or not required):
-            return v
+        if v is ABSENT or (v is None and null):
+            return None
         if not isinstance(v, str):
             self.fail(field, f"expected a string, got {_kind(v)}")
         if choices and v not in choices:
-            self.fail(field, f'expected one of {", ".join(choices)}, got "{v}"')
+            self.fail(field, f'expected one of {", ".join(choices)}, got {_kind(v)}')
+        return v
+
+    def name(self, obj, key, where="", required=True):
+        """A string that becomes one component of a file path (a label, a model or a cluster)."""
+        v = self.string(obj, key, where, required)
+        if v is not None and not _is_name(v):
+            self.fail(f"{where}.{key}" if where else key, f"{_NAME_RULE}, got {_kind(v)}")
         return v
 
     def boolean(self, obj, key, where="", required=True, null=False):
         field, v = self.get(obj, key, where, required)
-        if v is None and (null or not required):
-            return v
+        if v is ABSENT or (v is None and null):
+            return None
         if not isinstance(v, bool):
             self.fail(field, f"expected true or false, got {_kind(v)}")
         return v
 
     def obj(self, obj, key, where="", required=True, null=False):
         field, v = self.get(obj, key, where, required)
-        if v is None and (null or not required):
-            return v
+        if v is ABSENT or (v is None and null):
+            return None
         if not isinstance(v, dict):
             self.fail(field, f"expected an object, got {_kind(v)}")
         return v
 
     def array(self, obj, key, where="", required=True, nonempty=False):
         field, v = self.get(obj, key, where, required)
-        if v is None and not required:
-            return v
+        if v is ABSENT:
+            return None
         if not isinstance(v, list):
             self.fail(field, f"expected a list, got {_kind(v)}")
         if nonempty and not v:
             self.fail(field, "expected a non-empty list")
         return v
+
+    def strings(self, obj, key, where="", required=True, nonempty=False, names=False):
+        """A list of strings (of names, with names=True); returns it."""
+        lst = self.array(obj, key, where, required, nonempty)
+        field = f"{where}.{key}" if where else key
+        for i, v in enumerate(lst or []):
+            if not isinstance(v, str):
+                self.fail(f"{field}[{i}]", f"expected a string, got {_kind(v)}")
+            if names and not _is_name(v):
+                self.fail(f"{field}[{i}]", f"{_NAME_RULE}, got {_kind(v)}")
+        return lst
 
     def numbers_map(self, obj, key, where="", integer=False, required=True):
         m = self.obj(obj, key, where, required)
@@ -218,7 +292,7 @@ class _Checker:
             raise SchemaError(f"{self.path}: expected a JSON object at the top level, got {_kind(obj)}")
         v = self.string(obj, "schema")
         if v != expected:
-            self.fail("schema", f'unknown schema "{v}" (expected "{expected}")')
+            self.fail("schema", f'unknown schema {_kind(v)} (expected "{expected}")')
 
 
 # ---- moelab.result/1 ------------------------------------------------------------------------
@@ -245,11 +319,11 @@ def check_result(res, path):
             c.fail("calibration", "a simulated result needs its calibration profile's name, got null")
         c.string(res, "routing_model")
     elif cal is not None:
-        c.fail("calibration", f'a measured result has no calibration profile, got "{cal}"')
+        c.fail("calibration", f"a measured result has no calibration profile, got {_kind(cal)}")
     c.string(res, "commit")
     date = c.string(res, "date")
     if not DATE_RE.match(date):
-        c.fail("date", f'expected UTC ISO 8601 like "2026-11-22T04:40:30Z", got "{date}"')
+        c.fail("date", f'expected UTC ISO 8601 like "2026-11-22T04:40:30Z", got {_kind(date)}')
     c.integer(res, "world_size", minimum=1)
     wl = c.obj(res, "workload")
     c.string(wl, "name", "workload")
@@ -298,42 +372,89 @@ def load_result(path):
 # ---- moelab.suite-summary/1 -----------------------------------------------------------------
 
 def check_summary(s, path):
-    """Raises SchemaError unless s is a well-formed moelab.suite-summary/1; returns s."""
+    """Raises SchemaError unless s is a well-formed moelab.suite-summary/1; returns s.
+
+    Checks every field that a reader of summaries uses (scripts/compare_results.py,
+    scripts/claims.py, plots/report.py and the plot scripts), so that a summary it accepts is
+    one they can all read."""
     c = _Checker(path)
     c.schema(s, SUMMARY_SCHEMA)
     c.string(s, "suite")
+    c.string(s, "suite_file", required=False, null=True)
     c.string(s, "subset", choices=("full", "quick"))
     c.string(s, "mode", choices=("measured", "simulated", "mixed", "none"))
+    for k in ("calibration", "routing_model"):
+        c.string(s, k, required=False, null=True)
     c.string(s, "commit", null=True)
     c.string(s, "date")
+    c.number(s, "host_seconds", required=False, minimum=0)
+    for i, sk in enumerate(c.array(s, "skipped", required=False) or []):
+        w = f"skipped[{i}]"
+        if c.string(sk, "impl", w, required=False) is None:
+            c.string(sk, "run", w)
+        c.string(sk, "reason", w)
+        c.integer(sk, "count", w, required=False, minimum=0)
     for i, p in enumerate(c.array(s, "points")):
         w = f"points[{i}]"
         for k in ("cluster", "model", "dtype"):
             c.string(p, k, w)
         c.integer(p, "tokens_per_rank", w, minimum=1)
+        c.integer(p, "tokens_per_gpu", w, required=False, minimum=1)
         for label, fig in c.obj(p, "results", w).items():
-            c.number(fig, "step_time_s", f"{w}.results.{label}", minimum=0)
-            c.integer(fig, "peak_memory_bytes", f"{w}.results.{label}", minimum=0)
+            _check_figures(c, fig, f"{w}.results.{label}", full=False)
         c.numbers_map(p, "speedup", w)
         c.numbers_map(p, "memory_saving", w)
+        for k in ("out_of_memory", "failed"):
+            for label in c.obj(p, k, w, required=False) or {}:
+                c.string(p[k], label, f"{w}.{k}")
     for i, r in enumerate(c.array(s, "runs", required=False) or []):
         w = f"runs[{i}]"
-        for k in ("id", "impl", "workload", "backend"):
+        for k in ("id", "impl", "workload"):
             c.string(r, k, w)
+        c.string(r, "backend", w, choices=BACKENDS)
+        cluster = c.string(r, "cluster", w, required=False, null=True)
+        c.integer(r, "world_size", w, required=False, minimum=1)
+        _, n = c.get(r, "ranks", w, required=False)
+        if n is not ABSENT and n is not None and n != "hostfile" and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            c.fail(f"{w}.ranks", f'expected a positive integer, "hostfile" or null, got {_kind(n)}')
         if c.string(r, "skipped", w, required=False) is None:
-            c.string(r, "mode", w, choices=("measured", "simulated"))
+            mode = c.string(r, "mode", w, choices=("measured", "simulated"))
             c.string(r, "file", w)
-            c.number(c.obj(r, "results", w), "step_time_s", f"{w}.results", minimum=0)
+            c.string(r, "device", w, required=(mode == "measured"))
+            c.string(r, "calibration", w, required=False, null=True)
+            if mode == "simulated" and cluster is None:
+                c.fail(f"{w}.cluster", "a simulated run needs its cluster model, got null")
+            _check_figures(c, c.obj(r, "results", w), f"{w}.results", full=True)
     for i, r in enumerate(c.array(s, "claims")):
         w = f"claims[{i}]"
         for k in ("id", "system", "versus", "text", "source", "verdict"):
             c.string(r, k, w)
         c.string(r, "metric", w, choices=("speedup", "memory_saving"))
         c.number(r, "paper", w)
-        c.obj(r, "ours", w)
+        c.string(r, "mode", w, required=False)
+        c.obj(r, "paper_setup", w, required=False, null=True)
+        c.string(r, "compared_on", w, required=False, choices=("paper_setup", "all_points"))
+        ours = c.obj(r, "ours", w)
+        for scope in ("paper_setup", "all_points"):
+            o = c.obj(ours, scope, f"{w}.ours", required=(r.get("compared_on", "all_points") == scope))
+            if o is not None and c.integer(o, "points", f"{w}.ours.{scope}", minimum=0):
+                c.number(o, "value", f"{w}.ours.{scope}")
         c.boolean(r, "direction_agrees", w, null=True)
         c.boolean(r, "size_agrees", w, null=True)
     return s
+
+
+def _check_figures(c, fig, where, full):
+    """The figures of one run in a summary (scripts/run_suite.py figures()): the report prints
+    these; full: a run's (its table shows overlap and exposed communication too)."""
+    c.number(fig, "step_time_s", where, minimum=0)
+    c.integer(fig, "peak_memory_bytes", where, minimum=0)
+    c.string(fig, "file", where, required=False)
+    _, n = c.get(fig, "partitions", where, required=False)
+    if n is not ABSENT and n is not None and n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        c.fail(f"{where}.partitions", f'expected a positive integer or "auto", got {_kind(n)}')
+    for k in ("overlap_ratio", "exposed_comm_s"):
+        c.number(fig, k, where, required=full, minimum=0)
 
 
 def load_summary(path):
@@ -346,27 +467,83 @@ def _names(c, items, field):
     names = [x for x in items]
     dup = sorted({x for x in names if names.count(x) > 1})
     if dup:
-        c.fail(field, f"duplicate names: {', '.join(dup)}")
+        c.fail(field, f"duplicate names: {', '.join(_kind(x) for x in dup)}")
+
+
+# What a run's "path" may name (scripts/run_suite.py destination()).
+PATH_FIELDS = ("workload", "impl", "ranks", "cluster", "backend", "device")
+DTYPES = ("fp32", "tf32", "bf16")
+
+
+def _check_path_template(c, field, path_t):
+    if os.path.isabs(path_t) or ".." in path_t.split("/") or path_t.endswith(".json") or not path_t.strip("/"):
+        c.fail(field, f'expected a path inside the results folder without ".json", got {_kind(path_t)}')
+    try:
+        parts = list(string.Formatter().parse(path_t))
+    except ValueError as e:
+        c.fail(field, f"{e} in {_kind(path_t)} (a literal brace is written {{{{ or }}}})")
+    for _, name, spec, conv in parts:
+        if name is None:
+            continue
+        if name not in PATH_FIELDS or spec or conv:
+            c.fail(field, f"{_kind('{' + name + ('!' + conv if conv else '') + (':' + spec if spec else '') + '}')} "
+                          f"is not one of {', '.join('{' + f + '}' for f in PATH_FIELDS)}")
+
+
+def _check_run(c, r, w, labels, models, has_grid):
+    """One entry of "runs" (or one with its "quick" fields over it)."""
+    c.string(r, "id", w)
+    backend = c.string(r, "backend", w, choices=BACKENDS)
+    for j, wl in enumerate(c.array(r, "workloads", w, nonempty=True)):
+        if isinstance(wl, dict):
+            if not has_grid:
+                c.fail(f"{w}.workloads[{j}]", "a generated workload (an object) needs the suite's \"grid\"")
+            mn = c.string(wl, "model", f"{w}.workloads[{j}]")
+            if mn not in models:
+                c.fail(f"{w}.workloads[{j}].model", f'{_kind(mn)} is not in grid.models ({", ".join(models)})')
+            c.string(wl, "dtype", f"{w}.workloads[{j}]", choices=DTYPES)
+            c.integer(wl, "tokens_per_rank", f"{w}.workloads[{j}]", minimum=1)
+        elif not isinstance(wl, str) or not wl:
+            c.fail(f"{w}.workloads[{j}]", f"expected a workload name, a path or an object, got {_kind(wl)}")
+    for j, lab in enumerate(c.strings(r, "impls", w, nonempty=True)):
+        if lab not in labels:
+            c.fail(f"{w}.impls[{j}]", f'{_kind(lab)} is not a label of the suite\'s "impls" ({", ".join(labels)})')
+    if backend == "sim":
+        c.strings(r, "clusters", w, nonempty=True, names=True)
+    elif "clusters" in r:
+        c.fail(f"{w}.clusters", f'only sim runs have clusters, this one runs on "{backend}"')
+    for j, n in enumerate(c.array(r, "ranks", w, required=(backend != "sim"), nonempty=True) or []):
+        if n != "hostfile" and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            c.fail(f"{w}.ranks[{j}]", f'expected a positive integer or "hostfile", got {_kind(n)}')
+    c.integer(r, "steps", w, required=False, minimum=1)
+    c.boolean(r, "trace", w, required=False)
+    _check_path_template(c, f"{w}.path", c.string(r, "path", w))
 
 
 def check_suite(s, path):
     """Raises SchemaError unless s is a well-formed moelab.suite/2; returns s.
 
     Checks every cross-reference (a sweep's clusters and models, a run's implementations,
-    a claim's systems), so that a mistake in the data is named before anything runs."""
+    a claim's systems), every name that becomes part of a file's path, and every field that
+    scripts/run_suite.py, plots/figures.py and plots/report.py read, so that a mistake in the
+    data is named before anything runs."""
     c = _Checker(path)
     c.schema(s, SUITE_SCHEMA)
     name = c.string(s, "name")
     if not re.match(r"^[a-z0-9][a-z0-9_-]*$", name):
-        c.fail("name", f'expected lower-case letters, digits, "-" and "_", got "{name}"')
+        c.fail("name", f'expected lower-case letters, digits, "-" and "_", got {_kind(name)}')
     c.string(s, "description")
     out = c.string(s, "out")
-    if os.path.isabs(out) or ".." in out.split("/"):
-        c.fail("out", f'expected a folder inside the results folder, got "{out}"')
+    if os.path.isabs(out) or ".." in out.split("/") or not out.strip("/") or any(ord(ch) < 32 for ch in out):
+        c.fail("out", f"expected a folder inside the results folder, got {_kind(out)}")
+    paper = c.obj(s, "paper", required=False)
+    if paper:
+        c.string(paper, "title", "paper")
+        c.string(paper, "venue", "paper", required=False)
     impls = c.array(s, "impls", nonempty=True)
     for i, im in enumerate(impls):
         w = f"impls[{i}]"
-        c.string(im, "label", w)
+        c.name(im, "label", w)
         c.string(im, "impl", w)
         c.obj(im, "options", w)
         c.string(im, "kind", w, choices=("baseline", "system"))
@@ -374,11 +551,6 @@ def check_suite(s, path):
             c.string(im, "skip_note", w)
     labels = [im["label"] for im in impls]
     _names(c, labels, "impls")
-
-    def known_impls(lst, field):
-        for j, lab in enumerate(lst):
-            if lab not in labels:
-                c.fail(f"{field}[{j}]", f'"{lab}" is not a label of the suite\'s "impls" ({", ".join(labels)})')
 
     grid = c.obj(s, "grid", required=False)
     models = []
@@ -390,32 +562,34 @@ def check_suite(s, path):
         c.string(wd, "activation", "grid.workload_defaults")
         c.integer(wd, "expert_parallel", "grid.workload_defaults", minimum=0)
         for i, m in enumerate(c.array(grid, "models", "grid", nonempty=True)):
-            c.string(m, "name", f"grid.models[{i}]")
+            c.name(m, "name", f"grid.models[{i}]")
             c.integer(m, "d_model", f"grid.models[{i}]", minimum=1)
             c.integer(m, "d_hidden", f"grid.models[{i}]", minimum=1)
         models = [m["name"] for m in grid["models"]]
         _names(c, models, "grid.models")
         clusters = c.array(grid, "clusters", "grid", nonempty=True)
         for i, cl in enumerate(clusters):
-            c.string(cl, "name", f"grid.clusters[{i}]")
+            c.name(cl, "name", f"grid.clusters[{i}]")
             c.integer(cl, "gpus", f"grid.clusters[{i}]", minimum=1)
         cnames = [cl["name"] for cl in clusters]
         _names(c, cnames, "grid.clusters")
         c.integer(grid, "global_tokens_as_gpus", "grid", required=False, minimum=1)
-        known_impls(c.array(grid, "impls", "grid", nonempty=True), "grid.impls")
+        for j, lab in enumerate(c.strings(grid, "impls", "grid", nonempty=True)):
+            if lab not in labels:
+                c.fail(f"grid.impls[{j}]", f'{_kind(lab)} is not a label of the suite\'s "impls" ({", ".join(labels)})')
         for key in ("sweeps", "quick_sweeps"):
             sweeps = c.array(grid, key, "grid", nonempty=(key == "sweeps"), required=(key == "sweeps")) or []
             for i, sw in enumerate(sweeps):
                 w = f"grid.{key}[{i}]"
                 c.string(sw, "name", w)
-                for j, cn in enumerate(c.array(sw, "clusters", w, nonempty=True)):
+                for j, cn in enumerate(c.strings(sw, "clusters", w, nonempty=True)):
                     if cn not in cnames:
-                        c.fail(f"{w}.clusters[{j}]", f'"{cn}" is not in grid.clusters ({", ".join(cnames)})')
-                for j, mn in enumerate(c.array(sw, "models", w, nonempty=True)):
+                        c.fail(f"{w}.clusters[{j}]", f'{_kind(cn)} is not in grid.clusters ({", ".join(cnames)})')
+                for j, mn in enumerate(c.strings(sw, "models", w, nonempty=True)):
                     if mn not in models:
-                        c.fail(f"{w}.models[{j}]", f'"{mn}" is not in grid.models ({", ".join(models)})')
+                        c.fail(f"{w}.models[{j}]", f'{_kind(mn)} is not in grid.models ({", ".join(models)})')
                 for j, dt in enumerate(c.array(sw, "dtypes", w, nonempty=True)):
-                    if dt not in ("fp32", "tf32", "bf16"):
+                    if dt not in DTYPES:
                         c.fail(f"{w}.dtypes[{j}]", f'expected fp32, tf32 (fp32 with TF32 GEMMs) or bf16, got {_kind(dt)}')
                 for j, b in enumerate(c.array(sw, "tokens_per_gpu", w, nonempty=True)):
                     if isinstance(b, bool) or not isinstance(b, int) or b < 1:
@@ -424,34 +598,16 @@ def check_suite(s, path):
     runs = c.array(s, "runs", required=False) or []
     for i, r in enumerate(runs):
         w = f"runs[{i}]"
-        c.string(r, "id", w)
-        backend = c.string(r, "backend", w, choices=BACKENDS)
-        for j, wl in enumerate(c.array(r, "workloads", w, nonempty=True)):
-            if isinstance(wl, dict):
-                if grid is None:
-                    c.fail(f"{w}.workloads[{j}]", "a generated workload (an object) needs the suite's \"grid\"")
-                mn = c.string(wl, "model", f"{w}.workloads[{j}]")
-                if mn not in models:
-                    c.fail(f"{w}.workloads[{j}].model", f'"{mn}" is not in grid.models ({", ".join(models)})')
-                c.string(wl, "dtype", f"{w}.workloads[{j}]")
-                c.integer(wl, "tokens_per_rank", f"{w}.workloads[{j}]", minimum=1)
-            elif not isinstance(wl, str):
-                c.fail(f"{w}.workloads[{j}]", f"expected a workload name, a path or an object, got {_kind(wl)}")
-        known_impls(c.array(r, "impls", w, nonempty=True), f"{w}.impls")
-        if backend == "sim":
-            c.array(r, "clusters", w, nonempty=True)
-        elif "clusters" in r:
-            c.fail(f"{w}.clusters", f'only sim runs have clusters, this one runs on "{backend}"')
-        for j, n in enumerate(c.array(r, "ranks", w, required=(backend != "sim"), nonempty=True) or []):
-            if n != "hostfile" and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-                c.fail(f"{w}.ranks[{j}]", f'expected a positive integer or "hostfile", got {_kind(n)}')
-        c.integer(r, "steps", w, required=False, minimum=1)
-        c.boolean(r, "trace", w, required=False)
-        path_t = c.string(r, "path", w)
-        if os.path.isabs(path_t) or ".." in path_t.split("/") or path_t.endswith(".json"):
-            c.fail(f"{w}.path", f'expected a path inside the results folder without ".json", got "{path_t}"')
+        _check_run(c, r, w, labels, models, grid is not None)
         q = r.get("quick", False)
-        if not isinstance(q, (bool, dict)):
+        if isinstance(q, dict):
+            # The quick subset runs the entry with these fields over it (scripts/run_suite.py
+            # expand()): the result must be a valid run of the same id.
+            for k in q:
+                if k in ("id", "quick"):
+                    c.fail(f"{w}.quick.{k}", f'"{k}" cannot be overridden in the quick subset')
+            _check_run(c, {**r, **q}, f"{w}.quick", labels, models, grid is not None)
+        elif not isinstance(q, bool):
             c.fail(f"{w}.quick", f"expected true, false or an object of fields to override, got {_kind(q)}")
     _names(c, [r["id"] for r in runs], "runs")
     if grid is None and not runs:
@@ -460,6 +616,7 @@ def check_suite(s, path):
     claims = c.obj(s, "claims", required=False)
     if claims is not None:
         c.number(claims, "size_tolerance", "claims", minimum=0)
+        c.string(claims, "source", "claims", required=False)
         c.obj(claims, "paper_setup", "claims", required=False)
         for i, it in enumerate(c.array(claims, "items", "claims", nonempty=True)):
             w = f"claims.items[{i}]"
@@ -468,18 +625,18 @@ def check_suite(s, path):
             for k in ("system", "versus"):
                 lab = c.string(it, k, w)
                 if lab not in labels:
-                    c.fail(f"{w}.{k}", f'"{lab}" is not a label of the suite\'s "impls"')
+                    c.fail(f"{w}.{k}", f'{_kind(lab)} is not a label of the suite\'s "impls"')
             c.string(it, "metric", w, choices=("speedup", "memory_saving"))
             c.string(it, "stat", w, choices=("max", "mean"))
-            c.number(it, "paper", w)
+            c.number(it, "paper", w, positive=True)  # ours is judged as a ratio to it
         _names(c, [it["id"] for it in claims["items"]], "claims.items")
 
     for i, fg in enumerate(c.array(s, "figures", required=False) or []):
         w = f"figures[{i}]"
         c.string(fg, "id", w)
         c.string(fg, "script", w)
-        c.array(fg, "args", w)
-        c.array(fg, "files", w, nonempty=True)
+        c.strings(fg, "args", w)
+        c.strings(fg, "files", w, nonempty=True)
         c.string(fg, "caption", w)
         c.string(fg, "mode", w, choices=("measured", "simulated", "mixed"))
         c.boolean(fg, "headline", w, required=False)

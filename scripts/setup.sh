@@ -15,6 +15,7 @@ packages=(
   libbenchmark-dev                  # micro-benchmarks
   libopenblas-dev                   # cpu GEMM
   python3-matplotlib                # plots (run with /usr/bin/python3)
+  python3-hypothesis                # property-based tests of the suite files (scripts/tests)
 )
 
 missing=()

@@ -144,7 +144,7 @@ class SummaryAndSuiteSchema(unittest.TestCase):
              'field "claims.items[0].system"'),
             (lambda s: s["runs"][1].update(ranks=[0]), 'field "runs[1].ranks[0]"'),
             (lambda s: s["runs"][0].update(path="/abs/path"), 'field "runs[0].path"'),
-            (lambda s: s["impls"].append(dict(s["impls"][0])), 'field "impls": duplicate names: Base'),
+            (lambda s: s["impls"].append(dict(s["impls"][0])), 'field "impls": duplicate names: "Base"'),
             (lambda s: s.update(schema="moelab.suite/1"), 'unknown schema "moelab.suite/1"'),
         ]
         for change, fragment in cases:
