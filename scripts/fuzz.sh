@@ -17,9 +17,11 @@
 # (a crash, a sanitizer report, an exception other than the input errors, a message of several
 # lines, an execution over 10 s or 2 GB) stops that target, leaves the input that caused it in
 # $FUZZ_BUILD_DIR/findings/<target>/ (replay: <fuzz binary> <that file>) and makes the script
-# exit 1. The committed seed corpus (harness/fuzz/corpus/<target>/) is only read: what the
-# fuzzer learns goes to $FUZZ_BUILD_DIR/corpus/<target>/, kept between runs of one build
-# folder so that long runs go on where the last one stopped.
+# exit 1. Exit 2: a wrong argument, or no clang with libFuzzer here; exit 3: the targets did not
+# build (the code must compile with clang as well as gcc). The committed seed corpus
+# (harness/fuzz/corpus/<target>/) is only read: what the fuzzer learns goes to
+# $FUZZ_BUILD_DIR/corpus/<target>/, kept between runs of one build folder so that long runs go
+# on where the last one stopped.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${FUZZ_BUILD_DIR:-$root/build-fuzz}"
@@ -39,7 +41,7 @@ while [ $# -gt 0 ]; do
     --targets) IFS=, read -r -a targets <<<"$2"; shift 2 ;;
     --check) mode=check; shift ;;
     --make-corpus) mode=corpus; shift ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "fuzz.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -121,11 +123,15 @@ echo "== building the fuzz targets in $build (clang, ASan + UBSan)"
 mkdir -p "$build"
 # Warnings are not errors here: the normal build (gcc, -DMOELAB_WERROR=ON) judges them, and
 # clang warns of things gcc does not.
+build_failed() {
+  echo "fuzz.sh: the fuzz targets did not build with $cxx ($1 above): the code must compile with clang too" >&2
+  exit 3
+}
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER="$cxx" -DMOELAB_FUZZ=ON \
   -DMOELAB_WERROR=OFF -DMOELAB_WITH_CUDA=OFF -DMOELAB_WITH_MPI=OFF -DMOELAB_WITH_BLAS=OFF \
   -DMOELAB_WITH_TESTS=OFF -DMOELAB_WITH_BENCH=OFF >"$build/configure.log" 2>&1 ||
-  { cat "$build/configure.log"; exit 1; }
-cmake --build "$build" -j "$jobs" --target moelab_fuzz
+  { cat "$build/configure.log"; build_failed "cmake's configure"; }
+cmake --build "$build" -j "$jobs" --target moelab_fuzz || build_failed "the compiler's errors"
 
 if [ -z "$per_target" ] && [ "$runs" -ge 0 ]; then
   per_target=0  # no time limit: the executions bound the run
