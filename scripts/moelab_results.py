@@ -56,11 +56,10 @@ def load_json(path):
         raise SchemaError(f"{path}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}{end}") from None
     except RecursionError:
         raise SchemaError(f"{path}: JSON nested too deeply to read") from None
-    where = _find_non_finite(doc)
-    if where is not None:
-        field, name = where
-        raise SchemaError(f"{path}: field {_field(field or '(top level)')}: {name} is not a JSON number "
-                          f"(JSON has no NaN or infinity)")
+    bad = _not_json(doc)
+    if bad is not None:
+        field, what = bad
+        raise SchemaError(f"{path}: field {_field(field or '(top level)')}: {what}")
     return doc
 
 
@@ -72,15 +71,25 @@ class _NonFinite:
         self.name = name
 
 
-def _find_non_finite(doc, where=""):
-    """(dotted field, constant) of the first _NonFinite in doc, or None. Iterative: a file deep
-    enough to parse is not too deep to search."""
-    stack = [(doc, where)]
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _not_json(doc):
+    """(dotted field, what is wrong) of the first value that Python's json module reads but JSON
+    text does not hold: NaN or infinity, or a string or key with an unpaired UTF-16 surrogate
+    ("\\ud800": no Unicode text; it cannot be printed as UTF-8 or passed on a command line).
+    None when there is none. Iterative: a file deep enough to parse is not too deep to search."""
+    stack = [(doc, "")]
     while stack:
         v, w = stack.pop()
         if isinstance(v, _NonFinite):
-            return w, v.name
+            return w, f"{v.name} is not a JSON number (JSON has no NaN or infinity)"
+        if isinstance(v, str) and _SURROGATE.search(v):
+            return w, "a string with an unpaired surrogate (\\ud800-\\udfff escapes): not Unicode text"
         if isinstance(v, dict):
+            for k in v:
+                if _SURROGATE.search(k):
+                    return w, "a key with an unpaired surrogate (\\ud800-\\udfff escapes): not Unicode text"
             stack += [(x, f"{w}.{k}" if w else k) for k, x in reversed(list(v.items()))]
         elif isinstance(v, list):
             stack += [(x, f"{w}[{i}]") for i, x in reversed(list(enumerate(v)))]

@@ -275,6 +275,8 @@ class SuiteFindings(OneLine):
         # Names that become file names could leave the results folder.
         (lambda s: s["grid"]["models"][0].update(name="../../../M"), "grid.models[0].name"),
         (lambda s: s["impls"][0].update(label="a/b"), "impls[0].label"),
+        # An unpaired surrogate ("\\ud800" in the file): not text; subprocess could not pass it to moelab.
+        (lambda s: s["runs"][0].update(clusters=["dgx\ud800"]), "runs[0].clusters[0]"),
         (lambda s: s["grid"]["clusters"][0].update(name=".."), "grid.clusters[0].name"),
         (lambda s: (with_generated_run(s), s["runs"][2]["workloads"][0].update(dtype="../x")),
          "runs[2].workloads[0].dtype"),
