@@ -540,6 +540,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
                                           {"placement", pipeline::placement_name(plan->schedule.placement)},
                                           {"recompute", pipeline::recompute_name(plan->recompute)},
                                           {"layout", plan->layout.to_string()},
+                                          {"steps", steps},
                                           {"stage_of_rank", stage_of_rank}};
       }
       outputs->stage(opt.trace, trace, -1);

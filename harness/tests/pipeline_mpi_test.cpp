@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <ostream>
 
 #include "harness/comm/groups.hpp"
 #include "harness/comm/world.hpp"
@@ -108,7 +109,11 @@ struct Case {
   int dp = 1;  // data-parallel degree beside the pipeline (pp = world / dp)
 };
 
-// One pipelined step (or `steps` Adam steps) of layout pp = world/dp against the reference.
+void PrintTo(const Case& k, std::ostream* os) {
+  *os << k.schedule << " chunks " << k.chunks << " recompute " << pipeline::recompute_name(k.recompute) << " dp " << k.dp;
+}
+
+// One pipelined step (or `steps` optimizer steps) of layout pp = world/dp against the reference.
 void check(const Case& k, int steps) {
   auto b = make_backend("cpu");
   auto world = make_world_communicator(*b);
