@@ -11,11 +11,11 @@ per F, B and W of a microbatch, from the Chrome trace of a pipelined run.
 One panel per trace, one row per stage (its lowest rank), one box per schedule node: the span of
 the ops that carry the node's label ("F3.1": forward of microbatch 3, chunk 1; harness/pipeline/
 executor.hpp) on that rank, transfers excluded. F blue, B green, W grey, R (a recomputed forward)
-orange; a second chunk in a lighter shade; the microbatch number inside the box (as Narayanan et
+orange; odd chunks in a lighter shade; the microbatch number inside the box (as Narayanan et
 al. 2021, Fig. 4, and Qi et al. 2024, Fig. 3, draw them). One timed step is drawn (--step, from
 0). Each panel's bubble is printed and put in its title: per stage, 1 - its F/B/W/R time over the
 window from the first such op to the last of any stage, the mean over stages (moelab run's
-definition). The title may name the first trace's provenance: {mode}, {backend}, {device},
+definition, here over the drawn ranks only). The title may name the first trace's provenance: {mode}, {backend}, {device},
 {cluster}, {commit}, {date}, {model}, {impl}. Needs matplotlib (Debian: python3-matplotlib).
 """
 import argparse
@@ -173,7 +173,8 @@ def main():
     names = {"F": "F forward", "B": "B input gradient", "W": "W weight gradient",
              "R": "R recomputed forward"}
     handles = [Patch(facecolor=COLOURS[k], edgecolor="black", label=names[k]) for k in "FBWR" if k in seen]
-    handles.append(Patch(facecolor=lighten(COLOURS["F"], 0.45), edgecolor="black", label="lighter: chunk 1"))
+    if any(p[1].get("chunks", 1) > 1 for p in panels):
+        handles.append(Patch(facecolor=lighten(COLOURS["F"], 0.45), edgecolor="black", label="lighter: odd chunks"))
     fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.01, top), ncol=len(handles), fontsize=8,
                frameon=False)
     top -= 0.35 / fig.get_figheight()

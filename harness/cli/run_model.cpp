@@ -4,8 +4,8 @@
 //   moelab run --model experiments/models/tiny-moe.json --impl fastmoe --backend cpu --steps 20
 //   moelab run --model experiments/models/gpt3-moe-xl.json --impl fastmoe --backend sim --cluster a800x1
 //   mpirun -n 2 moelab run --model experiments/models/tiny-moe.json --impl mpipemoe --backend cpu
-//   mpirun -n 4 moelab run --model experiments/models/tiny-moe.json --impl fastmoe --backend cpu \
-//       --parallel pp=2,dp=2,ep=2 --schedule 1f1b --microbatches 8
+//   mpirun -n 4 moelab run --model experiments/models/tiny-moe.json --impl fastmoe --backend cpu
+//       --parallel pp=2,dp=2,ep=2 --schedule 1f1b --microbatches 8      (one command line)
 //
 // A step: zero_grad; for each of --microbatches microbatches of --micro-batch sequences: forward,
 // backward (input then weight gradients); the replicated parameters' gradients summed over the
@@ -411,8 +411,10 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       const auto parts =
           c.all_gather_strings(chrome_trace(ops, shifted, rank).dump(-1, ' ', false, json::error_handler_t::replace));
       trace = json::parse(parts[0]);
-      for (std::size_t r = 1; r < parts.size(); ++r)
-        for (auto& e : json::parse(parts[r])["traceEvents"]) trace["traceEvents"].push_back(std::move(e));
+      for (std::size_t r = 1; r < parts.size(); ++r) {
+        json part = json::parse(parts[r]);  // named: a range-for over a temporary's member would dangle
+        for (auto& e : part["traceEvents"]) trace["traceEvents"].push_back(std::move(e));
+      }
     }
     if (rank != 0) return 0;
 
@@ -428,12 +430,13 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     const RankFigures& pk = ranks[fig.peak_rank];
     const std::string library = gemm_library(b);
 
-    const int last = model.last_layer();
+    // A pipeline's stages hold the whole model between them; rank 0 its first stage.
+    const int first = plan ? 0 : model.first_layer(), last = plan ? cfg.num_layers : model.last_layer();
     int moe_count = 0;
-    for (int l = model.first_layer(); l < last; ++l) moe_count += cfg.is_moe(l) ? 1 : 0;
-    std::printf("model      %s (%s), layers %d:%d of %d (%d MoE)%s%s\n", cfg.name.c_str(), cfg.origin.c_str(),
-                model.first_layer(), last, cfg.num_layers, moe_count, model.has_embedding() ? ", embedding" : "",
-                model.has_head() ? ", head" : "");
+    for (int l = first; l < last; ++l) moe_count += cfg.is_moe(l) ? 1 : 0;
+    std::printf("model      %s (%s), layers %d:%d of %d (%d MoE)%s%s\n", cfg.name.c_str(), cfg.origin.c_str(), first,
+                last, cfg.num_layers, moe_count, plan || model.has_embedding() ? ", embedding" : "",
+                plan || model.has_head() ? ", head" : "");
     std::printf("           M=%lld, heads %d/%d, FFN %lld, S=%lld, V=%lld, %s, %s, %s\n",
                 static_cast<long long>(cfg.d_model), cfg.num_heads, cfg.num_kv_heads, static_cast<long long>(cfg.d_ffn),
                 static_cast<long long>(S), static_cast<long long>(cfg.vocab_size), norm_name(cfg.norm),
@@ -453,7 +456,8 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
                   plan->schedule.microbatches, pipeline::recompute_name(plan->recompute));
     else
       std::printf("ranks      %d (data parallel for dense layers, expert parallel for MoE layers)\n", world);
-    std::printf("batch      %d microbatches x %lld sequences x %lld tokens per rank, optimizer %s\n",
+    std::printf(plan ? "batch      %d microbatches x %lld sequences x %lld tokens per pipeline, optimizer %s\n"
+                     : "batch      %d microbatches x %lld sequences x %lld tokens per rank, optimizer %s\n",
                 opt.microbatches, static_cast<long long>(opt.micro_batch), static_cast<long long>(S),
                 opt.optimizer.c_str());
     std::printf("steps      %d timed after %d warm-up\n\n", steps, warmup);
@@ -463,7 +467,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     std::printf("model      %.2f TFLOP/s per device%s\n", model_tflops,
                 mfu > 0 ? strf(", MFU %.1f%% of the %.0f TFLOP/s peak", 100 * mfu, rates.peak_flops / 1e12).c_str()
                         : " (MFU: the backend knows no peak)");
-    if (b.has_data() && model.has_head() && !curve.empty())
+    if (b.has_data() && heads > 0 && !curve.empty())
       std::printf("loss       %.4f (first step) -> %.4f (last)\n", curve.front(), curve.back());
     std::printf("\n%-10s %10s %10s\n", "phase", "ms/step", "% of step");
     for (const auto& p : kModelPhases) {
@@ -499,7 +503,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     json mb_at_peak = json::object();
     for (const auto& [k, v] : pk.microbatch_at_peak) mb_at_peak[std::to_string(k)] = v;
     metrics["peak_memory_bytes"]["by_microbatch_at_peak"] = mb_at_peak;
-    if (b.has_data() && model.has_head())
+    if (b.has_data() && heads > 0)
       metrics["loss"] = {{"first", curve.front()}, {"last", curve.back()}, {"all", curve}};
 
     json result;
@@ -515,7 +519,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     result["date"] = utc_now_iso8601();
     result["world_size"] = world;
     result["model"] = to_json(cfg);
-    result["training"] = {{"layers", {model.first_layer(), last}}, {"micro_batch", opt.micro_batch},
+    result["training"] = {{"layers", {first, last}},               {"micro_batch", opt.micro_batch},
                           {"microbatches", opt.microbatches},     {"optimizer", opt.optimizer},
                           {"lr", opt.lr},                         {"seed", opt.seed},
                           {"steps", steps},                       {"warmup", warmup}};
