@@ -46,8 +46,9 @@ Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const M
       blocks_.push_back(std::make_unique<FfnBlock>(b, s_, cfg, l));
   }
   if (last_ == cfg.num_layers) {
-    // Tied embeddings across stages would need the two copies' gradients summed over the
-    // pipeline (Megatron's embedding group); within one stage they are one tensor.
+    // Tied embeddings across stages: the head's own copy, whose gradient the pipeline sums with
+    // the embedding's (Megatron's embedding group; ModelOptions::tied_embedding_copy); within
+    // one stage they are one tensor.
     if (cfg.tie_embeddings && !embedding_ && !opt.tied_embedding_copy)
       throw ConfigError(cfg.origin + ": tie_embeddings needs the embedding and the head on one stage; "
                         "this range " + std::to_string(first_) + ":" + std::to_string(last_) + " has only the head");
