@@ -46,12 +46,15 @@ Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const M
       blocks_.push_back(std::make_unique<FfnBlock>(b, s_, cfg, l));
   }
   if (last_ == cfg.num_layers) {
-    // Tied embeddings across stages would need the two copies' gradients summed over the
-    // pipeline (Megatron's embedding group); within one stage they are one tensor.
-    if (cfg.tie_embeddings && !embedding_)
+    // Tied embeddings across stages: the head's own copy, whose gradient the pipeline sums with
+    // the embedding's (Megatron's embedding group; ModelOptions::tied_embedding_copy); within
+    // one stage they are one tensor.
+    if (cfg.tie_embeddings && !embedding_ && !opt.tied_embedding_copy)
       throw ConfigError(cfg.origin + ": tie_embeddings needs the embedding and the head on one stage; "
                         "this range " + std::to_string(first_) + ":" + std::to_string(last_) + " has only the head");
-    auto h = std::make_unique<Head>(b, s_, cfg, embedding_ ? &embedding_->wte() : nullptr);
+    if (cfg.tie_embeddings && !embedding_)
+      wte_copy_ = make_param(b, s_, "embedding.wte", {cfg.vocab_size, cfg.d_model}, cfg.dtype);
+    auto h = std::make_unique<Head>(b, s_, cfg, embedding_ ? &embedding_->wte() : &wte_copy_);
     head_ = h.get();
     blocks_.push_back(std::move(h));
   }
@@ -61,6 +64,7 @@ Model::~Model() = default;
 
 void Model::init_parameters(std::uint64_t seed) {
   for (auto& blk : blocks_) blk->init_parameters(seed);
+  if (wte_copy_.value.defined()) b_.fill_zero(s_, wte_copy_.value);
 }
 
 void Model::zero_grad() {
@@ -79,6 +83,7 @@ std::vector<Param> Model::parameters() {
   for (auto& blk : blocks_) blk->collect(ps);
   std::vector<Param> out;
   for (auto* p : ps) out.push_back(*p);
+  if (wte_copy_.value.defined()) out.push_back(wte_copy_);
   int layer = first_;
   for (auto& blk : blocks_) {
     auto* f = dynamic_cast<FfnBlock*>(blk.get());

@@ -35,6 +35,12 @@ struct ModelOptions {
   // ranks hold different tokens outside the TP regions (Korthikanti et al. 2022, §4.2.2).
   Communicator* tp = nullptr;
   bool sequence_parallel = false;
+  // Tied embeddings (cfg.tie_embeddings) in a range that has the LM head but not the
+  // embedding: the range holds its own copy of the word embeddings, zero until the pipeline
+  // copies the embedding into it, and the pipeline sums the two copies' gradients every step
+  // (Megatron's embedding group; harness/pipeline/executor.hpp). Without it such a range is a
+  // ConfigError.
+  bool tied_embedding_copy = false;
 };
 
 // One microbatch's input: token ids [T] int32 (a stage with the embedding) or activations
@@ -91,6 +97,7 @@ class Model {
   Stream& s_;
   int first_ = 0, last_ = 0;
   std::unique_ptr<MoEChannels> channels_;  // shared by the MoE layers; outlives them (declared first)
+  Param wte_copy_;                         // [V,M] the head's copy of tied embeddings (tied_embedding_copy)
   Embedding* embedding_ = nullptr;
   Head* head_ = nullptr;
   std::vector<std::unique_ptr<Block>> blocks_;  // in order: [embedding] (attention, ffn)* [head]

@@ -273,6 +273,11 @@ class Backend {
   // Ops issued while a PhaseScope is alive carry its label in the timeline.
   void set_phase(std::string phase) { phase_ = std::move(phase); }
   const std::string& phase() const { return phase_; }
+  // Ops issued while a NodeScope is alive carry the pipeline schedule node they belong to
+  // ("F3.1": the forward of microbatch 3, chunk 1; harness/pipeline/executor.hpp), so that a
+  // timeline can be drawn and measured per node.
+  void set_node(std::string node) { node_ = std::move(node); }
+  const std::string& node() const { return node_; }
   // Allocations made while a microbatch is current are charged to it as well (see
   // MemoryTracker); MicrobatchScope sets it for a block of code.
   void set_microbatch(int mb) { microbatch_ = mb; }
@@ -289,6 +294,7 @@ class Backend {
 
   MemoryTracker memory_;
   std::string phase_ = "other";
+  std::string node_;
   int microbatch_ = kNoMicrobatch;
   int rank_ = 0;
   bool allow_tf32_ = false;
@@ -301,6 +307,18 @@ class PhaseScope {
   ~PhaseScope() { b_.set_phase(saved_); }
   PhaseScope(const PhaseScope&) = delete;
   PhaseScope& operator=(const PhaseScope&) = delete;
+
+ private:
+  Backend& b_;
+  std::string saved_;
+};
+
+class NodeScope {
+ public:
+  NodeScope(Backend& b, std::string node) : b_(b), saved_(b.node()) { b_.set_node(std::move(node)); }
+  ~NodeScope() { b_.set_node(saved_); }
+  NodeScope(const NodeScope&) = delete;
+  NodeScope& operator=(const NodeScope&) = delete;
 
  private:
   Backend& b_;

@@ -601,6 +601,7 @@ class CudaBackend final : public Backend {
     t->rec.stream_name = s.name();
     t->rec.name = std::move(name);
     t->rec.phase = phase_;
+    t->rec.node = node_;
     t->rec.cost = cost;
     t->stream = native(s);
     {

@@ -184,7 +184,7 @@ nlohmann::json routing_trace_json(const std::vector<std::vector<std::vector<std:
 namespace {
 
 struct LocalTask {
-  std::string name, phase;
+  std::string name, phase, node;
   int stream = -1;           // -1: host join / marker
   OpCost cost;
   sim::WorkClass cls = sim::WorkClass::none;
@@ -536,6 +536,7 @@ class SimBackendImpl final : public Backend {
       r.stream_name = streams_[static_cast<std::size_t>(t.stream)]->name();
       r.name = t.name;
       r.phase = t.phase;
+      r.node = t.node;
       r.cost = t.cost;
       r.start = base + (t.arrive >= 0 ? end[static_cast<std::size_t>(t.arrive)] : start[i]);
       r.end = base + end[i];
@@ -596,6 +597,7 @@ class SimBackendImpl final : public Backend {
     LocalTask t;
     t.name = std::move(nm);
     t.phase = phase();
+    t.node = node();
     t.cost = cost;
     t.cls = cls;
     t.record = true;
