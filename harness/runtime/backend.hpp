@@ -239,6 +239,9 @@ class Backend {
   // out = a + b (elementwise, same shape and dtype; out may alias a or b): residual adds and
   // gradient accumulation.
   virtual void add(Stream& s, const Tensor& a, const Tensor& b, Tensor& out);
+  // out = alpha * x (same numel and dtype; out may alias x): a gradient averaged over the
+  // copies that summed it (harness/nn/grad_sync.hpp).
+  virtual void scale(Stream& s, const Tensor& x, float alpha, Tensor& out);
 
   // Softmax cross-entropy, fused (llm.c style): logits [T,V] (any float dtype), targets [T]
   // int32 (a target < 0 is ignored: loss 0, no gradient). losses [T] fp32, lse [T] fp32.

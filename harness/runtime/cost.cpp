@@ -189,6 +189,8 @@ OpCost cost_swiglu_backward(std::int64_t tokens, std::int64_t width, DType dtype
 
 OpCost cost_add(std::int64_t elements, DType dtype) { return cost_elementwise(elements, dtype, 2, 1, 1); }
 
+OpCost cost_scale(std::int64_t elements, DType dtype) { return cost_elementwise(elements, dtype, 1, 1, 1); }
+
 // Fused softmax cross-entropy: per logit a max, a subtract, an exponential and a sum; reads the
 // logits and targets once, writes the losses and the LSE.
 OpCost cost_cross_entropy_forward(std::int64_t tokens, std::int64_t vocab, DType dtype) {

@@ -57,6 +57,7 @@ OpCost cost_attention_backward(const AttentionShape& a, DType dtype);
 OpCost cost_swiglu_forward(std::int64_t tokens, std::int64_t width, DType dtype);  // width = F (output)
 OpCost cost_swiglu_backward(std::int64_t tokens, std::int64_t width, DType dtype);
 OpCost cost_add(std::int64_t elements, DType dtype);
+OpCost cost_scale(std::int64_t elements, DType dtype);
 OpCost cost_cross_entropy_forward(std::int64_t tokens, std::int64_t vocab, DType dtype);
 OpCost cost_cross_entropy_backward(std::int64_t tokens, std::int64_t vocab, DType dtype);
 OpCost cost_optimizer_step(OptimizerKind kind, std::int64_t elements, DType param_dtype, bool master_copy);

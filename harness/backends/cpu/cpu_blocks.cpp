@@ -1,5 +1,5 @@
 // harness/backends/cpu/cpu_blocks.cpp — the cpu backend's transformer-block ops: embedding,
-// layernorm / rmsnorm, RoPE, tiled attention, SwiGLU, add, fused cross-entropy, SGD / Adam.
+// layernorm / rmsnorm, RoPE, tiled attention, SwiGLU, add, scale, fused cross-entropy, SGD / Adam.
 //
 // The reference semantics of Backend's "transformer-block ops" (backend.hpp): fp32 data,
 // plain loops, reductions in fp32; attention is the one op with GEMMs inside (cpu_sgemm on
@@ -457,6 +457,17 @@ void CpuBackend::add(Stream& s, const Tensor& a, const Tensor& b, Tensor& out) {
   const std::int64_t n = a.numel();
   enqueue(s, "add", cost_add(n, DType::f32), [=] {
     for (std::int64_t i = 0; i < n; ++i) op[i] = ap[i] + bp[i];
+  });
+}
+
+void CpuBackend::scale(Stream& s, const Tensor& x, float alpha, Tensor& out) {
+  cpu_require_f32(x, "scale");
+  MOELAB_CHECK(x.numel() == out.numel() && out.dtype() == x.dtype(), "scale " + x.describe() + " -> " + out.describe());
+  const float* xp = x.data<float>();
+  float* op = out.data<float>();
+  const std::int64_t n = x.numel();
+  enqueue(s, "scale", cost_scale(n, DType::f32), [=] {
+    for (std::int64_t i = 0; i < n; ++i) op[i] = alpha * xp[i];
   });
 }
 

@@ -825,6 +825,12 @@ __global__ void add_kernel(const T_* a, const T_* b, T_* out, i64 n) {
   for (i64 k = grid_thread(); k < n; k += grid_threads()) st(out + k, ld(a + k) + ld(b + k));
 }
 
+// out may alias x.
+template <class T_>
+__global__ void scale_kernel(const T_* x, float alpha, T_* out, i64 n) {
+  for (i64 k = grid_thread(); k < n; k += grid_threads()) st(out + k, alpha * ld(x + k));
+}
+
 }  // namespace
 
 void swiglu_forward(cudaStream_t stream, Elem e, const void* h, void* out, std::int64_t tokens, std::int64_t ffn) {
@@ -857,6 +863,16 @@ void add(cudaStream_t stream, Elem e, const void* a, const void* b, void* out, s
                                                                        static_cast<T_*>(out), n);
   });
   check_launch("add kernel");
+}
+
+void scale(cudaStream_t stream, Elem e, const void* x, float alpha, void* out, std::int64_t n) {
+  if (n <= 0) return;
+  with_elem(e, [&](auto tag) {
+    using T_ = decltype(tag);
+    scale_kernel<<<grid_for(n, kElemThreads), kElemThreads, 0, stream>>>(static_cast<const T_*>(x), alpha,
+                                                                         static_cast<T_*>(out), n);
+  });
+  check_launch("scale kernel");
 }
 
 // ==== softmax cross-entropy ===============================================================

@@ -59,6 +59,8 @@ void swiglu_backward(cudaStream_t stream, Elem e, const void* h, const void* d_o
                      std::int64_t ffn);
 // out = a + b, n elements; out may alias a or b.
 void add(cudaStream_t stream, Elem e, const void* a, const void* b, void* out, std::int64_t n);
+// out = alpha * x, n elements; out may alias x.
+void scale(cudaStream_t stream, Elem e, const void* x, float alpha, void* out, std::int64_t n);
 
 // ---- loss ------------------------------------------------------------------------------
 // losses[t] = lse[t] - logits[t, target[t]] (0 when target < 0; NaN when target >= V);

@@ -563,6 +563,7 @@ class CudaBackend final : public Backend {
   void swiglu_forward(Stream& s, const Tensor& h, Tensor& out) override;
   void swiglu_backward(Stream& s, const Tensor& h, const Tensor& d_out, Tensor& d_h) override;
   void add(Stream& s, const Tensor& a, const Tensor& b, Tensor& out) override;
+  void scale(Stream& s, const Tensor& x, float alpha, Tensor& out) override;
   void cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor& targets, Tensor& losses,
                              Tensor& lse) override;
   void cross_entropy_backward(Stream& s, const Tensor& logits, const Tensor& targets, const Tensor& lse, float scale,
@@ -1162,6 +1163,12 @@ void CudaBackend::add(Stream& s, const Tensor& a, const Tensor& b, Tensor& out) 
   require(out, a.numel(), a.dtype(), "add out");
   CudaOpScope op(*this, s, "add", cost_add(a.numel(), a.dtype()));
   cuda_kernels::add(native(s), elem_of(a), a.raw(), b.raw(), out.raw(), a.numel());
+}
+
+void CudaBackend::scale(Stream& s, const Tensor& x, float alpha, Tensor& out) {
+  require(out, x.numel(), x.dtype(), "scale out");
+  CudaOpScope op(*this, s, "scale", cost_scale(x.numel(), x.dtype()));
+  cuda_kernels::scale(native(s), elem_of(x), x.raw(), alpha, out.raw(), x.numel());
 }
 
 void CudaBackend::cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor& targets, Tensor& losses,

@@ -484,6 +484,9 @@ class SimBackendImpl final : public Backend {
   void add(Stream& s, const Tensor& a, const Tensor&, Tensor&) override {
     issue(s, memory_bound("add", cost_add(a.numel(), a.dtype())));
   }
+  void scale(Stream& s, const Tensor& x, float, Tensor&) override {
+    issue(s, memory_bound("scale", cost_scale(x.numel(), x.dtype())));
+  }
   void cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor&, Tensor&, Tensor&) override {
     issue(s, memory_bound("cross_entropy",
                           cost_cross_entropy_forward(logits.dim(0), logits.dim(1), logits.dtype())));
