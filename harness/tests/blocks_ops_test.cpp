@@ -8,7 +8,7 @@
 //
 // Tolerances compare fp32 results with float64 ones (all_close: |got − ref| <= rtol·(max|ref| +
 // |ref|)); each is about ten times the worst error seen over many seeds:
-//   embedding, add, rope                       1e-6 (a copy, one add, or one rotation)
+//   embedding, add, scale, rope                1e-6 (a copy, one add or multiply, or one rotation)
 //   swiglu                                     2e-6
 //   norms: y, mean, rstd, dγ, dβ               5e-6 (rows of up to 1000, sums over 37 rows)
 //   norms: dx                                  1e-5 of max rstd·|dy·γ|, the size of the terms
@@ -426,6 +426,21 @@ TEST(Add, ElementwiseAndInPlace) {
   EXPECT_TRUE(all_close("in place", cpu.get(tx), ref, 1e-6));
 }
 
+TEST(Scale, ElementwiseAndInPlace) {
+  const std::uint64_t seed = test::fresh_seed();
+  const std::int64_t n = 1001;
+  const auto x = random_floats(n, seed, 1);
+  const float alpha = 1.0f / 3.0f;  // the mean over three copies
+  Cpu cpu;
+  Tensor tx = cpu.f32({n}, x), tz = cpu.zeros({n});
+  cpu.b->scale(cpu.s, tx, alpha, tz);
+  cpu.b->scale(cpu.s, tx, alpha, tx);  // out aliases x: a gradient scaled where it is
+  Vec ref(static_cast<std::size_t>(n));
+  for (std::size_t i = 0; i < ref.size(); ++i) ref[i] = static_cast<double>(alpha) * x[i];
+  EXPECT_TRUE(all_close("out", cpu.get(tz), ref, 1e-6));
+  EXPECT_TRUE(all_close("in place", cpu.get(tx), ref, 1e-6));
+}
+
 TEST(CrossEntropy, IgnoredTargetsAndLargeLogits) {
   const std::uint64_t seed = test::fresh_seed();
   struct C {
@@ -590,6 +605,8 @@ std::vector<Expected> issue_every_block_op(Backend& b, Stream& s) {
   e.push_back({"swiglu_bwd", cost_swiglu_backward(T, F, f)});
   b.add(s, x, y, x);
   e.push_back({"add", cost_add(T * M, f)});
+  b.scale(s, x, 0.5f, x);
+  e.push_back({"scale", cost_scale(T * M, f)});
   b.cross_entropy_forward(s, logits, ids, losses, celse);
   e.push_back({"cross_entropy", cost_cross_entropy_forward(T, V, f)});
   b.cross_entropy_backward(s, logits, ids, celse, 0.5f, logits);

@@ -1,5 +1,5 @@
 // harness/tests/cuda_blocks_test.cpp — the cuda backend's transformer-block ops (embedding,
-// layernorm/rmsnorm, rope, tiled attention, SwiGLU, add, fused cross-entropy, SGD/Adam) in
+// layernorm/rmsnorm, rope, tiled attention, SwiGLU, add, scale, fused cross-entropy, SGD/Adam) in
 // fp32 and bf16, forward and backward, against the float64 reference of
 // cuda_blocks_reference.hpp on fresh random inputs (MOELAB_TEST_SEED replays one) and awkward
 // sizes: S = 1, 37, 130 (tiles of 32 with ragged edges), B = 1, 3, heads 4/4, 4/1, 6/3, head
@@ -420,6 +420,21 @@ TEST_P(CudaElementwise, AddInPlace) {
   for (std::size_t i = 0; i < ref.size(); ++i) ref[i] = static_cast<double>(x[i]) + y[i];
   EXPECT_TRUE(all_close("a + b", b->download(out), ref, tol(dt)));
   b->add(*s, tx, ty, tx);  // residual stream: out aliases a
+  EXPECT_EQ(b->download(tx), b->download(out));
+}
+
+TEST_P(CudaElementwise, ScaleInPlace) {
+  const auto [tf, dt] = GetParam();
+  const i64 n = tf.first * tf.second;
+  const std::uint64_t seed = fresh_seed();
+  const auto x = stored(uniform(n, seed), dt);
+  const float alpha = 0.25f;  // a power of two: exact in bf16 too
+  Tensor tx = make({n}, dt, x), out = poisoned({n}, dt);
+  b->scale(*s, tx, alpha, out);
+  Vec ref(static_cast<std::size_t>(n));
+  for (std::size_t i = 0; i < ref.size(); ++i) ref[i] = static_cast<double>(alpha) * x[i];
+  EXPECT_TRUE(all_close("alpha * x", b->download(out), ref, tol(dt)));
+  b->scale(*s, tx, alpha, tx);  // a gradient scaled where it is: out aliases x
   EXPECT_EQ(b->download(tx), b->download(out));
 }
 
