@@ -189,7 +189,10 @@ struct EmbeddingSaved final : Saved {
 
 Embedding::Embedding(Backend& b, Stream& s, const TransformerConfig& cfg, const TensorParallel& tp)
     : b_(b), s_(s), cfg_(cfg), tp_(tp) {
-  wte_ = make_param(b, s, "embedding.wte", {cfg.vocab_size, cfg.d_model}, cfg.dtype);
+  const std::int64_t V = tp.padded_vocab(cfg.vocab_size);
+  TpShard rows = tp_shard(tp, 0, V, {}, "embedding.wte vocabulary");
+  wte_ = make_param(b, s, "embedding.wte", {V / tp.size(), cfg.d_model}, cfg.dtype);  // [V/t,M]
+  wte_.shard = std::move(rows);
   if (cfg.positions == PositionKind::learned)
     wpe_ = make_param(b, s, "embedding.wpe", {cfg.seq_len, cfg.d_model}, cfg.dtype);
 }
@@ -216,17 +219,13 @@ Forwarded Embedding::forward(const Tensor& ids, const WorkKey& key) {
   auto sv = std::make_unique<EmbeddingSaved>(key);
   sv->ids = ids;
   const std::int64_t T = ids.dim(0), M = cfg_.d_model;
-  if (!tp_.sp()) {
-    Tensor y = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, s_);  // [T,M]
-    b_.embedding_forward(s_, ids, wte_.value, wpe_.value, cfg_.seq_len, y);
-    return {y, std::move(sv)};
-  }
-  // The whole microbatch (its positions are t mod S), then this rank's rows.
-  Tensor all = b_.empty({T, M}, cfg_.dtype, MemCategory::buffers, s_);                          // [T,M]
-  b_.embedding_forward(s_, ids, wte_.value, wpe_.value, cfg_.seq_len, all);
-  Tensor y = b_.empty({tp_.local_tokens(T), M}, cfg_.dtype, MemCategory::activations, s_);  // [T/t,M]
-  b_.copy(s_, tp_.own_rows(all), y);
-  return {y, std::move(sv)};
+  // Under TP each rank looks up the ids in its rows of the vocabulary (zeros for the others')
+  // and one rank adds the positions: the sum over the group is the embedding (Megatron's
+  // VocabParallelEmbedding), an all-reduce, or a reduce-scatter to the rank's rows under SP.
+  Tensor y = b_.empty({T, M}, cfg_.dtype, tp_.sp() ? MemCategory::buffers : MemCategory::activations, s_);  // [T,M]
+  b_.embedding_forward(s_, ids, wte_.value, tp_.rank() == 0 ? wpe_.value : Tensor(), cfg_.seq_len, y,
+                       tp_.vocab_shard(cfg_.vocab_size));
+  return {tp_.leave(b_, s_, std::move(y), MemCategory::activations), std::move(sv)};  // [T,M] or [T/t,M]
 }
 
 Tensor Embedding::backward_input(Saved& saved, const Tensor& dy) {
@@ -240,8 +239,9 @@ void Embedding::backward_weight(Saved& saved) {
   auto& sv = saved_as<EmbeddingSaved>(saved, "embedding");
   MicrobatchScope mb(b_, sv.key.microbatch);
   PhaseScope ph(b_, kind());
-  const Tensor dy = tp_.enter(b_, s_, sv.dy);  // [T,M]: every rank's rows under SP
-  b_.embedding_backward(s_, dy, sv.ids, cfg_.seq_len, wte_.grad, wpe_.grad);
+  const Tensor dy = tp_.leave_backward(b_, s_, sv.dy);  // [T,M]: every rank's rows under SP
+  // Every TP rank makes the whole d_wpe from the whole dy; its rows of d_wte.
+  b_.embedding_backward(s_, dy, sv.ids, cfg_.seq_len, wte_.grad, wpe_.grad, tp_.vocab_shard(cfg_.vocab_size));
   sv.dy = Tensor();
   sv.weight_done = true;
 }
@@ -475,9 +475,9 @@ struct HeadSaved final : Saved {
   using Saved::Saved;
   Norm::State norm;
   Tensor h;               // [T,M] normed input (the LM head's weight gradient); [T/t,M] under SP
-  Tensor logits, lse;     // [T,V], [T] fp32
+  Tensor logits, lse;     // [T,V/t], [T] fp32 (the whole row's)
   Tensor targets, losses; // [T] int32, [T] fp32
-  Tensor d_logits;        // B -> W
+  Tensor d_logits;        // B -> W [T,V/t]
   float scale = 1.0f;
 };
 }  // namespace
@@ -485,7 +485,12 @@ struct HeadSaved final : Saved {
 Head::Head(Backend& b, Stream& s, const TransformerConfig& cfg, Param* tied_wte, const TensorParallel& tp)
     : b_(b), s_(s), cfg_(cfg), tp_(tp), norm_(b, s, cfg, "final_norm", tp),
       tied_(cfg.tie_embeddings ? tied_wte : nullptr) {
-  if (!tied_) own_w_ = make_param(b, s, "lm_head.w", {cfg.d_model, cfg.vocab_size}, cfg.dtype);
+  if (!tied_) {
+    const std::int64_t V = tp.padded_vocab(cfg.vocab_size);
+    TpShard cols = tp_shard(tp, 1, V, {}, "lm_head.w vocabulary");
+    own_w_ = make_param(b, s, "lm_head.w", {cfg.d_model, V / tp.size()}, cfg.dtype);  // [M,V/t]
+    own_w_.shard = std::move(cols);
+  }
 }
 
 void Head::init_parameters(std::uint64_t seed) {
@@ -500,7 +505,8 @@ void Head::collect(std::vector<Param*>& out) {
 
 Forwarded Head::forward(const Tensor& x, const WorkKey& key) {
   require_rows(x, cfg_.d_model, cfg_.dtype, "head");
-  const std::int64_t T = x.dim(0) * (tp_.sp() ? tp_.size() : 1), M = cfg_.d_model, V = cfg_.vocab_size;
+  const std::int64_t T = x.dim(0) * (tp_.sp() ? tp_.size() : 1), M = cfg_.d_model;
+  const std::int64_t V = tp_.padded_vocab(cfg_.vocab_size) / tp_.size();  // this rank's columns
   if (!targets_.defined() || targets_.ndim() != 1 || targets_.dim(0) != T || targets_.dtype() != DType::i32)
     throw ConfigError("head: targets must be [" + std::to_string(T) + "] int32, got " +
                       (targets_.defined() ? targets_.describe() : std::string("none")));
@@ -509,7 +515,7 @@ Forwarded Head::forward(const Tensor& x, const WorkKey& key) {
   auto sv = std::make_unique<HeadSaved>(key);
   sv->h = norm_.forward(x, sv->norm);
   const Tensor h = tp_.enter(b_, s_, sv->h);                                  // [T,M]
-  sv->logits = b_.empty({T, V}, cfg_.dtype, MemCategory::activations, s_);  // [T,V]
+  sv->logits = b_.empty({T, V}, cfg_.dtype, MemCategory::activations, s_);  // [T,V/t]
   if (tied_)
     b_.gemm(s_, mm(false, true, T, V, M, h, tied_->value, sv->logits, 0), "lm_head");
   else
@@ -518,26 +524,38 @@ Forwarded Head::forward(const Tensor& x, const WorkKey& key) {
   sv->lse = b_.empty({T}, DType::f32, MemCategory::activations, s_);
   sv->targets = targets_;
   sv->scale = loss_scale_;
-  b_.cross_entropy_forward(s_, sv->logits, sv->targets, sv->losses, sv->lse);
+  if (!tp_.on()) {
+    b_.cross_entropy_forward(s_, sv->logits, sv->targets, sv->losses, sv->lse);
+  } else {
+    // Megatron's vocabulary-parallel cross-entropy: each rank's loss and log-sum-exp over its
+    // columns, all-gathered ([t,2,T] fp32, 8·T bytes per rank) and combined into the row's.
+    Tensor part = b_.empty({2, T}, DType::f32, MemCategory::buffers, s_);               // [losses; lse]
+    Tensor part_loss = part.select(0), part_lse = part.select(1);
+    b_.cross_entropy_forward(s_, sv->logits, sv->targets, part_loss, part_lse, tp_.vocab_shard(cfg_.vocab_size));
+    Tensor parts = b_.empty({tp_.size(), 2, T}, DType::f32, MemCategory::buffers, s_);  // [t,2,T]
+    tp_.comm->all_gather(s_, part, parts);
+    b_.cross_entropy_combine(s_, parts, sv->targets, V, sv->losses, sv->lse);
+  }
   Tensor losses = sv->losses;
   return {losses, std::move(sv)};
 }
 
 Tensor Head::backward_input(Saved& saved, const Tensor&) {
   auto& sv = saved_as<HeadSaved>(saved, "head");
-  const std::int64_t T = sv.targets.dim(0), M = cfg_.d_model, V = cfg_.vocab_size;
+  const std::int64_t T = sv.targets.dim(0), M = cfg_.d_model, V = sv.logits.dim(1);
   MicrobatchScope mb(b_, sv.key.microbatch);
   PhaseScope ph(b_, kind());
-  sv.d_logits = b_.empty({T, V}, cfg_.dtype, MemCategory::buffers, s_);
-  b_.cross_entropy_backward(s_, sv.logits, sv.targets, sv.lse, sv.scale, sv.d_logits);
+  sv.d_logits = b_.empty({T, V}, cfg_.dtype, MemCategory::buffers, s_);  // [T,V/t]
+  b_.cross_entropy_backward(s_, sv.logits, sv.targets, sv.lse, sv.scale, sv.d_logits,
+                            tp_.vocab_shard(cfg_.vocab_size));
   sv.logits = Tensor();
-  Tensor d_h = b_.empty({T, M}, cfg_.dtype, MemCategory::buffers, s_);  // dh = dlogits · W^T
+  Tensor d_h = b_.empty({T, M}, cfg_.dtype, MemCategory::buffers, s_);  // dh = dlogits · W^T, a partial sum under TP
   if (tied_)
     b_.gemm(s_, mm(false, false, T, M, V, sv.d_logits, tied_->value, d_h, 0), "lm_head_dgrad");
   else
     b_.gemm(s_, mm(false, true, T, M, V, sv.d_logits, own_w_.value, d_h, 0), "lm_head_dgrad");
-  // Every TP rank computed the same loss: the gradient of its rows is its rows of d_h.
-  Tensor dx = norm_.backward(sv.norm, tp_.own_rows(d_h));
+  d_h = tp_.enter_backward(b_, s_, std::move(d_h));  // summed over the vocabulary's shards: [T,M] or [T/t,M]
+  Tensor dx = norm_.backward(sv.norm, d_h);
   sv.norm = Norm::State{};
   sv.input_done = true;
   return dx;
@@ -545,7 +563,7 @@ Tensor Head::backward_input(Saved& saved, const Tensor&) {
 
 void Head::backward_weight(Saved& saved) {
   auto& sv = saved_as<HeadSaved>(saved, "head");
-  const std::int64_t T = sv.d_logits.dim(0), M = cfg_.d_model, V = cfg_.vocab_size;
+  const std::int64_t T = sv.d_logits.dim(0), M = cfg_.d_model, V = sv.d_logits.dim(1);
   MicrobatchScope mb(b_, sv.key.microbatch);
   PhaseScope ph(b_, kind());
   const Tensor h = tp_.enter(b_, s_, sv.h);  // [T,M], gathered again under SP

@@ -21,10 +21,10 @@
 // with a TP group of size t, attention splits its heads (W_qkv by columns: Hq/t query and
 // Hkv/t key/value heads per rank; W_o by rows) and the MLP its width (W_1 by columns, W_2 by
 // rows, F/t per rank); each block enters its region before the column-parallel GEMM and
-// leaves it after the row-parallel one. The embedding and the LM head stay whole on every TP
-// rank (see Embedding). With sequence parallelism (Korthikanti et al. 2022) a block's input
-// and output are the rank's T/t rows and the norms, residuals and MoE layers work on those
-// rows only.
+// leaves it after the row-parallel one. The embedding table and the LM head are split by the
+// vocabulary (V/t rows, or logit columns, per rank; see Embedding and Head). With sequence
+// parallelism (Korthikanti et al. 2022) a block's input and output are the rank's T/t rows and
+// the norms, residuals and MoE layers work on those rows only.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -140,11 +140,11 @@ class FeedForward {
 // Token embedding (+ learned positions): ids [T] int32 -> [T,M]. Its only gradient is the
 // weights', so backward_input keeps dy and returns nothing; backward_weight scatters it.
 // With tied embeddings the Head adds the LM head's gradient into the same wte gradient.
-// Under tensor parallelism the table is whole on every TP rank (not Megatron's
-// vocabulary-parallel split: the fused lookup and cross-entropy ops take whole rows of the
-// vocabulary), so each rank looks up the whole microbatch and its gradient is complete on
-// every rank; under sequence parallelism the block returns the rank's rows and gathers
-// their gradients back before the scatter.
+// Under tensor parallelism the table is split by rows of the vocabulary (Megatron-LM's
+// VocabParallelEmbedding; the vocabulary padded to a multiple of t as Megatron pads it): each
+// rank looks up the ids in its V/t rows, zeros for the others', and the block leaves the
+// region with the sum (an all-reduce, or a reduce-scatter to the rank's rows under sequence
+// parallelism). Learned positions are whole on every rank, added by TP rank 0 only.
 class Embedding final : public Block {
  public:
   Embedding(Backend& b, Stream& s, const TransformerConfig& cfg, const TensorParallel& tp = {});
@@ -232,10 +232,13 @@ class FfnBlock final : public Block {
 // Final norm, LM head (wte^T when tied, else its own [M,V]) and the cross-entropy loss
 // against the targets given to forward. forward's y is the per-token loss [T] fp32 (0 for
 // ignored targets); backward_input's dy is unused: the gradient is loss_scale · dCE.
-// Under tensor parallelism the LM head is whole on every TP rank (see Embedding): every rank
-// computes the same logits and loss for the whole microbatch. Under sequence parallelism the
-// final norm works on the rank's rows, which are gathered before the LM head (and again for
-// its weight gradient); the input gradient is the rank's rows of the (identical) whole one.
+// Under tensor parallelism the LM head is column-parallel over the vocabulary (each rank's
+// V/t logit columns; tied: its rows of the embedding table) and the loss is Megatron's
+// vocabulary-parallel cross-entropy: every rank's loss and log-sum-exp over its columns,
+// all-gathered and combined (Backend::cross_entropy_combine), so every TP rank holds the
+// whole per-token loss. The region starts at the LM head: under sequence parallelism the
+// final norm works on the rank's rows, gathered before the GEMM (and again for its weight
+// gradient).
 class Head final : public Block {
  public:
   Head(Backend& b, Stream& s, const TransformerConfig& cfg, Param* tied_wte, const TensorParallel& tp = {});

@@ -40,8 +40,10 @@ struct ModelOptions {
   int first_layer = 0, last_layer = -1;          // [first, last); -1: to the end
   float aux_loss_coef = 0.01f;                   // Switch Transformer's alpha (Fedus et al. 2022, §2.2)
   // Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): the group that splits attention
-  // heads and the FFN; null or size 1: no tensor parallelism. With sequence_parallel the TP
-  // ranks hold different tokens outside the TP regions (Korthikanti et al. 2022, §4.2.2).
+  // heads, the FFN and the vocabulary; null or size 1: no tensor parallelism. The model issues
+  // its collectives on its stream: give it a communicator no other stream uses. With
+  // sequence_parallel the TP ranks hold different tokens outside the TP regions (Korthikanti
+  // et al. 2022, §4.2.2).
   Communicator* tp = nullptr;
   bool sequence_parallel = false;
 };

@@ -7,32 +7,30 @@
 
 namespace moelab {
 
-Tensor TensorParallel::enter(Backend& b, Stream& s, const Tensor& x) const {
+Tensor TensorParallel::enter(Backend& b, Stream& s, const Tensor& x, MemCategory cat) const {
   if (!sp()) return x;
-  Tensor full = b.empty({x.dim(0) * size(), x.dim(1)}, x.dtype(), MemCategory::buffers, s);  // [T,M]
+  Tensor full = b.empty({x.dim(0) * size(), x.dim(1)}, x.dtype(), cat, s);  // [T,M]
   comm->all_gather(s, x, full);
   return full;
 }
 
-Tensor TensorParallel::enter_backward(Backend& b, Stream& s, Tensor d_in) const {
+Tensor TensorParallel::enter_backward(Backend& b, Stream& s, Tensor d_in, MemCategory cat) const {
   if (!on()) return d_in;
   if (!sp()) {
     comm->all_reduce(s, d_in);
     return d_in;
   }
-  Tensor mine = b.empty({d_in.dim(0) / size(), d_in.dim(1)}, d_in.dtype(), MemCategory::buffers, s);  // [T/TP,M]
+  Tensor mine = b.empty({d_in.dim(0) / size(), d_in.dim(1)}, d_in.dtype(), cat, s);  // [T/TP,M]
   comm->reduce_scatter(s, d_in, mine);
   return mine;
 }
 
-Tensor TensorParallel::leave(Backend& b, Stream& s, Tensor y) const { return enter_backward(b, s, std::move(y)); }
+Tensor TensorParallel::leave(Backend& b, Stream& s, Tensor y, MemCategory cat) const {
+  return enter_backward(b, s, std::move(y), cat);
+}
 
-Tensor TensorParallel::leave_backward(Backend& b, Stream& s, const Tensor& dy) const { return enter(b, s, dy); }
-
-Tensor TensorParallel::own_rows(const Tensor& x) const {
-  if (!sp()) return x;
-  const std::int64_t n = x.dim(0) / size();
-  return x.rows(rank() * n, n);
+Tensor TensorParallel::leave_backward(Backend& b, Stream& s, const Tensor& dy, MemCategory cat) const {
+  return enter(b, s, dy, cat);
 }
 
 // ---- split parameters ----------------------------------------------------------------------

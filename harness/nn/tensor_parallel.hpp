@@ -42,13 +42,24 @@ struct TensorParallel {
   // Rows of a microbatch of T tokens this rank holds outside the regions.
   std::int64_t local_tokens(std::int64_t T) const { return sp() ? T / size() : T; }
 
-  // The edges, issued on s. New tensors are charged to `buffers` (the caller's microbatch).
-  Tensor enter(Backend& b, Stream& s, const Tensor& x) const;            // [T/TP,M] -> [T,M] (SP); else x
-  Tensor enter_backward(Backend& b, Stream& s, Tensor d_in) const;       // partial [T,M] -> summed [T,M] or [T/TP,M]
-  Tensor leave(Backend& b, Stream& s, Tensor y) const;                   // partial [T,M] -> summed [T,M] or [T/TP,M]
-  Tensor leave_backward(Backend& b, Stream& s, const Tensor& dy) const;  // [T/TP,M] -> [T,M] (SP); else dy
-  // This rank's rows of a [T,M] tensor every TP rank holds whole (a view; x itself without SP).
-  Tensor own_rows(const Tensor& x) const;
+  // The edges, issued on s. New tensors are charged to `cat` (and the caller's microbatch).
+  // [T/TP,M] -> [T,M] (SP); else x
+  Tensor enter(Backend& b, Stream& s, const Tensor& x, MemCategory cat = MemCategory::buffers) const;
+  // partial [T,M] -> summed [T,M] (in place) or [T/TP,M]
+  Tensor enter_backward(Backend& b, Stream& s, Tensor d_in, MemCategory cat = MemCategory::buffers) const;
+  Tensor leave(Backend& b, Stream& s, Tensor y, MemCategory cat = MemCategory::buffers) const;
+  // [T/TP,M] -> [T,M] (SP); else dy
+  Tensor leave_backward(Backend& b, Stream& s, const Tensor& dy, MemCategory cat = MemCategory::buffers) const;
+
+  // The vocabulary, rounded up to a multiple of the TP size as Megatron-LM pads it (its
+  // make-vocab-size-divisible-by; the extra rows are never a token or a target, but their
+  // logits enter the softmax), and this rank's shard of it: rows of the embedding table,
+  // columns of the logits. Without TP: V and the whole table.
+  std::int64_t padded_vocab(std::int64_t V) const { return (V + size() - 1) / size() * size(); }
+  VocabShard vocab_shard(std::int64_t V) const {
+    if (!on()) return {};
+    return {rank() * (padded_vocab(V) / size()), padded_vocab(V)};
+  }
 };
 
 // How a tensor-parallel parameter is cut from the full one. Along dimension `dim` the full

@@ -198,6 +198,13 @@ OpCost cost_cross_entropy_forward(std::int64_t tokens, std::int64_t vocab, DType
   return {OpKind::elementwise, 4.0 * TV, TV * elem(dtype) + T * kIdBytes, 2.0 * T * kStatBytes, 0, 1};
 }
 
+// Per token: the log-sum-exp of the P shards' lse (a max, P exponentials and a log, ~4 per
+// shard) and one subtraction; reads the P shards' (loss, lse) and the target, writes loss and lse.
+OpCost cost_cross_entropy_combine(std::int64_t tokens, std::int64_t shards) {
+  const double T = static_cast<double>(tokens), P = static_cast<double>(shards);
+  return {OpKind::elementwise, 4.0 * P * T, 2.0 * P * T * kStatBytes + T * kIdBytes, 2.0 * T * kStatBytes, 0, 1};
+}
+
 // d_logits = scale·(exp(logit − lse) − onehot): subtract, exponential, multiply per logit.
 OpCost cost_cross_entropy_backward(std::int64_t tokens, std::int64_t vocab, DType dtype) {
   const double T = static_cast<double>(tokens), TV = T * static_cast<double>(vocab);

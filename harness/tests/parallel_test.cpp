@@ -239,20 +239,24 @@ std::vector<RankRun> sim_step(bool sp, bool with_sync, std::int64_t bucket) {
 
 // Every TP collective stays inside its node on NVLink, and there are exactly the ones the
 // blocks issue: per layer an all-reduce of [T,M] at each edge of the attention and the MLP in
-// forward and backward (Shoeybi et al., Fig. 4: four); with sequence parallelism per block an
-// all-gather and a reduce-scatter forward, the same pair backward and the input gathered again
-// for the weight gradient, plus the embedding's and the head's gathers.
+// forward and backward (Shoeybi et al., Fig. 4: four), one after the vocabulary-parallel
+// embedding and one of the LM head's input gradient, and the all-gather of the per-token
+// (loss, lse) pairs [2,T] fp32 of the vocabulary-parallel cross-entropy. With sequence
+// parallelism every all-reduce becomes a reduce-scatter and an all-gather, and the inputs of
+// the column-parallel GEMMs (QKV, FC1, LM head) are gathered again for their weight gradients
+// (Korthikanti et al. 2022, §4.2.2), as is the embedding's output gradient.
 TEST(SimParallel, TensorParallelTrafficStaysOnNvlinkInsideTheNode) {
   const TransformerConfig cfg = dense_model();
-  const double t = 8, TM_bytes = 2.0 * static_cast<double>(cfg.seq_len) * static_cast<double>(cfg.d_model) * 2 /* bf16 */;
+  const double t = 8, T = 2.0 * static_cast<double>(cfg.seq_len), TM_bytes = T * static_cast<double>(cfg.d_model) * 2;
+  const double loss_parts = (t - 1) * 2 * T * 4;  // fp32 (loss, lse) per token to every other rank
   for (bool sp : {false, true}) {
     SCOPED_TRACE(sp ? "sequence parallel" : "tensor parallel");
     const auto runs = sim_step(sp, false, 0);
-    const double want = sp ? (10.0 * cfg.num_layers + 3) * (t - 1) / t * TM_bytes
-                           : 4.0 * cfg.num_layers * 2 * (t - 1) / t * TM_bytes;
+    const double want = sp ? (10.0 * cfg.num_layers + 5) * (t - 1) / t * TM_bytes + loss_parts
+                           : (4.0 * cfg.num_layers + 2) * 2 * (t - 1) / t * TM_bytes + loss_parts;
     for (int r = 0; r < 16; ++r) {
       const RankRun& run = runs[static_cast<std::size_t>(r)];
-      EXPECT_EQ(run.tp_ops, sp ? 10 * cfg.num_layers + 3 : 4 * cfg.num_layers) << r;
+      EXPECT_EQ(run.tp_ops, sp ? 10 * cfg.num_layers + 6 : 4 * cfg.num_layers + 3) << r;
       EXPECT_DOUBLE_EQ(run.tp_comm, want) << r;
       EXPECT_DOUBLE_EQ(run.bytes.nvlink, want) << r;
       EXPECT_EQ(run.bytes.nic, 0.0) << r;

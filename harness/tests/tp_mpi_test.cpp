@@ -1,8 +1,10 @@
 // harness/tests/tp_mpi_test.cpp — tensor parallelism (and sequence parallelism) on N MPI ranks
 // (cpu backend, Open MPI): a GPT-style dense model, a LLaMA-style one (RMSNorm, SwiGLU, rotary
 // positions, grouped-query attention with the key/value heads split too) and an MoE model
-// (with a shared expert), split over a TP group of all N ranks, give the unsplit model's
-// parameters, loss and every parameter gradient on the same seed.
+// (with a shared expert), split over a TP group of all N ranks — heads, FFN columns and the
+// vocabulary (embedding rows, LM-head columns, the vocabulary-parallel cross-entropy) — give the
+// unsplit model's parameters, loss and every parameter gradient on the same seed; with a
+// vocabulary that does not divide, the split model is the unsplit one with Megatron's padding.
 //   mpirun --oversubscribe -np 4 build/harness/tests/tp_mpi_test
 // Two microbatches are in flight (forward, forward, backward_input of the second, then of the
 // first, backward_weight of both), the gradients completed by the synchroniser (GradSync) over
@@ -37,10 +39,10 @@ TransformerConfig config(Kind k) {
   c.d_model = 32;
   c.num_heads = 4;
   c.num_kv_heads = 4;
-  c.d_ffn = 44;  // 11 columns per rank at TP = 4
+  c.d_ffn = 52;  // 13 columns per rank at TP = 4
   c.num_layers = 2;
   c.seq_len = 8;
-  c.vocab_size = 37;
+  c.vocab_size = 44;  // 11 rows of the vocabulary per rank at TP = 4
   c.dtype = DType::f32;
   if (k == Kind::llama) {
     c.num_heads = 8;
@@ -67,10 +69,12 @@ TransformerConfig config(Kind k) {
 struct Case {
   Kind kind;
   bool sp;
-  bool ep;  // MoE: experts over an expert-parallel group of all ranks (else every rank holds all)
+  bool ep = false;   // MoE: experts over an expert-parallel group of all ranks (else every rank holds all)
+  bool pad = false;  // a vocabulary of 42, padded to a multiple of TP (44 at TP = 4)
 };
 std::string case_name(const ::testing::TestParamInfo<Case>& p) {
-  return std::string(kind_name(p.param.kind)) + (p.param.sp ? "_sp" : "") + (p.param.ep ? "_ep" : "");
+  return std::string(kind_name(p.param.kind)) + (p.param.sp ? "_sp" : "") + (p.param.ep ? "_ep" : "") +
+         (p.param.pad ? "_padded_vocab" : "");
 }
 
 constexpr std::int64_t kSequences = 2;  // per microbatch: T = 16, divisible by 1, 2 and 4
@@ -121,9 +125,10 @@ std::vector<float> full_tensor(Backend& b, const Param& p, const Tensor& t, Comm
   return b.download(t);
 }
 
-// The model split over pg's groups (on pg's backend), or unsplit on a backend of its own.
-Result run(Backend* pg_backend, ProcessGroups* pg, const TransformerConfig& cfg, std::uint64_t seed, bool sp,
-           float aux_coef) {
+// The model split over pg's groups (on pg's backend), or unsplit on a backend of its own; its
+// batches are tokens of the first data_vocab of the vocabulary.
+Result run(Backend* pg_backend, ProcessGroups* pg, const TransformerConfig& cfg, std::int64_t data_vocab,
+           std::uint64_t seed, bool sp, float aux_coef) {
   std::unique_ptr<Backend> own = pg ? nullptr : make_backend("cpu");
   Backend* b = pg ? pg_backend : own.get();
   auto self = make_self_communicator(*b);
@@ -140,7 +145,7 @@ Result run(Backend* pg_backend, ProcessGroups* pg, const TransformerConfig& cfg,
                                       model.tensor_parallel(), GradSyncOptions{.bucket_elems = 1000});
     model.set_grad_sync(sync.get());
   }
-  const auto next = synthetic_successor(cfg.vocab_size, seed);
+  const auto next = synthetic_successor(data_vocab, seed);
   const float scale = 1.0f / static_cast<float>(kMicrobatches * kSequences * cfg.seq_len);
   std::vector<Batch> x;
   for (int mb = 0; mb < kMicrobatches; ++mb) x.push_back(make_batch(*b, cfg, next, seed, mb, scale));
@@ -178,7 +183,12 @@ TEST_P(TensorParallelMpi, LossAndGradientsEqualTheUnsplitModel) {
   auto b = make_backend("cpu");
   auto world = make_world_communicator(*b);
   const int n = world->size();
-  const TransformerConfig cfg = config(c.kind);
+  TransformerConfig cfg = config(c.kind);
+  // Padded, the split model's vocabulary is the unsplit model's of the padded size, whose
+  // extra rows no token uses (Megatron's padding: their logits still enter the softmax).
+  if (c.pad) cfg.vocab_size = 42;
+  TransformerConfig ref_cfg = cfg;
+  ref_cfg.vocab_size = (cfg.vocab_size + n - 1) / n * n;
   const std::string spec = "tp=" + std::to_string(n) + (c.ep ? ",ep=" + std::to_string(n) : "");
   const GroupLayout layout = check_layout(ParallelLayout::parse(spec), n, n, cfg);
   ProcessGroups pg(*world, layout, gather_nodes(*world));
@@ -192,8 +202,8 @@ TEST_P(TensorParallelMpi, LossAndGradientsEqualTheUnsplitModel) {
   std::uint64_t seed = g_seed;
   Result ref, tp;
   for (int attempt = 0;; ++attempt, seed = Rng::mix(seed, 99)) {
-    ref = run(nullptr, nullptr, cfg, seed, false, aux);
-    tp = run(b.get(), &pg, cfg, seed, c.sp, aux);
+    ref = run(nullptr, nullptr, ref_cfg, cfg.vocab_size, seed, false, aux);
+    tp = run(b.get(), &pg, cfg, cfg.vocab_size, seed, c.sp, aux);
     const bool same = world->all_reduce_max(tp.routed == ref.routed ? 0.0 : 1.0) == 0.0;
     if (same || attempt == 3) {
       EXPECT_TRUE(same) << "routing differs from the reference on every seed tried";
@@ -213,10 +223,10 @@ TEST_P(TensorParallelMpi, LossAndGradientsEqualTheUnsplitModel) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, TensorParallelMpi,
-                         ::testing::Values(Case{Kind::gpt, false, false}, Case{Kind::gpt, true, false},
-                                           Case{Kind::llama, false, false}, Case{Kind::llama, true, false},
-                                           Case{Kind::moe, false, false}, Case{Kind::moe, true, false},
-                                           Case{Kind::moe, false, true}, Case{Kind::moe, true, true}),
+                         ::testing::Values(Case{Kind::gpt, false}, Case{Kind::gpt, true}, Case{Kind::llama, false},
+                                           Case{Kind::llama, true}, Case{Kind::moe, false}, Case{Kind::moe, true},
+                                           Case{Kind::moe, false, true}, Case{Kind::moe, true, true},
+                                           Case{Kind::gpt, true, false, true}, Case{Kind::llama, false, false, true}),
                          case_name);
 
 // A size that does not split is a ConfigError naming it, before any collective.
