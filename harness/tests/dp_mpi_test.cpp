@@ -11,16 +11,13 @@
 //   mpirun --oversubscribe -np 4 build/harness/tests/dp_mpi_test
 #include <gtest/gtest.h>
 
-#include <cstdio>
 #include <filesystem>
 #include <map>
 
 #include "harness/comm/groups.hpp"
-#include "harness/comm/world.hpp"
-#include "harness/nn/data.hpp"
 #include "harness/nn/grad_sync.hpp"
 #include "harness/nn/model.hpp"
-#include "harness/tests/test_util.hpp"
+#include "harness/tests/parallel_test_util.hpp"
 
 namespace moelab {
 namespace {
@@ -46,19 +43,6 @@ OptimizerConfig adam() {
   return oc;
 }
 
-Batch batch(Backend& b, const TransformerConfig& cfg, const std::vector<std::int32_t>& next, std::uint64_t seed,
-            std::uint64_t step, int dp_rank, float scale) {
-  const TokenBatch tb = synthetic_batch(next, kSequences, cfg.seq_len, seed, step, 0, dp_rank);
-  const auto T = static_cast<std::int64_t>(tb.ids.size());
-  Batch x;
-  x.input = b.empty({T}, DType::i32, MemCategory::activations, b.default_stream());
-  x.targets = b.empty({T}, DType::i32, MemCategory::activations, b.default_stream());
-  b.upload_i32(tb.ids, x.input);
-  b.upload_i32(tb.targets, x.targets);
-  x.loss_scale = scale;
-  return x;
-}
-
 using Params = std::map<std::string, std::vector<float>>;
 
 // One rank, the dp ranks' batches as microbatches of each step.
@@ -71,10 +55,10 @@ Params reference(const TransformerConfig& cfg, std::uint64_t seed, int dp) {
   const auto next = synthetic_successor(cfg.vocab_size, seed);
   const float scale = 1.0f / static_cast<float>(dp * kSequences * cfg.seq_len);
   for (int step = 1; step <= kSteps; ++step) {
+    const auto k = static_cast<std::uint64_t>(step);
     model.zero_grad();
-    for (int r = 0; r < dp; ++r) {
-      Forwarded f = model.forward(batch(*b, cfg, next, seed, static_cast<std::uint64_t>(step), r, scale),
-                                  {0, r, static_cast<std::uint64_t>(step)});
+    for (int r = 0; r < dp; ++r) {  // DP rank r's batch as microbatch r
+      Forwarded f = model.forward(test::token_batch(*b, cfg, next, kSequences, seed, k, 0, r, scale), {0, r, k});
       model.backward_input(*f.saved, Tensor());
       model.backward_weight(*f.saved);
     }
@@ -84,31 +68,6 @@ Params reference(const TransformerConfig& cfg, std::uint64_t seed, int dp) {
   Params out;
   for (const Param& p : model.parameters()) out[p.name] = b->download(p.value);
   return out;
-}
-
-// Every rank's part of t over c, concatenated in rank order.
-std::vector<float> gather(Backend& b, Communicator& c, const Tensor& t) {
-  if (c.size() == 1) return b.download(t);
-  Stream& s = b.default_stream();
-  Tensor all = b.empty({c.size() * t.numel()}, t.dtype(), MemCategory::buffers, s);
-  c.all_gather(s, t.reshape({t.numel()}), all);
-  b.synchronize();
-  return b.download(all);
-}
-
-std::vector<float> full_value(Backend& b, const Param& p, ProcessGroups& pg) {
-  if (p.shard.split()) {
-    const auto parts = gather(b, pg.tp(), p.value);
-    const std::int64_t rows = p.shard.dim == 0 ? p.shard.full : p.value.dim(0);
-    const std::int64_t cols = p.shard.dim == 1 ? p.shard.full : p.value.dim(1);
-    std::vector<float> full(static_cast<std::size_t>(rows * cols));
-    const auto n = static_cast<std::ptrdiff_t>(p.value.numel());
-    for (int r = 0; r < pg.tp().size(); ++r)
-      place_shard(full, rows, cols, p.shard, r, std::vector<float>(parts.begin() + r * n, parts.begin() + (r + 1) * n));
-    return full;
-  }
-  if (!p.replicated) return gather(b, pg.ep(), p.value);
-  return b.download(p.value);
 }
 
 struct Case {
@@ -182,9 +141,9 @@ TEST_P(DataParallelMpi, AdamStepsEqualOneRankOnTheConcatenatedBatch) {
   const float scale = 1.0f / static_cast<float>(dp * kSequences * cfg.seq_len);
   b->clear_timeline();
   for (int step = 1; step <= kSteps; ++step) {
+    const auto k = static_cast<std::uint64_t>(step);
     model.zero_grad();
-    Forwarded f = model.forward(batch(*b, cfg, next, seed, static_cast<std::uint64_t>(step), me, scale),
-                                {0, 0, static_cast<std::uint64_t>(step)});
+    Forwarded f = model.forward(test::token_batch(*b, cfg, next, kSequences, seed, k, 0, me, scale), {0, 0, k});
     model.backward_input(*f.saved, Tensor());
     sync.arm();
     model.backward_weight(*f.saved);
@@ -204,7 +163,7 @@ TEST_P(DataParallelMpi, AdamStepsEqualOneRankOnTheConcatenatedBatch) {
   const Params ref = reference(cfg, seed, dp);
   for (const Param& p : model.parameters()) {
     ASSERT_TRUE(ref.count(p.name)) << p.name;
-    const auto got = full_value(*b, p, pg);
+    const auto got = test::full_tensor(*b, p, p.value, pg.tp(), pg.ep());
     EXPECT_TRUE(test::all_close(p.name, got, test::to_double(ref.at(p.name)), 1e-4));
   }
 }
@@ -223,29 +182,4 @@ INSTANTIATE_TEST_SUITE_P(
 }  // namespace
 }  // namespace moelab
 
-int main(int argc, char** argv) {
-  moelab::init_world(&argc, &argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  moelab::register_builtin_impls();
-  {
-    auto b = moelab::make_backend("cpu");
-    auto comm = moelab::make_world_communicator(*b);
-    const double s = moelab::world_rank() == 0 ? static_cast<double>(moelab::test::fresh_seed() >> 12) : 0.0;
-    moelab::g_seed = static_cast<std::uint64_t>(comm->all_reduce_sum(s));
-    if (moelab::world_rank() == 0)
-      std::printf("seed %llu on %d ranks (MOELAB_TEST_SEED=<n> replays)\n", static_cast<unsigned long long>(moelab::g_seed),
-                  moelab::world_size());
-  }
-  if (moelab::world_rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  int rc = RUN_ALL_TESTS();
-  {
-    auto b = moelab::make_backend("cpu");
-    auto comm = moelab::make_world_communicator(*b);
-    rc = static_cast<int>(comm->all_reduce_max(rc));
-  }
-  moelab::finalize_world();
-  return rc;
-}
+int main(int argc, char** argv) { return moelab::test::mpi_test_main(argc, argv, moelab::g_seed); }

@@ -13,16 +13,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdio>
 #include <map>
 
 #include "harness/comm/groups.hpp"
-#include "harness/comm/world.hpp"
-#include "harness/nn/data.hpp"
 #include "harness/nn/grad_sync.hpp"
 #include "harness/nn/model.hpp"
 #include "harness/runtime/error.hpp"
-#include "harness/tests/test_util.hpp"
+#include "harness/tests/parallel_test_util.hpp"
 
 namespace moelab {
 namespace {
@@ -80,50 +77,11 @@ std::string case_name(const ::testing::TestParamInfo<Case>& p) {
 constexpr std::int64_t kSequences = 2;  // per microbatch: T = 16, divisible by 1, 2 and 4
 constexpr int kMicrobatches = 2;
 
-Batch make_batch(Backend& b, const TransformerConfig& cfg, const std::vector<std::int32_t>& next, std::uint64_t seed,
-                 int mb, float scale) {
-  const TokenBatch tb = synthetic_batch(next, kSequences, cfg.seq_len, seed, 1, mb, 0);
-  const auto T = static_cast<std::int64_t>(tb.ids.size());
-  Batch x;
-  x.input = b.empty({T}, DType::i32, MemCategory::activations, b.default_stream());
-  x.targets = b.empty({T}, DType::i32, MemCategory::activations, b.default_stream());
-  b.upload_i32(tb.ids, x.input);
-  b.upload_i32(tb.targets, x.targets);
-  x.loss_scale = scale;
-  return x;
-}
-
 struct Result {
   std::vector<double> loss;                       // per microbatch
   std::map<std::string, std::vector<float>> value, grad;  // full shapes
   std::vector<std::int64_t> routed;               // per MoE layer and expert, over the TP group
 };
-
-// Every rank's part of t over c, concatenated in rank order.
-std::vector<float> gather(Backend& b, Communicator& c, const Tensor& t) {
-  if (c.size() == 1) return b.download(t);
-  Stream& s = b.default_stream();
-  Tensor all = b.empty({c.size() * t.numel()}, t.dtype(), MemCategory::buffers, s);
-  c.all_gather(s, t.reshape({t.numel()}), all);
-  b.synchronize();
-  return b.download(all);
-}
-
-// A parameter's tensor (value or gradient) in the unsplit model's shape.
-std::vector<float> full_tensor(Backend& b, const Param& p, const Tensor& t, Communicator& tp, Communicator& ep) {
-  if (p.shard.split()) {
-    const auto parts = gather(b, tp, t);
-    const std::int64_t rows = p.shard.dim == 0 ? p.shard.full : t.dim(0);
-    const std::int64_t cols = p.shard.dim == 1 ? p.shard.full : t.dim(1);
-    std::vector<float> full(static_cast<std::size_t>(rows * cols));
-    const auto n = static_cast<std::ptrdiff_t>(t.numel());
-    for (int r = 0; r < tp.size(); ++r)
-      place_shard(full, rows, cols, p.shard, r, std::vector<float>(parts.begin() + r * n, parts.begin() + (r + 1) * n));
-    return full;
-  }
-  if (!p.replicated) return gather(b, ep, t);  // experts: EP rank r holds experts [r·E/EP, (r+1)·E/EP)
-  return b.download(t);
-}
 
 // The model split over pg's groups (on pg's backend), or unsplit on a backend of its own; its
 // batches are tokens of the first data_vocab of the vocabulary.
@@ -148,7 +106,8 @@ Result run(Backend* pg_backend, ProcessGroups* pg, const TransformerConfig& cfg,
   const auto next = synthetic_successor(data_vocab, seed);
   const float scale = 1.0f / static_cast<float>(kMicrobatches * kSequences * cfg.seq_len);
   std::vector<Batch> x;
-  for (int mb = 0; mb < kMicrobatches; ++mb) x.push_back(make_batch(*b, cfg, next, seed, mb, scale));
+  for (int mb = 0; mb < kMicrobatches; ++mb)
+    x.push_back(test::token_batch(*b, cfg, next, kSequences, seed, 1, mb, 0, scale));
   model.zero_grad();
   Forwarded f0 = model.forward(x[0], {0, 0, 1});
   Forwarded f1 = model.forward(x[1], {0, 1, 1});
@@ -170,8 +129,8 @@ Result run(Backend* pg_backend, ProcessGroups* pg, const TransformerConfig& cfg,
   if (sync) sync->finish();
   b->synchronize();
   for (const Param& p : model.parameters()) {
-    res.value[p.name] = pg ? full_tensor(*b, p, p.value, pg->tp(), pg->ep()) : b->download(p.value);
-    res.grad[p.name] = pg ? full_tensor(*b, p, p.grad, pg->tp(), pg->ep()) : b->download(p.grad);
+    res.value[p.name] = pg ? test::full_tensor(*b, p, p.value, pg->tp(), pg->ep()) : b->download(p.value);
+    res.grad[p.name] = pg ? test::full_tensor(*b, p, p.grad, pg->tp(), pg->ep()) : b->download(p.grad);
   }
   return res;
 }
@@ -247,29 +206,4 @@ TEST(TensorParallelMpi, SizesThatDoNotSplitAreConfigErrors) {
 }  // namespace
 }  // namespace moelab
 
-int main(int argc, char** argv) {
-  moelab::init_world(&argc, &argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  moelab::register_builtin_impls();
-  {
-    auto b = moelab::make_backend("cpu");
-    auto comm = moelab::make_world_communicator(*b);
-    const double s = moelab::world_rank() == 0 ? static_cast<double>(moelab::test::fresh_seed() >> 12) : 0.0;
-    moelab::g_seed = static_cast<std::uint64_t>(comm->all_reduce_sum(s));
-    if (moelab::world_rank() == 0)
-      std::printf("seed %llu on %d ranks (MOELAB_TEST_SEED=<n> replays)\n", static_cast<unsigned long long>(moelab::g_seed),
-                  moelab::world_size());
-  }
-  if (moelab::world_rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  int rc = RUN_ALL_TESTS();
-  {
-    auto b = moelab::make_backend("cpu");
-    auto comm = moelab::make_world_communicator(*b);
-    rc = static_cast<int>(comm->all_reduce_max(rc));
-  }
-  moelab::finalize_world();
-  return rc;
-}
+int main(int argc, char** argv) { return moelab::test::mpi_test_main(argc, argv, moelab::g_seed); }
