@@ -161,7 +161,7 @@ class Embedding final : public Block {
   Stream& s_;
   TransformerConfig cfg_;
   TensorParallel tp_;
-  Param wte_, wpe_;  // [V,M], [S,M] (learned positions only)
+  Param wte_, wpe_;  // [V/t,M] (V padded to a multiple of t), [S,M] (learned positions only)
 };
 
 // Tensor-parallel as Megatron's self-attention: rank r of t computes query heads
@@ -178,10 +178,10 @@ class AttentionBlock final : public Block {
   void collect(std::vector<Param*>& out) override;
 
  private:
-  Backend& b_;
-  Stream& s_;
   AttentionShape shape(std::int64_t tokens) const;  // this rank's heads over the microbatch's T tokens
 
+  Backend& b_;
+  Stream& s_;
   TransformerConfig cfg_;
   int layer_;
   TensorParallel tp_;
@@ -259,7 +259,7 @@ class Head final : public Block {
   TransformerConfig cfg_;
   TensorParallel tp_;
   Norm norm_;
-  Param own_w_;           // [M,V] when not tied
+  Param own_w_;           // [M,V/t] when not tied
   Param* tied_ = nullptr; // the embedding's wte [V,M] when tied
   Tensor targets_;
   float loss_scale_ = 1.0f;
