@@ -81,6 +81,7 @@ struct Result {
   std::vector<double> loss;                       // per microbatch
   std::map<std::string, std::vector<float>> value, grad;  // full shapes
   std::vector<std::int64_t> routed;               // per MoE layer and expert, over the TP group
+  std::size_t held[2] = {0, 0}, left[2] = {0, 0};  // bytes charged to each microbatch in flight, and after
 };
 
 // The model split over pg's groups (on pg's backend), or unsplit on a backend of its own; its
@@ -112,6 +113,7 @@ Result run(Backend* pg_backend, ProcessGroups* pg, const TransformerConfig& cfg,
   Forwarded f0 = model.forward(x[0], {0, 0, 1});
   Forwarded f1 = model.forward(x[1], {0, 1, 1});
   Result res;
+  for (int mb = 0; mb < kMicrobatches; ++mb) res.held[mb] = b->memory().microbatch_in_use()[mb];
   res.loss = {model.loss(*f0.saved), model.loss(*f1.saved)};
   for (MoEImpl* m : model.moe_layers()) {  // the second microbatch's routing
     auto r = m->routing().routed_per_expert;
@@ -124,10 +126,11 @@ Result run(Backend* pg_backend, ProcessGroups* pg, const TransformerConfig& cfg,
   model.backward_weight(*f0.saved);
   if (sync) sync->arm();  // microbatch 1's weight gradients are the step's last
   model.backward_weight(*f1.saved);
-  f0.saved.reset();
-  f1.saved.reset();
+  f0 = Forwarded{};  // the saved state, and y (the per-token losses)
+  f1 = Forwarded{};
   if (sync) sync->finish();
   b->synchronize();
+  for (int mb = 0; mb < kMicrobatches; ++mb) res.left[mb] = b->memory().microbatch_in_use()[mb];
   for (const Param& p : model.parameters()) {
     res.value[p.name] = pg ? test::full_tensor(*b, p, p.value, pg->tp(), pg->ep()) : b->download(p.value);
     res.grad[p.name] = pg ? test::full_tensor(*b, p, p.grad, pg->tp(), pg->ep()) : b->download(p.grad);
@@ -171,9 +174,17 @@ TEST_P(TensorParallelMpi, LossAndGradientsEqualTheUnsplitModel) {
   }
   SCOPED_TRACE("seed " + std::to_string(seed) + ", " + layout.to_string());
   ASSERT_EQ(tp.value.size(), ref.value.size());
-  for (int mb = 0; mb < kMicrobatches; ++mb)
+  for (int mb = 0; mb < kMicrobatches; ++mb) {
     EXPECT_NEAR(tp.loss[static_cast<std::size_t>(mb)], ref.loss[static_cast<std::size_t>(mb)],
                 1e-5 * ref.loss[static_cast<std::size_t>(mb)]);
+    // The split model's saved state is charged to its microbatch (less of it than unsplit with
+    // more than one rank, the heads, columns and, under SP, rows being split) and all returned.
+    EXPECT_GT(tp.held[mb], 0u);
+    if (n > 1 && c.kind != Kind::moe) {
+      EXPECT_LT(tp.held[mb], ref.held[mb]);
+    }
+    EXPECT_EQ(tp.left[mb], 0u);
+  }
   for (const auto& [name, v] : ref.value) {
     ASSERT_TRUE(tp.value.count(name)) << name;
     EXPECT_EQ(tp.value[name], v) << name << ": the split initialisation is not the unsplit one's";
