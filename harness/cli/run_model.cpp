@@ -402,7 +402,9 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       for (const auto& s : c.all_gather_strings(part.dump())) stage_parts.push_back(json::parse(s));
     }
 
-    const double all_flops = c.all_reduce_sum(model.model_flops(T * opt.microbatches));  // every rank's chunks, a step
+    // Every rank's chunks, a step; the ranks of a TP group work on the same tokens' one model.
+    const double tp_size = plan ? static_cast<double>(plan->layout.tp) : 1.0;
+    const double all_flops = c.all_reduce_sum(model.model_flops(T * opt.microbatches) / tp_size);
     json trace;
     if (!opt.trace.empty()) {
       for (auto& op : ops) op.start -= window_start, op.end -= window_start;

@@ -187,7 +187,9 @@ void PipelineStage::sync_tied(bool values) {
 void PipelineStage::sync_gradients() {
   PhaseScope ph(b_, "grad_sync");
   sync_tied(false);
-  if (dp_ && dp_->size() > 1)
+  // Always: besides the DP sum, the chunks complete their TP-partial gradients and average the
+  // experts' TP copies (Model::all_reduce_gradients), which tensor parallelism needs at dp = 1.
+  if (dp_)
     for (auto& c : chunks_) c->all_reduce_gradients(*dp_);
   if (edp_ && edp_->size() > 1)
     for (auto& p : parameters())
