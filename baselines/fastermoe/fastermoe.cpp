@@ -13,6 +13,7 @@
 #include <limits>
 #include <string>
 
+#include "harness/config/json_fields.hpp"
 #include "harness/runtime/error.hpp"
 
 namespace moelab {
@@ -30,24 +31,14 @@ struct GroupPlan {
 GroupPlan parse_options(const nlohmann::json& options, int world) {
   GroupPlan p;
   std::string shown = "4 (the default)";
-  if (!options.is_null() && !options.is_object())
-    throw ConfigError("fastermoe options must be a JSON object such as {\"group_size\": 4}, got " + options.dump());
-  if (options.is_object()) {
-    for (const auto& [key, value] : options.items())
-      if (key != "group_size")
-        throw ConfigError("fastermoe: unknown option \"" + key + "\" = " + value.dump() +
-                          " (the only option is group_size)");
-    if (options.contains("group_size")) {
-      const auto& g = options.at("group_size");
-      if (!g.is_number_integer() || g.get<std::int64_t>() <= 0)
-        throw ConfigError("fastermoe option group_size = " + g.dump() + " must be a positive integer");
-      p.requested = static_cast<int>(std::min<std::int64_t>(g.get<std::int64_t>(), std::numeric_limits<int>::max()));
-      shown = g.dump();
-    }
+  const json_fields::Options o(options, "fastermoe", {"group_size"});
+  if (o.has("group_size")) {
+    p.requested = static_cast<int>(o.positive_int("group_size", p.requested, std::numeric_limits<int>::max()));
+    shown = std::to_string(p.requested);
   }
   p.group_size = std::min(p.requested, world);  // a world smaller than G is one group
   if (world % p.group_size != 0)
-    throw ConfigError("fastermoe option group_size = " + shown + " does not divide the expert-parallel world size " +
+    throw ConfigError("fastermoe: group_size = " + shown + " does not divide the expert-parallel world size " +
                       std::to_string(world));
   p.steps = world / p.group_size;
   return p;

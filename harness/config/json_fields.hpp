@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -180,17 +181,25 @@ inline std::string closest(const std::string& word, const std::vector<std::strin
 
 // Reads the fields of one JSON object. `prefix` is the object's path ("model.") so that
 // messages name fields the way the file nests them.
+// Files have fields; an implementation's --impl-options have options, and their messages
+// read the way the option was written: `unknown option "partitons" = 2 (did you mean
+// "partitions"?)`, `partitions = "many": expected a positive integer`.
+enum class Wording { field, option };
+
 class Fields {
  public:
-  Fields(const json& obj, std::string origin, std::string prefix, std::vector<std::string> known)
-      : obj_(obj), origin_(std::move(origin)), prefix_(std::move(prefix)), known_(std::move(known)) {
+  Fields(const json& obj, std::string origin, std::string prefix, std::vector<std::string> known,
+         Wording wording = Wording::field)
+      : obj_(obj), origin_(std::move(origin)), prefix_(std::move(prefix)), known_(std::move(known)), wording_(wording) {
+    const char* noun = wording_ == Wording::option ? "option" : "field";
     for (const auto& [key, value] : obj_.items()) {
       if (std::find(known_.begin(), known_.end(), key) != known_.end()) continue;
-      std::string msg = "unknown field " + quote(prefix_ + key);
+      std::string msg = std::string("unknown ") + noun + " " + quote(prefix_ + key);
+      if (wording_ == Wording::option) msg += " = " + show(value, 40);
       if (const std::string best = closest(key, known_); !best.empty())
         msg += " (did you mean " + quote(prefix_ + best) + "?)";
       else
-        msg += " (known fields: " + join(known_) + ")";
+        msg += std::string(" (known ") + noun + "s: " + join(known_) + ")";
       fail(origin_, msg);
     }
   }
@@ -283,6 +292,7 @@ class Fields {
   }
 
   [[noreturn]] void wrong_type(const char* key, const json& v, const char* expected) const {
+    if (wording_ == Wording::option) fail(origin_, path(key) + " = " + show(v) + ": expected " + expected);
     fail(origin_, path(key) + ": expected " + expected + ", got " + show(v));
   }
   [[noreturn]] void too_large(const char* key, const json& v, std::int64_t hi) const {
@@ -298,6 +308,7 @@ class Fields {
   const json& obj_;
   std::string origin_, prefix_;
   std::vector<std::string> known_;
+  Wording wording_ = Wording::field;
 };
 
 // A parse error's position as nlohmann reports it ("parse error at line 3, column 5: ..."),
@@ -420,8 +431,10 @@ inline json parse_options(const std::string& text, const std::string& flag) {
 //   const std::string s = o.choice("strategy", "auto", {"auto", "s1", "s2"});
 class Options {
  public:
+  // `origin` names the reader in messages ("mpipemoe", "--impl-options"); null options are {}.
   Options(json obj, std::string origin, std::vector<std::string> known)
-      : obj_(checked_object(std::move(obj), origin)), fields_(obj_, std::move(origin), "", std::move(known)) {}
+      : obj_(checked_object(std::move(obj), origin, known)),
+        fields_(obj_, std::move(origin), "", std::move(known), Wording::option) {}
   Options(const Options&) = delete;  // fields_ refers to obj_
   Options& operator=(const Options&) = delete;
 
@@ -451,11 +464,24 @@ class Options {
       fields_.bad_value(key, "must be in [" + number_text(lo) + ", " + number_text(hi) + "]");
     return x;
   }
+  // A number in (0, hi] when given; nullopt when absent.
+  std::optional<double> positive_number(const char* key, double hi) const {
+    if (!has(key)) return std::nullopt;
+    const double x = fields_.number_or(key, 0);
+    if (!(x > 0)) fields_.bad_value(key, "must be > 0");
+    if (!(x <= hi)) fields_.bad_value(key, "must be at most " + number_text(hi));
+    return x;
+  }
+  // "<key> = <value as written> <what>": for the checks that relate several options.
+  [[noreturn]] void bad_value(const char* key, const std::string& what) const { fields_.bad_value(key, what); }
   const json& value() const { return obj_; }
 
  private:
-  static json checked_object(json j, const std::string& origin) {
-    if (!j.is_object()) fail(origin, "expected a JSON object such as {\"name\": value}, got " + show(j, 40));
+  static json checked_object(json j, const std::string& origin, const std::vector<std::string>& known) {
+    if (j.is_null()) return json::object();
+    if (!j.is_object())
+      fail(origin, "expected a JSON object such as {" + quote(known.empty() ? std::string("name") : known.front()) +
+                       ": value}, got " + show(j, 40));
     return j;
   }
   json obj_;

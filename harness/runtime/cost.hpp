@@ -57,7 +57,9 @@ OpCost cost_attention_backward(const AttentionShape& a, DType dtype);
 OpCost cost_swiglu_forward(std::int64_t tokens, std::int64_t width, DType dtype);  // width = F (output)
 OpCost cost_swiglu_backward(std::int64_t tokens, std::int64_t width, DType dtype);
 OpCost cost_add(std::int64_t elements, DType dtype);
+OpCost cost_scale(std::int64_t elements, DType dtype);
 OpCost cost_cross_entropy_forward(std::int64_t tokens, std::int64_t vocab, DType dtype);
+OpCost cost_cross_entropy_combine(std::int64_t tokens, std::int64_t shards);
 OpCost cost_cross_entropy_backward(std::int64_t tokens, std::int64_t vocab, DType dtype);
 OpCost cost_optimizer_step(OptimizerKind kind, std::int64_t elements, DType param_dtype, bool master_copy);
 OpCost cost_collective(double bytes_sent_to_others, double bytes_local);

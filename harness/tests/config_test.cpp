@@ -735,29 +735,29 @@ TEST(ImplOptions, BadValuesNameTheOption) {
     return error_of([&] { read(json_fields::Options(j, "--impl-options", {"partitions", "strategy", "overlap", "pinned"})); });
   };
   expect_contains(msg({{"partitons", 4}}, [](const auto&) {}),
-                  {"--impl-options: unknown field \"partitons\" (did you mean \"partitions\"?)"});
+                  {"--impl-options: unknown option \"partitons\" = 4 (did you mean \"partitions\"?)"});
   expect_contains(msg({{"colour", 4}}, [](const auto&) {}),
-                  {"--impl-options: unknown field \"colour\" (known fields: partitions, strategy, overlap, pinned)"});
+                  {"--impl-options: unknown option \"colour\" = 4 (known options: partitions, strategy, overlap, pinned)"});
   expect_contains(msg({{"partitions", 0}}, [](const auto& o) { o.positive_int("partitions", 4, 1024); }),
-                  {"--impl-options: partitions: expected a positive integer, got 0"});
+                  {"--impl-options: partitions = 0: expected a positive integer"});
   expect_contains(msg({{"partitions", 2.5}}, [](const auto& o) { o.positive_int("partitions", 4, 1024); }),
-                  {"partitions: expected a positive integer, got 2.5"});
+                  {"partitions = 2.5: expected a positive integer"});
   expect_contains(msg({{"partitions", "4"}}, [](const auto& o) { o.positive_int("partitions", 4, 1024); }),
-                  {"partitions: expected a positive integer, got \"4\""});
+                  {"partitions = \"4\": expected a positive integer"});
   expect_contains(msg({{"partitions", 5000}}, [](const auto& o) { o.positive_int("partitions", 4, 1024); }),
                   {"partitions = 5000 is too large (at most 1024)"});
   expect_contains(msg({{"partitions", 1}}, [](const auto& o) { o.integer("partitions", 4, 2, 1024); }),
                   {"partitions = 1 must be >= 2"});
   expect_contains(msg({{"pinned", "yes"}}, [](const auto& o) { o.boolean("pinned", true); }),
-                  {"--impl-options: pinned: expected true or false, got \"yes\""});
+                  {"--impl-options: pinned = \"yes\": expected true or false"});
   expect_contains(msg({{"strategy", "atuo"}}, [](const auto& o) { o.choice("strategy", "auto", {"auto", "s1", "s2"}); }),
                   {"strategy = \"atuo\" is not one of auto, s1, s2 (did you mean \"auto\"?)"});
   expect_contains(msg({{"overlap", 1.5}}, [](const auto& o) { o.number("overlap", 1.0, 0.0, 1.0); }),
                   {"--impl-options: overlap = 1.5 must be in [0, 1]"});
   expect_contains(msg({{"overlap", "half"}}, [](const auto& o) { o.number("overlap", 1.0, 0.0, 1.0); }),
-                  {"overlap: expected a number, got \"half\""});
+                  {"overlap = \"half\": expected a number"});
   expect_contains(error_of([] { json_fields::Options(json::array({1}), "--impl-options", {"a"}); }),
-                  {"--impl-options: expected a JSON object such as {\"name\": value}, got [1]"});
+                  {"--impl-options: expected a JSON object such as {\"a\": value}, got [1]"});
 }
 
 TEST(ChoiceFields, SuggestTheClosestName) {

@@ -16,6 +16,7 @@
 #include <span>
 #include <sstream>
 
+#include "harness/config/json_fields.hpp"
 #include "harness/runtime/error.hpp"
 #include "impls/mpipemoe/granularity.hpp"
 #include "impls/mpipemoe/memory_model.hpp"
@@ -587,82 +588,52 @@ class MPipeMoE final : public LayerBackedImpl<MPipeMoELayer> {
   nlohmann::json report() override { return layer_.report(); }
 };
 
-int int_option(const nlohmann::json& o, const char* key, int dflt, int lo) {
-  if (!o.contains(key)) return dflt;
-  const auto& v = o[key];
-  if (!v.is_number_integer() || v.get<std::int64_t>() < lo || v.get<std::int64_t>() > 1 << 20)
-    throw ConfigError(std::string("mpipemoe: ") + key + " = " + v.dump() + ": expected an integer >= " +
-                      std::to_string(lo));
-  return v.get<int>();
-}
-
-double positive_option(const nlohmann::json& o, const char* key, double dflt) {
-  if (!o.contains(key)) return dflt;
-  const auto& v = o[key];
-  if (!v.is_number() || !(v.get<double>() > 0))
-    throw ConfigError(std::string("mpipemoe: ") + key + " = " + v.dump() + ": expected a positive number");
-  return v.get<double>();
-}
-
 std::unique_ptr<MoEImpl> make(Backend& b, Communicator& c, const ModelConfig& m, const nlohmann::json& options,
                               MoEChannels* channels) {
-  const nlohmann::json o = options.is_null() ? nlohmann::json::object() : options;
-  if (!o.is_object()) throw ConfigError("mpipemoe: options must be a JSON object, got " + o.dump());
-  static const char* known[] = {"partitions", "max_partitions", "min_partition_tokens", "reuse", "strategy",
+  const json_fields::Options o(options, "mpipemoe",
+                               {"partitions", "max_partitions", "min_partition_tokens", "reuse", "strategy",
                                 "comp_tflops", "comm_gbps", "mem_gbps", "sigma", "mu", "eta", "host_memory_gb",
-                                "memory_gb", "t_m_buffers"};
-  for (const auto& [key, v] : o.items())
-    if (std::find_if(std::begin(known), std::end(known), [&](const char* k) { return key == k; }) == std::end(known))
-      throw ConfigError("mpipemoe: unknown option \"" + key +
-                        "\" (known: partitions, max_partitions, min_partition_tokens, reuse, strategy, comp_tflops, "
-                        "comm_gbps, mem_gbps, sigma, mu, eta, host_memory_gb, memory_gb, t_m_buffers)");
-  int n = 0;  // auto
-  if (o.contains("partitions") && !(o["partitions"].is_string() && o["partitions"] == "auto"))
-    n = int_option(o, "partitions", 0, 1);
-  const int max_n = int_option(o, "max_partitions", 16, 1);
-  const int min_rows = int_option(o, "min_partition_tokens", 64, 1);
+                                "memory_gb", "t_m_buffers"});
+  constexpr std::int64_t kMaxPartitions = 1 << 20;
+  int n = 0;  // "auto" (absent): Algorithm 1 searches
+  if (o.has("partitions")) {
+    if (!o.value().at("partitions").is_string())
+      n = static_cast<int>(o.positive_int("partitions", 0, kMaxPartitions));
+    else if (o.value().at("partitions") != "auto")
+      o.bad_value("partitions", "is not a positive integer or \"auto\"");
+  }
+  const int max_n = static_cast<int>(o.positive_int("max_partitions", 16, kMaxPartitions));
+  const int min_rows = static_cast<int>(o.positive_int("min_partition_tokens", 64, kMaxPartitions));
 
   // Memory reuse and the restore strategy: "strategy" names it; "reuse": true alone means
   // reuse with the adaptive choice (Eq. 10); neither means no reuse (pipelining only).
   StrategyOptions so;
-  if (o.contains("reuse") && !o["reuse"].is_boolean())
-    throw ConfigError("mpipemoe: reuse = " + o["reuse"].dump() + ": expected true or false");
-  const bool reuse = o.contains("reuse") && o["reuse"].get<bool>();
-  if (o.contains("strategy")) {
-    const auto& v = o["strategy"];
-    const std::string s = v.is_string() ? v.get<std::string>() : std::string();
-    const auto& names = strategy_names();
-    if (s != "auto" && std::find(names.begin(), names.end(), s) == names.end())
-      throw ConfigError("mpipemoe: strategy = " + v.dump() + ": expected one of none, S1, S2, S3, S4, auto");
-    so.strategy = s;
-  } else if (reuse) {
-    so.strategy = "auto";
-  }
-  if (o.contains("reuse") && !reuse && so.strategy != "none")
-    throw ConfigError("mpipemoe: reuse = false contradicts strategy = \"" + so.strategy + "\" (S1–S4 reuse buffers)");
-  if (reuse && so.strategy == "none")
-    throw ConfigError("mpipemoe: reuse = true contradicts strategy = \"none\" (no reuse)");
-  so.t_m_buffers = int_option(o, "t_m_buffers", 1, 1);
-  if (so.t_m_buffers > 2)
-    throw ConfigError("mpipemoe: t_m_buffers = " + o["t_m_buffers"].dump() + ": expected 1 (the paper's) or 2");
-  if (o.contains("t_m_buffers") && so.strategy == "none")
-    throw ConfigError("mpipemoe: t_m_buffers = " + o["t_m_buffers"].dump() +
-                      " needs memory reuse (a strategy S1-S4 or auto): without reuse every partition keeps its T_M");
+  const bool reuse = o.boolean("reuse", false);
+  std::vector<std::string> strategies(strategy_names().begin(), strategy_names().end());
+  strategies.push_back("auto");
+  so.strategy = o.choice("strategy", reuse ? "auto" : so.strategy, strategies);
+  if (o.has("reuse") && !reuse && so.strategy != "none")
+    o.bad_value("strategy", "contradicts reuse = false (S1-S4 reuse buffers)");
+  if (reuse && so.strategy == "none") o.bad_value("strategy", "contradicts reuse = true (no reuse)");
+  so.t_m_buffers = static_cast<int>(o.positive_int("t_m_buffers", 1, kMaxPartitions));
+  if (so.t_m_buffers > 2) o.bad_value("t_m_buffers", "is not 1 (the paper's) or 2");
+  if (o.has("t_m_buffers") && so.strategy == "none")
+    o.bad_value("t_m_buffers",
+                "needs memory reuse (a strategy S1-S4 or auto): without reuse every partition keeps its T_M");
   // Eq. 10's figures and the budgets when given; otherwise the machine model's, a
-  // measurement, or default_throughputs() (MPipeMoELayer::rates_for).
-  auto given = [&](const char* key, double scale) -> std::optional<double> {
-    if (!o.contains(key)) return std::nullopt;
-    return positive_option(o, key, 0) * scale;
+  // measurement, or default_throughputs() (MPipeMoELayer::rates_for). The bounds only keep
+  // the products finite: 1e9 TFLOP/s, GB/s or GB is beyond any machine.
+  auto given = [&](const char* key, double scale, double hi = 1e9) -> std::optional<double> {
+    const auto v = o.positive_number(key, hi);
+    return v ? std::optional<double>(*v * scale) : std::nullopt;
   };
   so.comp_flops = given("comp_tflops", 1e12);
   so.comm_bytes = given("comm_gbps", 1e9);
   so.mem_bytes = given("mem_gbps", 1e9);
-  so.sigma = given("sigma", 1);
-  so.mu = given("mu", 1);
-  so.eta = given("eta", 1);
-  for (const char* f : {"sigma", "mu", "eta"})
-    if (o.contains(f) && o[f].get<double>() > 1)
-      throw ConfigError(std::string("mpipemoe: ") + f + " = " + o[f].dump() + ": an interference factor is at most 1");
+  // An interference factor (Eq. 10's sigma, mu, eta) is a slowdown in (0, 1].
+  so.sigma = given("sigma", 1, 1);
+  so.mu = given("mu", 1, 1);
+  so.eta = given("eta", 1, 1);
   // Budgets: pinned host memory a rank may use for the offloads (its share of the node's),
   // and device memory for activations + buffers (used by "auto").
   so.host_bytes = given("host_memory_gb", 1e9);

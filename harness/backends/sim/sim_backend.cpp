@@ -200,7 +200,7 @@ nlohmann::json routing_trace_json(const std::vector<std::vector<std::vector<std:
 namespace {
 
 struct LocalTask {
-  std::string name, phase;
+  std::string name, phase, node;
   int stream = -1;           // -1: host join / marker
   OpCost cost;
   sim::WorkClass cls = sim::WorkClass::none;
@@ -234,6 +234,17 @@ struct Participation {
 // barrier: a sub-communicator's barrier, which joins its members' host timelines (a world
 // barrier instead runs the engine; see SimCommunicator::barrier).
 enum class CollKind { all_to_all_v, all_gather, reduce_scatter, all_reduce, p2p, barrier };
+const char* collective_name(CollKind k) {
+  switch (k) {
+    case CollKind::all_to_all_v: return "all_to_all";
+    case CollKind::all_gather: return "all_gather";
+    case CollKind::reduce_scatter: return "reduce_scatter";
+    case CollKind::all_reduce: return "all_reduce";
+    case CollKind::p2p: return "send_recv";
+    case CollKind::barrier: return "barrier";
+  }
+  return "?";
+}
 
 struct Instance {
   CollKind kind = CollKind::p2p;
@@ -463,12 +474,12 @@ class SimBackendImpl final : public Backend {
 
   // ---- transformer-block ops: no data; attention is compute-bound work on the SMs, the rest
   // memory-bound (docs/PERFORMANCE.md, "Block ops").
-  void embedding_forward(Stream& s, const Tensor& ids, const Tensor& wte, const Tensor& wpe, std::int64_t,
-                         Tensor&) override {
+  void embedding_forward(Stream& s, const Tensor& ids, const Tensor& wte, const Tensor& wpe, std::int64_t, Tensor&,
+                         const VocabShard&) override {
     issue(s, memory_bound("embedding", cost_embedding_forward(ids.numel(), wte.dim(1), wpe.defined(), wte.dtype())));
   }
   void embedding_backward(Stream& s, const Tensor& d_out, const Tensor& ids, std::int64_t, Tensor& d_wte,
-                          Tensor& d_wpe) override {
+                          Tensor& d_wpe, const VocabShard&) override {
     issue(s, memory_bound("embedding_bwd",
                           cost_embedding_backward(ids.numel(), d_wte.dim(1), d_wpe.defined(), d_out.dtype())));
   }
@@ -500,12 +511,21 @@ class SimBackendImpl final : public Backend {
   void add(Stream& s, const Tensor& a, const Tensor&, Tensor&) override {
     issue(s, memory_bound("add", cost_add(a.numel(), a.dtype())));
   }
-  void cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor&, Tensor&, Tensor&) override {
+  void scale(Stream& s, const Tensor& x, float, Tensor&) override {
+    issue(s, memory_bound("scale", cost_scale(x.numel(), x.dtype())));
+  }
+  void cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor&, Tensor&, Tensor&,
+                             const VocabShard&) override {
     issue(s, memory_bound("cross_entropy",
                           cost_cross_entropy_forward(logits.dim(0), logits.dim(1), logits.dtype())));
   }
-  void cross_entropy_backward(Stream& s, const Tensor& logits, const Tensor&, const Tensor&, float,
-                              Tensor&) override {
+  void cross_entropy_combine(Stream& s, const Tensor& parts, const Tensor& targets, std::int64_t, Tensor&,
+                             Tensor&) override {
+    const std::int64_t T = targets.numel();
+    issue(s, memory_bound("cross_entropy_combine", cost_cross_entropy_combine(T, T > 0 ? parts.numel() / (2 * T) : 0)));
+  }
+  void cross_entropy_backward(Stream& s, const Tensor& logits, const Tensor&, const Tensor&, float, Tensor&,
+                              const VocabShard&) override {
     issue(s, memory_bound("cross_entropy_bwd",
                           cost_cross_entropy_backward(logits.dim(0), logits.dim(1), logits.dtype())));
   }
@@ -518,6 +538,7 @@ class SimBackendImpl final : public Backend {
   void clear_timeline() override {
     records_.clear();
     link_bytes_ = {};
+    link_bytes_by_collective_.clear();
   }
 
   // ---- used by the communicator and the evaluation ----------------------------------------
@@ -552,6 +573,7 @@ class SimBackendImpl final : public Backend {
       r.stream_name = streams_[static_cast<std::size_t>(t.stream)]->name();
       r.name = t.name;
       r.phase = t.phase;
+      r.node = t.node;
       r.cost = t.cost;
       r.start = base + (t.arrive >= 0 ? end[static_cast<std::size_t>(t.arrive)] : start[i]);
       r.end = base + end[i];
@@ -577,8 +599,12 @@ class SimBackendImpl final : public Backend {
     return {a, host_};
   }
   // Bytes this rank sent by the collectives in its timeline, by link class.
-  void add_link_bytes(const sim::LinkBytes& b) { link_bytes_ += b; }
+  void add_link_bytes(const sim::LinkBytes& b, const std::map<std::string, sim::LinkBytes>& by_collective) {
+    link_bytes_ += b;
+    for (const auto& [k, v] : by_collective) link_bytes_by_collective_[k] += v;
+  }
   const sim::LinkBytes& link_bytes() const { return link_bytes_; }
+  const std::map<std::string, sim::LinkBytes>& link_bytes_by_collective() const { return link_bytes_by_collective_; }
 
  protected:
   void* raw_alloc(std::size_t bytes, MemSpace space, Stream&) override {
@@ -612,6 +638,7 @@ class SimBackendImpl final : public Backend {
     LocalTask t;
     t.name = std::move(nm);
     t.phase = phase();
+    t.node = node();
     t.cost = cost;
     t.cls = cls;
     t.record = true;
@@ -676,6 +703,7 @@ class SimBackendImpl final : public Backend {
   double now_ = 0;
   std::int64_t gate_calls_ = 0;
   sim::LinkBytes link_bytes_;
+  std::map<std::string, sim::LinkBytes> link_bytes_by_collective_;
 };
 
 // ============================================================================================
@@ -879,6 +907,8 @@ void SimCluster::Impl::evaluate() {
   std::vector<sim::Task> flows;
   std::map<int, std::vector<int>> done_deps;  // global id of a done task -> flow ids
   std::vector<sim::LinkBytes> sent(static_cast<std::size_t>(n));  // by the sending world rank
+  std::vector<std::map<std::string, sim::LinkBytes>> sent_by(static_cast<std::size_t>(n));  // and by collective
+  const char* coll = "";  // the collective whose flows are being made
   // src, dst: world ranks.
   auto flow = [&](int src, int dst, double bytes, int arrive_src, int arrive_dst, double extra_latency,
                   int done_src, int done_dst) {
@@ -893,7 +923,10 @@ void SimCluster::Impl::evaluate() {
       const sim::Route route = topo.p2p(src, dst);
       f.latency = route.latency + extra_latency;
       for (int res : route.resources) f.demands.push_back({res, bytes});
-      for (sim::LinkClass c : route.links) sent[static_cast<std::size_t>(src)][c] += bytes;
+      for (sim::LinkClass c : route.links) {
+        sent[static_cast<std::size_t>(src)][c] += bytes;
+        sent_by[static_cast<std::size_t>(src)][coll][c] += bytes;
+      }
     }
     f.deps = {arrive_src, arrive_dst};
     const int id = total + static_cast<int>(flows.size());
@@ -918,6 +951,7 @@ void SimCluster::Impl::evaluate() {
     auto part = [&](int i) { return by_member[static_cast<std::size_t>(i)]; };
     auto arrive = [&](int i) { return gid(w(i), part(i)->arrive); };
     auto done = [&](int i) { return gid(w(i), part(i)->done); };
+    coll = collective_name(in.kind);
     if (in.kind == CollKind::p2p) {
       const int s = in.p2p_src, d = in.p2p_dst;
       flow(w(s), w(d), part(s)->bytes, arrive(s), arrive(d), 0.0, done(s), done(d));
@@ -986,7 +1020,8 @@ void SimCluster::Impl::evaluate() {
     backends[static_cast<std::size_t>(r)]->commit(start, end, epoch_base, quiet);
   }
   if (quiet) {
-    for (int r = 0; r < n; ++r) backends[static_cast<std::size_t>(r)]->add_link_bytes(sent[static_cast<std::size_t>(r)]);
+    for (int r = 0; r < n; ++r)
+      backends[static_cast<std::size_t>(r)]->add_link_bytes(sent[static_cast<std::size_t>(r)], sent_by[static_cast<std::size_t>(r)]);
     epoch_base += barrier;
     ++epoch;
     instances.clear();
@@ -1018,6 +1053,11 @@ sim::LinkBytes sim_link_bytes(const Backend& b) {
   const auto* s = dynamic_cast<const SimBackendImpl*>(&b);
   if (!s) throw Unsupported("link bytes are recorded by the sim backend only, not by " + b.name());
   return s->link_bytes();
+}
+std::map<std::string, sim::LinkBytes> sim_link_bytes_by_collective(const Backend& b) {
+  const auto* s = dynamic_cast<const SimBackendImpl*>(&b);
+  if (!s) throw Unsupported("link bytes are recorded by the sim backend only, not by " + b.name());
+  return s->link_bytes_by_collective();
 }
 std::string SimCluster::calibration() const { return impl_->opt.profile ? impl_->opt.profile->name : "datasheet"; }
 
