@@ -515,6 +515,8 @@ void CpuBackend::gate_backward(Stream& s, GateBackward& g) {
 }
 
 namespace {
+// Unpacked into named variables where used, not by a structured binding: the ops' lambdas
+// capture them, which clang accepts only from version 16.
 struct RowOp {
   std::int64_t T, k, M;
 };
@@ -523,7 +525,8 @@ RowOp row_op(const Tensor& x, const Tensor& slot) { return {x.dim(0), slot.dim(1
 
 void CpuBackend::permute(Stream& s, const Tensor& x, const Tensor& slot, Tensor& out) {
   cpu_require_f32(x, "permute");
-  const auto [T, k, M] = row_op(x, slot);
+  const RowOp shape = row_op(x, slot);
+  const std::int64_t T = shape.T, k = shape.k, M = shape.M;
   const float* xp = x.data<float>();
   const std::int32_t* sl = slot.data<std::int32_t>();
   float* o = out.data<float>();
@@ -535,7 +538,8 @@ void CpuBackend::permute(Stream& s, const Tensor& x, const Tensor& slot, Tensor&
 }
 
 void CpuBackend::permute_backward(Stream& s, const Tensor& d_out, const Tensor& slot, Tensor& dx) {
-  const auto [T, k, M] = row_op(dx, slot);
+  const RowOp shape = row_op(dx, slot);
+  const std::int64_t T = shape.T, k = shape.k, M = shape.M;
   const float* d = d_out.data<float>();
   const std::int32_t* sl = slot.data<std::int32_t>();
   float* g = dx.data<float>();
@@ -554,7 +558,8 @@ void CpuBackend::permute_backward(Stream& s, const Tensor& d_out, const Tensor& 
 
 void CpuBackend::unpermute(Stream& s, const Tensor& y_perm, const Tensor& slot, const Tensor& w, Tensor& y) {
   cpu_require_f32(y, "unpermute");
-  const auto [T, k, M] = row_op(y, slot);
+  const RowOp shape = row_op(y, slot);
+  const std::int64_t T = shape.T, k = shape.k, M = shape.M;
   const float* yp = y_perm.data<float>();
   const std::int32_t* sl = slot.data<std::int32_t>();
   const float* wp = w.data<float>();
@@ -575,7 +580,8 @@ void CpuBackend::unpermute(Stream& s, const Tensor& y_perm, const Tensor& slot, 
 
 void CpuBackend::unpermute_backward(Stream& s, const Tensor& dy, const Tensor& y_perm, const Tensor& slot,
                                     const Tensor& w, Tensor& d_y_perm, Tensor& dw) {
-  const auto [T, k, M] = row_op(dy, slot);
+  const RowOp shape = row_op(dy, slot);
+  const std::int64_t T = shape.T, k = shape.k, M = shape.M;
   const float *g = dy.data<float>(), *yp = y_perm.data<float>(), *wp = w.data<float>();
   const std::int32_t* sl = slot.data<std::int32_t>();
   float *dyp = d_y_perm.data<float>(), *dwp = dw.data<float>();
