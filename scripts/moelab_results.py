@@ -504,8 +504,9 @@ def check_summary(s, path):
         w = f"points[{i}]"
         for k in ("cluster", "model", "dtype"):
             c.string(p, k, w)
-        c.integer(p, "tokens_per_rank", w, minimum=1)
-        c.integer(p, "tokens_per_gpu", w, required=False, minimum=1)
+        for k in ("tokens_per_rank", "tokens_per_gpu", "gpus"):
+            c.integer(p, k, w, minimum=1)
+        c.strings(p, "skipped", w, required=False)
         for label, fig in c.obj(p, "results", w).items():
             _check_figures(c, fig, f"{w}.results.{label}", full=False)
         c.numbers_map(p, "speedup", w)
@@ -519,7 +520,6 @@ def check_summary(s, path):
             c.string(r, k, w)
         c.string(r, "backend", w, choices=BACKENDS)
         cluster = c.string(r, "cluster", w, required=False, null=True)
-        c.integer(r, "world_size", w, required=False, minimum=1)
         _, n = c.get(r, "ranks", w, required=False)
         if n is not ABSENT and n is not None and n != "hostfile" and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             c.fail(f"{w}.ranks", f'expected a positive integer, "hostfile" or null, got {_kind(n)}')
@@ -528,6 +528,7 @@ def check_summary(s, path):
             c.string(r, "file", w)
             c.string(r, "device", w, required=(mode == "measured"))
             c.string(r, "calibration", w, required=False, null=True)
+            c.integer(r, "world_size", w, minimum=1)
             if mode == "simulated" and cluster is None:
                 c.fail(f"{w}.cluster", "a simulated run needs its cluster model, got null")
             _check_figures(c, c.obj(r, "results", w), f"{w}.results", full=True)
@@ -552,7 +553,8 @@ def check_summary(s, path):
 
 def _check_figures(c, fig, where, full):
     """The figures of one run in a summary (scripts/run_suite.py figures()): the report prints
-    these; full: a run's (its table shows overlap and exposed communication too)."""
+    these; full: a run's (its table shows overlap and exposed communication, plots/runs.py its
+    phases)."""
     c.number(fig, "step_time_s", where, minimum=0)
     c.integer(fig, "peak_memory_bytes", where, minimum=0)
     c.string(fig, "file", where, required=False)
@@ -561,6 +563,7 @@ def _check_figures(c, fig, where, full):
         c.fail(f"{where}.partitions", f'expected a positive integer or "auto", got {_kind(n)}')
     for k in ("overlap_ratio", "exposed_comm_s"):
         c.number(fig, k, where, required=full, minimum=0)
+    c.numbers_map(fig, "phases_s", where, required=full)  # plots/runs.py stacks them
 
 
 def load_summary(path):
