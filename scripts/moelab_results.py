@@ -171,7 +171,7 @@ def _kind(v):
         t = str(v)
         return f"the number {t if len(t) <= 24 else t[:21] + '...'}"
     if isinstance(v, str):
-        return json.dumps(v[:40]) + ("..." if len(v) > 40 else "")  # quotes, escapes line breaks
+        return json.dumps(v[:80]) + ("..." if len(v) > 80 else "")  # quotes, escapes line breaks
     return "a list" if isinstance(v, list) else "an object"
 
 
@@ -179,6 +179,20 @@ def _field(path):
     """A dotted field path in a message: quoted, and a key holding a line break stays on the one line."""
     f = json.dumps(path)
     return f if len(f) <= 120 else f[:117] + '..."'
+
+
+def show(v):
+    """A value of a file as a message shows it (quoted, escaped, cut to one short line)."""
+    return _kind(v)
+
+
+def field_error(path, field, msg):
+    """The SchemaError of a check made outside this module (scripts/run_suite.py): file, field, what."""
+    return SchemaError(f"{path}: field {_field(field)}: {msg}")
+
+
+def _is_label(v):
+    return bool(v) and not any(ord(ch) < 32 or ord(ch) == 127 for ch in v)
 
 
 _NAME_RULE = 'expected a name usable in a file name (not empty, no "/" or control characters, not "." or "..")'
@@ -243,6 +257,14 @@ class _Checker:
             self.fail(field, f"expected a string, got {_kind(v)}")
         if choices and v not in choices:
             self.fail(field, f'expected one of {", ".join(choices)}, got {_kind(v)}')
+        return v
+
+    def label(self, obj, key, where="", required=True):
+        """A string a table or a message prints (an id): not empty, no line break or control character."""
+        v = self.string(obj, key, where, required)
+        if v is not None and not _is_label(v):
+            self.fail(f"{where}.{key}" if where else key,
+                      f"expected a non-empty label without line breaks or control characters, got {_kind(v)}")
         return v
 
     def name(self, obj, key, where="", required=True):
@@ -601,7 +623,7 @@ def _check_path_template(c, field, path_t):
 
 def _check_run(c, r, w, labels, models, has_grid):
     """One entry of "runs" (or one with its "quick" fields over it)."""
-    c.string(r, "id", w)
+    c.label(r, "id", w)
     backend = c.string(r, "backend", w, choices=BACKENDS)
     for j, wl in enumerate(c.array(r, "workloads", w, nonempty=True)):
         if isinstance(wl, dict):
@@ -612,7 +634,7 @@ def _check_run(c, r, w, labels, models, has_grid):
                 c.fail(f"{w}.workloads[{j}].model", f'{_kind(mn)} is not in grid.models ({", ".join(models)})')
             c.string(wl, "dtype", f"{w}.workloads[{j}]", choices=DTYPES)
             c.integer(wl, "tokens_per_rank", f"{w}.workloads[{j}]", minimum=1)
-        elif not isinstance(wl, str) or not wl:
+        elif not isinstance(wl, str) or not _is_label(wl):
             c.fail(f"{w}.workloads[{j}]", f"expected a workload name, a path or an object, got {_kind(wl)}")
     for j, lab in enumerate(c.strings(r, "impls", w, nonempty=True)):
         if lab not in labels:
@@ -690,7 +712,7 @@ def check_suite(s, path):
             sweeps = c.array(grid, key, "grid", nonempty=(key == "sweeps"), required=(key == "sweeps")) or []
             for i, sw in enumerate(sweeps):
                 w = f"grid.{key}[{i}]"
-                c.string(sw, "name", w)
+                c.label(sw, "name", w)
                 for j, cn in enumerate(c.strings(sw, "clusters", w, nonempty=True)):
                     if cn not in cnames:
                         c.fail(f"{w}.clusters[{j}]", f'{_kind(cn)} is not in grid.clusters ({", ".join(cnames)})')
@@ -729,7 +751,8 @@ def check_suite(s, path):
         c.obj(claims, "paper_setup", "claims", required=False)
         for i, it in enumerate(c.array(claims, "items", "claims", nonempty=True)):
             w = f"claims.items[{i}]"
-            for k in ("id", "text", "source"):
+            c.label(it, "id", w)
+            for k in ("text", "source"):
                 c.string(it, k, w)
             for k in ("system", "versus"):
                 lab = c.string(it, k, w)
@@ -742,7 +765,7 @@ def check_suite(s, path):
 
     for i, fg in enumerate(c.array(s, "figures", required=False) or []):
         w = f"figures[{i}]"
-        c.string(fg, "id", w)
+        c.label(fg, "id", w)
         c.string(fg, "script", w)
         c.strings(fg, "args", w)
         c.strings(fg, "files", w, nonempty=True)

@@ -101,20 +101,21 @@ def grid_points(suite, quick):
     clusters = {c["name"]: c for c in g["clusters"]}
     as_gpus = g.get("global_tokens_as_gpus")
     pts, seen = [], set()
-    for sw in (g.get("quick_sweeps", []) if quick else g["sweeps"]):
+    key = "quick_sweeps" if quick else "sweeps"
+    for i, sw in enumerate(g.get(key, [])):
         for cname in sw["clusters"]:
             gpus = clusters[cname]["gpus"]
             for mname in sw["models"]:
                 for dtype in sw["dtypes"]:
                     for b in sw["tokens_per_gpu"]:
                         if as_gpus and (b * as_gpus) % gpus:
-                            raise mr.SchemaError(f"{suite['_path']}: sweep {sw['name']}: {b} * {as_gpus} tokens "
-                                                 f"do not split over {gpus} GPUs of {cname}")
+                            raise mr.field_error(suite["_path"], f"grid.{key}[{i}].tokens_per_gpu",
+                                                 f"{b} * {as_gpus} tokens do not split over {gpus} GPUs of {cname}")
                         tpr = b * as_gpus // gpus if as_gpus else b
-                        key = (cname, mname, dtype, tpr)
-                        if key in seen:
+                        point = (cname, mname, dtype, tpr)
+                        if point in seen:
                             continue
-                        seen.add(key)
+                        seen.add(point)
                         pts.append({"sweep": sw["name"], "cluster": cname, "gpus": gpus, "model": mname,
                                     "dtype": dtype, "tokens_per_gpu": b, "tokens_per_rank": tpr,
                                     "global_tokens": tpr * gpus})
@@ -157,15 +158,16 @@ def grid_workload(suite, model_name, dtype, tokens_per_rank):
     }
 
 
-def resolve_workload(suite, spec):
-    """(name, path of an existing file or None, generated workload or None)."""
+def resolve_workload(suite, spec, field):
+    """(name, path of an existing file or None, generated workload or None); field: where the
+    suite names it, for the error."""
     if isinstance(spec, dict):
         name, wl = grid_workload(suite, spec["model"], spec["dtype"], spec["tokens_per_rank"])
         return name, None, wl
     path = os.path.join(ROOT, spec) if "/" in spec or spec.endswith(".json") else \
         os.path.join(mr.EXPERIMENTS, "workloads", spec + ".json")
     if not os.path.exists(path):
-        raise mr.SchemaError(f"{suite['_path']}: workload \"{spec}\": no file {rel_to(path, ROOT)}")
+        raise mr.field_error(suite["_path"], field, f"workload {mr.show(spec)}: no file {rel_to(path, ROOT)}")
     return os.path.splitext(os.path.basename(path))[0], path, None
 
 
@@ -182,15 +184,17 @@ def expand(suite, quick):
                          "workload": name, "workload_file": None, "workload_gen": wl,
                          "steps": g["workload_defaults"]["steps"], "trace": False,
                          "dest": f"{suite['out']}/{p['cluster']}/{name}-{label}"})
-    for r in suite.get("runs", []):
+    for i, r in enumerate(suite.get("runs", [])):
         q = r.get("quick", False)
         if quick and not q:
             continue
-        r = {**r, **q} if (quick and isinstance(q, dict)) else r
+        over = quick and isinstance(q, dict)
+        r = {**r, **q} if over else r
         clusters = r.get("clusters") or [None]
         ranks = r.get("ranks") or [None]
-        for spec in r["workloads"]:
-            name, path, gen = resolve_workload(suite, spec)
+        for j, spec in enumerate(r["workloads"]):
+            where = f"runs[{i}]" + (".quick" if over and "workloads" in q else "") + f".workloads[{j}]"
+            name, path, gen = resolve_workload(suite, spec, where)
             for label in r["impls"]:
                 for cl in clusters:
                     for n in ranks:

@@ -3,6 +3,7 @@
 
     /usr/bin/python3 -m unittest -v test_suite_properties      (from scripts/tests)
     MOELAB_TEST_SEED=123 /usr/bin/python3 -m unittest -v test_suite_properties   # replay one seed
+    MOELAB_PROPERTY_EXAMPLES=5000 /usr/bin/python3 -m unittest test_suite_properties   # a long run
 
 Each test starts from valid files (the fixtures and the registered suites) and mutates them:
 a field deleted, replaced by a value of another type or an awkward one (NaN, a huge integer, a
@@ -56,8 +57,11 @@ set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "moelab-hypothesis")
 settings.register_profile("moelab", database=None, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile("moelab")
-IN_PROCESS = settings(max_examples=300)
-COMMAND_LINE = settings(max_examples=25)
+# Examples per in-process property (the command-line ones get a twelfth): 300 by default, about
+# a minute in all; MOELAB_PROPERTY_EXAMPLES=5000 for a long run.
+EXAMPLES = int(os.environ.get("MOELAB_PROPERTY_EXAMPLES", "300"))
+IN_PROCESS = settings(max_examples=EXAMPLES)
+COMMAND_LINE = settings(max_examples=max(1, EXAMPLES // 12))
 
 
 def replayable(test):
@@ -280,6 +284,9 @@ class SuiteFindings(OneLine):
         (lambda s: s["grid"]["clusters"][0].update(name=".."), "grid.clusters[0].name"),
         (lambda s: (with_generated_run(s), s["runs"][2]["workloads"][0].update(dtype="../x")),
          "runs[2].workloads[0].dtype"),
+        # Ids and workload names that tables and messages print: one line each.
+        (lambda s: s["runs"][0].update(id="sim\nrm"), "runs[0].id"),
+        (lambda s: s["runs"][0].update(workloads=["a\nb"]), "runs[0].workloads[0]"),
         # A paper figure of 0: ZeroDivisionError in the claims table.
         (lambda s: s["claims"]["items"][0].update(paper=0), "claims.items[0].paper"),
         # Figure arguments and file patterns that are not strings (plots/figures.py, report.py).
@@ -303,6 +310,17 @@ class SuiteFindings(OneLine):
                 p = subprocess.run([sys.executable, os.path.join(SCRIPTS, "run_suite.py"), "--suite", path, "--list"],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 self.assertEqual((p.returncode, p.stderr.count("\n")), (2, 1), p.stderr)
+
+    def test_a_missing_workload_file_is_named_by_field(self):
+        s = fixtures.suite()
+        s["runs"][0]["quick"] = {"workloads": ["tiny", "no-such-workload"]}
+        with tempfile.TemporaryDirectory() as d:
+            path = write(d, "experiments/fake/suite.json", s)
+            p = subprocess.run([sys.executable, os.path.join(SCRIPTS, "run_suite.py"), "--suite", path, "--list",
+                                "--quick"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            self.assertEqual(p.returncode, 2, p.stderr)
+            self.assertIn(f'{path}: field "runs[0].quick.workloads[1]": workload "no-such-workload": no file '
+                          f'experiments/workloads/no-such-workload.json', p.stderr)
 
     def test_nan_and_infinity_are_not_json(self):
         with tempfile.TemporaryDirectory() as d:
