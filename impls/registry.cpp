@@ -2,6 +2,7 @@
 #include "baselines/fastermoe/fastermoe.hpp"
 #include "baselines/fastmoe/fastmoe.hpp"
 #include "impls/mpipemoe/mpipemoe.hpp"
+#include "impls/scmoe/scmoe.hpp"
 #include "harness/nn/moe_impl.hpp"
 
 #include <mutex>
@@ -16,6 +17,7 @@ void register_builtin_impls() {
     register_fastmoe();
     register_fastermoe();
     register_mpipemoe();
+    register_scmoe();  // ScMoE's block pair for models with "scmoe" (not an --impl)
   });
 }
 

@@ -10,7 +10,8 @@
 //
 // Layers [first, last) of the model: the stage holding layer 0 starts with the embedding, the
 // one holding the last layer ends with the head (final norm, LM head, loss). Each transformer
-// layer is an AttentionBlock and an FfnBlock (dense MLP, or MoE where cfg.is_moe(layer)).
+// layer is an AttentionBlock and an FfnBlock (dense MLP, or MoE where cfg.is_moe(layer)); with
+// ScMoE (cfg.scmoe) each block pair is one LayerGroup instead (harness/nn/layer_group.hpp).
 #pragma once
 #include <cstdint>
 #include <memory>
