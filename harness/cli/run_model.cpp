@@ -336,7 +336,7 @@ int run_model_command(const RunOptions& opt) {
     // Everything that can be checked is checked before the cluster is built.
     const int n = sim_world_size(so.cluster, opt.ranks);
     validate_model_for_world(cfg, opt, n);
-    check_impl_options(opt.impl, opt.impl_options, {cfg.moe, n, tokens(cfg)});
+    check_impl_options(opt.impl, opt.impl_options, {cfg.moe, n, tokens(cfg), cfg.shared_expert_hidden});
     if (!opt.profile.empty()) so.profile = sim::load_profile(opt.profile);
     so.routing = RoutingModel::parse(opt.routing, opt.seed);
     so.ranks = opt.ranks;
@@ -364,7 +364,7 @@ int run_model_command(const RunOptions& opt) {
       [&] {
         cfg = load_transformer(opt.model, opt.model_override);
         validate_model_for_world(cfg, opt, world);
-        check_impl_options(opt.impl, opt.impl_options, {cfg.moe, world, tokens(cfg)});
+        check_impl_options(opt.impl, opt.impl_options, {cfg.moe, world, tokens(cfg), cfg.shared_expert_hidden});
       },
       [&](const Backend& b) {
         if (b.supports(cfg.dtype)) return std::string();

@@ -53,6 +53,7 @@ Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const M
   if (span == 2 && last_ < cfg.num_layers && cfg.is_moe(last_))
     throw ConfigError("--layers " + std::to_string(first_) + ":" + std::to_string(last_) + " ends inside ScMoE's block pair (" +
                       std::to_string(last_ - 1) + ", " + std::to_string(last_) + ") of " + cfg.name);
+  routed_top_k_.assign(static_cast<std::size_t>(last_ - first_), 0);
   for (int l = first_; l < last_; ++l) {
     if (span > 0 && l + span - 1 < last_ && cfg.is_moe(l + span - 1)) {
       if (!shortcut_pair_factory())
@@ -60,6 +61,8 @@ Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const M
       if (!channels_) channels_ = std::make_unique<MoEChannels>(b, ep);
       blocks_.push_back(shortcut_pair_factory()(
           {b, s_, cfg, l, make_impl(opt.impl, b, ep, cfg.moe, opt.impl_options, channels_.get()), opt.aux_loss_coef}));
+      routed_top_k_[static_cast<std::size_t>(l + span - 1 - first_)] =
+          static_cast<LayerGroup&>(*blocks_.back()).moe()->layer().config().top_k;
       l += span - 1;
       continue;
     }
@@ -68,8 +71,9 @@ Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const M
       // Every MoE layer of the model issues on one set of streams and communicators: L layers
       // do not make 2L streams and 2L duplicates of the expert-parallel communicator.
       if (!channels_) channels_ = std::make_unique<MoEChannels>(b, ep);
-      blocks_.push_back(std::make_unique<FfnBlock>(
-          b, s_, cfg, l, make_impl(opt.impl, b, ep, cfg.moe, opt.impl_options, channels_.get()), opt.aux_loss_coef));
+      auto impl = make_impl(opt.impl, b, ep, cfg.moe, opt.impl_options, channels_.get());
+      routed_top_k_[static_cast<std::size_t>(l - first_)] = impl->layer().config().top_k;  // a baseline's own k
+      blocks_.push_back(std::make_unique<FfnBlock>(b, s_, cfg, l, std::move(impl), opt.aux_loss_coef));
     }
     else
       blocks_.push_back(std::make_unique<FfnBlock>(b, s_, cfg, l));
@@ -225,7 +229,9 @@ double Model::model_flops(std::int64_t tokens) const {
     per_token += 2.0 * S * Hq * D;                     // scores and values: 12·S·Hq·D FLOPs = 6 × this
     if (cfg_.is_moe(l)) {
       const double H = static_cast<double>(cfg_.moe.d_hidden), E = static_cast<double>(cfg_.moe.num_experts);
-      per_token += M * E + cfg_.moe.top_k * 2.0 * M * H;  // gate; FC1 and FC2 of each chosen expert
+      const std::size_t i = static_cast<std::size_t>(l - first_);
+      const int k = i < routed_top_k_.size() && routed_top_k_[i] > 0 ? routed_top_k_[i] : cfg_.moe.top_k;
+      per_token += M * E + k * 2.0 * M * H;  // gate; FC1 and FC2 of each chosen expert
       per_token += M * cfg_.scmoe.gate_width();           // ScMoE's combine gate W_cg
       if (cfg_.shared_expert_hidden > 0)
         per_token += f1 * M * static_cast<double>(cfg_.shared_expert_hidden) + static_cast<double>(cfg_.shared_expert_hidden) * M;

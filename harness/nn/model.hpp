@@ -95,6 +95,7 @@ class Model {
   Embedding* embedding_ = nullptr;
   Head* head_ = nullptr;
   std::vector<std::unique_ptr<Block>> blocks_;  // in order: [embedding] (attention, ffn)* [head]
+  std::vector<int> routed_top_k_;  // per layer of the range: the top-k its MoE layer's implementation routes (0: dense)
 };
 
 // Adam or SGD over a model's parameters: fp32 master weights (for parameters that are not

@@ -189,6 +189,9 @@ ScMoEPair::ScMoEPair(LayerGroupArgs a)
   MOELAB_CHECK(sc_.enabled && impl_ != nullptr && cfg_.shared_expert_hidden > 0 && cfg_.moe.top_k == 1,
                "ScMoE pair: needs cfg.scmoe, a routed MoE, a shared expert and top-1 routing");
   MOELAB_CHECK(cfg_.is_moe(moe_layer_), "ScMoE pair: layer " + std::to_string(moe_layer_) + " is not an MoE layer");
+  if (impl_->layer().config().top_k != 1)
+    throw ConfigError(cfg_.origin + ": --impl " + impl_->name() + " routes each token to " +
+                      std::to_string(impl_->layer().config().top_k) + " experts, but ScMoE's routed MoE is top-1");
   if (sc_.span() == 2) {
     dense_attention_ = std::make_unique<AttentionBlock>(b_, s_, cfg_, first_);
     dense_mlp_ = std::make_unique<FfnBlock>(b_, s_, cfg_, first_);
