@@ -250,14 +250,33 @@ def check_result(res, path):
     date = c.string(res, "date")
     if not DATE_RE.match(date):
         c.fail("date", f'expected UTC ISO 8601 like "2026-11-22T04:40:30Z", got "{date}"')
-    c.integer(res, "world_size", minimum=1)
-    wl = c.obj(res, "workload")
-    c.string(wl, "name", "workload")
-    c.integer(wl, "tokens_per_rank", "workload", minimum=1)
-    model = c.obj(wl, "model", "workload")
-    for k in ("d_model", "d_hidden", "num_experts", "top_k"):
-        c.integer(model, k, "workload.model", minimum=1)
-    c.string(model, "dtype", "workload.model")
+    world = c.integer(res, "world_size", minimum=1)
+    if "workload" in res or "model" not in res:  # one MoE layer (moelab run --workload)
+        wl = c.obj(res, "workload")
+        c.string(wl, "name", "workload")
+        c.integer(wl, "tokens_per_rank", "workload", minimum=1)
+        model = c.obj(wl, "model", "workload")
+        for k in ("d_model", "d_hidden", "num_experts", "top_k"):
+            c.integer(model, k, "workload.model", minimum=1)
+        c.string(model, "dtype", "workload.model")
+    else:  # a whole model (moelab run --model)
+        model = c.obj(res, "model")
+        c.string(model, "name", "model")
+        for k in ("d_model", "num_layers", "seq_len", "vocab_size"):
+            c.integer(model, k, "model", minimum=1)
+        c.string(model, "dtype", "model")
+        tr = c.obj(res, "training")
+        layers = c.array(tr, "layers", "training")
+        if len(layers) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers) \
+                or not 0 <= layers[0] < layers[1] <= model["num_layers"]:
+            c.fail("training.layers", f"expected [first, last) within the model's {model['num_layers']} layers, "
+                                      f"got {layers}")
+        for k in ("micro_batch", "microbatches", "steps"):
+            c.integer(tr, k, "training", minimum=1)
+        c.string(tr, "optimizer", "training")
+    par = c.obj(res, "parallel", required=False)
+    if par is not None:
+        _check_parallel(c, par, mode, world)
     c.string(res, "impl")
     c.obj(res, "impl_options", required=False)
     c.obj(res, "impl_report")
@@ -293,6 +312,61 @@ def check_result(res, path):
 
 def load_result(path):
     return check_result(load_json(path), path)
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+
+
+def _link_bytes(c, obj, key, where, simulated):
+    """Bytes per link class: an object of nvlink, pcie, nic on sim; null when measured."""
+    lb = c.obj(obj, key, where, null=True)
+    field = f"{where}.{key}" if where else key
+    if simulated and lb is None:
+        c.fail(field, "a simulated result counts the bytes per link class, got null")
+    if not simulated and lb is not None:
+        c.fail(field, "only the sim counts bytes per link class; a measured result has null")
+    for k in ("nvlink", "pcie", "nic") if lb is not None else ():
+        c.number(lb, k, field, minimum=0)
+
+
+def _check_parallel(c, par, mode, world):
+    """The "parallel" object of a --parallel model run (docs/RESULTS-SCHEMA.md)."""
+    lay = c.obj(par, "layout", "parallel")
+    sizes = {k: c.integer(lay, k, "parallel.layout", minimum=1) for k in ("world", "tp", "pp", "dp", "ep", "etp", "edp")}
+    if sizes["world"] != world:
+        c.fail("parallel.layout.world", f"{sizes['world']} is not world_size {world}")
+    if sizes["tp"] * sizes["pp"] * sizes["dp"] != world:
+        c.fail("parallel.layout", f"tp x pp x dp = {sizes['tp'] * sizes['pp'] * sizes['dp']} is not world_size {world}")
+    c.string(par, "spec", "parallel")
+    sch = c.obj(par, "schedule", "parallel")
+    c.string(sch, "name", "parallel.schedule", choices=SCHEDULES)
+    if c.integer(sch, "stages", "parallel.schedule", minimum=1) != sizes["pp"]:
+        c.fail("parallel.schedule.stages", f"{sch['stages']} stages for pp = {sizes['pp']}")
+    c.integer(sch, "microbatches", "parallel.schedule", minimum=1)
+    c.integer(sch, "chunks", "parallel.schedule", minimum=1)
+    c.string(sch, "placement", "parallel.schedule", choices=("interleaved", "vshape"))
+    c.string(sch, "recompute", "parallel.schedule", choices=("none", "full"))
+    if not 0 <= c.number(par, "bubble", "parallel") <= 1:
+        c.fail("parallel.bubble", f"expected a ratio in [0, 1], got {par['bubble']}")
+    c.number(par, "pipeline_window_s", "parallel", minimum=0)
+    simulated = mode == "simulated"
+    stages = c.array(par, "stages", "parallel", nonempty=True)
+    if len(stages) != sizes["pp"]:
+        c.fail("parallel.stages", f"{len(stages)} entries for pp = {sizes['pp']}")
+    for i, st in enumerate(stages):
+        w = f"parallel.stages[{i}]"
+        if c.integer(st, "stage", w, minimum=0) != i:
+            c.fail(f"{w}.stage", f"expected {i}, got {st['stage']}")
+        c.array(st, "ranks", w, nonempty=True)
+        for k in ("work_s", "span_s"):
+            c.number(st, k, w, minimum=0)
+        if not 0 <= c.number(st, "bubble", w) <= 1:
+            c.fail(f"{w}.bubble", f"expected a ratio in [0, 1], got {st['bubble']}")
+        for k in ("peak_activation_bytes", "peak_buffer_bytes", "peak_device_bytes"):
+            c.integer(st, k, w, minimum=0)
+        c.integer(st, "microbatches_in_flight", w, minimum=1)
+        _link_bytes(c, st, "link_bytes", w, simulated)
+    _link_bytes(c, par, "link_bytes", "parallel", simulated)
 
 
 # ---- moelab.suite-summary/1 -----------------------------------------------------------------

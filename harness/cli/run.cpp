@@ -74,6 +74,14 @@ void print_run_help(std::FILE* to) {
       "  --out FILE        result JSON (default results/run-<impl>-<backend>.json)\n"
       "  --trace FILE      also write a Chrome trace of the timed steps (open in ui.perfetto.dev)\n"
       "  --steps N         timed steps (default: the workload's \"steps\")\n"
+      "  --model FILE      a whole model (experiments/models/*.json) instead of --workload, with\n"
+      "                    --layers A:B, --micro-batch N, --microbatches N, --warmup N, --seed N,\n"
+      "                    --optimizer adam|sgd|none, --lr X, --model-override JSON, and:\n"
+      "  --parallel SPEC   the ranks' layout, e.g. tp=1,pp=2,dp=2,ep=2 (dp inferred when left out);\n"
+      "                    runs the model as a pipeline of pp stages on the layout's process groups\n"
+      "  --schedule NAME   pipeline schedule: gpipe, 1f1b (default), interleaved, zb-h1, zb-v\n"
+      "  --chunks V        model chunks per stage for interleaved (default 2)\n"
+      "  --recompute MODE  activation recomputation: none (default) or full\n"
       "  --help            this text\n"
       "\n"
       "Exit status: 0 success, 2 bad input (nothing written), 1 failure during the run.\n",
@@ -187,6 +195,16 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       o.optimizer = take();
       if (o.optimizer != "adam" && o.optimizer != "sgd" && o.optimizer != "none")
         throw ConfigError("--optimizer = \"" + shown(o.optimizer) + "\": expected adam, sgd or none");
+    } else if (flag == "--parallel")
+      o.parallel = take();
+    else if (flag == "--schedule")
+      o.schedule = take();
+    else if (flag == "--chunks")
+      o.chunks = static_cast<int>(integer_flag(flag, take(), 1, 64));
+    else if (flag == "--recompute") {
+      o.recompute = take();
+      if (o.recompute != "none" && o.recompute != "full" && o.recompute != "selective")
+        throw ConfigError("--recompute = \"" + shown(o.recompute) + "\": expected none or full");
     } else if (flag == "--lr") {
       const std::string v = take();
       char* end = nullptr;
@@ -204,10 +222,13 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     throw ConfigError("missing --workload FILE (one MoE layer, e.g. experiments/workloads/tiny.json) or --model FILE "
                       "(e.g. experiments/models/tiny-moe.json)");
   const bool model_only = !o.model_override.empty() || o.first_layer != 0 || o.last_layer != -1 || o.micro_batch != 1 ||
-                          o.microbatches != 1 || o.warmup != -1 || o.seed != 1 || o.optimizer != "adam" || o.lr != 1e-3;
+                          o.microbatches != 1 || o.warmup != -1 || o.seed != 1 || o.optimizer != "adam" || o.lr != 1e-3 ||
+                          o.pipelined();
   if (!o.workload.empty() && model_only)
-    throw ConfigError("--model-override, --layers, --micro-batch, --microbatches, --warmup, --seed, --optimizer and --lr "
-                      "apply to --model runs (a workload file sets its own)");
+    throw ConfigError("--model-override, --layers, --micro-batch, --microbatches, --warmup, --seed, --optimizer, --lr, "
+                      "--parallel, --schedule, --chunks and --recompute apply to --model runs (a workload file sets its own)");
+  if (o.pipelined() && (o.first_layer != 0 || o.last_layer != -1))
+    throw ConfigError("--layers and --parallel exclude each other: the pipeline assigns the layers to its stages");
   if (!o.model.empty() && !o.record_routing.empty())
     throw ConfigError("--record-routing applies to --workload runs");
   if (o.impl.empty()) throw ConfigError("missing --impl NAME (moelab list shows the implementations)");

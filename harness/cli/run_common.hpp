@@ -38,6 +38,13 @@ struct RunOptions {
   std::uint64_t seed = 1;
   std::string optimizer = "adam";                              // adam, sgd or none
   double lr = 1e-3;
+  // Parallel layout and pipeline (harness/comm/groups.hpp, harness/pipeline/): any of them set
+  // runs the model through the pipeline executor on the layout's process groups.
+  std::string parallel;                                        // --parallel tp=..,pp=..,dp=..,ep=..,etp=..
+  std::string schedule;                                        // --schedule (default 1f1b)
+  int chunks = 0;                                              // --chunks v (interleaved)
+  std::string recompute;                                       // --recompute none|full
+  bool pipelined() const { return !parallel.empty() || !schedule.empty() || chunks != 0 || !recompute.empty(); }
   bool help = false;
 };
 

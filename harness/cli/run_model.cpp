@@ -4,11 +4,18 @@
 //   moelab run --model experiments/models/tiny-moe.json --impl fastmoe --backend cpu --steps 20
 //   moelab run --model experiments/models/gpt3-moe-xl.json --impl fastmoe --backend sim --cluster a800x1
 //   mpirun -n 2 moelab run --model experiments/models/tiny-moe.json --impl mpipemoe --backend cpu
+//   mpirun -n 4 moelab run --model experiments/models/tiny-moe.json --impl fastmoe --backend cpu
+//       --parallel pp=2,dp=2,ep=2 --schedule 1f1b --microbatches 8      (one command line)
 //
 // A step: zero_grad; for each of --microbatches microbatches of --micro-batch sequences: forward,
 // backward (input then weight gradients); the replicated parameters' gradients summed over the
 // ranks (data parallelism; the experts are sharded by expert parallelism over the same ranks);
-// one optimizer step. Inputs are the synthetic language of harness/nn/data.hpp, new tokens
+// one optimizer step. With --parallel (or --schedule, --chunks, --recompute) the layout is
+// parsed and checked against the world and the model before any work (exit 2), the process
+// groups are built, and each rank runs its stage of the pipeline (harness/pipeline/): the
+// schedule's node list over its model chunks, gradients summed over its data-parallel group
+// at the optimizer node; the result adds the layout, the schedule, per-stage figures (work,
+// bubble, peak activation memory) and, on sim, the bytes sent over each link class. Inputs are the synthetic language of harness/nn/data.hpp, new tokens
 // every step, uploaded before the step's clock starts (a stage without
 // the embedding gets random activations, one without the head a random output gradient).
 // Reported: tokens/s, step time split by block kind (attention, mlp, the MoE layer's phases,
@@ -18,6 +25,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <numeric>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -29,7 +37,9 @@
 #include "harness/metrics/run_figures.hpp"
 #include "harness/metrics/trace.hpp"
 #include "harness/nn/data.hpp"
+#include "harness/comm/groups.hpp"
 #include "harness/nn/model.hpp"
+#include "harness/pipeline/executor.hpp"
 #include "harness/runtime/error.hpp"
 #include "harness/runtime/random.hpp"
 #include "harness/sim/cluster.hpp"
@@ -42,6 +52,59 @@ namespace {
 
 const std::vector<std::string> kModelPhases = {"embedding", "attention", "mlp",  "moe",  "gate",
                                                "dispatch",  "experts",   "combine", "head", "optimizer"};
+
+// A --parallel run's layout and schedule, checked before any work.
+struct PipelinePlan {
+  GroupLayout layout;
+  pipeline::Schedule schedule;
+  pipeline::Recompute recompute = pipeline::Recompute::none;
+};
+
+// gpus_per_node: the cluster model's on sim; the world on cpu and cuda, whose node placement
+// (host names) ProcessGroups checks once the ranks are up.
+PipelinePlan plan_pipeline(const RunOptions& opt, const TransformerConfig& cfg, int world, int gpus_per_node) {
+  PipelinePlan p;
+  p.layout = check_layout(ParallelLayout::parse(opt.parallel), world, gpus_per_node, cfg);
+  p.recompute = pipeline::parse_recompute(opt.recompute.empty() ? "none" : opt.recompute);
+  p.schedule = pipeline::make_schedule(opt.schedule.empty() ? "1f1b" : opt.schedule, p.layout.pp, opt.microbatches, opt.chunks);
+  pipeline::check_pipeline(cfg, p.schedule);
+  return p;
+}
+
+// What one rank trains: the model (or its --layers range) as one Model whose replicated
+// gradients are summed over every rank; or, with --parallel, its stage of a pipeline.
+struct Trainee {
+  std::unique_ptr<ProcessGroups> groups;
+  std::unique_ptr<pipeline::PipelineStage> stage;
+  std::unique_ptr<Model> model;
+
+  std::vector<Model*> chunks() { return stage ? stage->chunks() : std::vector<Model*>{model.get()}; }
+  bool has_embedding() { return stage ? stage->has_embedding() : model->has_embedding(); }
+  bool has_head() { return stage ? stage->has_head() : model->has_head(); }
+  std::vector<Param> parameters() { return stage ? stage->parameters() : model->parameters(); }
+  Stream& stream() { return stage ? stage->stream() : model->stream(); }
+  std::vector<MoEImpl*> moe_layers() {
+    std::vector<MoEImpl*> v;
+    for (Model* m : chunks())
+      for (MoEImpl* x : m->moe_layers()) v.push_back(x);
+    return v;
+  }
+  double model_flops(std::int64_t tokens) {
+    double f = 0;
+    for (Model* m : chunks()) f += m->model_flops(tokens);
+    return f;
+  }
+  int first_layer() {
+    int f = 1 << 30;
+    for (Model* m : chunks()) f = std::min(f, m->first_layer());
+    return f;
+  }
+  int last_layer() {
+    int l = 0;
+    for (Model* m : chunks()) l = std::max(l, m->last_layer());
+    return l;
+  }
+};
 
 // Checks that need the world size, before anything is built.
 void validate_model_for_world(const TransformerConfig& cfg, const RunOptions& opt, int world) {
@@ -68,8 +131,106 @@ Tensor random_rows(Backend& b, std::int64_t rows, std::int64_t width, DType dt, 
 
 // outputs: where rank 0 stages its files (null on the other ranks). preflight: one step, no
 // warm-up, and stop after it (start_run's check on a simulated copy of the world).
+// The result's "parallel" object (docs/RESULTS-SCHEMA.md) from every rank's part: per step the
+// pipeline's window is the first F/B/W start to the last end over all ranks (times from each
+// rank's step start, which a barrier aligns), a stage's bubble 1 - its work / that window.
+json pipeline_json(const PipelinePlan& plan, const json& parts) {
+  const std::size_t steps = parts.at(0).at("work").size();
+  std::vector<double> span(steps, 0.0);
+  for (std::size_t i = 0; i < steps; ++i) {
+    double first = 1e300, last = -1e300;
+    for (const auto& r : parts) {
+      first = std::min(first, r["work"][i][1].get<double>());
+      last = std::max(last, r["work"][i][2].get<double>());
+    }
+    span[i] = std::max(last - first, 0.0);
+  }
+  const bool sim_links = !parts.at(0)["link_bytes"].is_null();
+  json stages = json::array();
+  double bubble_sum = 0;
+  sim::LinkBytes total;
+  for (int st = 0; st < plan.schedule.stages; ++st) {
+    json ranks = json::array();
+    double work = 0, own = 0, bubble = 0;
+    std::size_t act = 0, buf = 0, dev = 0, n = 0;
+    sim::LinkBytes links;
+    int in_flight = 0;
+    for (std::size_t r = 0; r < parts.size(); ++r) {
+      const json& x = parts[r];
+      if (x["stage"].get<int>() != st) continue;
+      ranks.push_back(r);
+      ++n;
+      for (std::size_t i = 0; i < steps; ++i) {
+        const double busy = x["work"][i][0].get<double>();
+        work += busy;
+        own += x["work"][i][2].get<double>() - x["work"][i][1].get<double>();
+        bubble += span[i] > 0 ? 1.0 - busy / span[i] : 0.0;
+      }
+      act = std::max(act, x["peak_activations"].get<std::size_t>());
+      buf = std::max(buf, x["peak_buffers"].get<std::size_t>());
+      dev = std::max(dev, x["peak_device"].get<std::size_t>());
+      in_flight = x["in_flight"].get<int>();
+      if (sim_links) {
+        const json& l = x["link_bytes"];
+        links += sim::LinkBytes{l["nvlink"].get<double>(), l["pcie"].get<double>(), l["nic"].get<double>()};
+      }
+    }
+    const double k = static_cast<double>(std::max<std::size_t>(n * steps, 1));
+    total += links;
+    bubble_sum += bubble / k;
+    stages.push_back({{"stage", st},
+                      {"ranks", ranks},
+                      {"work_s", work / k},
+                      {"span_s", own / k},
+                      {"bubble", bubble / k},
+                      {"peak_activation_bytes", act},
+                      {"peak_buffer_bytes", buf},
+                      {"peak_device_bytes", dev},
+                      {"microbatches_in_flight", in_flight},
+                      {"link_bytes", sim_links ? links.to_json() : json(nullptr)}});
+  }
+  const pipeline::Schedule& s = plan.schedule;
+  return {{"layout", plan.layout.to_json()},
+          {"spec", plan.layout.to_string()},
+          {"schedule", {{"name", s.name},
+                        {"stages", s.stages},
+                        {"microbatches", s.microbatches},
+                        {"chunks", s.chunks},
+                        {"placement", pipeline::placement_name(s.placement)},
+                        {"recompute", pipeline::recompute_name(plan.recompute)}}},
+          {"bubble", bubble_sum / s.stages},
+          {"pipeline_window_s", median(span)},
+          {"stages", stages},
+          {"link_bytes", sim_links ? total.to_json() : json(nullptr)}};
+}
+
+void print_pipeline(const json& par, int steps) {
+  std::printf("pipeline        bubble %.1f%% (mean over stages; window %.3f ms)\n", 100.0 * par["bubble"].get<double>(),
+              par["pipeline_window_s"].get<double>() * 1e3);
+  std::printf("%-6s %-14s %10s %8s %14s %14s %9s\n", "stage", "ranks", "work ms", "bubble", "activations MiB",
+              "peak MiB", "in flight");
+  for (const auto& st : par["stages"]) {
+    std::string ranks;
+    for (const auto& r : st["ranks"]) ranks += (ranks.empty() ? "" : ",") + std::to_string(r.get<int>());
+    if (ranks.size() > 14) ranks = ranks.substr(0, 11) + "...";
+    std::printf("%-6d %-14s %10.3f %7.1f%% %15.1f %14.1f %9d\n", st["stage"].get<int>(), ranks.c_str(),
+                st["work_s"].get<double>() * 1e3, 100.0 * st["bubble"].get<double>(),
+                static_cast<double>(st["peak_activation_bytes"].get<std::size_t>()) / kMiB,
+                static_cast<double>(st["peak_device_bytes"].get<std::size_t>()) / kMiB,
+                st["microbatches_in_flight"].get<int>());
+  }
+  if (!par["link_bytes"].is_null()) {
+    const json& l = par["link_bytes"];
+    std::printf("links           per step, all ranks: NVLink %.1f MiB, PCIe %.1f MiB, NIC %.1f MiB\n",
+                l["nvlink"].get<double>() / kMiB / steps, l["pcie"].get<double>() / kMiB / steps,
+                l["nic"].get<double>() / kMiB / steps);
+  }
+}
+
+// plan: the checked layout and schedule of a --parallel run (null: every rank holds the model).
 int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const TransformerConfig& cfg,
-                      const Platform& platform, RunOutputs* outputs, bool preflight = false) {
+                      const Platform& platform, RunOutputs* outputs, const PipelinePlan* plan, int gpus_per_node,
+                      bool preflight = false) {
   const int rank = c.rank(), world = c.size();
   const int steps = preflight ? 1 : opt.steps > 0 ? opt.steps : 3;
   const int warmup = preflight ? 0 : opt.warmup >= 0 ? opt.warmup : 1;
@@ -78,34 +239,54 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
   mo.impl_options = opt.impl_options;
   mo.first_layer = opt.first_layer;
   mo.last_layer = opt.last_layer;
+  const std::int64_t S = cfg.seq_len, T = opt.micro_batch * S, M = cfg.d_model;
   try {
-    Model model(b, c, cfg, mo);
-    model.init_parameters(opt.seed);
+    Trainee model;
+    // Ranks that read different tokens (data parallelism), and whose tokens this rank reads.
+    int replicas = world, data_rank = rank;
+    if (plan) {
+      model.groups = std::make_unique<ProcessGroups>(
+          c, plan->layout, b.name() == "sim" ? NodeMap::uniform(world, gpus_per_node) : gather_nodes(c));
+      mo.tp = &model.groups->tp();
+      pipeline::PipelineOptions po;
+      po.model = mo;
+      po.tokens = T;
+      po.recompute = plan->recompute;
+      model.stage = std::make_unique<pipeline::PipelineStage>(b, cfg, plan->schedule, model.groups->pp(),
+                                                              model.groups->ep(), po);
+      model.stage->set_gradient_sync(&model.groups->dp(), &model.groups->edp());
+      replicas = plan->layout.dp;
+      data_rank = model.groups->coords().dp;
+    } else {
+      model.model = std::make_unique<Model>(b, c, cfg, mo);
+    }
+    if (model.stage) model.stage->init_parameters(opt.seed);
+    else model.model->init_parameters(opt.seed);
     std::unique_ptr<Optimizer> optimizer;
     if (opt.optimizer != "none") {
       OptimizerConfig oc;
       oc.kind = parse_optimizer(opt.optimizer);
       oc.lr = static_cast<float>(opt.lr);
       optimizer = std::make_unique<Optimizer>(b, model.stream(), model.parameters(), oc);
+      if (model.stage) model.stage->set_optimizer(optimizer.get());
     }
-    const std::int64_t S = cfg.seq_len, T = opt.micro_batch * S, M = cfg.d_model;
-    const float scale = 1.0f / static_cast<float>(T * opt.microbatches * world);
+    const float scale = 1.0f / static_cast<float>(T * opt.microbatches * replicas);
     const auto next = synthetic_successor(cfg.vocab_size, opt.seed);
-    const Tensor dy = model.has_head() ? Tensor() : random_rows(b, T, M, cfg.dtype, Rng::mix(opt.seed, 2, static_cast<std::uint64_t>(rank)));
+    const Tensor dy = model.has_head() || model.stage ? Tensor() : random_rows(b, T, M, cfg.dtype, Rng::mix(opt.seed, 2, static_cast<std::uint64_t>(rank)));
 
     // One batch per microbatch, new tokens every step, uploaded before the step's clock starts.
     std::vector<Batch> batches(static_cast<std::size_t>(opt.microbatches));
     for (int mb = 0; mb < opt.microbatches; ++mb) {
       Batch& x = batches[static_cast<std::size_t>(mb)];
-      x.input = model.has_embedding() ? b.empty({T}, DType::i32, MemCategory::activations, b.default_stream())
-                                      : random_rows(b, T, M, cfg.dtype, Rng::mix(opt.seed, 1, Rng::mix(static_cast<std::uint64_t>(rank), static_cast<std::uint64_t>(mb))));
+      if (model.has_embedding()) x.input = b.empty({T}, DType::i32, MemCategory::activations, b.default_stream());
+      else if (!model.stage) x.input = random_rows(b, T, M, cfg.dtype, Rng::mix(opt.seed, 1, Rng::mix(static_cast<std::uint64_t>(rank), static_cast<std::uint64_t>(mb))));
       if (model.has_head()) x.targets = b.empty({T}, DType::i32, MemCategory::activations, b.default_stream());
       x.loss_scale = scale;
     }
     auto prepare = [&](std::uint64_t step_no) {
       if (!b.has_data()) return;
       for (int mb = 0; mb < opt.microbatches; ++mb) {
-        const TokenBatch tb = synthetic_batch(next, opt.micro_batch, S, opt.seed, step_no, mb, rank);
+        const TokenBatch tb = synthetic_batch(next, opt.micro_batch, S, opt.seed, step_no, mb, data_rank);
         Batch& x = batches[static_cast<std::size_t>(mb)];
         if (model.has_embedding()) b.upload_i32(tb.ids, x.input);
         if (model.has_head()) b.upload_i32(tb.targets, x.targets);
@@ -116,15 +297,22 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     std::uint64_t step_no = 0;
     auto step = [&] {
       ++step_no;
-      losses.clear();
-      model.zero_grad();
-      for (int mb = 0; mb < opt.microbatches; ++mb) {
-        Forwarded f = model.forward(batches[static_cast<std::size_t>(mb)], {0, mb, step_no});
-        if (model.has_head()) losses.push_back(f.y);
-        model.backward_input(*f.saved, dy);
-        model.backward_weight(*f.saved);
+      if (model.stage) {  // the schedule's nodes, its optimizer node included
+        model.stage->step(batches, step_no);
+        losses = model.stage->losses();
+        b.synchronize();
+        return;
       }
-      model.all_reduce_gradients(c);
+      Model& m = *model.model;
+      losses.clear();
+      m.zero_grad();
+      for (int mb = 0; mb < opt.microbatches; ++mb) {
+        Forwarded f = m.forward(batches[static_cast<std::size_t>(mb)], {0, mb, step_no});
+        if (m.has_head()) losses.push_back(f.y);
+        m.backward_input(*f.saved, dy);
+        m.backward_weight(*f.saved);
+      }
+      m.all_reduce_gradients(c);
       if (optimizer) optimizer->step();
       b.synchronize();
     };
@@ -154,12 +342,14 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     b.reset_device_pool_peak();
     const double window_start = b.now();
     std::vector<double> step_s;
+    std::vector<std::pair<double, double>> windows;  // each timed step's [start, end] on this rank's clock
     for (int i = 0; i < steps; ++i) {
       prepare(step_no + 1);
       c.barrier();
       const double t0 = b.now();
       step();
       c.barrier();
+      windows.push_back({t0, b.now()});
       step_s.push_back(b.now() - t0);
       loss_curve.push_back(mean_loss());
     }
@@ -186,9 +376,35 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     std::vector<double> rank_losses = loss_curve;
     std::vector<RankFigures> ranks;
     for (const auto& s : c.all_gather_strings(local.encode())) ranks.push_back(RankFigures::decode(s));
-    std::vector<double> curve(loss_curve.size(), 0.0);  // mean over ranks
-    for (std::size_t i = 0; i < curve.size(); ++i) curve[i] = c.all_reduce_sum(rank_losses[i]) / world;
+    // Mean over the ranks that hold the head (every rank without a pipeline).
+    const double heads = c.all_reduce_sum(model.has_head() ? 1.0 : 0.0);
+    std::vector<double> curve(loss_curve.size(), 0.0);
+    for (std::size_t i = 0; i < curve.size(); ++i)
+      curve[i] = c.all_reduce_sum(model.has_head() ? rank_losses[i] : 0.0) / std::max(heads, 1.0);
+    // The pipeline's figures of every rank: its stage, its F/B/W work per step (times from the
+    // step's start), its peak activation memory and, on sim, the bytes it sent per link class.
+    json stage_parts = json::array();
+    if (model.stage) {
+      std::vector<std::string> transfer;
+      for (const Stream* x : model.stage->transfer_streams()) transfer.push_back(x->name());
+      const auto work = pipeline::stage_work(ops, windows, transfer);
+      json w = json::array();
+      for (std::size_t i = 0; i < work.size(); ++i)
+        w.push_back({work[i].busy, work[i].first - windows[i].first, work[i].last - windows[i].first});
+      const CategoryBytes per = b.memory().peak_per_category();
+      json part = {{"stage", model.stage->stage()},
+                   {"work", w},
+                   {"peak_activations", per[static_cast<std::size_t>(MemCategory::activations)]},
+                   {"peak_buffers", per[static_cast<std::size_t>(MemCategory::buffers)]},
+                   {"peak_device", b.memory().peak_device()},
+                   {"in_flight", model.stage->analysis().peak_in_flight[static_cast<std::size_t>(model.stage->stage())]}};
+      part["link_bytes"] = b.name() == "sim" ? sim_link_bytes(b).to_json() : json(nullptr);
+      for (const auto& s : c.all_gather_strings(part.dump())) stage_parts.push_back(json::parse(s));
+    }
 
+    // Every rank's chunks, a step; the ranks of a TP group work on the same tokens' one model.
+    const double tp_size = plan ? static_cast<double>(plan->layout.tp) : 1.0;
+    const double all_flops = c.all_reduce_sum(model.model_flops(T * opt.microbatches) / tp_size);
     json trace;
     if (!opt.trace.empty()) {
       for (auto& op : ops) op.start -= window_start, op.end -= window_start;
@@ -197,29 +413,32 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       const auto parts =
           c.all_gather_strings(chrome_trace(ops, shifted, rank).dump(-1, ' ', false, json::error_handler_t::replace));
       trace = json::parse(parts[0]);
-      for (std::size_t r = 1; r < parts.size(); ++r)
-        for (auto& e : json::parse(parts[r])["traceEvents"]) trace["traceEvents"].push_back(std::move(e));
+      for (std::size_t r = 1; r < parts.size(); ++r) {
+        json part = json::parse(parts[r]);  // named: a range-for over a temporary's member would dangle
+        for (auto& e : part["traceEvents"]) trace["traceEvents"].push_back(std::move(e));
+      }
     }
     if (rank != 0) return 0;
 
     // ---- the run's figures -------------------------------------------------------------------
     const RunFigures fig = aggregate(ranks);
     const double step_med = fig.step_median;
-    const double tokens = static_cast<double>(T) * opt.microbatches * world;
+    const double tokens = static_cast<double>(T) * opt.microbatches * replicas;
     const double tokens_per_s = step_med > 0 ? tokens / step_med : 0.0;
-    const double model_flops = model.model_flops(T * opt.microbatches);  // per rank and step
+    const double model_flops = all_flops / world;  // per device and step
     const double model_tflops = step_med > 0 ? model_flops / step_med / 1e12 : 0.0;
     const MachineRates rates = b.machine_rates(8192, 8192, 8192, cfg.dtype);
     const double mfu = rates.peak_flops > 0 ? model_tflops * 1e12 / rates.peak_flops : 0.0;
     const RankFigures& pk = ranks[fig.peak_rank];
     const std::string library = gemm_library(b);
 
-    const int last = model.last_layer();
+    // A pipeline's stages hold the whole model between them; rank 0 its first stage.
+    const int first = plan ? 0 : model.first_layer(), last = plan ? cfg.num_layers : model.last_layer();
     int moe_count = 0;
-    for (int l = model.first_layer(); l < last; ++l) moe_count += cfg.is_moe(l) ? 1 : 0;
-    std::printf("model      %s (%s), layers %d:%d of %d (%d MoE)%s%s\n", cfg.name.c_str(), cfg.origin.c_str(),
-                model.first_layer(), last, cfg.num_layers, moe_count, model.has_embedding() ? ", embedding" : "",
-                model.has_head() ? ", head" : "");
+    for (int l = first; l < last; ++l) moe_count += cfg.is_moe(l) ? 1 : 0;
+    std::printf("model      %s (%s), layers %d:%d of %d (%d MoE)%s%s\n", cfg.name.c_str(), cfg.origin.c_str(), first,
+                last, cfg.num_layers, moe_count, plan || model.has_embedding() ? ", embedding" : "",
+                plan || model.has_head() ? ", head" : "");
     std::printf("           M=%lld, heads %d/%d, FFN %lld, S=%lld, V=%lld, %s, %s, %s\n",
                 static_cast<long long>(cfg.d_model), cfg.num_heads, cfg.num_kv_heads, static_cast<long long>(cfg.d_ffn),
                 static_cast<long long>(S), static_cast<long long>(cfg.vocab_size), norm_name(cfg.norm),
@@ -232,8 +451,15 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
                   platform.routing.c_str());
     else
       std::printf("mode       measured\n");
-    std::printf("ranks      %d (data parallel for dense layers, expert parallel for MoE layers)\n", world);
-    std::printf("batch      %d microbatches x %lld sequences x %lld tokens per rank, optimizer %s\n",
+    if (plan)
+      std::printf("ranks      %d: %s; schedule %s, %d stage%s x %d chunk%s, %d microbatches, recompute %s\n", world,
+                  plan->layout.to_string().c_str(), plan->schedule.name.c_str(), plan->schedule.stages,
+                  plan->schedule.stages == 1 ? "" : "s", plan->schedule.chunks, plan->schedule.chunks == 1 ? "" : "s",
+                  plan->schedule.microbatches, pipeline::recompute_name(plan->recompute));
+    else
+      std::printf("ranks      %d (data parallel for dense layers, expert parallel for MoE layers)\n", world);
+    std::printf(plan ? "batch      %d microbatches x %lld sequences x %lld tokens per pipeline, optimizer %s\n"
+                     : "batch      %d microbatches x %lld sequences x %lld tokens per rank, optimizer %s\n",
                 opt.microbatches, static_cast<long long>(opt.micro_batch), static_cast<long long>(S),
                 opt.optimizer.c_str());
     std::printf("steps      %d timed after %d warm-up\n\n", steps, warmup);
@@ -243,7 +469,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     std::printf("model      %.2f TFLOP/s per device%s\n", model_tflops,
                 mfu > 0 ? strf(", MFU %.1f%% of the %.0f TFLOP/s peak", 100 * mfu, rates.peak_flops / 1e12).c_str()
                         : " (MFU: the backend knows no peak)");
-    if (b.has_data() && model.has_head() && !curve.empty())
+    if (b.has_data() && heads > 0 && !curve.empty())
       std::printf("loss       %.4f (first step) -> %.4f (last)\n", curve.front(), curve.back());
     std::printf("\n%-10s %10s %10s\n", "phase", "ms/step", "% of step");
     for (const auto& p : kModelPhases) {
@@ -265,6 +491,12 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       if (!mbs.empty()) std::printf("                held by microbatch at the peak: %s MiB\n", mbs.c_str());
     }
 
+    json parallel;
+    if (plan) {
+      parallel = pipeline_json(*plan, stage_parts);
+      print_pipeline(parallel, steps);
+    }
+
     json metrics = metrics_json(fig, ranks, tokens_per_s, library);
     metrics["model_flops_per_step"] = model_flops;
     metrics["model_tflops_per_device"] = model_tflops;
@@ -273,7 +505,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     json mb_at_peak = json::object();
     for (const auto& [k, v] : pk.microbatch_at_peak) mb_at_peak[std::to_string(k)] = v;
     metrics["peak_memory_bytes"]["by_microbatch_at_peak"] = mb_at_peak;
-    if (b.has_data() && model.has_head())
+    if (b.has_data() && heads > 0)
       metrics["loss"] = {{"first", curve.front()}, {"last", curve.back()}, {"all", curve}};
 
     json result;
@@ -289,10 +521,11 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     result["date"] = utc_now_iso8601();
     result["world_size"] = world;
     result["model"] = to_json(cfg);
-    result["training"] = {{"layers", {model.first_layer(), last}}, {"micro_batch", opt.micro_batch},
+    result["training"] = {{"layers", {first, last}},               {"micro_batch", opt.micro_batch},
                           {"microbatches", opt.microbatches},     {"optimizer", opt.optimizer},
                           {"lr", opt.lr},                         {"seed", opt.seed},
                           {"steps", steps},                       {"warmup", warmup}};
+    if (plan) result["parallel"] = parallel;
     result["impl"] = opt.impl;
     json reports = json::array();
     for (MoEImpl* m : model.moe_layers()) reports.push_back(m->report());
@@ -303,6 +536,19 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
                             {"device", result["device"]},   {"calibration", result["calibration"]},
                             {"commit", result["commit"]},   {"date", result["date"]},
                             {"model", cfg.name},            {"impl", opt.impl}};
+      if (plan) {
+        json stage_of_rank = json::array();
+        for (const auto& part : stage_parts) stage_of_rank.push_back(part["stage"]);
+        trace["otherData"]["pipeline"] = {{"schedule", plan->schedule.name},
+                                          {"stages", plan->schedule.stages},
+                                          {"microbatches", plan->schedule.microbatches},
+                                          {"chunks", plan->schedule.chunks},
+                                          {"placement", pipeline::placement_name(plan->schedule.placement)},
+                                          {"recompute", pipeline::recompute_name(plan->recompute)},
+                                          {"layout", plan->layout.to_string()},
+                                          {"steps", steps},
+                                          {"stage_of_rank", stage_of_rank}};
+      }
       outputs->stage(opt.trace, trace, -1);
     }
     outputs->stage(opt.out, result);
@@ -335,8 +581,10 @@ int run_model_command(const RunOptions& opt) {
     so.cluster = sim::load_cluster(opt.cluster);
     // Everything that can be checked is checked before the cluster is built.
     const int n = sim_world_size(so.cluster, opt.ranks);
-    validate_model_for_world(cfg, opt, n);
-    check_impl_options(opt.impl, opt.impl_options, {cfg.moe, n, tokens(cfg), cfg.shared_expert_hidden});
+    std::optional<PipelinePlan> plan;
+    if (opt.pipelined()) plan = plan_pipeline(opt, cfg, n, so.cluster.node.gpus);
+    else validate_model_for_world(cfg, opt, n);
+    check_impl_options(opt.impl, opt.impl_options, {cfg.moe, plan ? plan->layout.ep : n, tokens(cfg), cfg.shared_expert_hidden});
     if (!opt.profile.empty()) so.profile = sim::load_profile(opt.profile);
     so.routing = RoutingModel::parse(opt.routing, opt.seed);
     so.ranks = opt.ranks;
@@ -351,20 +599,23 @@ int run_model_command(const RunOptions& opt) {
       if (!b.supports(cfg.dtype))
         throw Unsupported(shown(cfg.origin) + ": dtype = \"" + std::string(dtype_name(cfg.dtype)) +
                           "\" is not supported by the sim backend");
-      const int r = run_model_on_rank(b, c, opt, cfg, platform, c.rank() == 0 ? &outputs : nullptr);
+      const int r = run_model_on_rank(b, c, opt, cfg, platform, c.rank() == 0 ? &outputs : nullptr,
+                                      plan ? &*plan : nullptr, cluster.options().cluster.node.gpus);
       if (c.rank() == 0) rc = r;
     });
     return rc;
   }
 
   TransformerConfig cfg;
+  std::optional<PipelinePlan> plan;
   StartedRun run;
   start_run(
       run, opt,
       [&] {
         cfg = load_transformer(opt.model, opt.model_override);
-        validate_model_for_world(cfg, opt, world);
-        check_impl_options(opt.impl, opt.impl_options, {cfg.moe, world, tokens(cfg), cfg.shared_expert_hidden});
+        if (opt.pipelined()) plan = plan_pipeline(opt, cfg, world, world);
+        else validate_model_for_world(cfg, opt, world);
+        check_impl_options(opt.impl, opt.impl_options, {cfg.moe, plan ? plan->layout.ep : world, tokens(cfg), cfg.shared_expert_hidden});
       },
       [&](const Backend& b) {
         if (b.supports(cfg.dtype)) return std::string();
@@ -372,8 +623,11 @@ int run_model_command(const RunOptions& opt) {
                " backend" +
                (b.name() == "cpu" ? " (it computes in fp32; override with --model-override '{\"dtype\": \"fp32\"}')" : "");
       },
-      [&](Backend& b, Communicator& c) { run_model_on_rank(b, c, opt, cfg, Platform{}, nullptr, true); });
-  return run_model_on_rank(*run.backend, *run.comm, opt, cfg, Platform{}, world_rank() == 0 ? &run.outputs : nullptr);
+      [&](Backend& b, Communicator& c) {
+        run_model_on_rank(b, c, opt, cfg, Platform{}, nullptr, plan ? &*plan : nullptr, world, true);
+      });
+  return run_model_on_rank(*run.backend, *run.comm, opt, cfg, Platform{}, world_rank() == 0 ? &run.outputs : nullptr,
+                           plan ? &*plan : nullptr, world);
 }
 
 }  // namespace moelab::cli

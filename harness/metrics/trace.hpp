@@ -5,7 +5,8 @@
 // by side:
 //   pid = rank ("rank R"), tid = stream id (named after the stream: compute, dispatch, ...)
 //   "X" events  one per op: name, ts and dur in microseconds, cat = phase, args = phase,
-//               kind and the op's cost descriptor (flops, bytes, comm_bytes)
+//               kind, the op's cost descriptor (flops, bytes, comm_bytes) and, in a pipeline,
+//               the schedule node ("F3.1") it belongs to
 //   "C" events  counter "memory": MiB in use per memory category, one sample per change
 #pragma once
 #include <vector>

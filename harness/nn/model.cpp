@@ -30,17 +30,15 @@ struct ModelSaved final : Saved {
 }  // namespace
 
 Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const ModelOptions& opt)
-    : b_(b), ep_(ep), cfg_(cfg), opt_(opt), s_(b.default_stream()) {
+    : b_(b), ep_(ep), cfg_(cfg), opt_(opt), tp_{opt.tp, opt.sequence_parallel}, s_(b.default_stream()) {
   first_ = opt.first_layer;
   last_ = opt.last_layer < 0 ? cfg.num_layers : opt.last_layer;
   if (first_ < 0 || first_ >= last_ || last_ > cfg.num_layers)
     throw ConfigError("--layers " + std::to_string(first_) + ":" + std::to_string(last_) + " is not a range of the " +
                       std::to_string(cfg.num_layers) + " layers of " + cfg.name);
-  if (opt.tp && opt.tp->size() > 1)
-    throw ConfigError("tensor parallelism (tp = " + std::to_string(opt.tp->size()) + ") is not built yet");
   b.set_allow_tf32(cfg.allow_tf32);
   if (first_ == 0) {
-    auto e = std::make_unique<Embedding>(b, s_, cfg);
+    auto e = std::make_unique<Embedding>(b, s_, cfg, tp_);
     embedding_ = e.get();
     blocks_.push_back(std::move(e));
   }
@@ -53,6 +51,9 @@ Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const M
   if (span == 2 && last_ < cfg.num_layers && cfg.is_moe(last_))
     throw ConfigError("--layers " + std::to_string(first_) + ":" + std::to_string(last_) + " ends inside ScMoE's block pair (" +
                       std::to_string(last_ - 1) + ", " + std::to_string(last_) + ") of " + cfg.name);
+  if (span > 0 && tp_.on())
+    throw ConfigError(cfg.origin + ": ScMoE's block pair (\"scmoe\") is not built for tensor parallelism (tp = " +
+                      std::to_string(tp_.size()) + ")");
   routed_top_k_.assign(static_cast<std::size_t>(last_ - first_), 0);
   for (int l = first_; l < last_; ++l) {
     if (span > 0 && l + span - 1 < last_ && cfg.is_moe(l + span - 1)) {
@@ -66,25 +67,32 @@ Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const M
       l += span - 1;
       continue;
     }
-    blocks_.push_back(std::make_unique<AttentionBlock>(b, s_, cfg, l));
+    blocks_.push_back(std::make_unique<AttentionBlock>(b, s_, cfg, l, tp_));
     if (cfg.is_moe(l)) {
       // Every MoE layer of the model issues on one set of streams and communicators: L layers
       // do not make 2L streams and 2L duplicates of the expert-parallel communicator.
       if (!channels_) channels_ = std::make_unique<MoEChannels>(b, ep);
       auto impl = make_impl(opt.impl, b, ep, cfg.moe, opt.impl_options, channels_.get());
       routed_top_k_[static_cast<std::size_t>(l - first_)] = impl->layer().config().top_k;  // a baseline's own k
-      blocks_.push_back(std::make_unique<FfnBlock>(b, s_, cfg, l, std::move(impl), opt.aux_loss_coef));
+      blocks_.push_back(std::make_unique<FfnBlock>(b, s_, cfg, l, std::move(impl), opt.aux_loss_coef, tp_));
     }
     else
-      blocks_.push_back(std::make_unique<FfnBlock>(b, s_, cfg, l));
+      blocks_.push_back(std::make_unique<FfnBlock>(b, s_, cfg, l, tp_));
   }
   if (last_ == cfg.num_layers) {
-    // Tied embeddings across stages would need the two copies' gradients summed over the
-    // pipeline (Megatron's embedding group); within one stage they are one tensor.
-    if (cfg.tie_embeddings && !embedding_)
+    // Tied embeddings across stages: the head's own copy, whose gradient the pipeline sums with
+    // the embedding's (Megatron's embedding group; ModelOptions::tied_embedding_copy); within
+    // one stage they are one tensor.
+    if (cfg.tie_embeddings && !embedding_ && !opt.tied_embedding_copy)
       throw ConfigError(cfg.origin + ": tie_embeddings needs the embedding and the head on one stage; "
                         "this range " + std::to_string(first_) + ":" + std::to_string(last_) + " has only the head");
-    auto h = std::make_unique<Head>(b, s_, cfg, embedding_ ? &embedding_->wte() : nullptr);
+    if (cfg.tie_embeddings && !embedding_) {
+      // The same shape and vocabulary shard as the embedding's table (tensor_parallel.hpp).
+      const std::int64_t V = tp_.padded_vocab(cfg.vocab_size);
+      wte_copy_ = make_param(b, s_, "embedding.wte", {V / tp_.size(), cfg.d_model}, cfg.dtype);  // [V/t,M]
+      wte_copy_.shard = tp_shard(tp_, 0, V, {}, "embedding.wte vocabulary");
+    }
+    auto h = std::make_unique<Head>(b, s_, cfg, embedding_ ? &embedding_->wte() : &wte_copy_, tp_);
     head_ = h.get();
     blocks_.push_back(std::move(h));
   }
@@ -94,6 +102,7 @@ Model::~Model() = default;
 
 void Model::init_parameters(std::uint64_t seed) {
   for (auto& blk : blocks_) blk->init_parameters(seed);
+  if (wte_copy_.value.defined()) b_.fill_zero(s_, wte_copy_.value);
 }
 
 void Model::zero_grad() {
@@ -110,36 +119,59 @@ std::vector<MoEImpl*> Model::moe_layers() {
 }
 
 std::vector<Param> Model::parameters() {
-  std::vector<Param*> ps;
-  for (auto& blk : blocks_) blk->collect(ps);
   std::vector<Param> out;
-  for (auto* p : ps) out.push_back(*p);
+  for (auto& s : param_slots()) out.push_back(std::move(s.param));
+  return out;
+}
+
+std::vector<ParamSlot> Model::param_slots() {
+  std::vector<ParamSlot> out;
   int layer = first_;
-  for (auto& blk : blocks_) {
-    if (auto* g = dynamic_cast<LayerGroup*>(blk.get())) {  // its collect() named its own MoE parameters
+  for (std::size_t i = 0; i < blocks_.size(); ++i) {
+    const int block = static_cast<int>(i);
+    std::vector<Param*> ps;
+    blocks_[i]->collect(ps);
+    for (Param* p : ps) out.push_back({*p, &p->value, &p->grad, block});
+    if (auto* g = dynamic_cast<LayerGroup*>(blocks_[i].get())) {  // its collect() named its own MoE parameters
       layer += g->num_layers();
       continue;
     }
-    auto* f = dynamic_cast<FfnBlock*>(blk.get());
+    auto* f = dynamic_cast<FfnBlock*>(blocks_[i].get());
     if (!f) continue;
     if (MoEImpl* m = f->moe()) {
       const std::string pre = "layer" + std::to_string(layer) + ".moe.";
       MoEParams& v = m->params();
       MoEParams& g = m->grads();
-      out.push_back({pre + "w_gate", v.w_gate, g.w_gate, true});
-      if (v.w_noise.defined()) out.push_back({pre + "w_noise", v.w_noise, g.w_noise, true});
-      out.push_back({pre + "w1", v.w1, g.w1, false});
-      out.push_back({pre + "w2", v.w2, g.w2, false});
+      auto add = [&](const char* name, Tensor& value, Tensor& grad, bool gate) {
+        Param p;
+        p.name = pre + name;
+        p.value = value;
+        p.grad = grad;
+        p.replicated = gate;
+        // The gate sees the rank's rows under sequence parallelism; the experts see the same
+        // tokens from every TP rank without it (grad_sync.hpp).
+        p.tp_partial = gate && tp_.sp();
+        p.grad_copies = !gate && tp_.on() && !tp_.sp() ? tp_.size() : 1;
+        out.push_back({std::move(p), &value, &grad, block});
+      };
+      add("w_gate", v.w_gate, g.w_gate, true);
+      if (v.w_noise.defined()) add("w_noise", v.w_noise, g.w_noise, true);
+      add("w1", v.w1, g.w1, false);
+      add("w2", v.w2, g.w2, false);
     }
     ++layer;
   }
+  // The head's copy of tied embeddings: final when the head's backward_weight is.
+  if (wte_copy_.value.defined())
+    out.push_back({wte_copy_, &wte_copy_.value, &wte_copy_.grad, static_cast<int>(blocks_.size()) - 1});
   return out;
 }
 
 Forwarded Model::forward(const Batch& batch, const WorkKey& key) {
   auto sv = std::make_unique<ModelSaved>(key);
   Tensor h = batch.input;
-  const std::int64_t T = h.dim(0);
+  // Tokens of the microbatch on this rank outside the TP regions (what the MoE layers route).
+  const std::int64_t T = embedding_ ? tp_.local_tokens(h.dim(0)) : h.dim(0);
   int layer = first_;
   for (auto& blk : blocks_) {
     WorkKey k = key;
@@ -179,6 +211,7 @@ void Model::backward_weight(Saved& saved) {
   for (std::size_t i = blocks_.size(); i-- > 0;) {
     blocks_[i]->backward_weight(*sv.blocks[i]);
     sv.blocks[i].reset();
+    if (sync_) sync_->block_done(static_cast<int>(i));
   }
   sv.weight_done = true;
 }
@@ -211,9 +244,12 @@ double Model::aux_loss(Saved& saved) {
 }
 
 void Model::all_reduce_gradients(Communicator& dp) {
-  if (dp.size() == 1) return;
-  for (auto& p : parameters())
-    if (p.replicated) dp.all_reduce(s_, p.grad);
+  PhaseScope ph(b_, "grad_sync");
+  for (auto& p : parameters()) {
+    if (p.grad_copies > 1) b_.scale(s_, p.grad, 1.0f / static_cast<float>(p.grad_copies), p.grad);
+    if (p.tp_partial && tp_.on()) tp_.comm->all_reduce(s_, p.grad);
+    if (p.replicated && dp.size() > 1) dp.all_reduce(s_, p.grad);
+  }
 }
 
 double Model::model_flops(std::int64_t tokens) const {
@@ -253,33 +289,48 @@ OptimizerKind parse_optimizer(const std::string& s) {
 
 Optimizer::Optimizer(Backend& b, Stream& s, std::vector<Param> params, const OptimizerConfig& cfg)
     : b_(b), s_(s), cfg_(cfg) {
-  for (auto& p : params) {
-    Slot sl;
-    sl.p = p;
-    const std::vector<std::int64_t> flat{p.value.numel()};
-    if (p.value.dtype() != DType::f32) {
-      sl.master = b.empty(flat, DType::f32, MemCategory::optimizer, s);
-      b.copy(s, p.value.reshape(flat), sl.master);
-    }
-    if (cfg.kind == OptimizerKind::adam) {
-      sl.m = b.empty(flat, DType::f32, MemCategory::optimizer, s);
-      sl.v = b.empty(flat, DType::f32, MemCategory::optimizer, s);
-      b.fill_zero(s, sl.m);
-      b.fill_zero(s, sl.v);
-    }
-    slots_.push_back(std::move(sl));
+  for (auto& p : params) add_slot(p.value, p.grad);
+}
+
+Optimizer::Optimizer(Backend& b, Stream& s, GradSync& sync, const OptimizerConfig& cfg) : b_(b), s_(s), cfg_(cfg) {
+  if (!sync.zero1()) {
+    for (auto& p : sync.parameters()) add_slot(p.value, p.grad);
+    return;
   }
+  zero_ = &sync;
+  for (std::size_t i = 0; i < sync.num_buckets(); ++i) {
+    const GradSync::Shard sh = sync.shard(i);
+    add_slot(sh.param, sh.grad);
+  }
+}
+
+void Optimizer::add_slot(const Tensor& param, const Tensor& grad) {
+  Slot sl;
+  const std::vector<std::int64_t> flat{param.numel()};
+  sl.param = param.reshape(flat);
+  sl.grad = grad.reshape(flat);
+  if (param.dtype() != DType::f32) {
+    sl.master = b_.empty(flat, DType::f32, MemCategory::optimizer, s_);
+    b_.copy(s_, sl.param, sl.master);
+  }
+  if (cfg_.kind == OptimizerKind::adam) {
+    sl.m = b_.empty(flat, DType::f32, MemCategory::optimizer, s_);
+    sl.v = b_.empty(flat, DType::f32, MemCategory::optimizer, s_);
+    b_.fill_zero(s_, sl.m);
+    b_.fill_zero(s_, sl.v);
+  }
+  slots_.push_back(std::move(sl));
 }
 
 void Optimizer::step() {
   ++t_;
   PhaseScope ph(b_, "optimizer");
-  for (auto& sl : slots_) {
-    const std::vector<std::int64_t> flat{sl.p.value.numel()};
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    Slot& sl = slots_[i];
     OptimizerStep o;
     o.kind = cfg_.kind;
-    o.param = sl.p.value.reshape(flat);
-    o.grad = sl.p.grad.reshape(flat);
+    o.param = sl.param;
+    o.grad = sl.grad;
     o.master = sl.master;
     o.m = sl.m;
     o.v = sl.v;
@@ -290,7 +341,9 @@ void Optimizer::step() {
     o.weight_decay = cfg_.weight_decay;
     o.step = t_;
     b_.optimizer_step(s_, o);
+    if (zero_) zero_->gather_parameters(i);  // this bucket's shards back to every rank of its group
   }
+  if (zero_) zero_->wait_parameters();
 }
 
 }  // namespace moelab

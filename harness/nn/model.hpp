@@ -12,6 +12,14 @@
 // one holding the last layer ends with the head (final norm, LM head, loss). Each transformer
 // layer is an AttentionBlock and an FfnBlock (dense MLP, or MoE where cfg.is_moe(layer)); with
 // ScMoE (cfg.scmoe) each block pair is one LayerGroup instead (harness/nn/layer_group.hpp).
+//
+// Tensor parallelism (ModelOptions::tp, harness/nn/tensor_parallel.hpp): every TP rank of a
+// group gets the same batch; the blocks split heads and FFN columns over the group and issue
+// its collectives on the model's stream. With sequence parallelism the activations between
+// blocks (and a stage's input and output) are the rank's [T/t,M] rows. Gradients of
+// parameters every TP rank holds whole but computed from other rows (Param::tp_partial) and of
+// the experts are completed by the gradient synchroniser (harness/nn/grad_sync.hpp), or by
+// all_reduce_gradients.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -23,6 +31,7 @@
 #include "harness/comm/communicator.hpp"
 #include "harness/config/model.hpp"
 #include "harness/nn/blocks.hpp"
+#include "harness/nn/grad_sync.hpp"
 
 namespace moelab {
 
@@ -32,10 +41,18 @@ struct ModelOptions {
   int first_layer = 0, last_layer = -1;          // [first, last); -1: to the end
   float aux_loss_coef = 0.01f;                   // Switch Transformer's alpha (Fedus et al. 2022, §2.2)
   // Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): the group that splits attention
-  // heads and the FFN; null or size 1: no tensor parallelism. With sequence_parallel the TP
-  // ranks hold different tokens outside the TP regions (Korthikanti et al. 2022, §4.2.2).
+  // heads, the FFN and the vocabulary; null or size 1: no tensor parallelism. The model issues
+  // its collectives on its stream: give it a communicator no other stream uses. With
+  // sequence_parallel the TP ranks hold different tokens outside the TP regions (Korthikanti
+  // et al. 2022, §4.2.2).
   Communicator* tp = nullptr;
   bool sequence_parallel = false;
+  // Tied embeddings (cfg.tie_embeddings) in a range that has the LM head but not the
+  // embedding: the range holds its own copy of the word embeddings, zero until the pipeline
+  // copies the embedding into it, and the pipeline sums the two copies' gradients every step
+  // (Megatron's embedding group; harness/pipeline/executor.hpp). Without it such a range is a
+  // ConfigError.
+  bool tied_embedding_copy = false;
 };
 
 // One microbatch's input: token ids [T] int32 (a stage with the embedding) or activations
@@ -63,12 +80,21 @@ class Model {
   double loss(const Saved& saved);
   double aux_loss(Saved& saved);
 
-  // Every parameter, named; the MoE layers' gate weights count as replicated, their
-  // experts as sharded over the expert-parallel group.
+  // Every parameter, named, in model order; the MoE layers' gate weights count as replicated,
+  // their experts as sharded over the expert-parallel group.
   std::vector<Param> parameters();
+  // The same, with where each lives and which block finishes its gradient (GradSync).
+  std::vector<ParamSlot> param_slots();
   // Sum the replicated parameters' gradients over `dp` (data parallelism: every rank saw
-  // other tokens). One all-reduce per parameter, on the compute stream.
+  // other tokens; the experts are sharded over the same ranks by expert parallelism), the
+  // TP-partial ones over the TP group, and average the experts' TP copies (grad_sync.hpp).
+  // One collective per parameter, on the compute stream, after backward: GradSync does the
+  // same in buckets, overlapped with backward.
   void all_reduce_gradients(Communicator& dp);
+  // The synchroniser told of every block whose backward_weight is issued (GradSync::arm
+  // decides which microbatch's count); null: none.
+  void set_grad_sync(GradSync* sync) { sync_ = sync; }
+  const TensorParallel& tensor_parallel() const { return tp_; }
 
   const TransformerConfig& config() const { return cfg_; }
   bool has_embedding() const { return embedding_ != nullptr; }
@@ -89,9 +115,12 @@ class Model {
   Communicator& ep_;
   TransformerConfig cfg_;
   ModelOptions opt_;
+  TensorParallel tp_;
   Stream& s_;
+  GradSync* sync_ = nullptr;
   int first_ = 0, last_ = 0;
   std::unique_ptr<MoEChannels> channels_;  // shared by the MoE layers; outlives them (declared first)
+  Param wte_copy_;                         // [V,M] the head's copy of tied embeddings (tied_embedding_copy)
   Embedding* embedding_ = nullptr;
   Head* head_ = nullptr;
   std::vector<std::unique_ptr<Block>> blocks_;  // in order: [embedding] (attention, ffn)* [head]
@@ -105,20 +134,26 @@ struct OptimizerConfig {
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.0f;
 };
 
+// With a GradSync in ZeRO-1 mode (Rajbhandari et al. 2020, §5.1) the states are made for this
+// rank's shard of every bucket only, step() updates the shards and the synchroniser
+// all-gathers them; without ZeRO-1 it is the per-parameter optimizer over sync's parameters.
 class Optimizer {
  public:
   Optimizer(Backend& b, Stream& s, std::vector<Param> params, const OptimizerConfig& cfg);
+  Optimizer(Backend& b, Stream& s, GradSync& sync, const OptimizerConfig& cfg);
   void step();  // one update of every parameter (asynchronous, on the stream)
   std::int64_t steps() const { return t_; }
 
  private:
   struct Slot {
-    Param p;
+    Tensor param, grad;  // [n] flat: a parameter, or a ZeRO-1 shard of a bucket
     Tensor master, m, v;
   };
+  void add_slot(const Tensor& param, const Tensor& grad);
   Backend& b_;
   Stream& s_;
   OptimizerConfig cfg_;
+  GradSync* zero_ = nullptr;  // ZeRO-1: the slots are its buckets' shards, in order
   std::vector<Slot> slots_;
   std::int64_t t_ = 0;
 };

@@ -40,10 +40,12 @@ namespace {
   throw Unsupported(std::string(op) + " is not implemented on the " + b.name() + " backend");
 }
 }  // namespace
-void Backend::embedding_forward(Stream&, const Tensor&, const Tensor&, const Tensor&, std::int64_t, Tensor&) {
+void Backend::embedding_forward(Stream&, const Tensor&, const Tensor&, const Tensor&, std::int64_t, Tensor&,
+                                const VocabShard&) {
   not_on(*this, "embedding_forward");
 }
-void Backend::embedding_backward(Stream&, const Tensor&, const Tensor&, std::int64_t, Tensor&, Tensor&) {
+void Backend::embedding_backward(Stream&, const Tensor&, const Tensor&, std::int64_t, Tensor&, Tensor&,
+                                 const VocabShard&) {
   not_on(*this, "embedding_backward");
 }
 void Backend::norm_forward(Stream&, NormKind, float, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&,
@@ -72,10 +74,15 @@ void Backend::gated_combine_backward(Stream&, const Tensor&, const Tensor&, cons
                                      Tensor&, Tensor&) {
   not_on(*this, "gated_combine_backward");
 }
-void Backend::cross_entropy_forward(Stream&, const Tensor&, const Tensor&, Tensor&, Tensor&) {
+void Backend::scale(Stream&, const Tensor&, float, Tensor&) { not_on(*this, "scale"); }
+void Backend::cross_entropy_forward(Stream&, const Tensor&, const Tensor&, Tensor&, Tensor&, const VocabShard&) {
   not_on(*this, "cross_entropy_forward");
 }
-void Backend::cross_entropy_backward(Stream&, const Tensor&, const Tensor&, const Tensor&, float, Tensor&) {
+void Backend::cross_entropy_combine(Stream&, const Tensor&, const Tensor&, std::int64_t, Tensor&, Tensor&) {
+  not_on(*this, "cross_entropy_combine");
+}
+void Backend::cross_entropy_backward(Stream&, const Tensor&, const Tensor&, const Tensor&, float, Tensor&,
+                                     const VocabShard&) {
   not_on(*this, "cross_entropy_backward");
 }
 void Backend::optimizer_step(Stream&, const OptimizerStep&) { not_on(*this, "optimizer_step"); }

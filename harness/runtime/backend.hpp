@@ -202,11 +202,14 @@ class Backend {
 
   // out[t] = wte[ids[t]] (+ wpe[t mod S] when wpe is defined: learned positions)
   //   ids [T] int32, wte [V,M], wpe [P,M] (P >= S) or undefined, out [T,M]
+  // With a shard, wte holds rows [start, start + V) of the vocabulary: an id outside them gives
+  // a row of zeros (+ wpe), so that the shards' outputs sum to the whole table's.
   virtual void embedding_forward(Stream& s, const Tensor& ids, const Tensor& wte, const Tensor& wpe,
-                                 std::int64_t seq_len, Tensor& out);
-  // d_wte[ids[t]] += d_out[t]; d_wpe[t mod S] += d_out[t] (when d_wpe is defined)
+                                 std::int64_t seq_len, Tensor& out, const VocabShard& shard = {});
+  // d_wte[ids[t]] += d_out[t]; d_wpe[t mod S] += d_out[t] (when d_wpe is defined); with a
+  // shard, d_wte[ids[t] - start] for the ids in it only.
   virtual void embedding_backward(Stream& s, const Tensor& d_out, const Tensor& ids, std::int64_t seq_len,
-                                  Tensor& d_wte, Tensor& d_wpe);
+                                  Tensor& d_wte, Tensor& d_wpe, const VocabShard& shard = {});
 
   // y = (x - mean) * rstd * gamma + beta  (layernorm; beta may be undefined = 0)
   // y = x * rstd * gamma                  (rmsnorm: rstd = 1/sqrt(mean(x^2) + eps))
@@ -239,6 +242,9 @@ class Backend {
   // out = a + b (elementwise, same shape and dtype; out may alias a or b): residual adds and
   // gradient accumulation.
   virtual void add(Stream& s, const Tensor& a, const Tensor& b, Tensor& out);
+  // out = alpha * x (same numel and dtype; out may alias x): a gradient averaged over the
+  // copies that summed it (harness/nn/grad_sync.hpp).
+  virtual void scale(Stream& s, const Tensor& x, float alpha, Tensor& out);
 
   // The gated sum of two branch outputs (ScMoE's combine gates, Cai et al., arXiv 2404.05019,
   // §3: CG-1 and CG-2; DeepSpeed's Residual-MoE coefficient is CG-2). z [T,G] fp32 holds each
@@ -254,11 +260,23 @@ class Backend {
 
   // Softmax cross-entropy, fused (llm.c style): logits [T,V] (any float dtype), targets [T]
   // int32 (a target < 0 is ignored: loss 0, no gradient). losses [T] fp32, lse [T] fp32.
+  // With a shard the logits are columns [start, start + V) of a vocabulary of `total`: lse is
+  // the shard's own, and losses[t] = lse[t] - logits[t, target - start] for a target in the
+  // shard, 0 for one outside it (cross_entropy_combine makes the whole row's loss of the shards').
   virtual void cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor& targets, Tensor& losses,
-                                     Tensor& lse);
-  // d_logits = scale * (softmax(logits) - onehot(target)) per counted row (0 for ignored rows)
+                                     Tensor& lse, const VocabShard& shard = {});
+  // d_logits = scale * (softmax(logits) - onehot(target)) per counted row (0 for ignored rows);
+  // with a shard, lse is the whole row's (cross_entropy_combine) and the one-hot is 1 only for
+  // a target in the shard.
   virtual void cross_entropy_backward(Stream& s, const Tensor& logits, const Tensor& targets, const Tensor& lse,
-                                      float scale, Tensor& d_logits);
+                                      float scale, Tensor& d_logits, const VocabShard& shard = {});
+  // The whole vocabulary's loss from P equal shards of `shard_rows` columns each (Megatron's
+  // vocabulary-parallel cross-entropy): parts [P,2,T] fp32 holds every shard's cross_entropy_forward
+  // losses (row 0) and lse (row 1), as an all-gather stacks them. lse[t] = log Σ_p exp(lse_p[t]);
+  // losses[t] = lse[t] - logit of the target, read from its own shard p = target / shard_rows as
+  // lse_p[t] - losses_p[t] (0 for an ignored target). targets [T] int32, losses and lse [T] fp32.
+  virtual void cross_entropy_combine(Stream& s, const Tensor& parts, const Tensor& targets, std::int64_t shard_rows,
+                                     Tensor& losses, Tensor& lse);
 
   // One optimizer step on one parameter tensor (see OptimizerStep). Reads grad, updates the
   // fp32 master copy (or the parameter itself when it is fp32 and master is undefined), the
@@ -285,6 +303,11 @@ class Backend {
   // Ops issued while a PhaseScope is alive carry its label in the timeline.
   void set_phase(std::string phase) { phase_ = std::move(phase); }
   const std::string& phase() const { return phase_; }
+  // Ops issued while a NodeScope is alive carry the pipeline schedule node they belong to
+  // ("F3.1": the forward of microbatch 3, chunk 1; harness/pipeline/executor.hpp), so that a
+  // timeline can be drawn and measured per node.
+  void set_node(std::string node) { node_ = std::move(node); }
+  const std::string& node() const { return node_; }
   // Allocations made while a microbatch is current are charged to it as well (see
   // MemoryTracker); MicrobatchScope sets it for a block of code.
   void set_microbatch(int mb) { microbatch_ = mb; }
@@ -301,6 +324,7 @@ class Backend {
 
   MemoryTracker memory_;
   std::string phase_ = "other";
+  std::string node_;
   int microbatch_ = kNoMicrobatch;
   int rank_ = 0;
   bool allow_tf32_ = false;
@@ -313,6 +337,18 @@ class PhaseScope {
   ~PhaseScope() { b_.set_phase(saved_); }
   PhaseScope(const PhaseScope&) = delete;
   PhaseScope& operator=(const PhaseScope&) = delete;
+
+ private:
+  Backend& b_;
+  std::string saved_;
+};
+
+class NodeScope {
+ public:
+  NodeScope(Backend& b, std::string node) : b_(b), saved_(b.node()) { b_.set_node(std::move(node)); }
+  ~NodeScope() { b_.set_node(saved_); }
+  NodeScope(const NodeScope&) = delete;
+  NodeScope& operator=(const NodeScope&) = delete;
 
  private:
   Backend& b_;

@@ -189,6 +189,8 @@ OpCost cost_swiglu_backward(std::int64_t tokens, std::int64_t width, DType dtype
 
 OpCost cost_add(std::int64_t elements, DType dtype) { return cost_elementwise(elements, dtype, 2, 1, 1); }
 
+OpCost cost_scale(std::int64_t elements, DType dtype) { return cost_elementwise(elements, dtype, 1, 1, 1); }
+
 // Gated sum: per row G gate values (an exponential, an add and a divide each: 4), per element two
 // multiplies and an add; reads a, b and the fp32 logits, writes out.
 OpCost cost_gated_combine_forward(std::int64_t tokens, std::int64_t width, int gates, DType dtype) {
@@ -212,6 +214,13 @@ OpCost cost_gated_combine_backward(std::int64_t tokens, std::int64_t width, int 
 OpCost cost_cross_entropy_forward(std::int64_t tokens, std::int64_t vocab, DType dtype) {
   const double T = static_cast<double>(tokens), TV = T * static_cast<double>(vocab);
   return {OpKind::elementwise, 4.0 * TV, TV * elem(dtype) + T * kIdBytes, 2.0 * T * kStatBytes, 0, 1};
+}
+
+// Per token: the log-sum-exp of the P shards' lse (a max, P exponentials and a log, ~4 per
+// shard) and one subtraction; reads the P shards' (loss, lse) and the target, writes loss and lse.
+OpCost cost_cross_entropy_combine(std::int64_t tokens, std::int64_t shards) {
+  const double T = static_cast<double>(tokens), P = static_cast<double>(shards);
+  return {OpKind::elementwise, 4.0 * P * T, 2.0 * P * T * kStatBytes + T * kIdBytes, 2.0 * T * kStatBytes, 0, 1};
 }
 
 // d_logits = scale·(exp(logit − lse) − onehot): subtract, exponential, multiply per logit.

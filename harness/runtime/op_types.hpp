@@ -16,6 +16,15 @@ NormKind parse_norm(const std::string& s);  // "layernorm" | "rmsnorm"; throws C
 
 enum class OptimizerKind { sgd, adam };
 
+// The rows [start, start + rows of the table) of a vocabulary of `total` tokens that a rank
+// holds: Megatron-LM's vocabulary-parallel embedding (the table split by rows) and
+// cross-entropy (the logits split by columns), Shoeybi et al. 2019, §3. The default, total 0,
+// is the whole vocabulary in one table.
+struct VocabShard {
+  std::int64_t start = 0;
+  std::int64_t total = 0;
+};
+
 // The shape of one attention call: B sequences of S tokens, Hq query heads and Hkv
 // key/value heads (Hq % Hkv == 0) of head_dim D; scores scaled by 1/sqrt(D).
 struct AttentionShape {

@@ -1,14 +1,15 @@
 // harness/tests/blocks_ops_test.cpp — the transformer-block ops (Backend, "transformer-block
 // ops"): the float64 reference (blocks_reference.hpp) checked by central finite differences;
 // the cpu backend's forward and backward against it on fresh random seeds and awkward sizes;
-// attention's memory staying O(S·D); Adam and SGD against hand-computed steps; and every op's
+// attention's memory staying O(S·D); the vocabulary-parallel embedding and cross-entropy over
+// shards against the whole vocabulary's reference; Adam and SGD against hand-computed steps; and every op's
 // timeline record, on cpu and on sim, carrying exactly its cost function's figures.
 //   ctest --test-dir build -R blocks_ops --output-on-failure
 //   MOELAB_TEST_SEED=<n> build/harness/tests/blocks_ops_test --gtest_filter='*Attention*'
 //
 // Tolerances compare fp32 results with float64 ones (all_close: |got − ref| <= rtol·(max|ref| +
 // |ref|)); each is about ten times the worst error seen over many seeds:
-//   embedding, add, rope                       1e-6 (a copy, one add, or one rotation)
+//   embedding, add, scale, rope                1e-6 (a copy, one add or multiply, or one rotation)
 //   gated combine: out, da, db; dz             1e-6; 1e-5 (row dot products of up to 300 terms)
 //   swiglu                                     2e-6
 //   norms: y, mean, rstd, dγ, dβ               5e-6 (rows of up to 1000, sums over 37 rows)
@@ -474,6 +475,21 @@ TEST(GatedCombine, ForwardAndBackwardMatchReference) {
     }
 }
 
+TEST(Scale, ElementwiseAndInPlace) {
+  const std::uint64_t seed = test::fresh_seed();
+  const std::int64_t n = 1001;
+  const auto x = random_floats(n, seed, 1);
+  const float alpha = 1.0f / 3.0f;  // the mean over three copies
+  Cpu cpu;
+  Tensor tx = cpu.f32({n}, x), tz = cpu.zeros({n});
+  cpu.b->scale(cpu.s, tx, alpha, tz);
+  cpu.b->scale(cpu.s, tx, alpha, tx);  // out aliases x: a gradient scaled where it is
+  Vec ref(static_cast<std::size_t>(n));
+  for (std::size_t i = 0; i < ref.size(); ++i) ref[i] = static_cast<double>(alpha) * x[i];
+  EXPECT_TRUE(all_close("out", cpu.get(tz), ref, 1e-6));
+  EXPECT_TRUE(all_close("in place", cpu.get(tx), ref, 1e-6));
+}
+
 TEST(CrossEntropy, IgnoredTargetsAndLargeLogits) {
   const std::uint64_t seed = test::fresh_seed();
   struct C {
@@ -505,6 +521,84 @@ TEST(CrossEntropy, IgnoredTargetsAndLargeLogits) {
                           c.rtol_grad));
     for (std::int64_t v = 0; v < V; ++v) EXPECT_EQ(d[static_cast<std::size_t>(v)], 0.0f) << "ignored row, column " << v;
   }
+}
+
+// Vocabulary-parallel embedding and cross-entropy (Megatron-LM): over P equal shards of the
+// vocabulary, the shards' embeddings sum to the whole table's and their gradients are its
+// rows; the shards' (loss, lse), combined, and their logit gradients are the whole row's —
+// against the float64 reference, awkward shard counts, ignored targets and logits near 1e3.
+TEST(VocabShards, ShardsCombineToTheWholeVocabulary) {
+  const std::uint64_t seed = test::fresh_seed();
+  const std::int64_t V = 30, M = 6, S = 5, T = 3 * S;
+  for (std::int64_t P : {1, 2, 3, 15}) {
+    for (double offset : {0.0, 1000.0}) {
+      SCOPED_TRACE("P=" + std::to_string(P) + " offset " + std::to_string(offset));
+      const std::int64_t R = V / P;  // rows (logit columns) per shard
+      const Ids ids = random_ids(T, seed, 1, 0, V - 1);
+      Ids targets = random_ids(T, seed, 2, -1, V - 1);
+      targets[0] = -1;
+      targets[1] = static_cast<std::int32_t>(V - 1);
+      const auto wte = random_floats(static_cast<std::size_t>(V * M), seed, 3),
+                 wpe = random_floats(static_cast<std::size_t>(S * M), seed, 4),
+                 dy = random_floats(static_cast<std::size_t>(T * M), seed, 5);
+      const auto logits = random_floats(static_cast<std::size_t>(T * V), seed, 6, offset - 8, offset + 8);
+      const float scale = 0.25f;
+      Cpu cpu;
+      Tensor tid = cpu.i32(ids), ttg = cpu.i32(targets), tpe = cpu.f32({S, M}, wpe), tdy = cpu.f32({T, M}, dy);
+      Vec emb(static_cast<std::size_t>(T * M), 0.0), dte(static_cast<std::size_t>(V * M), 0.0), dlog(logits.size());
+      std::vector<float> parts;  // [P,2,T] as an all-gather stacks them
+      std::vector<Tensor> keep;
+      for (std::int64_t p = 0; p < P; ++p) {
+        const VocabShard sh{p * R, V};
+        std::vector<float> rows(wte.begin() + p * R * M, wte.begin() + (p + 1) * R * M), cols;
+        for (std::int64_t t = 0; t < T; ++t)
+          cols.insert(cols.end(), logits.begin() + t * V + p * R, logits.begin() + t * V + (p + 1) * R);
+        Tensor tte = cpu.f32({R, M}, rows), out = cpu.zeros({T, M}), dw = cpu.zeros({R, M}), dpe = cpu.zeros({S, M});
+        cpu.b->embedding_forward(cpu.s, tid, tte, p == 0 ? tpe : Tensor(), S, out, sh);
+        cpu.b->embedding_backward(cpu.s, tdy, tid, S, dw, dpe, sh);
+        const auto o = cpu.get(out), g = cpu.get(dw);
+        for (std::size_t i = 0; i < o.size(); ++i) emb[i] += o[i];
+        for (std::int64_t i = 0; i < R * M; ++i) dte[static_cast<std::size_t>(p * R * M + i)] = g[static_cast<std::size_t>(i)];
+        Tensor tl = cpu.f32({T, R}, cols), part = cpu.zeros({2, T});
+        Tensor loss = part.select(0), lse = part.select(1);
+        cpu.b->cross_entropy_forward(cpu.s, tl, ttg, loss, lse, sh);
+        const auto pv = cpu.get(part);
+        parts.insert(parts.end(), pv.begin(), pv.end());
+        keep.push_back(tl);
+      }
+      EXPECT_TRUE(all_close("embedding", std::vector<float>(emb.begin(), emb.end()),
+                            blocks_ref::embedding_forward(ids, to_double(wte), to_double(wpe), M, S), 1e-6));
+      Vec ref_dte(dte.size(), 0.0), ref_dpe;
+      blocks_ref::embedding_backward(ids, to_double(dy), M, S, ref_dte, ref_dpe);
+      EXPECT_TRUE(all_close("d_wte", std::vector<float>(dte.begin(), dte.end()), ref_dte, 1e-6));
+      Tensor tparts = cpu.f32({P, 2, T}, parts), tloss = cpu.zeros({T}), tlse = cpu.zeros({T});
+      cpu.b->cross_entropy_combine(cpu.s, tparts, ttg, R, tloss, tlse);
+      const auto ref = blocks_ref::cross_entropy_forward(to_double(logits), targets, V);
+      EXPECT_TRUE(all_close("losses", cpu.get(tloss), ref.losses, offset > 0 ? 2e-5 : 1e-5));
+      EXPECT_TRUE(all_close("lse", cpu.get(tlse), ref.lse, 2e-6));
+      for (std::int64_t p = 0; p < P; ++p) {
+        Tensor d = cpu.zeros({T, R});
+        cpu.b->cross_entropy_backward(cpu.s, keep[static_cast<std::size_t>(p)], ttg, tlse, scale, d, VocabShard{p * R, V});
+        const auto dv = cpu.get(d);
+        for (std::int64_t t = 0; t < T; ++t)
+          for (std::int64_t c = 0; c < R; ++c)
+            dlog[static_cast<std::size_t>(t * V + p * R + c)] = dv[static_cast<std::size_t>(t * R + c)];
+      }
+      EXPECT_TRUE(all_close("d_logits", std::vector<float>(dlog.begin(), dlog.end()),
+                            blocks_ref::cross_entropy_backward(to_double(logits), targets, V, scale),
+                            offset > 0 ? 2e-4 : 1e-6));
+    }
+  }
+}
+
+TEST(VocabShards, AnIdOrTargetOutsideTheWholeVocabularyIsAnError) {
+  Cpu cpu;
+  Tensor tid = cpu.i32({0, 6}), tte = cpu.zeros({3, 2}), tout = cpu.zeros({2, 2});
+  cpu.b->embedding_forward(cpu.s, tid, tte, Tensor(), 2, tout, VocabShard{3, 6});  // 6 is outside [0, 6)
+  EXPECT_THROW(cpu.b->synchronize(), ConfigError);
+  Tensor tl = cpu.zeros({2, 3}), tt = cpu.i32({1, 6}), loss = cpu.zeros({2}), lse = cpu.zeros({2});
+  cpu.b->cross_entropy_forward(cpu.s, tl, tt, loss, lse, VocabShard{3, 6});
+  EXPECT_THROW(cpu.b->synchronize(), ConfigError);
 }
 
 // ---- optimizers ----------------------------------------------------------------------------------
@@ -643,8 +737,13 @@ std::vector<Expected> issue_every_block_op(Backend& b, Stream& s) {
   e.push_back({"gated_combine", cost_gated_combine_forward(T, M, 2, f)});
   b.gated_combine_backward(s, z1, x, none, y, x, none, z1);
   e.push_back({"gated_combine_bwd", cost_gated_combine_backward(T, M, 1, false, f)});
+  b.scale(s, x, 0.5f, x);
+  e.push_back({"scale", cost_scale(T * M, f)});
   b.cross_entropy_forward(s, logits, ids, losses, celse);
   e.push_back({"cross_entropy", cost_cross_entropy_forward(T, V, f)});
+  Tensor parts = zeros({3, 2, T});
+  b.cross_entropy_combine(s, parts, ids, V, losses, celse);
+  e.push_back({"cross_entropy_combine", cost_cross_entropy_combine(T, 3)});
   b.cross_entropy_backward(s, logits, ids, celse, 0.5f, logits);
   e.push_back({"cross_entropy_bwd", cost_cross_entropy_backward(T, V, f)});
   b.optimizer_step(s, {.kind = OptimizerKind::adam,

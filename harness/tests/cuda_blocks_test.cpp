@@ -1,5 +1,6 @@
 // harness/tests/cuda_blocks_test.cpp — the cuda backend's transformer-block ops (embedding,
-// layernorm/rmsnorm, rope, tiled attention, SwiGLU, add, gated combine, fused cross-entropy, SGD/Adam) in
+// layernorm/rmsnorm, rope, tiled attention, SwiGLU, add, scale, gated combine, fused cross-entropy
+// and its vocabulary-parallel form, SGD/Adam) in
 // fp32 and bf16, forward and backward, against the float64 reference of
 // cuda_blocks_reference.hpp on fresh random inputs (MOELAB_TEST_SEED replays one) and awkward
 // sizes: S = 1, 37, 130 (tiles of 32 with ragged edges), B = 1, 3, heads 4/4, 4/1, 6/3, head
@@ -452,6 +453,21 @@ TEST_P(CudaElementwise, GatedCombineForwardBackward) {
   }
 }
 
+TEST_P(CudaElementwise, ScaleInPlace) {
+  const auto [tf, dt] = GetParam();
+  const i64 n = tf.first * tf.second;
+  const std::uint64_t seed = fresh_seed();
+  const auto x = stored(uniform(n, seed), dt);
+  const float alpha = 0.25f;  // a power of two: exact in bf16 too
+  Tensor tx = make({n}, dt, x), out = poisoned({n}, dt);
+  b->scale(*s, tx, alpha, out);
+  Vec ref(static_cast<std::size_t>(n));
+  for (std::size_t i = 0; i < ref.size(); ++i) ref[i] = static_cast<double>(alpha) * x[i];
+  EXPECT_TRUE(all_close("alpha * x", b->download(out), ref, tol(dt)));
+  b->scale(*s, tx, alpha, tx);  // a gradient scaled where it is: out aliases x
+  EXPECT_EQ(b->download(tx), b->download(out));
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaElementwise,
                          ::testing::Combine(::testing::Values(std::pair<i64, i64>{1, 7}, std::pair<i64, i64>{37, 1000},
                                                               std::pair<i64, i64>{130, 7}),
@@ -505,6 +521,61 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaCrossEntropy,
                            return "T" + std::to_string(std::get<0>(i.param).first) + "_V" +
                                   std::to_string(std::get<0>(i.param).second) + "_" + dtype_label(std::get<1>(i.param));
                          });
+
+// Vocabulary-parallel (Megatron-LM): P shards of the table and of the logit columns, each op
+// with its VocabShard; the embeddings summed, the gradients laid side by side and the shards'
+// (loss, lse) combined give the whole vocabulary's reference.
+TEST_P(CudaCrossEntropy, VocabularyShardsCombineToTheWholeRow) {
+  const auto [tv, dt] = GetParam();
+  const auto [T, V] = tv;
+  const i64 P = V % 2 == 0 ? 2 : 7, R = V / P, M = 5, S = 1;
+  const std::uint64_t seed = fresh_seed();
+  const auto logits = stored(uniform(T * V, seed, -5.0, 5.0), dt), wte = stored(uniform(V * M, seed + 2), dt);
+  const auto d_out = stored(uniform(T * M, seed + 3), dt);
+  Rng r(seed + 1);
+  std::vector<std::int32_t> targets(static_cast<std::size_t>(T)), ids(static_cast<std::size_t>(T));
+  for (auto& y : targets) y = r.uniform() < 0.2 ? -1 : static_cast<std::int32_t>(r.next() % V);
+  for (auto& id : ids) id = static_cast<std::int32_t>(r.next() % V);
+  const float scale = 0.5f;
+  Tensor tt = make_i32({T}, targets), tid = make_i32({T}, ids), tdo = make({T, M}, dt, d_out);
+  Tensor parts = poisoned({P, 2, T}, DType::f32);
+  Vec emb(static_cast<std::size_t>(T * M), 0.0), d_wte, d_logits(static_cast<std::size_t>(T * V));
+  std::vector<Tensor> shard_logits;
+  for (i64 p = 0; p < P; ++p) {
+    const VocabShard sh{p * R, V};
+    Tensor tl = make({T, R}, dt, columns(logits, V, p * R, R));
+    Tensor part = parts.select(p), loss = part.select(0), lse = part.select(1);
+    b->cross_entropy_forward(*s, tl, tt, loss, lse, sh);
+    shard_logits.push_back(tl);
+    Tensor tw = make({R, M}, dt, std::vector<float>(wte.begin() + p * R * M, wte.begin() + (p + 1) * R * M));
+    Tensor out = poisoned({T, M}, dt), dw = make({R, M}, dt, std::vector<float>(static_cast<std::size_t>(R * M), 0.0f));
+    Tensor no_pos;
+    b->embedding_forward(*s, tid, tw, Tensor(), S, out, sh);
+    b->embedding_backward(*s, tdo, tid, S, dw, no_pos, sh);
+    const auto o = b->download(out), g = b->download(dw);
+    for (std::size_t i = 0; i < o.size(); ++i) emb[i] += o[i];
+    d_wte.insert(d_wte.end(), g.begin(), g.end());
+  }
+  EXPECT_TRUE(all_close("embedding", std::vector<float>(emb.begin(), emb.end()),
+                        cuda_ref::embedding_forward(ids, dbl(wte), nullptr, S, M), tol(dt)));
+  Vec ref_wte(static_cast<std::size_t>(V * M), 0.0);
+  cuda_ref::embedding_backward(dbl(d_out), ids, S, M, ref_wte, nullptr);
+  EXPECT_TRUE(all_close("d_wte", std::vector<float>(d_wte.begin(), d_wte.end()), ref_wte, tol(dt)));
+  Tensor losses = poisoned({T}, DType::f32), lse = poisoned({T}, DType::f32);
+  b->cross_entropy_combine(*s, parts, tt, R, losses, lse);
+  const auto ref = cuda_ref::cross_entropy_forward(dbl(logits), targets, T, V);
+  EXPECT_TRUE(all_close("losses", b->download(losses), ref.losses, kTolStats));
+  EXPECT_TRUE(all_close("lse", b->download(lse), ref.lse, kTolStats));
+  for (i64 p = 0; p < P; ++p) {
+    Tensor d = poisoned({T, R}, dt);
+    b->cross_entropy_backward(*s, shard_logits[static_cast<std::size_t>(p)], tt, lse, scale, d, VocabShard{p * R, V});
+    const auto dv = b->download(d);
+    for (i64 t = 0; t < T; ++t)
+      for (i64 c = 0; c < R; ++c) d_logits[static_cast<std::size_t>(t * V + p * R + c)] = dv[static_cast<std::size_t>(t * R + c)];
+  }
+  EXPECT_TRUE(all_close("d_logits", std::vector<float>(d_logits.begin(), d_logits.end()),
+                        cuda_ref::cross_entropy_backward(dbl(logits), targets, scale, T, V), tol_backward(dt)));
+}
 
 // ---- optimizer step ---------------------------------------------------------------------
 

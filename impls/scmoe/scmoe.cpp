@@ -200,10 +200,18 @@ ScMoEPair::ScMoEPair(LayerGroupArgs a)
   if (sc_.gate_width() > 0) w_cg_ = make_param(b_, s_, name("scmoe.w_cg"), {cfg_.d_model, sc_.gate_width()}, cfg_.dtype);
   MoEParams& v = impl_->params();
   MoEParams& g = impl_->grads();
-  moe_params_.push_back({name("moe.w_gate"), v.w_gate, g.w_gate, true});
-  if (v.w_noise.defined()) moe_params_.push_back({name("moe.w_noise"), v.w_noise, g.w_noise, true});
-  moe_params_.push_back({name("moe.w1"), v.w1, g.w1, false});
-  moe_params_.push_back({name("moe.w2"), v.w2, g.w2, false});
+  const auto add = [&](const char* what, Tensor& value, Tensor& grad, bool gate) {
+    Param p;  // the gate replicated over the data-parallel ranks, the experts sharded
+    p.name = name(what);
+    p.value = value;
+    p.grad = grad;
+    p.replicated = gate;
+    moe_params_.push_back(std::move(p));
+  };
+  add("moe.w_gate", v.w_gate, g.w_gate, true);
+  if (v.w_noise.defined()) add("moe.w_noise", v.w_noise, g.w_noise, true);
+  add("moe.w1", v.w1, g.w1, false);
+  add("moe.w2", v.w2, g.w2, false);
 }
 
 // GPT-2 / Megatron's N(0, 0.02^2) for W_cg too (coef starts near 1/2); the other parameters as

@@ -53,6 +53,30 @@ def result(mode="simulated", step=0.005, device=None):
     })
 
 
+def model_result(mode="simulated"):
+    """A pipelined whole-model run (moelab run --model --parallel pp=2,dp=2)."""
+    sim = mode == "simulated"
+    r = result(mode)
+    del r["workload"]
+    r["world_size"] = 4
+    r["model"] = {"name": "tiny-moe", "d_model": 64, "num_layers": 2, "seq_len": 32, "vocab_size": 256, "dtype": "fp32"}
+    r["training"] = {"layers": [0, 2], "micro_batch": 1, "microbatches": 4, "optimizer": "adam", "lr": 0.001,
+                     "seed": 1, "steps": 1, "warmup": 1}
+    links = {"nvlink": 1.5e6, "pcie": 0.0, "nic": 0.0} if sim else None
+    stage = {"work_s": 0.003, "span_s": 0.004, "bubble": 0.25, "peak_activation_bytes": 1000,
+             "peak_buffer_bytes": 500, "peak_device_bytes": 9000, "microbatches_in_flight": 2, "link_bytes": links}
+    r["parallel"] = {
+        "layout": {"world": 4, "tp": 1, "pp": 2, "dp": 2, "dp_inferred": False, "ep": 2, "etp": 1, "edp": 1},
+        "spec": "tp=1,pp=2,dp=2,ep=2,etp=1,edp=1",
+        "schedule": {"name": "1f1b", "stages": 2, "microbatches": 4, "chunks": 1, "placement": "interleaved",
+                     "recompute": "none"},
+        "bubble": 0.25, "pipeline_window_s": 0.004,
+        "stages": [dict(stage, stage=0, ranks=[0, 1]), dict(stage, stage=1, ranks=[2, 3])],
+        "link_bytes": links,
+    }
+    return r
+
+
 def figures(step, peak, n=None):
     f = {"step_time_s": step, "peak_memory_bytes": peak, "overlap_ratio": 0.5, "comm_s": 0.001,
          "compute_busy_s": step * 0.8, "exposed_comm_s": 0.0005, "overlap_limit_s": step * 0.9,

@@ -104,6 +104,35 @@ class ResultSchema(unittest.TestCase):
         r["date"] = "yesterday"
         self.rejected(r, 'field "date"')
 
+    def test_pipelined_model_runs(self):
+        for mode in ("simulated", "measured"):
+            r = fixtures.model_result(mode)
+            self.assertEqual(mr.load_result(self.write(r)), r)
+        r = fixtures.model_result()
+        r["parallel"]["stages"][1]["bubble"] = 1.5
+        self.rejected(r, 'field "parallel.stages[1].bubble"', "ratio in [0, 1]")
+        r = fixtures.model_result()
+        r["parallel"]["stages"].pop()
+        self.rejected(r, 'field "parallel.stages"', "1 entries for pp = 2")
+        r = fixtures.model_result()
+        r["parallel"]["link_bytes"] = None
+        self.rejected(r, 'field "parallel.link_bytes"', "simulated result counts the bytes")
+        r = fixtures.model_result("measured")
+        r["parallel"]["stages"][0]["link_bytes"] = {"nvlink": 1, "pcie": 0, "nic": 0}
+        self.rejected(r, 'field "parallel.stages[0].link_bytes"', "only the sim")
+        r = fixtures.model_result()
+        r["parallel"]["layout"]["dp"] = 4
+        self.rejected(r, 'field "parallel.layout"', "is not world_size 4")
+        r = fixtures.model_result()
+        r["parallel"]["schedule"]["name"] = "zb-h2"
+        self.rejected(r, 'field "parallel.schedule.name"')
+        r = fixtures.model_result()
+        r["training"]["layers"] = [0, 3]
+        self.rejected(r, 'field "training.layers"')
+        r = fixtures.model_result()
+        del r["model"]["num_layers"]
+        self.rejected(r, 'field "model.num_layers": missing')
+
     def test_atomic_write_leaves_nothing_on_failure(self):
         path = os.path.join(self.dir, "keep.json")
         mr.write_json(path, {"a": 1})

@@ -24,7 +24,7 @@ namespace moelab {
 struct CpuBackend::Worker final : Stream {
   struct Task {
     bool timed = true;  // false: event record/wait, which run even after a failure
-    std::string name, phase;
+    std::string name, phase, node;
     OpCost cost;
     std::function<void()> fn;
   };
@@ -69,6 +69,7 @@ struct CpuBackend::Worker final : Stream {
         r.stream_name = name();
         r.name = std::move(t.name);
         r.phase = std::move(t.phase);
+        r.node = std::move(t.node);
         r.cost = t.cost;
         r.start = backend.now();
         try {
@@ -155,7 +156,7 @@ void CpuBackend::record(Event& e, Stream& s) {
     std::lock_guard lk(ev.mu);
     gen = ++ev.issued;
   }
-  worker(s).push({false, "", "", {}, [&ev, gen] {
+  worker(s).push({false, "", "", "", {}, [&ev, gen] {
                     {
                       std::lock_guard lk(ev.mu);
                       ev.done = std::max(ev.done, gen);
@@ -172,7 +173,7 @@ void CpuBackend::wait(Stream& s, Event& e) {
     gen = ev.issued;
   }
   if (gen == 0) return;  // never recorded: nothing to wait for (as in CUDA)
-  worker(s).push({false, "", "", {}, [&ev, gen] {
+  worker(s).push({false, "", "", "", {}, [&ev, gen] {
                     std::unique_lock lk(ev.mu);
                     ev.cv.wait(lk, [&] { return ev.done >= gen; });
                   }});
@@ -203,7 +204,7 @@ void CpuBackend::synchronize() {
 }
 
 void CpuBackend::enqueue(Stream& s, std::string name, OpCost cost, std::function<void()> fn) {
-  worker(s).push({true, std::move(name), phase(), cost, std::move(fn)});
+  worker(s).push({true, std::move(name), phase(), node(), cost, std::move(fn)});
 }
 
 // ---- memory ----------------------------------------------------------------------------

@@ -62,9 +62,9 @@ class CpuBackend final : public Backend {
 
   // Transformer-block ops: cpu_blocks.cpp.
   void embedding_forward(Stream& s, const Tensor& ids, const Tensor& wte, const Tensor& wpe, std::int64_t seq_len,
-                         Tensor& out) override;
+                         Tensor& out, const VocabShard& shard) override;
   void embedding_backward(Stream& s, const Tensor& d_out, const Tensor& ids, std::int64_t seq_len, Tensor& d_wte,
-                          Tensor& d_wpe) override;
+                          Tensor& d_wpe, const VocabShard& shard) override;
   void norm_forward(Stream& s, NormKind kind, float eps, const Tensor& x, const Tensor& gamma, const Tensor& beta,
                     Tensor& y, Tensor& mean, Tensor& rstd) override;
   void norm_backward(Stream& s, NormKind kind, const Tensor& x, const Tensor& gamma, const Tensor& mean,
@@ -79,10 +79,13 @@ class CpuBackend final : public Backend {
   void gated_combine_forward(Stream& s, const Tensor& z, const Tensor& a, const Tensor& b, Tensor& out) override;
   void gated_combine_backward(Stream& s, const Tensor& z, const Tensor& a, const Tensor& b, const Tensor& d_out,
                               Tensor& da, Tensor& db, Tensor& dz) override;
-  void cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor& targets, Tensor& losses,
-                             Tensor& lse) override;
+  void scale(Stream& s, const Tensor& x, float alpha, Tensor& out) override;
+  void cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor& lse,
+                             const VocabShard& shard) override;
   void cross_entropy_backward(Stream& s, const Tensor& logits, const Tensor& targets, const Tensor& lse, float scale,
-                              Tensor& d_logits) override;
+                              Tensor& d_logits, const VocabShard& shard) override;
+  void cross_entropy_combine(Stream& s, const Tensor& parts, const Tensor& targets, std::int64_t shard_rows,
+                             Tensor& losses, Tensor& lse) override;
   void optimizer_step(Stream& s, const OptimizerStep& o) override;
 
   double time_bare_gemms(std::span<const GemmProblem> problems, int reps) override;

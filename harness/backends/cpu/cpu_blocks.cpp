@@ -1,6 +1,6 @@
 // harness/backends/cpu/cpu_blocks.cpp — the cpu backend's transformer-block ops: embedding,
-// layernorm / rmsnorm, RoPE, tiled attention, SwiGLU, add, gated combine, fused cross-entropy,
-// SGD / Adam.
+// layernorm / rmsnorm, RoPE, tiled attention, SwiGLU, add, scale, gated combine, fused
+// cross-entropy, SGD / Adam.
 //
 // The reference semantics of Backend's "transformer-block ops" (backend.hpp): fp32 data,
 // plain loops, reductions in fp32; attention is the one op with GEMMs inside (cpu_sgemm on
@@ -34,6 +34,20 @@ void require_i32(const Tensor& t, std::int64_t n, const char* op, const char* wh
                    (t.defined() ? t.describe() : std::string("undefined")));
 }
 
+// The vocabulary a table of `rows` rows is a shard of: [start, start + rows) of total.
+struct Vocab {
+  std::int64_t start, rows, total;
+  bool known(std::int64_t id) const { return id >= 0 && id < total; }
+  bool mine(std::int64_t id) const { return id >= start && id < start + rows; }
+};
+Vocab vocab_of(const VocabShard& shard, std::int64_t rows, const char* op) {
+  const Vocab v{shard.start, rows, shard.total > 0 ? shard.total : rows};
+  MOELAB_CHECK(v.start >= 0 && v.start + rows <= v.total,
+               std::string(op) + ": rows [" + std::to_string(v.start) + ", " + std::to_string(v.start + rows) +
+                   ") are not in a vocabulary of " + std::to_string(v.total));
+  return v;
+}
+
 // Optional tensors (wpe, beta, d_beta, ...) are null pointers when undefined.
 template <class T>
 T* ptr_or_null(const Tensor& t) {
@@ -45,9 +59,10 @@ T* ptr_or_null(const Tensor& t) {
 // ---- embedding -------------------------------------------------------------------------------
 
 void CpuBackend::embedding_forward(Stream& s, const Tensor& ids, const Tensor& wte, const Tensor& wpe,
-                                   std::int64_t seq_len, Tensor& out) {
+                                   std::int64_t seq_len, Tensor& out, const VocabShard& shard) {
   cpu_require_f32(wte, "embedding_forward");
-  const std::int64_t T = ids.numel(), V = wte.dim(0), M = wte.dim(1);
+  const std::int64_t T = ids.numel(), M = wte.dim(1);
+  const Vocab vocab = vocab_of(shard, wte.dim(0), "embedding_forward");
   require_i32(ids, T, "embedding_forward", "ids");
   require_shape(out, {T, M}, "embedding_forward", "out");
   MOELAB_CHECK(seq_len >= 1, "embedding_forward: seq_len " + std::to_string(seq_len));
@@ -61,11 +76,15 @@ void CpuBackend::embedding_forward(Stream& s, const Tensor& ids, const Tensor& w
   float* o = out.data<float>();
   enqueue(s, "embedding", cost_embedding_forward(T, M, pe != nullptr, DType::f32), [=] {
     for (std::int64_t t = 0; t < T; ++t) {
-      if (id[t] < 0 || id[t] >= V)
+      if (!vocab.known(id[t]))
         throw ConfigError("embedding: token id " + std::to_string(id[t]) + " at position " + std::to_string(t) +
-                          " is outside the vocabulary of " + std::to_string(V));
-      const float* row = te + id[t] * M;
+                          " is outside the vocabulary of " + std::to_string(vocab.total));
       float* y = o + t * M;
+      if (!vocab.mine(id[t])) {  // another shard's row: zeros (+ the position)
+        for (std::int64_t c = 0; c < M; ++c) y[c] = pe ? pe[(t % seq_len) * M + c] : 0.0f;
+        continue;
+      }
+      const float* row = te + (id[t] - vocab.start) * M;
       if (pe) {
         const float* pos = pe + (t % seq_len) * M;
         for (std::int64_t c = 0; c < M; ++c) y[c] = row[c] + pos[c];
@@ -77,9 +96,10 @@ void CpuBackend::embedding_forward(Stream& s, const Tensor& ids, const Tensor& w
 }
 
 void CpuBackend::embedding_backward(Stream& s, const Tensor& d_out, const Tensor& ids, std::int64_t seq_len,
-                                    Tensor& d_wte, Tensor& d_wpe) {
+                                    Tensor& d_wte, Tensor& d_wpe, const VocabShard& shard) {
   cpu_require_f32(d_out, "embedding_backward");
-  const std::int64_t T = ids.numel(), V = d_wte.dim(0), M = d_wte.dim(1);
+  const std::int64_t T = ids.numel(), M = d_wte.dim(1);
+  const Vocab vocab = vocab_of(shard, d_wte.dim(0), "embedding_backward");
   require_i32(ids, T, "embedding_backward", "ids");
   require_shape(d_out, {T, M}, "embedding_backward", "d_out");
   MOELAB_CHECK(seq_len >= 1, "embedding_backward: seq_len " + std::to_string(seq_len));
@@ -91,12 +111,14 @@ void CpuBackend::embedding_backward(Stream& s, const Tensor& d_out, const Tensor
   float *dte = d_wte.data<float>(), *dpe = ptr_or_null<float>(d_wpe);
   enqueue(s, "embedding_bwd", cost_embedding_backward(T, M, dpe != nullptr, DType::f32), [=] {
     for (std::int64_t t = 0; t < T; ++t) {
-      if (id[t] < 0 || id[t] >= V)
+      if (!vocab.known(id[t]))
         throw ConfigError("embedding: token id " + std::to_string(id[t]) + " at position " + std::to_string(t) +
-                          " is outside the vocabulary of " + std::to_string(V));
+                          " is outside the vocabulary of " + std::to_string(vocab.total));
       const float* row = g + t * M;
-      float* dw = dte + id[t] * M;
-      for (std::int64_t c = 0; c < M; ++c) dw[c] += row[c];
+      if (vocab.mine(id[t])) {
+        float* dw = dte + (id[t] - vocab.start) * M;
+        for (std::int64_t c = 0; c < M; ++c) dw[c] += row[c];
+      }
       if (dpe) {
         float* dp = dpe + (t % seq_len) * M;
         for (std::int64_t c = 0; c < M; ++c) dp[c] += row[c];
@@ -539,9 +561,23 @@ void CpuBackend::gated_combine_backward(Stream& s, const Tensor& z, const Tensor
   });
 }
 
+void CpuBackend::scale(Stream& s, const Tensor& x, float alpha, Tensor& out) {
+  cpu_require_f32(x, "scale");
+  MOELAB_CHECK(x.numel() == out.numel() && out.dtype() == x.dtype(), "scale " + x.describe() + " -> " + out.describe());
+  const float* xp = x.data<float>();
+  float* op = out.data<float>();
+  const std::int64_t n = x.numel();
+  enqueue(s, "scale", cost_scale(n, DType::f32), [=] {
+    for (std::int64_t i = 0; i < n; ++i) op[i] = alpha * xp[i];
+  });
+}
+
 // ---- cross-entropy -----------------------------------------------------------------------------
 // Fused as in llm.c: loss = lse − logit[target] with lse = max + log Σ exp(logit − max), so no
 // exponential overflows whatever the logits' size; the backward recomputes softmax from lse.
+// Vocabulary-parallel (Megatron-LM's cross-entropy over column shards of the logits): each
+// shard's lse and its own target's loss, combined as lse = log Σ_p exp(lse_p) — the shards'
+// maxima stay inside each lse_p, so nothing overflows here either.
 
 namespace {
 void check_target(std::int32_t target, std::int64_t row, std::int64_t V) {
@@ -552,9 +588,10 @@ void check_target(std::int32_t target, std::int64_t row, std::int64_t V) {
 }  // namespace
 
 void CpuBackend::cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor& targets, Tensor& losses,
-                                       Tensor& lse) {
+                                       Tensor& lse, const VocabShard& shard) {
   cpu_require_f32(logits, "cross_entropy_forward");
   const std::int64_t T = logits.dim(0), V = logits.dim(1);
+  const Vocab vocab = vocab_of(shard, V, "cross_entropy_forward");
   require_i32(targets, T, "cross_entropy_forward", "targets");
   require_shape(losses, {T}, "cross_entropy_forward", "losses");
   require_shape(lse, {T}, "cross_entropy_forward", "lse");
@@ -564,20 +601,21 @@ void CpuBackend::cross_entropy_forward(Stream& s, const Tensor& logits, const Te
   enqueue(s, "cross_entropy", cost_cross_entropy_forward(T, V, DType::f32), [=] {
     for (std::int64_t t = 0; t < T; ++t) {
       const float* row = lg + t * V;
-      check_target(tg[t], t, V);
+      check_target(tg[t], t, vocab.total);
       const float mx = *std::max_element(row, row + V);
       float sum = 0.0f;
       for (std::int64_t v = 0; v < V; ++v) sum += std::exp(row[v] - mx);
       ls[t] = mx + std::log(sum);
-      lo[t] = tg[t] < 0 ? 0.0f : ls[t] - row[tg[t]];
+      lo[t] = vocab.mine(tg[t]) ? ls[t] - row[tg[t] - vocab.start] : 0.0f;
     }
   });
 }
 
 void CpuBackend::cross_entropy_backward(Stream& s, const Tensor& logits, const Tensor& targets, const Tensor& lse,
-                                        float scale, Tensor& d_logits) {
+                                        float scale, Tensor& d_logits, const VocabShard& shard) {
   cpu_require_f32(logits, "cross_entropy_backward");
   const std::int64_t T = logits.dim(0), V = logits.dim(1);
+  const Vocab vocab = vocab_of(shard, V, "cross_entropy_backward");
   require_i32(targets, T, "cross_entropy_backward", "targets");
   require_shape(lse, {T}, "cross_entropy_backward", "lse");
   require_shape(d_logits, {T, V}, "cross_entropy_backward", "d_logits");
@@ -588,12 +626,44 @@ void CpuBackend::cross_entropy_backward(Stream& s, const Tensor& logits, const T
     for (std::int64_t t = 0; t < T; ++t) {
       const float* row = lg + t * V;
       float* d = dl + t * V;
-      check_target(tg[t], t, V);
+      check_target(tg[t], t, vocab.total);
       if (tg[t] < 0) {
         std::fill(d, d + V, 0.0f);
         continue;
       }
-      for (std::int64_t v = 0; v < V; ++v) d[v] = scale * (std::exp(row[v] - ls[t]) - (v == tg[t] ? 1.0f : 0.0f));
+      const std::int64_t y = tg[t] - vocab.start;  // outside [0, V): another shard's column
+      for (std::int64_t v = 0; v < V; ++v) d[v] = scale * (std::exp(row[v] - ls[t]) - (v == y ? 1.0f : 0.0f));
+    }
+  });
+}
+
+void CpuBackend::cross_entropy_combine(Stream& s, const Tensor& parts, const Tensor& targets, std::int64_t shard_rows,
+                                       Tensor& losses, Tensor& lse) {
+  const std::int64_t T = targets.numel();
+  MOELAB_CHECK(parts.dtype() == DType::f32 && T > 0 && parts.numel() % (2 * T) == 0 && shard_rows >= 1,
+               "cross_entropy_combine: parts " + parts.describe() + " for " + std::to_string(T) + " targets");
+  const std::int64_t P = parts.numel() / (2 * T);
+  require_i32(targets, T, "cross_entropy_combine", "targets");
+  require_shape(losses, {T}, "cross_entropy_combine", "losses");
+  require_shape(lse, {T}, "cross_entropy_combine", "lse");
+  const float* pp = parts.data<float>();
+  const std::int32_t* tg = targets.data<std::int32_t>();
+  float *lo = losses.data<float>(), *ls = lse.data<float>();
+  enqueue(s, "cross_entropy_combine", cost_cross_entropy_combine(T, P), [=] {
+    for (std::int64_t t = 0; t < T; ++t) {
+      check_target(tg[t], t, P * shard_rows);
+      float mx = -std::numeric_limits<float>::infinity();
+      for (std::int64_t p = 0; p < P; ++p) mx = std::max(mx, pp[(2 * p + 1) * T + t]);
+      float sum = 0.0f;
+      for (std::int64_t p = 0; p < P; ++p) sum += std::exp(pp[(2 * p + 1) * T + t] - mx);
+      ls[t] = mx + std::log(sum);
+      if (tg[t] < 0) {
+        lo[t] = 0.0f;
+        continue;
+      }
+      const std::int64_t owner = tg[t] / shard_rows;
+      const float logit = pp[(2 * owner + 1) * T + t] - pp[2 * owner * T + t];
+      lo[t] = ls[t] - logit;
     }
   });
 }

@@ -55,9 +55,9 @@ constexpr int kRowWarpsPerBlock = 8;  // row kernels: 256 threads, one row per w
 template <class T_>
 __global__ void embedding_forward_kernel(const int* __restrict__ ids, const T_* __restrict__ wte,
                                          const T_* __restrict__ wpe, T_* __restrict__ out, i64 T, i64 M, i64 S,
-                                         i64 V) {
+                                         i64 V, i64 start) {
   for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
-    const i64 id = ids[t];
+    const i64 id = ids[t] - start;
     const bool known = id >= 0 && id < V;
     const T_* w = wte + (known ? id : 0) * M;
     const T_* p = wpe ? wpe + (t % S) * M : nullptr;
@@ -87,11 +87,11 @@ __global__ void embedding_backward_wpe_kernel(const T_* __restrict__ d_out, T_* 
 // sort of T keys) and the first block of each run of equal ids sums the run's rows in fp32,
 // in token order, and adds the sum into d_wte once (llm.c's encoder_backward buckets the
 // same way). Deterministic; scratch is 4 * T ints.
-__global__ void embedding_keys_kernel(const int* __restrict__ ids, i64 T, i64 V, unsigned* __restrict__ keys,
-                                      int* __restrict__ vals) {
+__global__ void embedding_keys_kernel(const int* __restrict__ ids, i64 T, i64 V, i64 start,
+                                      unsigned* __restrict__ keys, int* __restrict__ vals) {
   for (i64 t = grid_thread(); t < T; t += grid_threads()) {
-    const i64 id = ids[t];
-    keys[t] = static_cast<unsigned>(id >= 0 && id < V ? id : V);  // V: unknown id, skipped
+    const i64 id = ids[t] - start;
+    keys[t] = static_cast<unsigned>(id >= 0 && id < V ? id : V);  // V: unknown id or another shard's, skipped
     vals[t] = static_cast<int>(t);
   }
 }
@@ -115,20 +115,21 @@ __global__ void embedding_backward_wte_kernel(const unsigned* __restrict__ keys,
 }  // namespace
 
 void embedding_forward(cudaStream_t stream, Elem e, const std::int32_t* ids, const void* wte, const void* wpe,
-                       void* out, std::int64_t tokens, std::int64_t width, std::int64_t seq_len, std::int64_t vocab) {
+                       void* out, std::int64_t tokens, std::int64_t width, std::int64_t seq_len, std::int64_t vocab,
+                       std::int64_t vocab_start) {
   if (tokens <= 0 || width <= 0) return;
   with_elem(e, [&](auto tag) {
     using T_ = decltype(tag);
     embedding_forward_kernel<<<grid_for(tokens, 1), kElemThreads, 0, stream>>>(
         ids, static_cast<const T_*>(wte), static_cast<const T_*>(wpe), static_cast<T_*>(out), tokens, width, seq_len,
-        vocab);
+        vocab, vocab_start);
   });
   check_launch("embedding_forward kernel");
 }
 
 void embedding_backward(cudaStream_t stream, Elem e, const void* d_out, const std::int32_t* ids, void* d_wte,
                         void* d_wpe, std::int64_t tokens, std::int64_t width, std::int64_t seq_len,
-                        std::int64_t vocab) {
+                        std::int64_t vocab, std::int64_t vocab_start) {
   if (tokens <= 0 || width <= 0) return;
   if (d_wpe) {
     with_elem(e, [&](auto tag) {
@@ -156,8 +157,8 @@ void embedding_backward(cudaStream_t stream, Elem e, const void* d_out, const st
   auto* vals_out = reinterpret_cast<int*>(ws.get() + 3 * b_pairs);
   void* cub_tmp = ws.get() + 4 * b_pairs;
 
-  embedding_keys_kernel<<<grid_for(tokens, kElemThreads), kElemThreads, 0, stream>>>(ids, tokens, vocab, keys_in,
-                                                                                       vals_in);
+  embedding_keys_kernel<<<grid_for(tokens, kElemThreads), kElemThreads, 0, stream>>>(ids, tokens, vocab, vocab_start,
+                                                                                       keys_in, vals_in);
   check_launch("embedding key kernel");
   check(cub::DeviceRadixSort::SortPairs(cub_tmp, sort_tmp, static_cast<const unsigned*>(keys_in), keys_out,
                                         static_cast<const int*>(vals_in), vals_out, n, 0, end_bit, stream),
@@ -825,6 +826,12 @@ __global__ void add_kernel(const T_* a, const T_* b, T_* out, i64 n) {
   for (i64 k = grid_thread(); k < n; k += grid_threads()) st(out + k, ld(a + k) + ld(b + k));
 }
 
+// out may alias x.
+template <class T_>
+__global__ void scale_kernel(const T_* x, float alpha, T_* out, i64 n) {
+  for (i64 k = grid_thread(); k < n; k += grid_threads()) st(out + k, alpha * ld(x + k));
+}
+
 }  // namespace
 
 void swiglu_forward(cudaStream_t stream, Elem e, const void* h, void* out, std::int64_t tokens, std::int64_t ffn) {
@@ -857,6 +864,16 @@ void add(cudaStream_t stream, Elem e, const void* a, const void* b, void* out, s
                                                                        static_cast<T_*>(out), n);
   });
   check_launch("add kernel");
+}
+
+void scale(cudaStream_t stream, Elem e, const void* x, float alpha, void* out, std::int64_t n) {
+  if (n <= 0) return;
+  with_elem(e, [&](auto tag) {
+    using T_ = decltype(tag);
+    scale_kernel<<<grid_for(n, kElemThreads), kElemThreads, 0, stream>>>(static_cast<const T_*>(x), alpha,
+                                                                         static_cast<T_*>(out), n);
+  });
+  check_launch("scale kernel");
 }
 
 // ==== softmax cross-entropy ===============================================================
@@ -898,7 +915,8 @@ template <class T_>
 __global__ void __launch_bounds__(kLossThreads) cross_entropy_forward_kernel(const T_* __restrict__ logits,
                                                                              const int* __restrict__ targets,
                                                                              float* __restrict__ losses,
-                                                                             float* __restrict__ lse, i64 T, i64 V) {
+                                                                             float* __restrict__ lse, i64 T, i64 V,
+                                                                             i64 start, i64 total) {
   for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
     const T_* row = logits + t * V;
     MaxSum v{-INFINITY, 0.0f};
@@ -906,9 +924,9 @@ __global__ void __launch_bounds__(kLossThreads) cross_entropy_forward_kernel(con
     v = block_merge(v);
     if (threadIdx.x == 0) {
       const float row_lse = v.m + logf(v.s);
-      const i64 y = targets[t];
+      const i64 y = targets[t], yl = y - start;
       lse[t] = row_lse;
-      losses[t] = y < 0 ? 0.0f : (y < V ? row_lse - ld(row + y) : NAN);
+      losses[t] = y < 0 ? 0.0f : y >= total ? NAN : (yl >= 0 && yl < V ? row_lse - ld(row + yl) : 0.0f);
     }
   }
 }
@@ -919,19 +937,43 @@ __global__ void __launch_bounds__(kLossThreads) cross_entropy_backward_kernel(co
                                                                               const int* __restrict__ targets,
                                                                               const float* __restrict__ lse,
                                                                               float scale, T_* d_logits, i64 T,
-                                                                              i64 V) {
+                                                                              i64 V, i64 start, i64 total) {
   for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
-    const i64 y = targets[t];
+    const i64 y = targets[t], yl = y - start;  // yl outside [0, V): another shard's column
     const float row_lse = lse[t];
     for (i64 c = threadIdx.x; c < V; c += blockDim.x) {
       float d;
       if (y < 0)
         d = 0.0f;
-      else if (y >= V)
+      else if (y >= total)
         d = NAN;
       else
-        d = scale * (expf(ld(logits + t * V + c) - row_lse) - (c == y ? 1.0f : 0.0f));
+        d = scale * (expf(ld(logits + t * V + c) - row_lse) - (c == yl ? 1.0f : 0.0f));
       st(d_logits + t * V + c, d);
+    }
+  }
+}
+
+// One thread per token: lse = log sum_p exp(lse_p) (max first), the target's logit from its
+// own shard as lse_o - loss_o.
+__global__ void cross_entropy_combine_kernel(const float* __restrict__ parts, const int* __restrict__ targets,
+                                             float* __restrict__ losses, float* __restrict__ lse, i64 T, i64 P,
+                                             i64 rows) {
+  for (i64 t = grid_thread(); t < T; t += grid_threads()) {
+    float mx = -INFINITY;
+    for (i64 p = 0; p < P; ++p) mx = fmaxf(mx, parts[(2 * p + 1) * T + t]);
+    float sum = 0.0f;
+    for (i64 p = 0; p < P; ++p) sum += expf(parts[(2 * p + 1) * T + t] - mx);
+    const float row_lse = mx + logf(sum);
+    const i64 y = targets[t];
+    lse[t] = row_lse;
+    if (y < 0) {
+      losses[t] = 0.0f;
+    } else if (y >= P * rows) {
+      losses[t] = NAN;
+    } else {
+      const i64 o = y / rows;
+      losses[t] = row_lse - (parts[(2 * o + 1) * T + t] - parts[2 * o * T + t]);
     }
   }
 }
@@ -939,26 +981,36 @@ __global__ void __launch_bounds__(kLossThreads) cross_entropy_backward_kernel(co
 }  // namespace
 
 void cross_entropy_forward(cudaStream_t stream, Elem e, const void* logits, const std::int32_t* targets,
-                           float* losses, float* lse, std::int64_t tokens, std::int64_t vocab) {
+                           float* losses, float* lse, std::int64_t tokens, std::int64_t vocab, std::int64_t vocab_start,
+                           std::int64_t vocab_total) {
   if (tokens <= 0) return;
   with_elem(e, [&](auto tag) {
     using T_ = decltype(tag);
-    cross_entropy_forward_kernel<<<grid_for(tokens, 1), kLossThreads, 0, stream>>>(static_cast<const T_*>(logits),
-                                                                                   targets, losses, lse, tokens,
-                                                                                   vocab);
+    cross_entropy_forward_kernel<<<grid_for(tokens, 1), kLossThreads, 0, stream>>>(
+        static_cast<const T_*>(logits), targets, losses, lse, tokens, vocab, vocab_start, vocab_total);
   });
   check_launch("cross_entropy_forward kernel");
 }
 
 void cross_entropy_backward(cudaStream_t stream, Elem e, const void* logits, const std::int32_t* targets,
-                            const float* lse, float scale, void* d_logits, std::int64_t tokens, std::int64_t vocab) {
+                            const float* lse, float scale, void* d_logits, std::int64_t tokens, std::int64_t vocab,
+                            std::int64_t vocab_start, std::int64_t vocab_total) {
   if (tokens <= 0 || vocab <= 0) return;
   with_elem(e, [&](auto tag) {
     using T_ = decltype(tag);
     cross_entropy_backward_kernel<<<grid_for(tokens, 1), kLossThreads, 0, stream>>>(
-        static_cast<const T_*>(logits), targets, lse, scale, static_cast<T_*>(d_logits), tokens, vocab);
+        static_cast<const T_*>(logits), targets, lse, scale, static_cast<T_*>(d_logits), tokens, vocab, vocab_start,
+        vocab_total);
   });
   check_launch("cross_entropy_backward kernel");
+}
+
+void cross_entropy_combine(cudaStream_t stream, const float* parts, const std::int32_t* targets, float* losses,
+                           float* lse, std::int64_t tokens, std::int64_t shards, std::int64_t shard_rows) {
+  if (tokens <= 0) return;
+  cross_entropy_combine_kernel<<<grid_for(tokens, kElemThreads), kElemThreads, 0, stream>>>(
+      parts, targets, losses, lse, tokens, shards, shard_rows);
+  check_launch("cross_entropy_combine kernel");
 }
 
 // ==== optimizer step ======================================================================

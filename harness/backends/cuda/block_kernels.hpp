@@ -18,15 +18,18 @@
 namespace moelab::cuda_kernels {
 
 // ---- embedding -------------------------------------------------------------------------
-// out[t] = wte[ids[t]] (+ wpe[t mod S] when wpe != nullptr). An id outside [0, V) gives a
-// row of zeros (nothing is read out of bounds). wte, wpe and out share the element type.
+// out[t] = wte[ids[t] - start] (+ wpe[t mod S] when wpe != nullptr): wte holds the V rows
+// [start, start + V) of the vocabulary (a vocabulary-parallel shard; start 0: the whole
+// table). An id outside them gives a row of zeros (nothing is read out of bounds). wte, wpe
+// and out share the element type.
 void embedding_forward(cudaStream_t stream, Elem e, const std::int32_t* ids, const void* wte, const void* wpe,
-                       void* out, std::int64_t tokens, std::int64_t width, std::int64_t seq_len, std::int64_t vocab);
-// d_wte[ids[t]] += d_out[t]; d_wpe[p] += sum over t with t mod S = p of d_out[t] (when
-// d_wpe != nullptr). Ids outside [0, V) contribute nothing.
+                       void* out, std::int64_t tokens, std::int64_t width, std::int64_t seq_len, std::int64_t vocab,
+                       std::int64_t vocab_start);
+// d_wte[ids[t] - start] += d_out[t]; d_wpe[p] += sum over t with t mod S = p of d_out[t] (when
+// d_wpe != nullptr). Ids outside [start, start + V) contribute nothing to d_wte.
 void embedding_backward(cudaStream_t stream, Elem e, const void* d_out, const std::int32_t* ids, void* d_wte,
                         void* d_wpe, std::int64_t tokens, std::int64_t width, std::int64_t seq_len,
-                        std::int64_t vocab);
+                        std::int64_t vocab, std::int64_t vocab_start);
 
 // ---- norms -----------------------------------------------------------------------------
 // layernorm (rms = false): y = (x - mean) * rstd * gamma + beta (beta may be null);
@@ -59,16 +62,26 @@ void swiglu_backward(cudaStream_t stream, Elem e, const void* h, const void* d_o
                      std::int64_t ffn);
 // out = a + b, n elements; out may alias a or b.
 void add(cudaStream_t stream, Elem e, const void* a, const void* b, void* out, std::int64_t n);
+// out = alpha * x, n elements; out may alias x.
+void scale(cudaStream_t stream, Elem e, const void* x, float alpha, void* out, std::int64_t n);
 
 // ---- loss ------------------------------------------------------------------------------
-// losses[t] = lse[t] - logits[t, target[t]] (0 when target < 0; NaN when target >= V);
-// lse[t] = log sum_v exp(logits[t, v]). losses, lse fp32 [T].
+// The logits [T,V] are columns [start, start + V) of a vocabulary of `total` (start 0, total V:
+// the whole vocabulary). losses[t] = lse[t] - logits[t, target[t] - start] for a target in the
+// shard (0 for one outside it or < 0; NaN when target >= total); lse[t] = log sum_v
+// exp(logits[t, v]) over the shard. losses, lse fp32 [T].
 void cross_entropy_forward(cudaStream_t stream, Elem e, const void* logits, const std::int32_t* targets,
-                           float* losses, float* lse, std::int64_t tokens, std::int64_t vocab);
-// d_logits = scale * (softmax - onehot(target)) per counted row, 0 for ignored rows (NaN for
-// target >= V); d_logits may alias logits.
+                           float* losses, float* lse, std::int64_t tokens, std::int64_t vocab, std::int64_t vocab_start,
+                           std::int64_t vocab_total);
+// d_logits = scale * (exp(logits - lse) - onehot(target - start)) per counted row, with lse the
+// whole row's; 0 for ignored rows (NaN for target >= total); d_logits may alias logits.
 void cross_entropy_backward(cudaStream_t stream, Elem e, const void* logits, const std::int32_t* targets,
-                            const float* lse, float scale, void* d_logits, std::int64_t tokens, std::int64_t vocab);
+                            const float* lse, float scale, void* d_logits, std::int64_t tokens, std::int64_t vocab,
+                            std::int64_t vocab_start, std::int64_t vocab_total);
+// The whole vocabulary's losses and lse [T] from parts [P,2,T] fp32 (each shard's losses, then
+// lse) of P shards of shard_rows columns (Backend::cross_entropy_combine).
+void cross_entropy_combine(cudaStream_t stream, const float* parts, const std::int32_t* targets, float* losses,
+                           float* lse, std::int64_t tokens, std::int64_t shards, std::int64_t shard_rows);
 
 // ---- optimizer -------------------------------------------------------------------------
 struct OptimizerArgs {

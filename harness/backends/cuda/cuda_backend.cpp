@@ -550,9 +550,9 @@ class CudaBackend final : public Backend {
 
   // ---- transformer-block ops (block_kernels.cu; definitions below the class) ----------
   void embedding_forward(Stream& s, const Tensor& ids, const Tensor& wte, const Tensor& wpe, std::int64_t seq_len,
-                         Tensor& out) override;
+                         Tensor& out, const VocabShard& shard) override;
   void embedding_backward(Stream& s, const Tensor& d_out, const Tensor& ids, std::int64_t seq_len, Tensor& d_wte,
-                          Tensor& d_wpe) override;
+                          Tensor& d_wpe, const VocabShard& shard) override;
   void norm_forward(Stream& s, NormKind kind, float eps, const Tensor& x, const Tensor& gamma, const Tensor& beta,
                     Tensor& y, Tensor& mean, Tensor& rstd) override;
   void norm_backward(Stream& s, NormKind kind, const Tensor& x, const Tensor& gamma, const Tensor& mean,
@@ -567,10 +567,13 @@ class CudaBackend final : public Backend {
   void gated_combine_forward(Stream& s, const Tensor& z, const Tensor& a, const Tensor& b, Tensor& out) override;
   void gated_combine_backward(Stream& s, const Tensor& z, const Tensor& a, const Tensor& b, const Tensor& d_out,
                               Tensor& da, Tensor& db, Tensor& dz) override;
-  void cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor& targets, Tensor& losses,
-                             Tensor& lse) override;
+  void scale(Stream& s, const Tensor& x, float alpha, Tensor& out) override;
+  void cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor& lse,
+                             const VocabShard& shard) override;
   void cross_entropy_backward(Stream& s, const Tensor& logits, const Tensor& targets, const Tensor& lse, float scale,
-                              Tensor& d_logits) override;
+                              Tensor& d_logits, const VocabShard& shard) override;
+  void cross_entropy_combine(Stream& s, const Tensor& parts, const Tensor& targets, std::int64_t shard_rows,
+                             Tensor& losses, Tensor& lse) override;
   void optimizer_step(Stream& s, const OptimizerStep& o) override;
 
   double time_bare_gemms(std::span<const GemmProblem> problems, int reps) override;
@@ -605,6 +608,7 @@ class CudaBackend final : public Backend {
     t->rec.stream_name = s.name();
     t->rec.name = std::move(name);
     t->rec.phase = phase_;
+    t->rec.node = node_;
     t->rec.cost = cost;
     t->stream = native(s);
     {
@@ -1025,6 +1029,14 @@ void require(const Tensor& t, std::int64_t numel, DType dt, const std::string& w
                    (t.defined() ? t.describe() : std::string("undefined")));
 }
 
+// A shard of `rows` rows (or columns) inside its vocabulary.
+void check_shard(const VocabShard& shard, std::int64_t rows, const char* op) {
+  const std::int64_t total = shard.total > 0 ? shard.total : rows;
+  MOELAB_CHECK(shard.start >= 0 && shard.start + rows <= total,
+               std::string(op) + ": rows [" + std::to_string(shard.start) + ", " + std::to_string(shard.start + rows) +
+                   ") are not in a vocabulary of " + std::to_string(total));
+}
+
 // What the tiled attention kernels serve (block_kernels.cu): head_dim up to 128 (a lane keeps
 // 4 output columns in registers), at most 65535 sequences (a grid dimension).
 void check_attention(const AttentionShape& a, const char* op) {
@@ -1044,8 +1056,9 @@ void check_attention(const AttentionShape& a, const char* op) {
 }  // namespace
 
 void CudaBackend::embedding_forward(Stream& s, const Tensor& ids, const Tensor& wte, const Tensor& wpe,
-                                    std::int64_t seq_len, Tensor& out) {
+                                    std::int64_t seq_len, Tensor& out, const VocabShard& shard) {
   const std::int64_t T = ids.numel(), M = width_of(wte), V = rows_of(wte);
+  check_shard(shard, V, "embedding_forward");
   MOELAB_CHECK(ids.dtype() == DType::i32 && wte.ndim() == 2, "embedding_forward ids " + ids.describe() + ", wte " +
                                                                   wte.describe());
   require(out, T * M, wte.dtype(), "embedding_forward out");
@@ -1054,11 +1067,11 @@ void CudaBackend::embedding_forward(Stream& s, const Tensor& ids, const Tensor& 
                  "embedding_forward wpe " + wpe.describe() + " for seq_len " + std::to_string(seq_len));
   CudaOpScope op(*this, s, "embedding", cost_embedding_forward(T, M, wpe.defined(), wte.dtype()));
   cuda_kernels::embedding_forward(native(s), elem_of(wte), i32p(ids), wte.raw(), raw_or_null(wpe), out.raw(), T, M,
-                                  std::max<std::int64_t>(seq_len, 1), V);
+                                  std::max<std::int64_t>(seq_len, 1), V, shard.start);
 }
 
 void CudaBackend::embedding_backward(Stream& s, const Tensor& d_out, const Tensor& ids, std::int64_t seq_len,
-                                     Tensor& d_wte, Tensor& d_wpe) {
+                                     Tensor& d_wte, Tensor& d_wpe, const VocabShard& shard) {
   const std::int64_t T = ids.numel(), M = width_of(d_out);
   MOELAB_CHECK(ids.dtype() == DType::i32 && d_out.numel() == T * M,
                "embedding_backward d_out " + d_out.describe() + ", ids " + ids.describe());
@@ -1068,6 +1081,7 @@ void CudaBackend::embedding_backward(Stream& s, const Tensor& d_out, const Tenso
     MOELAB_CHECK(d_wte.dtype() == d_out.dtype() && width_of(d_wte) == M,
                  "embedding_backward d_wte " + d_wte.describe() + " for d_out " + d_out.describe());
     V = rows_of(d_wte);
+    check_shard(shard, V, "embedding_backward");
   }
   if (d_wpe.defined())
     MOELAB_CHECK(d_wpe.dtype() == d_out.dtype() && width_of(d_wpe) == M && seq_len >= 1 &&
@@ -1076,7 +1090,7 @@ void CudaBackend::embedding_backward(Stream& s, const Tensor& d_out, const Tenso
                      " tokens of seq_len " + std::to_string(seq_len));
   CudaOpScope op(*this, s, "embedding_bwd", cost_embedding_backward(T, M, d_wpe.defined(), d_out.dtype()));
   cuda_kernels::embedding_backward(native(s), elem_of(d_out), d_out.raw(), i32p(ids), raw_or_null(d_wte),
-                                   raw_or_null(d_wpe), T, M, std::max<std::int64_t>(seq_len, 1), V);
+                                   raw_or_null(d_wpe), T, M, std::max<std::int64_t>(seq_len, 1), V, shard.start);
 }
 
 void CudaBackend::norm_forward(Stream& s, NormKind kind, float eps, const Tensor& x, const Tensor& gamma,
@@ -1197,26 +1211,48 @@ void CudaBackend::gated_combine_backward(Stream& s, const Tensor& z, const Tenso
                                        db.defined() ? db.raw() : nullptr, f32p(dz), T, M);
 }
 
+void CudaBackend::scale(Stream& s, const Tensor& x, float alpha, Tensor& out) {
+  require(out, x.numel(), x.dtype(), "scale out");
+  CudaOpScope op(*this, s, "scale", cost_scale(x.numel(), x.dtype()));
+  cuda_kernels::scale(native(s), elem_of(x), x.raw(), alpha, out.raw(), x.numel());
+}
+
 void CudaBackend::cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor& targets, Tensor& losses,
-                                        Tensor& lse) {
+                                        Tensor& lse, const VocabShard& shard) {
   const std::int64_t T = rows_of(logits), V = width_of(logits);
+  check_shard(shard, V, "cross_entropy_forward");
   require(targets, T, DType::i32, "cross_entropy_forward targets");
   require(losses, T, DType::f32, "cross_entropy_forward losses");
   require(lse, T, DType::f32, "cross_entropy_forward lse");
   CudaOpScope op(*this, s, "cross_entropy", cost_cross_entropy_forward(T, V, logits.dtype()));
   cuda_kernels::cross_entropy_forward(native(s), elem_of(logits), logits.raw(), i32p(targets), f32p(losses),
-                                      f32p(lse), T, V);
+                                      f32p(lse), T, V, shard.start, shard.total > 0 ? shard.total : V);
+}
+
+void CudaBackend::cross_entropy_combine(Stream& s, const Tensor& parts, const Tensor& targets, std::int64_t shard_rows,
+                                        Tensor& losses, Tensor& lse) {
+  const std::int64_t T = targets.numel();
+  MOELAB_CHECK(parts.dtype() == DType::f32 && T > 0 && parts.numel() % (2 * T) == 0 && shard_rows >= 1,
+               "cross_entropy_combine parts " + parts.describe() + " for " + std::to_string(T) + " targets");
+  require(targets, T, DType::i32, "cross_entropy_combine targets");
+  require(losses, T, DType::f32, "cross_entropy_combine losses");
+  require(lse, T, DType::f32, "cross_entropy_combine lse");
+  const std::int64_t P = parts.numel() / (2 * T);
+  CudaOpScope op(*this, s, "cross_entropy_combine", cost_cross_entropy_combine(T, P));
+  cuda_kernels::cross_entropy_combine(native(s), f32p(parts), i32p(targets), f32p(losses), f32p(lse), T, P,
+                                      shard_rows);
 }
 
 void CudaBackend::cross_entropy_backward(Stream& s, const Tensor& logits, const Tensor& targets, const Tensor& lse,
-                                         float scale, Tensor& d_logits) {
+                                         float scale, Tensor& d_logits, const VocabShard& shard) {
   const std::int64_t T = rows_of(logits), V = width_of(logits);
+  check_shard(shard, V, "cross_entropy_backward");
   require(targets, T, DType::i32, "cross_entropy_backward targets");
   require(lse, T, DType::f32, "cross_entropy_backward lse");
   require(d_logits, T * V, logits.dtype(), "cross_entropy_backward d_logits");
   CudaOpScope op(*this, s, "cross_entropy_bwd", cost_cross_entropy_backward(T, V, logits.dtype()));
   cuda_kernels::cross_entropy_backward(native(s), elem_of(logits), logits.raw(), i32p(targets), f32p(lse), scale,
-                                       d_logits.raw(), T, V);
+                                       d_logits.raw(), T, V, shard.start, shard.total > 0 ? shard.total : V);
 }
 
 void CudaBackend::optimizer_step(Stream& s, const OptimizerStep& o) {

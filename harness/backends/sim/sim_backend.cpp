@@ -184,7 +184,7 @@ nlohmann::json routing_trace_json(const std::vector<std::vector<std::vector<std:
 namespace {
 
 struct LocalTask {
-  std::string name, phase;
+  std::string name, phase, node;
   int stream = -1;           // -1: host join / marker
   OpCost cost;
   sim::WorkClass cls = sim::WorkClass::none;
@@ -447,12 +447,12 @@ class SimBackendImpl final : public Backend {
 
   // ---- transformer-block ops: no data; attention is compute-bound work on the SMs, the rest
   // memory-bound (docs/PERFORMANCE.md, "Block ops").
-  void embedding_forward(Stream& s, const Tensor& ids, const Tensor& wte, const Tensor& wpe, std::int64_t,
-                         Tensor&) override {
+  void embedding_forward(Stream& s, const Tensor& ids, const Tensor& wte, const Tensor& wpe, std::int64_t, Tensor&,
+                         const VocabShard&) override {
     issue(s, memory_bound("embedding", cost_embedding_forward(ids.numel(), wte.dim(1), wpe.defined(), wte.dtype())));
   }
   void embedding_backward(Stream& s, const Tensor& d_out, const Tensor& ids, std::int64_t, Tensor& d_wte,
-                          Tensor& d_wpe) override {
+                          Tensor& d_wpe, const VocabShard&) override {
     issue(s, memory_bound("embedding_bwd",
                           cost_embedding_backward(ids.numel(), d_wte.dim(1), d_wpe.defined(), d_out.dtype())));
   }
@@ -493,12 +493,21 @@ class SimBackendImpl final : public Backend {
     issue(s, memory_bound("gated_combine_bwd", cost_gated_combine_backward(a.dim(0), a.dim(1), static_cast<int>(z.dim(1)),
                                                                            db.defined(), a.dtype())));
   }
-  void cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor&, Tensor&, Tensor&) override {
+  void scale(Stream& s, const Tensor& x, float, Tensor&) override {
+    issue(s, memory_bound("scale", cost_scale(x.numel(), x.dtype())));
+  }
+  void cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor&, Tensor&, Tensor&,
+                             const VocabShard&) override {
     issue(s, memory_bound("cross_entropy",
                           cost_cross_entropy_forward(logits.dim(0), logits.dim(1), logits.dtype())));
   }
-  void cross_entropy_backward(Stream& s, const Tensor& logits, const Tensor&, const Tensor&, float,
-                              Tensor&) override {
+  void cross_entropy_combine(Stream& s, const Tensor& parts, const Tensor& targets, std::int64_t, Tensor&,
+                             Tensor&) override {
+    const std::int64_t T = targets.numel();
+    issue(s, memory_bound("cross_entropy_combine", cost_cross_entropy_combine(T, T > 0 ? parts.numel() / (2 * T) : 0)));
+  }
+  void cross_entropy_backward(Stream& s, const Tensor& logits, const Tensor&, const Tensor&, float, Tensor&,
+                              const VocabShard&) override {
     issue(s, memory_bound("cross_entropy_bwd",
                           cost_cross_entropy_backward(logits.dim(0), logits.dim(1), logits.dtype())));
   }
@@ -545,6 +554,7 @@ class SimBackendImpl final : public Backend {
       r.stream_name = streams_[static_cast<std::size_t>(t.stream)]->name();
       r.name = t.name;
       r.phase = t.phase;
+      r.node = t.node;
       r.cost = t.cost;
       r.start = base + (t.arrive >= 0 ? end[static_cast<std::size_t>(t.arrive)] : start[i]);
       r.end = base + end[i];
@@ -605,6 +615,7 @@ class SimBackendImpl final : public Backend {
     LocalTask t;
     t.name = std::move(nm);
     t.phase = phase();
+    t.node = node();
     t.cost = cost;
     t.cls = cls;
     t.record = true;

@@ -1,0 +1,367 @@
+// harness/pipeline/executor.cpp — this rank's stage of a pipeline running a schedule's node
+// list. See executor.hpp.
+//   ctest --test-dir build -R 'pipeline_(sim|mpi)'
+#include "harness/pipeline/executor.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <limits>
+
+#include "harness/runtime/error.hpp"
+
+namespace moelab::pipeline {
+
+Recompute parse_recompute(const std::string& s) {
+  if (s == "none") return Recompute::none;
+  if (s == "full") return Recompute::full;
+  if (s == "selective")
+    throw ConfigError("--recompute selective is not built: it needs the blocks to drop their norm outputs from the "
+                      "saved state (every block already recomputes its activation output); use none or full");
+  throw ConfigError("--recompute \"" + s + "\": expected none or full");
+}
+
+const char* recompute_name(Recompute r) {
+  switch (r) {
+    case Recompute::none: return "none";
+    case Recompute::full: return "full";
+    case Recompute::selective: return "selective";
+  }
+  return "?";
+}
+
+LayerRange virtual_stage_layers(const TransformerConfig& cfg, int virtual_stages, int vstage) {
+  if (virtual_stages < 1 || cfg.num_layers % virtual_stages != 0)
+    throw ConfigError(cfg.origin + ": num_layers = " + std::to_string(cfg.num_layers) + " is not divisible by the " +
+                      std::to_string(virtual_stages) +
+                      " virtual stages (pp x chunks): every virtual stage holds as many layers (Megatron's rule)");
+  const int per = cfg.num_layers / virtual_stages;
+  return {vstage * per, (vstage + 1) * per};
+}
+
+void check_pipeline(const TransformerConfig& cfg, const Schedule& s) { virtual_stage_layers(cfg, s.virtual_stages(), 0); }
+
+std::string node_label(const Node& n) {
+  static const char* kShort[] = {"F", "B", "W", "SA", "RA", "SG", "RG", "OFF", "RL", "OPT"};
+  if (n.kind == NodeKind::optimizer) return "OPT";
+  return std::string(kShort[static_cast<int>(n.kind)]) + std::to_string(n.microbatch) + "." + std::to_string(n.chunk);
+}
+
+std::string label_kind(const std::string& label) {
+  std::size_t i = 0;
+  while (i < label.size() && std::isalpha(static_cast<unsigned char>(label[i]))) ++i;
+  return label.substr(0, i);
+}
+
+// One (microbatch, chunk) on this stage between its receive and its W.
+struct PipelineStage::Slot {
+  Tensor input;            // [T,M] received (or ids / the local hand-over), held for recompute
+  Event* input_ready = nullptr;
+  Forwarded fw;            // the chunk's saved state
+  Tensor out;              // [T,M] F's output until sent or handed over
+  Tensor dy;               // [T,M] received output gradient
+  Event* dy_ready = nullptr;
+  Tensor dx;               // [T,M] B's input gradient until sent or handed over
+};
+
+namespace {
+// Colour of a sending stage: neighbours around the ring of p stages get different colours
+// (2 for even p, 3 for odd p > 1), so a rank's send and receive of one kind and direction use
+// different communicators.
+int colour(int stage, int p) { return p % 2 == 0 || stage != p - 1 || p == 1 ? stage % 2 : 2; }
+int colours(int p) { return p % 2 == 0 ? 2 : p == 1 ? 1 : 3; }
+bool up(int from, int to, int p) { return (from + 1) % p == to; }
+}  // namespace
+
+PipelineStage::PipelineStage(Backend& b, const TransformerConfig& cfg, const Schedule& s, Communicator& pp,
+                             Communicator& ep, const PipelineOptions& opt)
+    : b_(b), cfg_(cfg), s_(s), pp_(pp), opt_(opt), stage_(pp.rank()), events_(b) {
+  if (pp.size() != s.stages)
+    throw ConfigError("schedule " + s.name + " has " + std::to_string(s.stages) + " stages, the pipeline group " +
+                      std::to_string(pp.size()) + " ranks");
+  if (opt.recompute == Recompute::selective) parse_recompute("selective");
+  if (opt.tokens < 1) throw ConfigError("pipeline: tokens per microbatch = " + std::to_string(opt.tokens) + " must be positive");
+  analysis_ = validate(s);
+  check_pipeline(cfg, s);
+  for (int c = 0; c < s.chunks; ++c) {
+    const LayerRange r = virtual_stage_layers(cfg, s.virtual_stages(), s.virtual_stage(stage_, c));
+    ModelOptions mo = opt.model;
+    mo.first_layer = r.first;
+    mo.last_layer = r.last;
+    mo.tied_embedding_copy = true;
+    chunks_.push_back(std::make_unique<Model>(b, ep, cfg, mo));
+  }
+  // One communicator per (kind, direction, sender colour) that the schedule uses, duplicated
+  // by every stage in the same order.
+  const int p = s.stages;
+  std::vector<std::tuple<int, int>> used;
+  for (int st = 0; st < p; ++st)
+    for (const Node& n : s.nodes[static_cast<std::size_t>(st)]) {
+      if (n.kind != NodeKind::send_act && n.kind != NodeKind::send_grad) continue;
+      const int vs = s.virtual_stage(st, n.chunk);
+      const int to = s.place(n.kind == NodeKind::send_act ? vs + 1 : vs - 1).first;
+      const std::tuple<int, int> k{n.kind == NodeKind::send_grad ? 1 : 0, up(st, to, p) ? 1 : 0};
+      if (std::find(used.begin(), used.end(), k) == used.end()) used.push_back(k);
+    }
+  std::sort(used.begin(), used.end());
+  for (const auto& [grad, dir] : used)
+    for (int c = 0; c < colours(p); ++c) comms_[{grad, dir, c}] = pp.dup();
+  // The embedding group: the stages of the first and the last virtual stage.
+  const int first_stage = s.place(0).first, last_stage = s.place(s.virtual_stages() - 1).first;
+  if (cfg.tie_embeddings && first_stage != last_stage) {
+    const bool member = stage_ == first_stage || stage_ == last_stage;
+    embedding_group_ = pp.split(member ? 0 : -1, stage_);
+  }
+  slots_.resize(static_cast<std::size_t>(s.microbatches * s.chunks));
+}
+
+PipelineStage::~PipelineStage() = default;
+
+std::vector<Model*> PipelineStage::chunks() {
+  std::vector<Model*> v;
+  for (auto& c : chunks_) v.push_back(c.get());
+  return v;
+}
+
+bool PipelineStage::has_embedding() const {
+  return std::any_of(chunks_.begin(), chunks_.end(), [](const auto& c) { return c->has_embedding(); });
+}
+bool PipelineStage::has_head() const {
+  return std::any_of(chunks_.begin(), chunks_.end(), [](const auto& c) { return c->has_head(); });
+}
+
+std::vector<Param> PipelineStage::parameters() {
+  std::vector<Param> v;
+  for (auto& c : chunks_)
+    for (auto& p : c->parameters()) v.push_back(p);
+  return v;
+}
+
+std::vector<const Stream*> PipelineStage::transfer_streams() const {
+  std::vector<const Stream*> v;
+  for (const auto& [k, ch] : channels_) v.push_back(ch.stream);
+  return v;
+}
+
+PipelineStage::Channel& PipelineStage::channel(bool gradient, bool send, int peer) {
+  const std::tuple<int, int, int> key{gradient ? 1 : 0, send ? 1 : 0, peer};
+  auto it = channels_.find(key);
+  if (it != channels_.end()) return it->second;
+  const int p = s_.stages, from = send ? stage_ : peer, to = send ? peer : stage_;
+  Channel ch;
+  ch.comm = comms_.at({gradient ? 1 : 0, up(from, to, p) ? 1 : 0, colour(from, p)}).get();
+  ch.peer = peer;
+  const std::string name = std::string("pp_") + (send ? "send_" : "recv_") + (gradient ? "grad_" : "act_") +
+                           (send ? "to" : "from") + std::to_string(peer);
+  ch.stream = &b_.create_stream(StreamRole::aux, name);
+  return channels_.emplace(key, ch).first->second;
+}
+
+void PipelineStage::init_parameters(std::uint64_t seed) {
+  for (auto& c : chunks_) c->init_parameters(seed);
+  sync_tied(true);
+}
+
+void PipelineStage::set_gradient_sync(Communicator* dp, Communicator* edp) {
+  dp_ = dp;
+  edp_ = edp;
+}
+
+// The copies of tied word embeddings on this stage (one per chunk holding the embedding or the
+// head's copy) made equal: values (the copy starts at zero, so a sum is the embedding) or
+// gradients (each copy's share summed).
+void PipelineStage::sync_tied(bool values) {
+  if (!cfg_.tie_embeddings) return;
+  std::vector<Param> held;
+  for (auto& c : chunks_)
+    for (auto& p : c->parameters())
+      if (p.name == "embedding.wte") held.push_back(p);
+  if (held.size() < 2 && !embedding_group_) return;
+  Stream& s = stream();
+  auto pick = [&](Param& p) -> Tensor& { return values ? p.value : p.grad; };
+  if (held.size() == 2) b_.add(s, pick(held[0]), pick(held[1]), pick(held[0]));
+  if (embedding_group_ && !held.empty()) embedding_group_->all_reduce(s, pick(held[0]));
+  if (held.size() == 2) b_.copy(s, pick(held[0]), pick(held[1]));
+}
+
+// The one place gradients are summed across ranks before the optimizer step.
+void PipelineStage::sync_gradients() {
+  PhaseScope ph(b_, "grad_sync");
+  sync_tied(false);
+  // Always: besides the DP sum, the chunks complete their TP-partial gradients and average the
+  // experts' TP copies (Model::all_reduce_gradients), which tensor parallelism needs at dp = 1.
+  if (dp_)
+    for (auto& c : chunks_) c->all_reduce_gradients(*dp_);
+  if (edp_ && edp_->size() > 1)
+    for (auto& p : parameters())
+      if (!p.replicated) edp_->all_reduce(stream(), p.grad);
+}
+
+void PipelineStage::step(const std::vector<Batch>& data, std::uint64_t step) {
+  if (static_cast<int>(data.size()) != s_.microbatches)
+    throw ConfigError("pipeline step: " + std::to_string(data.size()) + " batches for " + std::to_string(s_.microbatches) +
+                      " microbatches");
+  for (auto& c : chunks_) c->zero_grad();
+  events_.reset();
+  losses_.assign(has_head() ? static_cast<std::size_t>(s_.microbatches) : 0, Tensor());
+  for (auto& sl : slots_) sl = std::make_unique<Slot>();
+  const auto& nodes = s_.nodes[static_cast<std::size_t>(stage_)];
+  for (int pos = 0; pos < static_cast<int>(nodes.size()); ++pos) {
+    run_node(pos, nodes[static_cast<std::size_t>(pos)], data, step);
+    // Sends the schedule now shows received: the compute stream orders itself after them and
+    // lets their tensors go.
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (analysis_.send_done_at[static_cast<std::size_t>(stage_)][static_cast<std::size_t>(it->first)] == pos) {
+        b_.wait(stream(), *it->second.done);
+        it = pending_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& [pos, ps] : pending_) b_.wait(stream(), *ps.done);
+  pending_.clear();
+  for (auto& sl : slots_) sl.reset();
+}
+
+void PipelineStage::run_node(int pos, const Node& n, const std::vector<Batch>& data, std::uint64_t step) {
+  NodeScope label(b_, node_label(n));
+  Stream& compute = stream();
+  if (n.kind == NodeKind::optimizer) {
+    sync_gradients();
+    if (optimizer_) optimizer_->step();
+    return;
+  }
+  const int V = s_.virtual_stages(), vs = s_.virtual_stage(stage_, n.chunk), mb = n.microbatch;
+  auto slot = [&](int chunk) -> Slot& { return *slots_[static_cast<std::size_t>(mb * s_.chunks + chunk)]; };
+  Slot& x = slot(n.chunk);
+  Model& model = *chunks_[static_cast<std::size_t>(n.chunk)];
+  const auto [prev_stage, prev_chunk] = vs > 0 ? s_.place(vs - 1) : std::pair{-1, -1};
+  const auto [next_stage, next_chunk] = vs + 1 < V ? s_.place(vs + 1) : std::pair{-1, -1};
+  const Batch& d = data[static_cast<std::size_t>(mb)];
+  auto batch_for = [&](const Tensor& input) {
+    Batch bt;
+    bt.input = input;
+    if (model.has_head()) bt.targets = d.targets;
+    bt.loss_scale = d.loss_scale;
+    return bt;
+  };
+  // [T,M] in the model dtype, allocated on the compute stream for microbatch mb; the transfer
+  // stream waits for the allocation.
+  auto receive = [&](bool gradient, int peer, Event*& ready) {
+    Tensor buf;
+    {
+      MicrobatchScope m(b_, mb);
+      buf = b_.empty({opt_.tokens, cfg_.d_model}, cfg_.dtype, gradient ? MemCategory::buffers : MemCategory::activations,
+                     compute);
+    }
+    Channel& ch = channel(gradient, false, peer);
+    events_.order(compute, *ch.stream);
+    ch.comm->recv(*ch.stream, buf, ch.peer);
+    ready = events_.mark(*ch.stream);
+    return buf;
+  };
+  auto send = [&](bool gradient, int peer, Tensor& t) {
+    Channel& ch = channel(gradient, true, peer);
+    events_.order(compute, *ch.stream);
+    ch.comm->send(*ch.stream, t, ch.peer);
+    pending_[pos] = {std::move(t), events_.mark(*ch.stream)};
+    t = Tensor();
+  };
+
+  switch (n.kind) {
+    case NodeKind::recv_act: x.input = receive(false, prev_stage, x.input_ready); break;
+    case NodeKind::recv_grad: x.dy = receive(true, next_stage, x.dy_ready); break;
+    case NodeKind::forward: {
+      if (vs == 0) {
+        x.input = d.input;
+      } else if (prev_stage == stage_) {
+        x.input = std::move(slot(prev_chunk).out);  // the V's turn: handed over on this stage
+        slot(prev_chunk).out = Tensor();
+      } else {
+        events_.after(compute, x.input_ready);
+      }
+      x.fw = model.forward(batch_for(x.input), {0, mb, step});
+      if (model.has_head()) losses_[static_cast<std::size_t>(mb)] = x.fw.y;
+      else x.out = x.fw.y;
+      x.fw.y = Tensor();
+      // Full recomputation keeps only the chunk's input (Chen et al. 2016).
+      if (opt_.recompute == Recompute::full) x.fw.saved.reset();
+      else x.input = Tensor();
+      break;
+    }
+    case NodeKind::send_act: send(false, next_stage, x.out); break;
+    case NodeKind::backward_input: {
+      Tensor dy;
+      if (vs + 1 < V) {
+        if (next_stage == stage_) {
+          dy = std::move(slot(next_chunk).dx);
+          slot(next_chunk).dx = Tensor();
+        } else {
+          events_.after(compute, x.dy_ready);
+          dy = std::move(x.dy);
+          x.dy = Tensor();
+        }
+      }
+      if (!x.fw.saved) {  // recompute the forward
+        NodeScope r(b_, "R" + std::to_string(mb) + "." + std::to_string(n.chunk));
+        Forwarded f = model.forward(batch_for(x.input), {0, mb, step});
+        x.fw.saved = std::move(f.saved);
+        x.input = Tensor();
+      }
+      x.dx = model.backward_input(*x.fw.saved, dy);
+      break;
+    }
+    case NodeKind::send_grad: send(true, prev_stage, x.dx); break;
+    case NodeKind::backward_weight:
+      model.backward_weight(*x.fw.saved);
+      x.fw.saved.reset();
+      break;
+    case NodeKind::offload:
+      if (opt_.on_offload && x.fw.saved) opt_.on_offload(n, model, *x.fw.saved);
+      break;
+    case NodeKind::reload:
+      if (opt_.on_reload && x.fw.saved) opt_.on_reload(n, model, *x.fw.saved);
+      break;
+    case NodeKind::optimizer: break;
+  }
+}
+
+// ---- figures from the timeline -------------------------------------------------------------
+
+std::vector<StageWork> stage_work(const std::vector<OpRecord>& ops, const std::vector<std::pair<double, double>>& steps,
+                                  const std::vector<std::string>& transfer_stream_names) {
+  std::vector<StageWork> out;
+  for (const auto& [t0, t1] : steps) {
+    std::vector<std::pair<double, double>> iv;
+    for (const auto& op : ops) {
+      if (op.end < t0 || op.start > t1) continue;
+      const std::string k = label_kind(op.node);
+      if (k != "F" && k != "B" && k != "W" && k != "R") continue;
+      if (std::find(transfer_stream_names.begin(), transfer_stream_names.end(), op.stream_name) != transfer_stream_names.end())
+        continue;
+      iv.push_back({std::max(op.start, t0), std::min(op.end, t1)});
+    }
+    StageWork w;
+    std::sort(iv.begin(), iv.end());
+    double cur_s = 0, cur_e = -std::numeric_limits<double>::infinity();
+    for (const auto& [s, e] : iv) {
+      if (s > cur_e) {
+        if (cur_e > cur_s) w.busy += cur_e - cur_s;
+        cur_s = s;
+        cur_e = e;
+      } else {
+        cur_e = std::max(cur_e, e);
+      }
+    }
+    if (!iv.empty()) {
+      if (cur_e > cur_s) w.busy += cur_e - cur_s;
+      w.first = iv.front().first;
+      w.last = 0;
+      for (const auto& [s, e] : iv) w.last = std::max(w.last, e);
+    }
+    out.push_back(w);
+  }
+  return out;
+}
+
+}  // namespace moelab::pipeline

@@ -1,0 +1,244 @@
+// harness/tests/pipeline_mpi_test.cpp — the pipeline executor on the cpu backend with MPI
+// ranks as stages: every schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V), with and
+// without full recomputation, gives the loss and every parameter's gradient of the
+// unpipelined model run one microbatch after another in one process; with data parallelism
+// beside the pipeline too; and optimizer steps keep the pipelined parameters (the head's copy
+// of tied embeddings included) equal to the unpipelined ones.
+//   mpirun --oversubscribe -np 4 build/harness/tests/pipeline_mpi_test
+// A tiny 8-layer model (every second layer MoE, tied embeddings) on fresh seeds.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <ostream>
+
+#include "harness/comm/groups.hpp"
+#include "harness/comm/world.hpp"
+#include "harness/nn/data.hpp"
+#include "harness/nn/model.hpp"
+#include "harness/pipeline/executor.hpp"
+#include "harness/tests/test_util.hpp"
+
+namespace moelab {
+namespace {
+
+std::uint64_t g_seed = 0;  // agreed across ranks in main()
+
+TransformerConfig tiny(bool tied) {
+  TransformerConfig c;
+  c.name = "tiny-pipeline";
+  c.origin = "<test>";
+  c.d_model = 32;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.d_ffn = 48;
+  c.num_layers = 8;
+  c.seq_len = 16;
+  c.vocab_size = 40;
+  c.dtype = DType::f32;
+  c.tie_embeddings = tied;
+  c.moe_layers = MoELayers::every_second;
+  c.moe.name = "tiny-moe";
+  c.moe.d_model = c.d_model;
+  c.moe.d_hidden = 40;
+  c.moe.num_experts = 4;
+  c.moe.top_k = 2;
+  c.moe.capacity_factor = 0.0;
+  c.moe.dtype = DType::f32;
+  return c;
+}
+
+constexpr std::int64_t kSeqs = 2;  // sequences per microbatch
+
+// The unpipelined model in this process: every data-parallel rank's microbatches one after the
+// other, the loss (sum of the microbatches' mean cross-entropies) and the gradients by name.
+struct Reference {
+  std::unique_ptr<Backend> b;
+  std::unique_ptr<Communicator> self;
+  std::unique_ptr<Model> model;
+  std::unique_ptr<Optimizer> opt;
+  std::vector<std::int32_t> next;
+  Reference(const TransformerConfig& cfg, std::uint64_t seed) {
+    b = make_backend("cpu");
+    self = make_self_communicator(*b);
+    model = std::make_unique<Model>(*b, *self, cfg);
+    model->init_parameters(seed);
+    next = synthetic_successor(cfg.vocab_size, seed);
+  }
+  double step(int microbatches, int dp, std::uint64_t step_no, float scale) {
+    model->zero_grad();
+    double loss = 0;
+    for (int r = 0; r < dp; ++r)
+      for (int mb = 0; mb < microbatches; ++mb) {
+        const auto tb = synthetic_batch(next, kSeqs, model->config().seq_len, g_seed, step_no, mb, r);
+        Batch x;
+        const auto T = static_cast<std::int64_t>(tb.ids.size());
+        x.input = b->empty({T}, DType::i32, MemCategory::activations, b->default_stream());
+        x.targets = b->empty({T}, DType::i32, MemCategory::activations, b->default_stream());
+        b->upload_i32(tb.ids, x.input);
+        b->upload_i32(tb.targets, x.targets);
+        x.loss_scale = scale;
+        Forwarded f = model->forward(x, {0, mb, step_no});
+        loss += model->loss(*f.saved);
+        model->backward_input(*f.saved, Tensor());
+        model->backward_weight(*f.saved);
+      }
+    if (opt) opt->step();
+    b->synchronize();
+    return loss;
+  }
+  std::map<std::string, std::vector<float>> by_name(bool grads) {
+    std::map<std::string, std::vector<float>> m;
+    for (auto& p : model->parameters()) m[p.name] = b->download(grads ? p.grad : p.value);
+    return m;
+  }
+};
+
+double rel_diff(const std::vector<float>& a, const std::vector<float>& ref) {
+  double scale = 1e-12, worst = 0;
+  for (float v : ref) scale = std::max(scale, static_cast<double>(std::abs(v)));
+  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(static_cast<double>(a[i]) - ref[i]) / scale);
+  return worst;
+}
+
+struct Case {
+  std::string schedule;
+  int chunks = 0;
+  pipeline::Recompute recompute = pipeline::Recompute::none;
+  int dp = 1;  // data-parallel degree beside the pipeline (pp = world / dp)
+};
+
+void PrintTo(const Case& k, std::ostream* os) {
+  *os << k.schedule << " chunks " << k.chunks << " recompute " << pipeline::recompute_name(k.recompute) << " dp " << k.dp;
+}
+
+// One pipelined step (or `steps` optimizer steps) of layout pp = world/dp against the reference.
+void check(const Case& k, int steps) {
+  auto b = make_backend("cpu");
+  auto world = make_world_communicator(*b);
+  const int n = world->size(), w = world->rank();
+  if (n % k.dp != 0) GTEST_SKIP() << "dp " << k.dp << " does not divide " << n << " ranks";
+  const TransformerConfig cfg = tiny(true);
+  ParallelLayout spec;
+  spec.pp = n / k.dp;
+  spec.dp = k.dp;
+  const GroupLayout l = check_layout(spec, n, n, cfg);
+  ProcessGroups pg(*world, l, gather_nodes(*world));
+  const int p = l.pp, m = 2 * p;
+  const pipeline::Schedule s = pipeline::make_schedule(k.schedule, p, m, k.chunks);
+  pipeline::PipelineOptions po;
+  po.tokens = kSeqs * cfg.seq_len;
+  po.recompute = k.recompute;
+  pipeline::PipelineStage st(*b, cfg, s, pg.pp(), pg.ep(), po);
+  st.init_parameters(g_seed);
+  st.set_gradient_sync(&pg.dp(), &pg.edp());
+  Reference ref(cfg, g_seed);
+  std::unique_ptr<Optimizer> opt;
+  if (steps > 1) {
+    // SGD: an update proportional to the gradient (Adam's normalisation would turn fp32
+    // rounding of near-zero gradients into full-size steps of either sign).
+    OptimizerConfig oc;
+    oc.kind = OptimizerKind::sgd;
+    oc.lr = 0.5f;
+    opt = std::make_unique<Optimizer>(*b, st.stream(), st.parameters(), oc);
+    st.set_optimizer(opt.get());
+    ref.opt = std::make_unique<Optimizer>(*ref.b, ref.model->stream(), ref.model->parameters(), oc);
+  }
+  const float scale = 1.0f / static_cast<float>(po.tokens * m * k.dp);
+  const auto next = synthetic_successor(cfg.vocab_size, g_seed);
+  for (int step_no = 1; step_no <= steps; ++step_no) {
+    std::vector<Batch> data(static_cast<std::size_t>(m));
+    std::vector<std::vector<std::int32_t>> targets;
+    for (int mb = 0; mb < m; ++mb) {
+      const auto tb = synthetic_batch(next, kSeqs, cfg.seq_len, g_seed, static_cast<std::uint64_t>(step_no), mb, pg.coords().dp);
+      Batch& x = data[static_cast<std::size_t>(mb)];
+      x.input = b->empty({po.tokens}, DType::i32, MemCategory::activations, b->default_stream());
+      x.targets = b->empty({po.tokens}, DType::i32, MemCategory::activations, b->default_stream());
+      b->upload_i32(tb.ids, x.input);
+      b->upload_i32(tb.targets, x.targets);
+      x.loss_scale = scale;
+    }
+    st.step(data, static_cast<std::uint64_t>(step_no));
+    b->synchronize();
+    const double ref_loss = ref.step(m, k.dp, static_cast<std::uint64_t>(step_no), scale);
+    double loss = 0;
+    for (const Tensor& t : st.losses()) {
+      double sum = 0;
+      for (float v : b->download(t)) sum += v;
+      loss += sum / static_cast<double>(po.tokens);
+    }
+    loss = world->all_reduce_sum(loss);  // the head stage of every data-parallel replica
+    EXPECT_NEAR(loss, ref_loss, 1e-5 * std::abs(ref_loss)) << "step " << step_no << " (seed " << g_seed << ")";
+  }
+  // Gradients (one step) or values (after Adam steps), every parameter by name.
+  const auto want = ref.by_name(steps == 1);
+  int compared = 0;
+  for (auto& prm : st.parameters()) {
+    const auto it = want.find(prm.name);
+    ASSERT_NE(it, want.end()) << prm.name;
+    const auto got = b->download(steps == 1 ? prm.grad : prm.value);
+    ASSERT_EQ(got.size(), it->second.size()) << prm.name;
+    EXPECT_LT(rel_diff(got, it->second), 2e-5)
+        << prm.name << " on rank " << w << " (stage " << st.stage() << ", seed " << g_seed << ")";
+    ++compared;
+  }
+  EXPECT_GT(compared, 0);
+  // Every parameter of the model is on some stage.
+  const double held = world->all_reduce_sum(pg.coords().dp == 0 ? compared : 0);
+  EXPECT_GE(held, static_cast<double>(want.size()));
+  world->barrier();
+}
+
+class PipelineMpi : public ::testing::TestWithParam<Case> {};
+
+TEST_P(PipelineMpi, GivesTheLossAndGradientsOfTheUnpipelinedModel) { check(GetParam(), 1); }
+
+INSTANTIATE_TEST_SUITE_P(
+    Schedules, PipelineMpi,
+    ::testing::Values(Case{"gpipe"}, Case{"1f1b"}, Case{"interleaved", 2}, Case{"zb-h1"}, Case{"zb-v"},
+                      Case{"1f1b", 0, pipeline::Recompute::full}, Case{"interleaved", 2, pipeline::Recompute::full},
+                      Case{"zb-v", 0, pipeline::Recompute::full}, Case{"1f1b", 0, pipeline::Recompute::none, 2},
+                      Case{"zb-h1", 0, pipeline::Recompute::none, 2}),
+    [](const auto& i) {
+      std::string s = i.param.schedule;
+      for (auto& ch : s)
+        if (ch == '-') ch = '_';
+      if (i.param.recompute == pipeline::Recompute::full) s += "_recompute";
+      if (i.param.dp > 1) s += "_dp" + std::to_string(i.param.dp);
+      return s;
+    });
+
+// Three SGD steps: the stages' parameters (both copies of the tied embeddings) stay the
+// unpipelined model's.
+TEST(PipelineMpiTraining, OptimizerStepsKeepTheParametersOfTheUnpipelinedModel) { check({"interleaved", 2}, 3); }
+
+}  // namespace
+}  // namespace moelab
+
+int main(int argc, char** argv) {
+  moelab::init_world(&argc, &argv);
+  moelab::register_builtin_impls();
+  ::testing::InitGoogleTest(&argc, argv);
+  {
+    auto b = moelab::make_backend("cpu");
+    auto comm = moelab::make_world_communicator(*b);
+    const double s = moelab::world_rank() == 0 ? static_cast<double>(moelab::test::fresh_seed() >> 12) : 0.0;
+    moelab::g_seed = static_cast<std::uint64_t>(comm->all_reduce_sum(s));
+    if (moelab::world_rank() == 0)
+      std::printf("seed %llu on %d ranks (MOELAB_TEST_SEED=<seed << 12> replays)\n",
+                  static_cast<unsigned long long>(moelab::g_seed), moelab::world_size());
+  }
+  if (moelab::world_rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  int rc = RUN_ALL_TESTS();
+  {
+    auto b = moelab::make_backend("cpu");
+    auto comm = moelab::make_world_communicator(*b);
+    rc = static_cast<int>(comm->all_reduce_max(rc));
+  }
+  moelab::finalize_world();
+  return rc;
+}

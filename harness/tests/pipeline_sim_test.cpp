@@ -1,0 +1,146 @@
+// harness/tests/pipeline_sim_test.cpp — the pipeline executor on the sim backend: with equal
+// stage costs, 1F1B on 4 stages idles (p-1)/(m+p-1) of the step as the timeline shows it
+// (Narayanan et al. 2021 §2.2.1); GPipe idles as much but holds every microbatch; 1F1B's
+// first stage holds p microbatches' activations, its last one; interleaving and ZB-H1 idle
+// less. The bubble comes from the ops' node labels (F, B, W) in each rank's timeline.
+//   ctest --test-dir build -R pipeline_sim_test
+#include <gtest/gtest.h>
+
+#include <mutex>
+
+#include "harness/backends/sim/sim_backend.hpp"
+#include "harness/comm/groups.hpp"
+#include "harness/pipeline/executor.hpp"
+
+namespace moelab {
+namespace {
+
+// One NVSwitch node of `gpus` GPUs without launch overheads, so that equal layers cost the
+// same on every stage.
+sim::ClusterModel toy_cluster(int gpus) {
+  sim::ClusterModel m;
+  m.name = "toy";
+  m.gpu = {"toy-gpu", 300e12, 150e12, 20e12, 80e9, 2e12, "test"};
+  m.node.name = "toy-node";
+  m.node.gpu = "toy-gpu";
+  m.node.gpus = gpus;
+  m.node.intra = "nvswitch";
+  m.node.nvlink_bw = 300e9;
+  m.node.nvlink_latency = 1e-6;
+  m.node.host_memory_bytes = 1e12;
+  m.node.host_copy_bw = 25e9;
+  m.nodes = 1;
+  m.efficiency.launch_latency = 0;
+  return m;
+}
+
+// A dense model whose embedding and head are negligible beside its layers (vocabulary 128, no
+// learned positions, 4 layers per stage of 4), so that every stage costs the same.
+TransformerConfig dense() {
+  TransformerConfig c;
+  c.name = "dense-16";
+  c.origin = "<test>";
+  c.d_model = 2048;
+  c.num_heads = 16;
+  c.num_kv_heads = 16;
+  c.d_ffn = 8192;
+  c.num_layers = 16;
+  c.seq_len = 1024;
+  c.positions = PositionKind::none;
+  c.vocab_size = 128;
+  c.dtype = DType::bf16;
+  c.tie_embeddings = false;
+  return c;
+}
+
+struct Figures {
+  std::vector<double> bubble;             // per stage
+  std::vector<std::size_t> peak_act;      // per stage: the activations' peak (saved for backward)
+};
+
+Figures run(const std::string& schedule, int p, int m, int chunks = 0) {
+  SimOptions o;
+  o.cluster = toy_cluster(p);
+  SimCluster cluster(o);
+  const TransformerConfig cfg = dense();
+  std::vector<pipeline::StageWork> work(static_cast<std::size_t>(p));
+  Figures f;
+  f.peak_act.resize(static_cast<std::size_t>(p));
+  std::mutex mu;
+  cluster.run([&](Backend& b, Communicator& c) {
+    ParallelLayout spec;
+    spec.pp = p;
+    const GroupLayout l = check_layout(spec, p, p, cfg);
+    ProcessGroups pg(c, l, NodeMap::uniform(p, p));
+    const pipeline::Schedule s = pipeline::make_schedule(schedule, p, m, chunks);
+    pipeline::PipelineOptions po;
+    po.tokens = cfg.seq_len;
+    pipeline::PipelineStage st(b, cfg, s, pg.pp(), pg.ep(), po);
+    st.init_parameters(1);
+    std::vector<Batch> data(static_cast<std::size_t>(m));
+    for (auto& x : data) {
+      x.input = b.empty({po.tokens}, DType::i32, MemCategory::activations, b.default_stream());
+      x.targets = b.empty({po.tokens}, DType::i32, MemCategory::activations, b.default_stream());
+      x.loss_scale = 1.0f / static_cast<float>(po.tokens * m);
+    }
+    st.step(data, 1);  // warm-up
+    b.synchronize();
+    c.barrier();
+    b.clear_timeline();
+    b.memory().reset_peak();
+    const double t0 = b.now();
+    st.step(data, 2);
+    b.synchronize();
+    c.barrier();
+    const double t1 = b.now();
+    std::vector<std::string> transfer;
+    for (const Stream* x : st.transfer_streams()) transfer.push_back(x->name());
+    const auto w = pipeline::stage_work(b.timeline(), {{t0, t1}}, transfer);
+    const auto peak = b.memory().peak_per_category();
+    std::lock_guard lk(mu);
+    work[static_cast<std::size_t>(st.stage())] = w.at(0);
+    f.peak_act[static_cast<std::size_t>(st.stage())] = peak[static_cast<int>(MemCategory::activations)];
+  });
+  double first = work[0].first, last = work[0].last;
+  for (const auto& w : work) first = std::min(first, w.first), last = std::max(last, w.last);
+  for (const auto& w : work) f.bubble.push_back(1.0 - w.busy / (last - first));
+  return f;
+}
+
+double mean(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return s / static_cast<double>(v.size());
+}
+
+TEST(PipelineSim, OneFOneBBubbleMatchesTheFormula) {
+  const int p = 4, m = 8;
+  const double want = static_cast<double>(p - 1) / (m + p - 1);
+  const Figures f = run("1f1b", p, m);
+  for (int s = 0; s < p; ++s)
+    EXPECT_NEAR(f.bubble[static_cast<std::size_t>(s)], want, 0.02 * want) << "stage " << s;
+  // 1F1B's stage s holds p - s microbatches' activations at its peak (beside them, the one
+  // forward under way and the next microbatch's received input).
+  for (int s = 0; s < p; ++s)
+    EXPECT_NEAR(static_cast<double>(f.peak_act[static_cast<std::size_t>(s)]) / static_cast<double>(f.peak_act[3]), p - s, 0.1 * (p - s))
+        << "stage " << s;
+}
+
+TEST(PipelineSim, GPipeIdlesAsMuchButHoldsEveryMicrobatch) {
+  const int p = 4, m = 8;
+  const Figures g = run("gpipe", p, m), o = run("1f1b", p, m);
+  EXPECT_NEAR(mean(g.bubble), mean(o.bubble), 0.02 * mean(o.bubble));
+  for (int s = 0; s < p; ++s) EXPECT_GT(g.peak_act[static_cast<std::size_t>(s)], o.peak_act[static_cast<std::size_t>(s)]) << s;
+}
+
+TEST(PipelineSim, InterleavingAndZeroBubbleIdleLess) {
+  const int p = 4, m = 8;
+  const double one = mean(run("1f1b", p, m).bubble);
+  const double inter = mean(run("interleaved", p, m, 2).bubble);
+  const double zb = mean(run("zb-h1", p, m).bubble);
+  EXPECT_LT(inter, 0.8 * one);
+  EXPECT_LT(zb, 0.8 * one);
+}
+
+}  // namespace
+}  // namespace moelab
