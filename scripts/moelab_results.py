@@ -329,6 +329,23 @@ def _link_bytes(c, obj, key, where, simulated):
         c.number(lb, k, field, minimum=0)
 
 
+COLLECTIVES = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "send_recv", "barrier")
+
+
+def _link_bytes_by_collective(c, obj, where, simulated):
+    """The same bytes split by collective: {collective: {nvlink, pcie, nic}} on sim; null measured."""
+    by = c.obj(obj, "link_bytes_by_collective", where, null=True)
+    field = f"{where}.link_bytes_by_collective"
+    if simulated and by is None:
+        c.fail(field, "a simulated result splits the link bytes by collective, got null")
+    if not simulated and by is not None:
+        c.fail(field, "only the sim counts bytes per link class; a measured result has null")
+    for k in sorted(by) if by is not None else ():
+        if k not in COLLECTIVES:
+            c.fail(f"{field}.{k}", f"not a collective ({', '.join(COLLECTIVES)})")
+        _link_bytes(c, by, k, field, simulated)
+
+
 def _check_parallel(c, par, mode, world):
     """The "parallel" object of a --parallel model run (docs/RESULTS-SCHEMA.md)."""
     lay = c.obj(par, "layout", "parallel")
@@ -366,7 +383,13 @@ def _check_parallel(c, par, mode, world):
             c.integer(st, k, w, minimum=0)
         c.integer(st, "microbatches_in_flight", w, minimum=1)
         _link_bytes(c, st, "link_bytes", w, simulated)
+        _link_bytes_by_collective(c, st, w, simulated)
     _link_bytes(c, par, "link_bytes", "parallel", simulated)
+    _link_bytes_by_collective(c, par, "parallel", simulated)
+    c.boolean(par, "sequence_parallel", "parallel")
+    gs = c.obj(par, "gradient_sync", "parallel")
+    c.string(gs, "kind", "parallel.gradient_sync", choices=("bucketed_all_reduce", "zero1"))
+    c.integer(gs, "bucket_elems", "parallel.gradient_sync", minimum=1)
 
 
 # ---- moelab.suite-summary/1 -----------------------------------------------------------------

@@ -82,6 +82,9 @@ void print_run_help(std::FILE* to) {
       "  --schedule NAME   pipeline schedule: gpipe, 1f1b (default), interleaved, zb-h1, zb-v\n"
       "  --chunks V        model chunks per stage for interleaved (default 2)\n"
       "  --recompute MODE  activation recomputation: none (default) or full\n"
+      "  --sequence-parallel  with tp > 1: norms, residuals and MoE layers on T/tp tokens per rank\n"
+      "  --zero1           shard Adam's states over the data-parallel groups (ZeRO stage 1)\n"
+      "  --grad-bucket N   elements per gradient bucket (default 40000000, Megatron-Core's)\n"
       "  --help            this text\n"
       "\n"
       "Exit status: 0 success, 2 bad input (nothing written), 1 failure during the run.\n",
@@ -205,6 +208,12 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       o.recompute = take();
       if (o.recompute != "none" && o.recompute != "full" && o.recompute != "selective")
         throw ConfigError("--recompute = \"" + shown(o.recompute) + "\": expected none or full");
+    } else if (flag == "--sequence-parallel") {
+      o.sequence_parallel = true;
+    } else if (flag == "--zero1") {
+      o.zero1 = true;
+    } else if (flag == "--grad-bucket") {
+      o.grad_bucket = integer_flag(flag, take(), 1, std::int64_t{1} << 40);
     } else if (flag == "--lr") {
       const std::string v = take();
       char* end = nullptr;
@@ -226,7 +235,8 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
                           o.pipelined();
   if (!o.workload.empty() && model_only)
     throw ConfigError("--model-override, --layers, --micro-batch, --microbatches, --warmup, --seed, --optimizer, --lr, "
-                      "--parallel, --schedule, --chunks and --recompute apply to --model runs (a workload file sets its own)");
+                      "--parallel, --schedule, --chunks, --recompute, --sequence-parallel, --zero1 and --grad-bucket apply to --model "
+                      "runs (a workload file sets its own)");
   if (o.pipelined() && (o.first_layer != 0 || o.last_layer != -1))
     throw ConfigError("--layers and --parallel exclude each other: the pipeline assigns the layers to its stages");
   if (!o.model.empty() && !o.record_routing.empty())

@@ -44,7 +44,13 @@ struct RunOptions {
   std::string schedule;                                        // --schedule (default 1f1b)
   int chunks = 0;                                              // --chunks v (interleaved)
   std::string recompute;                                       // --recompute none|full
-  bool pipelined() const { return !parallel.empty() || !schedule.empty() || chunks != 0 || !recompute.empty(); }
+  bool sequence_parallel = false;                              // --sequence-parallel (with tp > 1)
+  bool zero1 = false;                                          // --zero1: Adam's states sharded over DP
+  std::int64_t grad_bucket = 0;                                // --grad-bucket N elements (0: 40M)
+  bool pipelined() const {
+    return !parallel.empty() || !schedule.empty() || chunks != 0 || !recompute.empty() || sequence_parallel || zero1 ||
+           grad_bucket != 0;
+  }
   bool help = false;
 };
 

@@ -24,6 +24,7 @@
 // Bad input: exit 2 on every rank before any work, nothing written.
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <numeric>
 #include <optional>
 
@@ -58,6 +59,8 @@ struct PipelinePlan {
   GroupLayout layout;
   pipeline::Schedule schedule;
   pipeline::Recompute recompute = pipeline::Recompute::none;
+  bool sequence_parallel = false;
+  GradSyncOptions sync;  // the bucketed gradient synchroniser (harness/nn/grad_sync.hpp)
 };
 
 // gpus_per_node: the cluster model's on sim; the world on cpu and cuda, whose node placement
@@ -68,6 +71,15 @@ PipelinePlan plan_pipeline(const RunOptions& opt, const TransformerConfig& cfg, 
   p.recompute = pipeline::parse_recompute(opt.recompute.empty() ? "none" : opt.recompute);
   p.schedule = pipeline::make_schedule(opt.schedule.empty() ? "1f1b" : opt.schedule, p.layout.pp, opt.microbatches, opt.chunks);
   pipeline::check_pipeline(cfg, p.schedule);
+  p.sequence_parallel = opt.sequence_parallel;
+  if (p.sequence_parallel && p.layout.tp == 1)
+    throw ConfigError("--sequence-parallel needs tensor parallelism (tp > 1 in --parallel " + p.layout.to_string() + ")");
+  const std::int64_t T = opt.micro_batch * cfg.seq_len;
+  if (p.sequence_parallel && T % p.layout.tp != 0)
+    throw ConfigError("--sequence-parallel: the " + std::to_string(T) + " tokens of a microbatch do not split over tp = " +
+                      std::to_string(p.layout.tp));
+  p.sync.zero1 = opt.zero1;
+  if (opt.grad_bucket > 0) p.sync.bucket_elems = opt.grad_bucket;
   return p;
 }
 
@@ -149,11 +161,21 @@ json pipeline_json(const PipelinePlan& plan, const json& parts) {
   json stages = json::array();
   double bubble_sum = 0;
   sim::LinkBytes total;
+  std::map<std::string, sim::LinkBytes> total_by;
+  const auto bytes_of = [](const json& l) {
+    return sim::LinkBytes{l["nvlink"].get<double>(), l["pcie"].get<double>(), l["nic"].get<double>()};
+  };
+  const auto to_json = [](const std::map<std::string, sim::LinkBytes>& m) {
+    json j = json::object();
+    for (const auto& [k, v] : m) j[k] = v.to_json();
+    return j;
+  };
   for (int st = 0; st < plan.schedule.stages; ++st) {
     json ranks = json::array();
     double work = 0, own = 0, bubble = 0;
     std::size_t act = 0, buf = 0, dev = 0, n = 0;
     sim::LinkBytes links;
+    std::map<std::string, sim::LinkBytes> links_by;
     int in_flight = 0;
     for (std::size_t r = 0; r < parts.size(); ++r) {
       const json& x = parts[r];
@@ -172,7 +194,11 @@ json pipeline_json(const PipelinePlan& plan, const json& parts) {
       in_flight = x["in_flight"].get<int>();
       if (sim_links) {
         const json& l = x["link_bytes"];
-        links += sim::LinkBytes{l["nvlink"].get<double>(), l["pcie"].get<double>(), l["nic"].get<double>()};
+        links += bytes_of(l);
+        for (const auto& [k, v] : x["link_bytes_by_collective"].items()) {
+          links_by[k] += bytes_of(v);
+          total_by[k] += bytes_of(v);
+        }
       }
     }
     const double k = static_cast<double>(std::max<std::size_t>(n * steps, 1));
@@ -187,7 +213,8 @@ json pipeline_json(const PipelinePlan& plan, const json& parts) {
                       {"peak_buffer_bytes", buf},
                       {"peak_device_bytes", dev},
                       {"microbatches_in_flight", in_flight},
-                      {"link_bytes", sim_links ? links.to_json() : json(nullptr)}});
+                      {"link_bytes", sim_links ? links.to_json() : json(nullptr)},
+                      {"link_bytes_by_collective", sim_links ? to_json(links_by) : json(nullptr)}});
   }
   const pipeline::Schedule& s = plan.schedule;
   return {{"layout", plan.layout.to_json()},
@@ -198,10 +225,14 @@ json pipeline_json(const PipelinePlan& plan, const json& parts) {
                         {"chunks", s.chunks},
                         {"placement", pipeline::placement_name(s.placement)},
                         {"recompute", pipeline::recompute_name(plan.recompute)}}},
+          {"sequence_parallel", plan.sequence_parallel},
+          {"gradient_sync", {{"kind", plan.sync.zero1 ? "zero1" : "bucketed_all_reduce"},
+                             {"bucket_elems", plan.sync.bucket_elems}}},
           {"bubble", bubble_sum / s.stages},
           {"pipeline_window_s", median(span)},
           {"stages", stages},
-          {"link_bytes", sim_links ? total.to_json() : json(nullptr)}};
+          {"link_bytes", sim_links ? total.to_json() : json(nullptr)},
+          {"link_bytes_by_collective", sim_links ? to_json(total_by) : json(nullptr)}};
 }
 
 void print_pipeline(const json& par, int steps) {
@@ -252,6 +283,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       po.model = mo;
       po.tokens = T;
       po.recompute = plan->recompute;
+      po.model.sequence_parallel = plan->sequence_parallel;
       model.stage = std::make_unique<pipeline::PipelineStage>(b, cfg, plan->schedule, model.groups->pp(),
                                                               model.groups->ep(), po);
       model.stage->set_gradient_sync(&model.groups->dp(), &model.groups->edp());
@@ -260,15 +292,21 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     } else {
       model.model = std::make_unique<Model>(b, c, cfg, mo);
     }
-    if (model.stage) model.stage->init_parameters(opt.seed);
-    else model.model->init_parameters(opt.seed);
+    if (model.stage) {
+      model.stage->init_parameters(opt.seed);
+      model.stage->use_bucketed_sync(plan->sync);
+    } else {
+      model.model->init_parameters(opt.seed);
+    }
     std::unique_ptr<Optimizer> optimizer;
     if (opt.optimizer != "none") {
       OptimizerConfig oc;
       oc.kind = parse_optimizer(opt.optimizer);
       oc.lr = static_cast<float>(opt.lr);
-      optimizer = std::make_unique<Optimizer>(b, model.stream(), model.parameters(), oc);
-      if (model.stage) model.stage->set_optimizer(optimizer.get());
+      if (model.stage)
+        model.stage->make_optimizer(oc);  // per chunk on its synchroniser (ZeRO-1: sharded states)
+      else
+        optimizer = std::make_unique<Optimizer>(b, model.stream(), model.parameters(), oc);
     }
     const float scale = 1.0f / static_cast<float>(T * opt.microbatches * replicas);
     const auto next = synthetic_successor(cfg.vocab_size, opt.seed);
@@ -399,6 +437,10 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
                    {"peak_device", b.memory().peak_device()},
                    {"in_flight", model.stage->analysis().peak_in_flight[static_cast<std::size_t>(model.stage->stage())]}};
       part["link_bytes"] = b.name() == "sim" ? sim_link_bytes(b).to_json() : json(nullptr);
+      json by = json::object();
+      if (b.name() == "sim")
+        for (const auto& [k, v] : sim_link_bytes_by_collective(b)) by[k] = v.to_json();
+      part["link_bytes_by_collective"] = by;
       for (const auto& s : c.all_gather_strings(part.dump())) stage_parts.push_back(json::parse(s));
     }
 

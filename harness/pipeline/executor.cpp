@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cctype>
 #include <limits>
+#include <stdexcept>
 
 #include "harness/runtime/error.hpp"
 
@@ -183,9 +184,42 @@ void PipelineStage::sync_tied(bool values) {
   if (held.size() == 2) b_.copy(s, pick(held[0]), pick(held[1]));
 }
 
+void PipelineStage::use_bucketed_sync(const GradSyncOptions& opt) {
+  if (!dp_ || !edp_) throw std::logic_error("PipelineStage::use_bucketed_sync before set_gradient_sync");
+  if (opt.zero1 && embedding_group_)
+    throw ConfigError("ZeRO-1 with tie_embeddings and the embedding and the LM head on different pipeline stages is "
+                      "not supported (the embedding group would sum a sharded gradient); untie them or drop ZeRO-1");
+  syncs_.clear();
+  for (auto& c : chunks_) {
+    syncs_.push_back(std::make_unique<GradSync>(b_, stream(), c->param_slots(), *dp_, *edp_, c->tensor_parallel(), opt));
+    c->set_grad_sync(syncs_.back().get());
+  }
+  last_w_.assign(chunks_.size(), -1);
+  const auto& nodes = s_.nodes[static_cast<std::size_t>(stage_)];
+  for (int pos = 0; pos < static_cast<int>(nodes.size()); ++pos)
+    if (nodes[static_cast<std::size_t>(pos)].kind == NodeKind::backward_weight)
+      last_w_[static_cast<std::size_t>(nodes[static_cast<std::size_t>(pos)].chunk)] = pos;
+}
+
+void PipelineStage::make_optimizer(const OptimizerConfig& oc) {
+  optimizers_.clear();
+  if (syncs_.empty()) {
+    optimizers_.push_back(std::make_unique<Optimizer>(b_, stream(), parameters(), oc));
+  } else {
+    for (auto& sync : syncs_) optimizers_.push_back(std::make_unique<Optimizer>(b_, stream(), *sync, oc));
+  }
+}
+
 // The one place gradients are summed across ranks before the optimizer step.
 void PipelineStage::sync_gradients() {
   PhaseScope ph(b_, "grad_sync");
+  if (!syncs_.empty()) {
+    // The buckets were issued during the last W passes; the rest now, then the embedding
+    // group's sum (sums commute: DP first, then the two copies, gives the same total).
+    for (auto& sync : syncs_) sync->finish();
+    sync_tied(false);
+    return;
+  }
   sync_tied(false);
   // Always: besides the DP sum, the chunks complete their TP-partial gradients and average the
   // experts' TP copies (Model::all_reduce_gradients), which tensor parallelism needs at dp = 1.
@@ -228,7 +262,10 @@ void PipelineStage::run_node(int pos, const Node& n, const std::vector<Batch>& d
   Stream& compute = stream();
   if (n.kind == NodeKind::optimizer) {
     sync_gradients();
-    if (optimizer_) optimizer_->step();
+    if (!optimizers_.empty())
+      for (auto& o : optimizers_) o->step();
+    else if (optimizer_)
+      optimizer_->step();
     return;
   }
   const int V = s_.virtual_stages(), vs = s_.virtual_stage(stage_, n.chunk), mb = n.microbatch;
@@ -313,6 +350,7 @@ void PipelineStage::run_node(int pos, const Node& n, const std::vector<Batch>& d
     }
     case NodeKind::send_grad: send(true, prev_stage, x.dx); break;
     case NodeKind::backward_weight:
+      if (!syncs_.empty() && pos == last_w_[static_cast<std::size_t>(n.chunk)]) syncs_[static_cast<std::size_t>(n.chunk)]->arm();
       model.backward_weight(*x.fw.saved);
       x.fw.saved.reset();
       break;

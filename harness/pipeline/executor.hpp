@@ -94,7 +94,21 @@ class PipelineStage {
   // over `dp` (Model::all_reduce_gradients) and the experts' over `edp` (experts replicated
   // when EP is below the stage's ranks). Null or size 1: nothing.
   void set_gradient_sync(Communicator* dp, Communicator* edp);
+  // The same sums by the bucketed synchroniser (harness/nn/grad_sync.hpp), one per chunk: a
+  // chunk's buckets are reduced on their own stream while the step's last weight-gradient
+  // passes still run (armed before the chunk's last W node), finished at the optimizer node.
+  // With `zero1`, Adam's states are sharded over each group (make_optimizer builds one
+  // optimizer per chunk on its synchroniser). After set_gradient_sync and init_parameters;
+  // before the optimizer is made. ZeRO-1 with tied embeddings split across stages is refused
+  // (the embedding group would have to sum a sharded gradient).
+  void use_bucketed_sync(const GradSyncOptions& opt);
+  GradSync* grad_sync(int chunk) const {
+    return syncs_.empty() ? nullptr : syncs_[static_cast<std::size_t>(chunk)].get();
+  }
   void set_optimizer(Optimizer* o) { optimizer_ = o; }
+  // The stage's own optimizer(s) over every chunk's parameters (per chunk on its synchroniser
+  // when use_bucketed_sync was called); used at the optimizer node instead of set_optimizer's.
+  void make_optimizer(const OptimizerConfig& oc);
 
   // One step of the schedule: zero_grad, this stage's node list, every send released.
   // data[mb]: token ids (read by virtual stage 0), targets (the last virtual stage) and the
@@ -141,6 +155,9 @@ class PipelineStage {
   Communicator* dp_ = nullptr;
   Communicator* edp_ = nullptr;
   Optimizer* optimizer_ = nullptr;
+  std::vector<std::unique_ptr<GradSync>> syncs_;        // per chunk (use_bucketed_sync)
+  std::vector<std::unique_ptr<Optimizer>> optimizers_;  // make_optimizer
+  std::vector<int> last_w_;                             // per chunk: position of its last W node
   EventPool events_;
   std::vector<std::unique_ptr<Slot>> slots_;  // [mb * chunks + chunk]
   struct PendingSend {

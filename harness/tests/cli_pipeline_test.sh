@@ -79,7 +79,36 @@ if "$py" -c "import matplotlib" 2>/dev/null; then
   else bad "schedule figure"; cat "$work/plot.log"; fi
 fi
 
-# 4. bad layouts and schedules: exit 2, a message naming the field, no result file
+# 4. tensor parallelism: 16 simulated A100s on two nodes, tp=2 x dp=8 with sequence parallelism,
+#    ZeRO-1 and experts over all 16 ranks: the all-to-all's bytes split into NVSwitch and NIC;
+#    and two cpu ranks training with tp=2 (the loss falls)
+if "$moelab" run --model "$models/gpt2-moe-small.json" --model-override '{"num_layers": 2, "moe": {"num_experts": 16}}' \
+     --impl fastmoe --backend sim --cluster dgx-a100x2 --parallel tp=2,dp=8,ep=16 --sequence-parallel --zero1 \
+     --grad-bucket 1000000 --microbatches 2 --steps 1 --warmup 0 --out "$work/tp.json" >"$work/tp.log" 2>&1 &&
+   schema_ok "$work/tp.json" &&
+   "$py" -c "
+import json, sys
+p = json.load(open(sys.argv[1]))['parallel']
+a = p['link_bytes_by_collective']['all_to_all']
+assert a['nvlink'] > 0 and a['nic'] > 0, a
+assert p['sequence_parallel'] and p['gradient_sync'] == {'kind': 'zero1', 'bucket_elems': 1000000}, p
+assert p['layout']['tp'] == 2 and p['layout']['ep'] == 16, p['layout']
+" "$work/tp.json"; then
+  ok "16 simulated A100s, tp=2 dp=8 ep=16, sequence parallel, ZeRO-1: all-to-all on NVSwitch and NIC"
+else bad "simulated tensor parallelism"; cat "$work/tp.log"; fi
+if [ "$have_mpi" = 1 ] &&
+   mpirun --oversubscribe -n 2 "$moelab" run --model "$models/tiny-moe.json" --impl fastmoe --backend cpu \
+     --parallel tp=2 --sequence-parallel --microbatches 2 --steps 30 --warmup 0 --lr 0.01 \
+     --out "$work/cpu_tp.json" >"$work/cpu_tp.log" 2>&1 &&
+   schema_ok "$work/cpu_tp.json" &&
+   "$py" -c "
+import json, sys
+l = json.load(open(sys.argv[1]))['metrics']['loss']
+sys.exit(0 if l['last'] < l['first'] - 0.5 else 1)" "$work/cpu_tp.json"; then
+  ok "2 cpu ranks, tp=2 with sequence parallelism: loss $(jget "$work/cpu_tp.json" "['metrics']['loss']['first']") -> $(jget "$work/cpu_tp.json" "['metrics']['loss']['last']")"
+elif [ "$have_mpi" = 1 ]; then bad "2 cpu ranks, tp=2"; cat "$work/cpu_tp.log"; fi
+
+# 5. bad layouts and schedules: exit 2, a message naming the field, no result file
 expect_2() {
   local name="$1" want="$2"
   shift 2
@@ -94,7 +123,9 @@ expect_2 layout_key "did you mean \"pp\"" "${sim[@]}" --ranks 4 --parallel "tp=1
 expect_2 layout_world "does not divide" "${sim[@]}" --ranks 4 --parallel pp=3
 expect_2 layout_layers "num_layers" "${sim[@]}" --ranks 4 --parallel pp=4
 expect_2 layout_experts "num_experts" "${sim[@]}" --ranks 8 --parallel dp=8,ep=8
-expect_2 layout_tp "tensor parallelism (tp = 2)" "${sim[@]}" --ranks 8 --parallel tp=2,pp=2,dp=2,ep=4 --schedule 1f1b --microbatches 8
+expect_2 layout_tp_heads "num_heads" "${sim[@]}" --ranks 8 --parallel tp=8
+expect_2 sequence_parallel_tp1 "--sequence-parallel needs tensor parallelism" "${sim[@]}" --ranks 4 --parallel dp=4 --sequence-parallel
+expect_2 grad_bucket "--grad-bucket" "${sim[@]}" --ranks 4 --parallel dp=4 --grad-bucket 0
 expect_2 schedule_name "did you mean \"zb-h1\"" "${sim[@]}" --ranks 4 --parallel pp=2 --schedule zb-h2
 expect_2 schedule_layers "not divisible by the 4 virtual stages" "${sim[@]}" --ranks 4 --parallel pp=2 --schedule interleaved --chunks 2 --microbatches 4
 expect_2 schedule_microbatches "multiple of pp = 2" "${sim[@]}" --ranks 4 --model-override "$four_layers" --parallel pp=2 --schedule interleaved --microbatches 3

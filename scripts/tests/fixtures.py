@@ -63,8 +63,11 @@ def model_result(mode="simulated"):
     r["training"] = {"layers": [0, 2], "micro_batch": 1, "microbatches": 4, "optimizer": "adam", "lr": 0.001,
                      "seed": 1, "steps": 1, "warmup": 1}
     links = {"nvlink": 1.5e6, "pcie": 0.0, "nic": 0.0} if sim else None
+    by = {"all_to_all": {"nvlink": 1.0e6, "pcie": 0.0, "nic": 0.0},
+          "send_recv": {"nvlink": 0.5e6, "pcie": 0.0, "nic": 0.0}} if sim else None
     stage = {"work_s": 0.003, "span_s": 0.004, "bubble": 0.25, "peak_activation_bytes": 1000,
-             "peak_buffer_bytes": 500, "peak_device_bytes": 9000, "microbatches_in_flight": 2, "link_bytes": links}
+             "peak_buffer_bytes": 500, "peak_device_bytes": 9000, "microbatches_in_flight": 2, "link_bytes": links,
+             "link_bytes_by_collective": by}
     r["parallel"] = {
         "layout": {"world": 4, "tp": 1, "pp": 2, "dp": 2, "dp_inferred": False, "ep": 2, "etp": 1, "edp": 1},
         "spec": "tp=1,pp=2,dp=2,ep=2,etp=1,edp=1",
@@ -73,6 +76,9 @@ def model_result(mode="simulated"):
         "bubble": 0.25, "pipeline_window_s": 0.004,
         "stages": [dict(stage, stage=0, ranks=[0, 1]), dict(stage, stage=1, ranks=[2, 3])],
         "link_bytes": links,
+        "link_bytes_by_collective": by,
+        "sequence_parallel": False,
+        "gradient_sync": {"kind": "bucketed_all_reduce", "bucket_elems": 40000000},
     }
     return r
 

@@ -218,6 +218,17 @@ struct Participation {
 // barrier: a sub-communicator's barrier, which joins its members' host timelines (a world
 // barrier instead runs the engine; see SimCommunicator::barrier).
 enum class CollKind { all_to_all_v, all_gather, reduce_scatter, all_reduce, p2p, barrier };
+const char* collective_name(CollKind k) {
+  switch (k) {
+    case CollKind::all_to_all_v: return "all_to_all";
+    case CollKind::all_gather: return "all_gather";
+    case CollKind::reduce_scatter: return "reduce_scatter";
+    case CollKind::all_reduce: return "all_reduce";
+    case CollKind::p2p: return "send_recv";
+    case CollKind::barrier: return "barrier";
+  }
+  return "?";
+}
 
 struct Instance {
   CollKind kind = CollKind::p2p;
@@ -520,6 +531,7 @@ class SimBackendImpl final : public Backend {
   void clear_timeline() override {
     records_.clear();
     link_bytes_ = {};
+    link_bytes_by_collective_.clear();
   }
 
   // ---- used by the communicator and the evaluation ----------------------------------------
@@ -580,8 +592,12 @@ class SimBackendImpl final : public Backend {
     return {a, host_};
   }
   // Bytes this rank sent by the collectives in its timeline, by link class.
-  void add_link_bytes(const sim::LinkBytes& b) { link_bytes_ += b; }
+  void add_link_bytes(const sim::LinkBytes& b, const std::map<std::string, sim::LinkBytes>& by_collective) {
+    link_bytes_ += b;
+    for (const auto& [k, v] : by_collective) link_bytes_by_collective_[k] += v;
+  }
   const sim::LinkBytes& link_bytes() const { return link_bytes_; }
+  const std::map<std::string, sim::LinkBytes>& link_bytes_by_collective() const { return link_bytes_by_collective_; }
 
  protected:
   void* raw_alloc(std::size_t bytes, MemSpace space, Stream&) override {
@@ -680,6 +696,7 @@ class SimBackendImpl final : public Backend {
   double now_ = 0;
   std::int64_t gate_calls_ = 0;
   sim::LinkBytes link_bytes_;
+  std::map<std::string, sim::LinkBytes> link_bytes_by_collective_;
 };
 
 // ============================================================================================
@@ -883,6 +900,8 @@ void SimCluster::Impl::evaluate() {
   std::vector<sim::Task> flows;
   std::map<int, std::vector<int>> done_deps;  // global id of a done task -> flow ids
   std::vector<sim::LinkBytes> sent(static_cast<std::size_t>(n));  // by the sending world rank
+  std::vector<std::map<std::string, sim::LinkBytes>> sent_by(static_cast<std::size_t>(n));  // and by collective
+  const char* coll = "";  // the collective whose flows are being made
   // src, dst: world ranks.
   auto flow = [&](int src, int dst, double bytes, int arrive_src, int arrive_dst, double extra_latency,
                   int done_src, int done_dst) {
@@ -897,7 +916,10 @@ void SimCluster::Impl::evaluate() {
       const sim::Route route = topo.p2p(src, dst);
       f.latency = route.latency + extra_latency;
       for (int res : route.resources) f.demands.push_back({res, bytes});
-      for (sim::LinkClass c : route.links) sent[static_cast<std::size_t>(src)][c] += bytes;
+      for (sim::LinkClass c : route.links) {
+        sent[static_cast<std::size_t>(src)][c] += bytes;
+        sent_by[static_cast<std::size_t>(src)][coll][c] += bytes;
+      }
     }
     f.deps = {arrive_src, arrive_dst};
     const int id = total + static_cast<int>(flows.size());
@@ -919,6 +941,7 @@ void SimCluster::Impl::evaluate() {
     auto part = [&](int i) { return by_member[static_cast<std::size_t>(i)]; };
     auto arrive = [&](int i) { return gid(w(i), part(i)->arrive); };
     auto done = [&](int i) { return gid(w(i), part(i)->done); };
+    coll = collective_name(in.kind);
     if (in.kind == CollKind::p2p) {
       const int s = in.p2p_src, d = in.p2p_dst;
       flow(w(s), w(d), part(s)->bytes, arrive(s), arrive(d), 0.0, done(s), done(d));
@@ -987,7 +1010,8 @@ void SimCluster::Impl::evaluate() {
     backends[static_cast<std::size_t>(r)]->commit(start, end, epoch_base, quiet);
   }
   if (quiet) {
-    for (int r = 0; r < n; ++r) backends[static_cast<std::size_t>(r)]->add_link_bytes(sent[static_cast<std::size_t>(r)]);
+    for (int r = 0; r < n; ++r)
+      backends[static_cast<std::size_t>(r)]->add_link_bytes(sent[static_cast<std::size_t>(r)], sent_by[static_cast<std::size_t>(r)]);
     epoch_base += barrier;
     ++epoch;
     instances.clear();
@@ -1019,6 +1043,11 @@ sim::LinkBytes sim_link_bytes(const Backend& b) {
   const auto* s = dynamic_cast<const SimBackendImpl*>(&b);
   if (!s) throw Unsupported("link bytes are recorded by the sim backend only, not by " + b.name());
   return s->link_bytes();
+}
+std::map<std::string, sim::LinkBytes> sim_link_bytes_by_collective(const Backend& b) {
+  const auto* s = dynamic_cast<const SimBackendImpl*>(&b);
+  if (!s) throw Unsupported("link bytes are recorded by the sim backend only, not by " + b.name());
+  return s->link_bytes_by_collective();
 }
 std::string SimCluster::calibration() const { return impl_->opt.profile ? impl_->opt.profile->name : "datasheet"; }
 

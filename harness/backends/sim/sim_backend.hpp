@@ -19,6 +19,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -90,5 +91,8 @@ class SimCluster {
 // SimCluster::link_bytes for the rank that `b` simulates, from inside a program; Unsupported
 // for a backend other than sim.
 sim::LinkBytes sim_link_bytes(const Backend& b);
+// The same bytes split by collective ("all_to_all", "all_reduce", "all_gather",
+// "reduce_scatter", "send_recv"): which traffic crossed which links.
+std::map<std::string, sim::LinkBytes> sim_link_bytes_by_collective(const Backend& b);
 
 }  // namespace moelab
