@@ -176,6 +176,7 @@ class ScMoEPair final : public LayerGroup {
   float aux_coef_ = 0.0f, aux_scale_ = 1.0f;
   std::map<std::int64_t, Placement> placements_;  // by T
   std::int64_t last_T_ = 0;
+  int issued_chunks_ = 0;  // exchanges per all-to-all in the last forward (an implementation may step its own)
   double measured_flops_ = 0;  // GEMM rate measured where the backend has no model (cpu, cuda)
 };
 
@@ -350,6 +351,7 @@ json ScMoEPair::schedule_report() {
   if (auto it = placements_.find(last_T_); it != placements_.end()) {
     j["tokens"] = last_T_;
     j.update(it->second.to_json());
+    if (drives_steps()) j["issued_chunks"] = issued_chunks_;
   }
   return j;
 }
@@ -420,6 +422,7 @@ Forwarded ScMoEPair::forward(const Tensor& x, const WorkKey& key) {
       plan.one_in_flight = false;
     }
     plan.lookahead = static_cast<int>(plan.chunks.size());  // every dispatch issued now
+    issued_chunks_ = static_cast<int>(plan.chunks.size());
     Tensor y_r;
     if (plan.output_first) y_r = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, c);
     const PassPlacement place{[&] { run_units(0, slot); }, true};
