@@ -362,7 +362,7 @@ def _check_parallel(c, par, mode, world):
     c.integer(sch, "microbatches", "parallel.schedule", minimum=1)
     c.integer(sch, "chunks", "parallel.schedule", minimum=1)
     c.string(sch, "placement", "parallel.schedule", choices=("interleaved", "vshape"))
-    c.string(sch, "recompute", "parallel.schedule", choices=("none", "full"))
+    c.string(sch, "recompute", "parallel.schedule", choices=("none", "selective", "full"))
     if not 0 <= c.number(par, "bubble", "parallel") <= 1:
         c.fail("parallel.bubble", f"expected a ratio in [0, 1], got {par['bubble']}")
     c.number(par, "pipeline_window_s", "parallel", minimum=0)

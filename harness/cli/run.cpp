@@ -81,7 +81,7 @@ void print_run_help(std::FILE* to) {
       "                    runs the model as a pipeline of pp stages on the layout's process groups\n"
       "  --schedule NAME   pipeline schedule: gpipe, 1f1b (default), interleaved, zb-h1, zb-v\n"
       "  --chunks V        model chunks per stage for interleaved (default 2)\n"
-      "  --recompute MODE  activation recomputation: none (default) or full\n"
+      "  --recompute MODE  activation recomputation: none (default), selective (norms) or full\n"
       "  --sequence-parallel  with tp > 1: norms, residuals and MoE layers on T/tp tokens per rank\n"
       "  --zero1           shard Adam's states over the data-parallel groups (ZeRO stage 1)\n"
       "  --grad-bucket N   elements per gradient bucket (default 40000000, Megatron-Core's)\n"
@@ -207,7 +207,7 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     else if (flag == "--recompute") {
       o.recompute = take();
       if (o.recompute != "none" && o.recompute != "full" && o.recompute != "selective")
-        throw ConfigError("--recompute = \"" + shown(o.recompute) + "\": expected none or full");
+        throw ConfigError("--recompute = \"" + shown(o.recompute) + "\": expected none, selective or full");
     } else if (flag == "--sequence-parallel") {
       o.sequence_parallel = true;
     } else if (flag == "--zero1") {

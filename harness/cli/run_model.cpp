@@ -71,6 +71,11 @@ PipelinePlan plan_pipeline(const RunOptions& opt, const TransformerConfig& cfg, 
   p.recompute = pipeline::parse_recompute(opt.recompute.empty() ? "none" : opt.recompute);
   p.schedule = pipeline::make_schedule(opt.schedule.empty() ? "1f1b" : opt.schedule, p.layout.pp, opt.microbatches, opt.chunks);
   pipeline::check_pipeline(cfg, p.schedule);
+  // The process groups have an expert-TP communicator, but no MoE implementation splits its
+  // experts over it yet: refuse rather than train replicas that nothing keeps equal.
+  if (p.layout.etp > 1)
+    throw ConfigError("parallel layout " + p.layout.to_string() + ": etp = " + std::to_string(p.layout.etp) +
+                      " (expert tensor parallelism) is not supported by the MoE implementations; use etp=1");
   p.sequence_parallel = opt.sequence_parallel;
   if (p.sequence_parallel && p.layout.tp == 1)
     throw ConfigError("--sequence-parallel needs tensor parallelism (tp > 1 in --parallel " + p.layout.to_string() + ")");

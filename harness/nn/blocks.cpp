@@ -150,7 +150,7 @@ Tensor FeedForward::forward(const Tensor& in_mine, State& st) {
 Tensor FeedForward::backward_input(State& st, const Tensor& d_m_mine) {
   const Tensor d_m = tp_.leave_backward(b_, s_, d_m_mine);  // [T,M]
   const std::int64_t T = d_m.dim(0), M = d_m.dim(1), F = width_, F1 = w1_.value.dim(1);
-  const DType dt = st.in.dtype();
+  const DType dt = st.h.dtype();
   st.g = b_.empty({T, F}, dt, MemCategory::buffers, s_);  // g = act(h), again
   if (kind_ == MlpKind::swiglu)
     b_.swiglu_forward(s_, st.h, st.g);
@@ -312,6 +312,7 @@ Forwarded AttentionBlock::forward(const Tensor& x, const WorkKey& key) {
   const Tensor a_all = tp_.enter(b_, s_, sv->a);                         // [T,M]
   sv->qkv = b_.empty({T, Q}, cfg_.dtype, MemCategory::activations, s_);  // [T,Q/t]
   b_.gemm(s_, mm(false, false, T, Q, M, a_all, wqkv_.value, sv->qkv, 0), "qkv");
+  if (recompute_norm_) sv->a = Tensor();  // W makes it again from the norm's input
   if (cfg_.positions == PositionKind::rotary) b_.rope(s_, a, cfg_.rope_theta, false, sv->qkv);
   sv->o = b_.empty({T, HD}, cfg_.dtype, MemCategory::activations, s_);                         // [T,Hq·D/t]
   sv->lse = b_.empty({a.batch, a.heads, a.seq}, DType::f32, MemCategory::activations, s_);     // [B,Hq/t,S]
@@ -344,7 +345,7 @@ Tensor AttentionBlock::backward_input(Saved& saved, const Tensor& dy_mine) {
   Tensor dx = norm_.backward(sv.norm, d_a);
   b_.add(s_, dx, dy_mine, dx);  // residual
   sv.dy = dy;
-  sv.norm = Norm::State{};  // what W does not need goes now
+  if (!recompute_norm_) sv.norm = Norm::State{};  // what W does not need goes now
   sv.qkv = sv.lse = Tensor();
   sv.input_done = true;
   return dx;
@@ -356,6 +357,11 @@ void AttentionBlock::backward_weight(Saved& saved) {
   MicrobatchScope mb(b_, sv.key.microbatch);
   PhaseScope ph(b_, kind());
   b_.gemm(s_, mm(true, false, HD, M, T, sv.o, sv.dy, wo_.grad, 1), "attn_out_wgrad");  // dWo += O^T · dy
+  if (!sv.a.defined()) {  // selective recomputation: the normed input again, from the norm's input
+    Norm::State again;
+    sv.a = norm_.forward(sv.norm.x, again);
+    sv.norm = Norm::State{};
+  }
   const Tensor a_all = tp_.enter(b_, s_, sv.a);                                         // gathered again under SP
   b_.gemm(s_, mm(true, false, M, Q, T, a_all, sv.d_qkv, wqkv_.grad, 1), "qkv_wgrad");  // dWqkv += a^T · dqkv
   sv.a = sv.o = sv.dy = sv.d_qkv = Tensor();
@@ -419,6 +425,7 @@ Forwarded FfnBlock::forward(const Tensor& x, const WorkKey& key) {
   }
   if (mlp_) {
     Tensor m = mlp_->forward(bn, sv->mlp);
+    if (recompute_norm_) sv->mlp.in = Tensor();  // W makes it again from the norm's input
     if (out.defined())
       b_.add(s_, out, m, out);  // routed + shared expert
     else
@@ -444,7 +451,7 @@ Tensor FfnBlock::backward_input(Saved& saved, const Tensor& dy) {
   }
   Tensor dx = norm_.backward(sv.norm, d_bn);
   b_.add(s_, dx, dy, dx);  // residual
-  sv.norm = Norm::State{};
+  if (!recompute_norm_) sv.norm = Norm::State{};
   sv.input_done = true;
   return dx;
 }
@@ -456,6 +463,11 @@ void FfnBlock::backward_weight(Saved& saved) {
   if (moe_) {
     moe_->backward_weight(*sv.moe);
     sv.moe.reset();
+  }
+  if (mlp_ && !sv.mlp.in.defined()) {  // selective recomputation of the norm
+    Norm::State again;
+    sv.mlp.in = norm_.forward(sv.norm.x, again);
+    sv.norm = Norm::State{};
   }
   if (mlp_) mlp_->backward_weight(sv.mlp);
   sv.weight_done = true;

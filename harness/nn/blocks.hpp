@@ -176,6 +176,10 @@ class AttentionBlock final : public Block {
   void backward_weight(Saved& saved) override;
   void init_parameters(std::uint64_t seed) override;
   void collect(std::vector<Param*>& out) override;
+  // Selective recomputation of the norm (Korthikanti et al. 2022 §5, for the cheap layers):
+  // forward keeps only the block input (the norm's own state) instead of also the normed
+  // [T,M] activation, and W recomputes it. Saves one [T,M] per block between F and W.
+  void set_recompute_norm(bool on) { recompute_norm_ = on; }
 
  private:
   AttentionShape shape(std::int64_t tokens) const;  // this rank's heads over the microbatch's T tokens
@@ -187,6 +191,7 @@ class AttentionBlock final : public Block {
   TensorParallel tp_;
   Norm norm_;
   Param wqkv_, wo_;  // [M,Q/t], [Hq·D/t,M]
+  bool recompute_norm_ = false;
 };
 
 // y = x + ffn(norm(x)) where ffn is a dense MLP, or an MoE layer served by an MoEImpl
@@ -216,6 +221,9 @@ class FfnBlock final : public Block {
   float aux_loss(const Saved& saved);
   // dL/d aux_loss used by backward_input: aux_loss_coef times the saved state's loss scale.
   void set_aux_grad_scale(float s) { aux_grad_scale_ = s; }
+  // As AttentionBlock's, for a dense MLP block (an MoE layer keeps its input for the gate's
+  // backward, so recomputing the norm there saves nothing): no effect on MoE blocks.
+  void set_recompute_norm(bool on) { recompute_norm_ = on && !moe_; }
 
  private:
   Backend& b_;
@@ -227,6 +235,7 @@ class FfnBlock final : public Block {
   std::unique_ptr<MoEImpl> moe_;
   float aux_loss_coef_ = 0.0f;
   float aux_grad_scale_ = 1.0f;
+  bool recompute_norm_ = false;
 };
 
 // Final norm, LM head (wte^T when tied, else its own [M,V]) and the cross-entropy loss

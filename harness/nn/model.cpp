@@ -96,6 +96,11 @@ Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const M
     head_ = h.get();
     blocks_.push_back(std::move(h));
   }
+  if (opt.recompute_norms)
+    for (auto& blk : blocks_) {
+      if (auto* a = dynamic_cast<AttentionBlock*>(blk.get())) a->set_recompute_norm(true);
+      if (auto* f = dynamic_cast<FfnBlock*>(blk.get())) f->set_recompute_norm(true);
+    }
 }
 
 Model::~Model() = default;

@@ -47,6 +47,10 @@ struct ModelOptions {
   // et al. 2022, §4.2.2).
   Communicator* tp = nullptr;
   bool sequence_parallel = false;
+  // Selective activation recomputation (Korthikanti et al. 2022 §5, the cheap layers): the
+  // attention and dense MLP blocks keep their input instead of also its normed copy and make
+  // the norm again for their weight gradients (AttentionBlock::set_recompute_norm).
+  bool recompute_norms = false;
   // Tied embeddings (cfg.tie_embeddings) in a range that has the LM head but not the
   // embedding: the range holds its own copy of the word embeddings, zero until the pipeline
   // copies the embedding into it, and the pipeline sums the two copies' gradients every step

@@ -15,10 +15,8 @@ namespace moelab::pipeline {
 Recompute parse_recompute(const std::string& s) {
   if (s == "none") return Recompute::none;
   if (s == "full") return Recompute::full;
-  if (s == "selective")
-    throw ConfigError("--recompute selective is not built: it needs the blocks to drop their norm outputs from the "
-                      "saved state (every block already recomputes its activation output); use none or full");
-  throw ConfigError("--recompute \"" + s + "\": expected none or full");
+  if (s == "selective") return Recompute::selective;
+  throw ConfigError("--recompute \"" + s + "\": expected none, selective or full");
 }
 
 const char* recompute_name(Recompute r) {
@@ -79,7 +77,6 @@ PipelineStage::PipelineStage(Backend& b, const TransformerConfig& cfg, const Sch
   if (pp.size() != s.stages)
     throw ConfigError("schedule " + s.name + " has " + std::to_string(s.stages) + " stages, the pipeline group " +
                       std::to_string(pp.size()) + " ranks");
-  if (opt.recompute == Recompute::selective) parse_recompute("selective");
   if (opt.tokens < 1) throw ConfigError("pipeline: tokens per microbatch = " + std::to_string(opt.tokens) + " must be positive");
   analysis_ = validate(s);
   check_pipeline(cfg, s);
@@ -89,6 +86,7 @@ PipelineStage::PipelineStage(Backend& b, const TransformerConfig& cfg, const Sch
     mo.first_layer = r.first;
     mo.last_layer = r.last;
     mo.tied_embedding_copy = true;
+    mo.recompute_norms = opt.recompute == Recompute::selective;
     chunks_.push_back(std::make_unique<Model>(b, ep, cfg, mo));
   }
   // One communicator per (kind, direction, sender colour) that the schedule uses, duplicated

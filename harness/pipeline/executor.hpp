@@ -34,9 +34,10 @@
 //
 // Activation recomputation (Chen et al. 2016; Korthikanti et al. 2022 §5): `full` keeps only a
 // chunk's input after its forward and runs the forward again right before its B (recomputed
-// ops carry the node label "R"). `selective` (only the cheap norm outputs recomputed) needs
-// the blocks to drop those from their saved state and is not built; every block already
-// recomputes its activation function's output in backward (harness/nn/blocks.hpp).
+// ops carry the node label "R"). `selective` recomputes only the cheap layers: the attention
+// and dense MLP blocks keep their input instead of also its normed copy and run the norm
+// again for their weight gradients (ModelOptions::recompute_norms), one [T,M] less per block
+// in flight; every block already recomputes its activation function's output in backward.
 //
 // Every op issued for a node carries its label in the timeline (Backend::NodeScope):
 // "F3.1" forward of microbatch 3 chunk 1, "B", "W", "R" (recompute), "SA"/"RA" activation
@@ -56,7 +57,7 @@
 namespace moelab::pipeline {
 
 enum class Recompute { none, full, selective };
-Recompute parse_recompute(const std::string& s);  // "none" | "full"; ConfigError otherwise
+Recompute parse_recompute(const std::string& s);  // "none" | "selective" | "full"; ConfigError otherwise
 const char* recompute_name(Recompute r);
 
 // Megatron's rule: the layers [first, last) of virtual stage `vstage` of `virtual_stages`.

@@ -124,13 +124,13 @@ expect_2 layout_world "does not divide" "${sim[@]}" --ranks 4 --parallel pp=3
 expect_2 layout_layers "num_layers" "${sim[@]}" --ranks 4 --parallel pp=4
 expect_2 layout_experts "num_experts" "${sim[@]}" --ranks 8 --parallel dp=8,ep=8
 expect_2 layout_tp_heads "num_heads" "${sim[@]}" --ranks 8 --parallel tp=8
+expect_2 layout_etp "etp = 2 (expert tensor parallelism)" "${sim[@]}" --ranks 4 --parallel tp=2,dp=2,ep=2,etp=2
 expect_2 sequence_parallel_tp1 "--sequence-parallel needs tensor parallelism" "${sim[@]}" --ranks 4 --parallel dp=4 --sequence-parallel
 expect_2 grad_bucket "--grad-bucket" "${sim[@]}" --ranks 4 --parallel dp=4 --grad-bucket 0
 expect_2 schedule_name "did you mean \"zb-h1\"" "${sim[@]}" --ranks 4 --parallel pp=2 --schedule zb-h2
 expect_2 schedule_layers "not divisible by the 4 virtual stages" "${sim[@]}" --ranks 4 --parallel pp=2 --schedule interleaved --chunks 2 --microbatches 4
 expect_2 schedule_microbatches "multiple of pp = 2" "${sim[@]}" --ranks 4 --model-override "$four_layers" --parallel pp=2 --schedule interleaved --microbatches 3
 expect_2 schedule_chunks "--chunks = 2" "${sim[@]}" --ranks 4 --parallel pp=2 --schedule 1f1b --chunks 2
-expect_2 recompute_selective "selective is not built" "${sim[@]}" --ranks 4 --parallel pp=2 --recompute selective
 expect_2 recompute_value "--recompute" "${sim[@]}" --ranks 4 --parallel pp=2 --recompute some
 expect_2 layers_and_parallel "exclude each other" "${sim[@]}" --ranks 4 --parallel pp=2 --layers 0:1
 expect_2 workload_and_parallel "apply to --model runs" --workload "$root/experiments/workloads/tiny.json" --impl fastmoe --backend cpu --parallel pp=2

@@ -206,13 +206,15 @@ INSTANTIATE_TEST_SUITE_P(
     Schedules, PipelineMpi,
     ::testing::Values(Case{"gpipe"}, Case{"1f1b"}, Case{"interleaved", 2}, Case{"zb-h1"}, Case{"zb-v"},
                       Case{"1f1b", 0, pipeline::Recompute::full}, Case{"interleaved", 2, pipeline::Recompute::full},
-                      Case{"zb-v", 0, pipeline::Recompute::full}, Case{"1f1b", 0, pipeline::Recompute::none, 2},
+                      Case{"zb-v", 0, pipeline::Recompute::full}, Case{"1f1b", 0, pipeline::Recompute::selective},
+                      Case{"zb-h1", 0, pipeline::Recompute::selective}, Case{"1f1b", 0, pipeline::Recompute::none, 2},
                       Case{"zb-h1", 0, pipeline::Recompute::none, 2}),
     [](const auto& i) {
       std::string s = i.param.schedule;
       for (auto& ch : s)
         if (ch == '-') ch = '_';
       if (i.param.recompute == pipeline::Recompute::full) s += "_recompute";
+      if (i.param.recompute == pipeline::Recompute::selective) s += "_selective";
       if (i.param.dp > 1) s += "_dp" + std::to_string(i.param.dp);
       return s;
     });

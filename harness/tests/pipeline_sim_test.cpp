@@ -58,7 +58,8 @@ struct Figures {
   std::vector<std::size_t> peak_act;      // per stage: the activations' peak (saved for backward)
 };
 
-Figures run(const std::string& schedule, int p, int m, int chunks = 0) {
+Figures run(const std::string& schedule, int p, int m, int chunks = 0,
+            pipeline::Recompute recompute = pipeline::Recompute::none) {
   SimOptions o;
   o.cluster = toy_cluster(p);
   SimCluster cluster(o);
@@ -75,6 +76,7 @@ Figures run(const std::string& schedule, int p, int m, int chunks = 0) {
     const pipeline::Schedule s = pipeline::make_schedule(schedule, p, m, chunks);
     pipeline::PipelineOptions po;
     po.tokens = cfg.seq_len;
+    po.recompute = recompute;
     pipeline::PipelineStage st(b, cfg, s, pg.pp(), pg.ep(), po);
     st.init_parameters(1);
     std::vector<Batch> data(static_cast<std::size_t>(m));
@@ -124,6 +126,25 @@ TEST(PipelineSim, OneFOneBBubbleMatchesTheFormula) {
   for (int s = 0; s < p; ++s)
     EXPECT_NEAR(static_cast<double>(f.peak_act[static_cast<std::size_t>(s)]) / static_cast<double>(f.peak_act[3]), p - s, 0.1 * (p - s))
         << "stage " << s;
+}
+
+// Recomputation trades time for memory: selective (the norms) holds less than none at each
+// stage's peak, and full (only each chunk's input per microbatch in flight) less again where
+// a stage holds several microbatches.
+TEST(PipelineSim, RecomputationHoldsLessActivationMemory) {
+  const int p = 4, m = 8;
+  const Figures none = run("1f1b", p, m), sel = run("1f1b", p, m, 0, pipeline::Recompute::selective),
+                full = run("1f1b", p, m, 0, pipeline::Recompute::full);
+  for (int s = 0; s < p; ++s) {
+    const auto i = static_cast<std::size_t>(s);
+    EXPECT_LT(sel.peak_act[i], none.peak_act[i]) << "stage " << s;
+    // The last stage holds one microbatch: full recomputation rebuilds all of it, so it saves
+    // nothing there; the others hold p - s microbatches, of which full keeps only the inputs.
+    if (s < p - 1)
+      EXPECT_LT(full.peak_act[i], sel.peak_act[i]) << "stage " << s;
+    else
+      EXPECT_LE(static_cast<double>(full.peak_act[i]), 1.01 * static_cast<double>(none.peak_act[i])) << "stage " << s;
+  }
 }
 
 TEST(PipelineSim, GPipeIdlesAsMuchButHoldsEveryMicrobatch) {
