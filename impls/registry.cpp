@@ -1,7 +1,9 @@
 // impls/registry.cpp — every system and baseline built into moelab, registered by name.
 #include "baselines/fastermoe/fastermoe.hpp"
 #include "baselines/fastmoe/fastmoe.hpp"
+#include "baselines/topk/topk.hpp"
 #include "impls/mpipemoe/mpipemoe.hpp"
+#include "impls/scmoe/scmoe.hpp"
 #include "harness/nn/moe_impl.hpp"
 
 #include <mutex>
@@ -15,7 +17,9 @@ void register_builtin_impls() {
   std::call_once(once, [] {
     register_fastmoe();
     register_fastermoe();
+    register_topk_baselines();  // ScMoE's baselines
     register_mpipemoe();
+    register_scmoe();  // ScMoE's block pair for models with "scmoe" (not an --impl)
   });
 }
 

@@ -631,7 +631,7 @@ int run_model_command(const RunOptions& opt) {
     std::optional<PipelinePlan> plan;
     if (opt.pipelined()) plan = plan_pipeline(opt, cfg, n, so.cluster.node.gpus);
     else validate_model_for_world(cfg, opt, n);
-    check_impl_options(opt.impl, opt.impl_options, {cfg.moe, plan ? plan->layout.ep : n, tokens(cfg)});
+    check_impl_options(opt.impl, opt.impl_options, {cfg.moe, plan ? plan->layout.ep : n, tokens(cfg), cfg.shared_expert_hidden});
     if (!opt.profile.empty()) so.profile = sim::load_profile(opt.profile);
     so.routing = RoutingModel::parse(opt.routing, opt.seed);
     so.ranks = opt.ranks;
@@ -662,7 +662,7 @@ int run_model_command(const RunOptions& opt) {
         cfg = load_transformer(opt.model, opt.model_override);
         if (opt.pipelined()) plan = plan_pipeline(opt, cfg, world, world);
         else validate_model_for_world(cfg, opt, world);
-        check_impl_options(opt.impl, opt.impl_options, {cfg.moe, plan ? plan->layout.ep : world, tokens(cfg)});
+        check_impl_options(opt.impl, opt.impl_options, {cfg.moe, plan ? plan->layout.ep : world, tokens(cfg), cfg.shared_expert_hidden});
       },
       [&](const Backend& b) {
         if (b.supports(cfg.dtype)) return std::string();

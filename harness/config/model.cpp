@@ -49,6 +49,46 @@ MoELayers parse_moe_layers(const std::string& s) {
   return s == "all" ? MoELayers::all : s == "every_second" ? MoELayers::every_second : MoELayers::none;
 }
 
+// "auto" (-> fallback) or an integer in [lo, hi].
+int auto_or_integer(const Fields& f, const char* key, int fallback, std::int64_t lo, std::int64_t hi) {
+  const json* v = f.find(key);
+  if (!v || (v->is_string() && v->get<std::string>() == "auto")) return fallback;
+  if (!v->is_number()) f.wrong_type(key, *v, ("\"auto\" or an integer from " + std::to_string(lo) + " to " + std::to_string(hi)).c_str());
+  const std::int64_t n = f.integer(key, *v, lo, hi);
+  return static_cast<int>(n);
+}
+
+// The "scmoe" object (ScMoE's block pairs), read after "moe": it needs the MoE layers, top-1
+// routing and a shared expert.
+void read_scmoe(const Fields& f, const json& sc, const json* moe, TransformerConfig& t) {
+  const std::string& origin = t.origin;
+  if (t.moe_layers == MoELayers::none)
+    fail(origin, "scmoe = " + show(sc) + " is given but moe_layers = \"none\" (ScMoE shortcuts the routed MoE of the MoE "
+                 "blocks: set moe_layers and moe, or remove \"scmoe\")");
+  if (!sc.is_object()) f.wrong_type("scmoe", sc, "an object");
+  Fields sf(sc, origin, "scmoe.", {"position", "combine", "expert_slot", "chunks"});
+  ShortcutConfig& c = t.scmoe;
+  c.enabled = true;
+  // The paper's default is Pos-2; with an MoE in every block it uses Pos-1.
+  const std::string pos = sf.choice_or("position", t.moe_layers == MoELayers::all ? "pos1" : "pos2", {"pos1", "pos2", "pos3"});
+  c.position = pos == "pos1" ? ShortcutPosition::pos1 : pos == "pos3" ? ShortcutPosition::pos3 : ShortcutPosition::pos2;
+  const std::string comb = sf.choice_or("combine", "cg1", {"add", "cg1", "cg2"});
+  c.combine = comb == "add" ? ShortcutCombine::add : comb == "cg2" ? ShortcutCombine::cg2 : ShortcutCombine::cg1;
+  if (t.moe_layers == MoELayers::all && c.position != ShortcutPosition::pos1)
+    fail(origin, "scmoe.position = \"" + pos + "\" takes the routed MoE's input from the dense block before each MoE "
+                 "block, but moe_layers = \"all\" has none: use \"pos1\" (ScMoE's choice when every block has an MoE)");
+  c.expert_slot = auto_or_integer(sf, "expert_slot", -1, 0, c.window_blocks());
+  c.chunks = auto_or_integer(sf, "chunks", 0, 1, 64);
+  if (t.moe.top_k != 1)
+    fail(origin, "moe.top_k = " + std::to_string(t.moe.top_k) +
+                     ": ScMoE's routed MoE sends each token to one expert (with \"scmoe\", moe.top_k must be 1)");
+  if (!moe->contains("shared_expert_hidden"))
+    t.shared_expert_hidden = t.d_ffn;  // the shared expert is a dense MLP
+  else if (t.shared_expert_hidden == 0)
+    fail(origin, "moe.shared_expert_hidden = 0, but ScMoE's MoE block always has a shared expert (leave the field out "
+                 "for one as wide as d_ffn)");
+}
+
 // A float field in (0, hi].
 float positive_float(const Fields& f, const char* key, float fallback, double hi) {
   if (!f.find(key)) return fallback;
@@ -81,6 +121,12 @@ const char* positions_name(PositionKind k) {
 }
 const char* moe_layers_name(MoELayers m) {
   return m == MoELayers::all ? "all" : m == MoELayers::every_second ? "every_second" : "none";
+}
+const char* shortcut_position_name(ShortcutPosition p) {
+  return p == ShortcutPosition::pos1 ? "pos1" : p == ShortcutPosition::pos3 ? "pos3" : "pos2";
+}
+const char* shortcut_combine_name(ShortcutCombine c) {
+  return c == ShortcutCombine::add ? "add" : c == ShortcutCombine::cg2 ? "cg2" : "cg1";
 }
 
 int TransformerConfig::num_moe_layers() const {
@@ -120,10 +166,11 @@ ParamCounts TransformerConfig::parameter_counts() const {
                     "the routed experts' parameter count",
                     "MoE layers × moe.num_experts × 2 × d_model × moe.d_hidden; num_layers = " +
                         std::to_string(num_layers) + ", moe_layers = \"" + moe_layers_name(moe_layers) + "\"");
-  p.gates = count(Checked(moe_count) * (moe.noisy_gate ? 2 : 1) * M * moe.num_experts,
+  // ScMoE adds per MoE layer its combine gate W_cg [M,1] or [M,2] and the routed MoE's own norm.
+  p.gates = count(Checked(moe_count) * ((moe.noisy_gate ? 2 : 1) * moe.num_experts + scmoe.gate_width()) * M,
                   "the gates' parameter count", "MoE layers × d_model × moe.num_experts, × 2 with moe.noisy_gate");
-  p.norms = count((Checked(2) * num_layers + 1) * (norm == NormKind::layernorm ? 2 : 1) * M, "the norms' parameter count",
-                  "(2 × num_layers + 1) × d_model, × 2 for layernorm");
+  p.norms = count((Checked(2) * num_layers + 1 + (scmoe.enabled ? moe_count : 0)) * (norm == NormKind::layernorm ? 2 : 1) * M,
+                  "the norms' parameter count", "(2 × num_layers + 1) × d_model, × 2 for layernorm");
   p.total = count(Checked(p.embedding) + p.attention + p.dense_mlp + p.experts + p.gates + p.norms,
                   "the total parameter count", "embedding + attention + dense MLP + experts + gates + norms");
   return p;
@@ -163,7 +210,7 @@ TransformerConfig parse_transformer(const json& j, const std::string& origin) {
   Fields f(j, origin, "",
            {"name", "description", "source", "d_model", "num_heads", "num_kv_heads", "d_ffn", "num_layers", "seq_len",
             "vocab_size", "norm", "norm_eps", "mlp", "positions", "rope_theta", "attention", "tie_embeddings", "dtype",
-            "allow_tf32", "moe_layers", "moe"});
+            "allow_tf32", "moe_layers", "moe", "scmoe"});
   TransformerConfig t;
   t.origin = origin;
   t.name = f.string_or("name", stem_of(origin));
@@ -226,6 +273,7 @@ TransformerConfig parse_transformer(const json& j, const std::string& origin) {
     expert_fields::read(mf, "d_model", t.moe);
     t.shared_expert_hidden = mf.integer_or("shared_expert_hidden", 0, 0, limits::kMaxHidden);
   }
+  if (const json* sc = f.find("scmoe")) read_scmoe(f, *sc, moe, t);
   // Every derived size, now, so that a loaded model never fails later.
   (void)t.parameter_counts();
   (void)t.activation_sizes(1);
@@ -272,6 +320,13 @@ json to_json(const TransformerConfig& t) {
     for (const char* k : {"name", "d_model", "dtype", "allow_tf32"}) moe.erase(k);  // the model's own
     moe["shared_expert_hidden"] = t.shared_expert_hidden;
     j["moe"] = moe;
+  }
+  if (t.scmoe.enabled) {
+    const ShortcutConfig& c = t.scmoe;
+    j["scmoe"] = {{"position", shortcut_position_name(c.position)},
+                  {"combine", shortcut_combine_name(c.combine)},
+                  {"expert_slot", c.expert_slot < 0 ? json("auto") : json(c.expert_slot)},
+                  {"chunks", c.chunks < 1 ? json("auto") : json(c.chunks)}};
   }
   return j;
 }

@@ -9,7 +9,8 @@
 //     "moe_layers": "every_second",
 //     "moe": { "num_experts": 8, "d_hidden": 8192, "top_k": 2, "capacity_factor": 1.25,
 //              "activation": "gelu", "noisy_gate": false, "renormalize": false,
-//              "shared_expert_hidden": 0 }
+//              "shared_expert_hidden": 0 },
+//     "scmoe": { "position": "pos2", "combine": "cg1", "expert_slot": "auto", "chunks": "auto" }
 //   }
 // Every problem is a ConfigError naming the file, the field and the value (exit 2), exactly
 // as for workload files. MoE layers use the layer configuration of harness/config/workload.hpp
@@ -26,6 +27,18 @@
 // 4096, vocab_size <= 2^24, seq_len <= 2^22, num_experts <= 2^16); every derived size (the
 // parameter counts, one layer's tensors for a batch) is computed in checked arithmetic and
 // must stay within 2^56. Files: experiments/models/. Tested by harness/tests/model_config_test.cpp.
+//
+// "scmoe" (optional) makes every MoE block a ScMoE block (Cai et al., "Shortcut-connected Expert
+// Parallelism for Accelerating Mixture of Experts", arXiv 2404.05019; impls/scmoe builds it):
+// a shared expert (a dense MLP, moe.shared_expert_hidden wide, default d_ffn) on the block's own
+// representation and the top-1 routed MoE on an earlier one taken through a shortcut.
+// position "pos1" | "pos2" | "pos3": the routed MoE's input is the MoE block's input, the
+// output of the dense block's attention, or the dense block's input; default "pos2", and with
+// moe_layers "all" (no dense block) "pos1", the only one allowed there. combine "add" | "cg1" (default: sigmoid gate on the shared expert) | "cg2" (a
+// 2-way softmax weighing both). expert_slot: where the routed experts run among the window's
+// compute (an integer from 0 to the window's blocks, or "auto": the cost model's choice);
+// chunks: pieces of each all-to-all (1 to 64, or "auto": 1 unless communication exceeds the
+// window). Checks: moe_layers not "none", moe.top_k = 1, moe.shared_expert_hidden not 0.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -40,6 +53,28 @@ namespace moelab {
 enum class MlpKind { gelu, swiglu };
 enum class PositionKind { learned, rotary, none };
 enum class MoELayers { none, all, every_second };  // every_second: layers 1, 3, 5, ... (as Megatron's moe_layer_freq = 2)
+
+// ScMoE's shortcut (see the file comment; impls/scmoe/README.md maps the paper to the code).
+enum class ShortcutPosition { pos1, pos2, pos3 };
+enum class ShortcutCombine { add, cg1, cg2 };
+struct ShortcutConfig {
+  bool enabled = false;
+  ShortcutPosition position = ShortcutPosition::pos2;
+  ShortcutCombine combine = ShortcutCombine::cg1;
+  int expert_slot = -1;  // -1: chosen from the cost model
+  int chunks = 0;        // 0: chosen from the cost model
+  // Layers of one block pair as the model builds it: 2 (Block-MLP l, Block-MoE l+1) at pos2 and
+  // pos3; 1 at pos1, whose routed input is the MoE block's own input.
+  int span() const { return !enabled ? 0 : position == ShortcutPosition::pos1 ? 1 : 2; }
+  // Main-stream blocks the all-to-alls can hide behind (the paper's overlap window): pos1
+  // attention and shared expert; pos2 also the dense MLP; pos3 also the dense block's attention.
+  int window_blocks() const { return position == ShortcutPosition::pos1 ? 2 : position == ShortcutPosition::pos2 ? 3 : 4; }
+  int gate_width() const {  // combine gate logits per token (W_cg's columns)
+    return !enabled ? 0 : combine == ShortcutCombine::cg1 ? 1 : combine == ShortcutCombine::cg2 ? 2 : 0;
+  }
+};
+const char* shortcut_position_name(ShortcutPosition p);
+const char* shortcut_combine_name(ShortcutCombine c);
 
 // Parameters of the model as moelab builds it (no biases in linear layers: its GEMMs have
 // none; layernorm has a scale and a shift, rmsnorm a scale). Counts, not bytes.
@@ -90,6 +125,7 @@ struct TransformerConfig {
   MoELayers moe_layers = MoELayers::none;
   ModelConfig moe;                       // the MoE layers' configuration (d_model, dtype filled in)
   std::int64_t shared_expert_hidden = 0; // a dense shared expert beside the routed ones (0: none)
+  ShortcutConfig scmoe;                  // ScMoE's block pairs (disabled unless "scmoe" is given)
 
   int head_dim() const { return static_cast<int>(d_model / num_heads); }
   bool is_moe(int layer) const {

@@ -6,9 +6,20 @@
 #include <cmath>
 #include <numeric>
 
+#include "harness/nn/layer_group.hpp"
 #include "harness/runtime/error.hpp"
 
 namespace moelab {
+
+namespace {
+LayerGroupFactory& shortcut_pair_slot() {
+  static LayerGroupFactory f;
+  return f;
+}
+}  // namespace
+
+void register_shortcut_pair(LayerGroupFactory f) { shortcut_pair_slot() = std::move(f); }
+const LayerGroupFactory& shortcut_pair_factory() { return shortcut_pair_slot(); }
 
 namespace {
 struct ModelSaved final : Saved {
@@ -31,15 +42,39 @@ Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const M
     embedding_ = e.get();
     blocks_.push_back(std::move(e));
   }
+  // ScMoE (cfg.scmoe): each MoE layer with the layers its shortcut reaches back into is one
+  // block pair (a LayerGroup, impls/scmoe), which a layer range may not cut.
+  const int span = cfg.scmoe.span();
+  if (span == 2 && cfg.is_moe(first_))
+    throw ConfigError("--layers " + std::to_string(first_) + ":" + std::to_string(last_) + " starts inside ScMoE's block pair (" +
+                      std::to_string(first_ - 1) + ", " + std::to_string(first_) + ") of " + cfg.name);
+  if (span == 2 && last_ < cfg.num_layers && cfg.is_moe(last_))
+    throw ConfigError("--layers " + std::to_string(first_) + ":" + std::to_string(last_) + " ends inside ScMoE's block pair (" +
+                      std::to_string(last_ - 1) + ", " + std::to_string(last_) + ") of " + cfg.name);
+  if (span > 0 && tp_.on())
+    throw ConfigError(cfg.origin + ": ScMoE's block pair (\"scmoe\") is not built for tensor parallelism (tp = " +
+                      std::to_string(tp_.size()) + ")");
+  routed_top_k_.assign(static_cast<std::size_t>(last_ - first_), 0);
   for (int l = first_; l < last_; ++l) {
+    if (span > 0 && l + span - 1 < last_ && cfg.is_moe(l + span - 1)) {
+      if (!shortcut_pair_factory())
+        throw ConfigError(cfg.origin + ": \"scmoe\" needs ScMoE's block pair, which this binary does not have");
+      if (!channels_) channels_ = std::make_unique<MoEChannels>(b, ep);
+      blocks_.push_back(shortcut_pair_factory()(
+          {b, s_, cfg, l, make_impl(opt.impl, b, ep, cfg.moe, opt.impl_options, channels_.get()), opt.aux_loss_coef}));
+      routed_top_k_[static_cast<std::size_t>(l + span - 1 - first_)] =
+          static_cast<LayerGroup&>(*blocks_.back()).moe()->layer().config().top_k;
+      l += span - 1;
+      continue;
+    }
     blocks_.push_back(std::make_unique<AttentionBlock>(b, s_, cfg, l, tp_));
     if (cfg.is_moe(l)) {
       // Every MoE layer of the model issues on one set of streams and communicators: L layers
       // do not make 2L streams and 2L duplicates of the expert-parallel communicator.
       if (!channels_) channels_ = std::make_unique<MoEChannels>(b, ep);
-      blocks_.push_back(std::make_unique<FfnBlock>(b, s_, cfg, l,
-                                                   make_impl(opt.impl, b, ep, cfg.moe, opt.impl_options, channels_.get()),
-                                                   opt.aux_loss_coef, tp_));
+      auto impl = make_impl(opt.impl, b, ep, cfg.moe, opt.impl_options, channels_.get());
+      routed_top_k_[static_cast<std::size_t>(l - first_)] = impl->layer().config().top_k;  // a baseline's own k
+      blocks_.push_back(std::make_unique<FfnBlock>(b, s_, cfg, l, std::move(impl), opt.aux_loss_coef, tp_));
     }
     else
       blocks_.push_back(std::make_unique<FfnBlock>(b, s_, cfg, l, tp_));
@@ -81,8 +116,10 @@ void Model::zero_grad() {
 
 std::vector<MoEImpl*> Model::moe_layers() {
   std::vector<MoEImpl*> v;
-  for (auto& blk : blocks_)
+  for (auto& blk : blocks_) {
     if (auto* f = dynamic_cast<FfnBlock*>(blk.get()); f && f->moe()) v.push_back(f->moe());
+    if (auto* g = dynamic_cast<LayerGroup*>(blk.get()); g && g->moe()) v.push_back(g->moe());
+  }
   return v;
 }
 
@@ -100,6 +137,10 @@ std::vector<ParamSlot> Model::param_slots() {
     std::vector<Param*> ps;
     blocks_[i]->collect(ps);
     for (Param* p : ps) out.push_back({*p, &p->value, &p->grad, block});
+    if (auto* g = dynamic_cast<LayerGroup*>(blocks_[i].get())) {  // its collect() named its own MoE parameters
+      layer += g->num_layers();
+      continue;
+    }
     auto* f = dynamic_cast<FfnBlock*>(blocks_[i].get());
     if (!f) continue;
     if (MoEImpl* m = f->moe()) {
@@ -145,10 +186,13 @@ Forwarded Model::forward(const Batch& batch, const WorkKey& key) {
     // The MoE auxiliary loss enters the objective once per microbatch, weighted like the
     // microbatch's share of the step's tokens: dL/d aux = coef · T · loss_scale.
     if (ffn) ffn->set_aux_grad_scale(static_cast<float>(T) * batch.loss_scale);
+    auto* group = dynamic_cast<LayerGroup*>(blk.get());
+    if (group) group->set_aux_grad_scale(static_cast<float>(T) * batch.loss_scale);
     Forwarded f = blk->forward(h, k);
     h = f.y;
     sv->blocks.push_back(std::move(f.saved));
     if (ffn) ++layer;
+    if (group) layer += group->num_layers();
   }
   if (head_) {
     sv->losses = h;
@@ -199,6 +243,8 @@ double Model::aux_loss(Saved& saved) {
   for (std::size_t i = 0; i < blocks_.size(); ++i)
     if (auto* f = dynamic_cast<FfnBlock*>(blocks_[i].get()); f && f->moe() && sv.blocks[i])
       sum += f->aux_loss(*sv.blocks[i]);
+    else if (auto* g = dynamic_cast<LayerGroup*>(blocks_[i].get()); g && sv.blocks[i])
+      sum += g->aux_loss(*sv.blocks[i]);
   return sum;
 }
 
@@ -224,7 +270,10 @@ double Model::model_flops(std::int64_t tokens) const {
     per_token += 2.0 * S * Hq * D;                     // scores and values: 12·S·Hq·D FLOPs = 6 × this
     if (cfg_.is_moe(l)) {
       const double H = static_cast<double>(cfg_.moe.d_hidden), E = static_cast<double>(cfg_.moe.num_experts);
-      per_token += M * E + cfg_.moe.top_k * 2.0 * M * H;  // gate; FC1 and FC2 of each chosen expert
+      const std::size_t i = static_cast<std::size_t>(l - first_);
+      const int k = i < routed_top_k_.size() && routed_top_k_[i] > 0 ? routed_top_k_[i] : cfg_.moe.top_k;
+      per_token += M * E + k * 2.0 * M * H;  // gate; FC1 and FC2 of each chosen expert
+      per_token += M * cfg_.scmoe.gate_width();           // ScMoE's combine gate W_cg
       if (cfg_.shared_expert_hidden > 0)
         per_token += f1 * M * static_cast<double>(cfg_.shared_expert_hidden) + static_cast<double>(cfg_.shared_expert_hidden) * M;
     } else {

@@ -10,7 +10,8 @@
 //
 // Layers [first, last) of the model: the stage holding layer 0 starts with the embedding, the
 // one holding the last layer ends with the head (final norm, LM head, loss). Each transformer
-// layer is an AttentionBlock and an FfnBlock (dense MLP, or MoE where cfg.is_moe(layer)).
+// layer is an AttentionBlock and an FfnBlock (dense MLP, or MoE where cfg.is_moe(layer)); with
+// ScMoE (cfg.scmoe) each block pair is one LayerGroup instead (harness/nn/layer_group.hpp).
 //
 // Tensor parallelism (ModelOptions::tp, harness/nn/tensor_parallel.hpp): every TP rank of a
 // group gets the same batch; the blocks split heads and FFN columns over the group and issue
@@ -127,6 +128,7 @@ class Model {
   Embedding* embedding_ = nullptr;
   Head* head_ = nullptr;
   std::vector<std::unique_ptr<Block>> blocks_;  // in order: [embedding] (attention, ffn)* [head]
+  std::vector<int> routed_top_k_;  // per layer of the range: the top-k its MoE layer's implementation routes (0: dense)
 };
 
 // Adam or SGD over a model's parameters: fp32 master weights (for parameters that are not

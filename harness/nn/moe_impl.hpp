@@ -75,6 +75,7 @@ struct ImplCheckContext {
   const ModelConfig& model;
   int world = 1;                    // expert-parallel ranks
   std::int64_t tokens_per_rank = 0;  // T of one forward
+  std::int64_t shared_expert_hidden = 0;  // the model's dense MLP beside the routed experts (0: none)
 };
 using ImplOptionsCheck = std::function<void(const nlohmann::json& options, const ImplCheckContext& run)>;
 

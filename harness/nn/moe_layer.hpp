@@ -161,6 +161,12 @@ class MoELayer {
   MoEChannels& channels() { return *channels_; }  // to share with the model's other MoE layers
   EventPool& event_pool() { return events_; }  // the events of the layer's passes
   void set_noise_seed(std::uint64_t s) { noise_seed_ = s; }
+  // Whether a caller may run this layer's forward and backward as the public steps below, with
+  // the plan dispatch_preprocess makes issued by the chunk issuer (ScMoE's overlap schedule,
+  // impls/scmoe, does): true for the planners (FastMoE, FasterMoE, the Tutel-style baselines);
+  // false for a schedule with a pass of its own (MPipeMoE's granularity search and restore
+  // strategies), which a caller runs whole (forward, backward_input, backward_weight).
+  virtual bool steps_drivable() const { return true; }
 
   // ---- the steps, forward. Each issues on the stream it is given (c: the compute stream;
   //      s, comm: a communication stream and the communicator used from it) ---------------

@@ -42,6 +42,37 @@ Chunk peer_chunk(const std::vector<std::int64_t>& sent, const std::vector<std::i
   return ch;
 }
 
+std::vector<Chunk> split_chunk(const Chunk& whole, std::int64_t El, std::int64_t M, int r) {
+  MOELAB_CHECK(r >= 1 && El >= 1 && M >= 1, "split_chunk: r = " + std::to_string(r));
+  MOELAB_CHECK(whole.sends.size() % static_cast<std::size_t>(El) == 0 && whole.recvs.size() % static_cast<std::size_t>(El) == 0,
+               "split_chunk: segments are not listed per (peer, local expert)");
+  if (r == 1) return {whole};
+  const auto part = [r](std::int64_t n, int c) { return n * (c + 1) / r - n * c / r; };
+  const auto first = [r](std::int64_t n, int c) { return n * c / r; };
+  std::vector<Chunk> out(static_cast<std::size_t>(r));
+  for (int c = 0; c < r; ++c) {
+    Chunk& ch = out[static_cast<std::size_t>(c)];
+    ch.rows.assign(static_cast<std::size_t>(El), 0);
+    for (std::size_t s = 0; s < whole.recvs.size(); ++s)
+      ch.rows[s % static_cast<std::size_t>(El)] += part(whole.recvs[s].count / M, c);
+    ch.offset.assign(static_cast<std::size_t>(El), 0);
+    std::exclusive_scan(ch.rows.begin(), ch.rows.end(), ch.offset.begin(), std::int64_t{0});
+    ch.R = std::accumulate(ch.rows.begin(), ch.rows.end(), std::int64_t{0});
+    for (const Segment& sg : whole.sends) {  // a run of the segment's T_I rows
+      const std::int64_t n = sg.count / M;
+      ch.sends.push_back({sg.peer, sg.offset + first(n, c) * M, part(n, c) * M});
+    }
+    std::vector<std::int64_t> fill = ch.offset;  // next free row of each local expert in T_DI_c
+    for (std::size_t s = 0; s < whole.recvs.size(); ++s) {
+      const std::int64_t n = part(whole.recvs[s].count / M, c);
+      std::int64_t& at = fill[s % static_cast<std::size_t>(El)];
+      ch.recvs.push_back({whole.recvs[s].peer, at * M, n * M});
+      at += n;
+    }
+  }
+  return out;
+}
+
 Event* EventPool::mark(Stream& s) {
   if (next_ == events_.size()) events_.push_back(b_.create_event());
   Event* e = events_[next_++].get();
@@ -64,11 +95,12 @@ class Pass {
     Stream& cs;  // the combine lane's stream
     EventPool& ev;
   };
-  Pass(MoELayer& L, const ChunkPlan& plan, ChunkHooks* hooks)
+  Pass(MoELayer& L, const ChunkPlan& plan, ChunkHooks* hooks, const PassPlacement* place)
       : ctx{L.backend(), L.config(), plan, L.compute_stream(), *plan.dispatch.stream, *plan.combine.stream,
             L.event_pool()},
-        hooks_(hooks), n_(static_cast<int>(plan.chunks.size())) {
+        hooks_(hooks), place_(place), n_(static_cast<int>(plan.chunks.size())) {
     MOELAB_CHECK(!plan.one_in_flight || !hooks, "a schedule with its own buffers is pipelined");
+    MOELAB_CHECK(!place || !hooks, "compute placed among a pass's steps needs a plan without hooks");
     ctx.ev.reset();
     e.in.assign(static_cast<std::size_t>(n_), nullptr);
     e.computed = e.out = e.in;
@@ -97,17 +129,24 @@ class Pass {
   }
   // first(i + lookahead), experts(i), second(i) for i = 0, 1, ...; then the compute stream
   // waits for the last second exchange (the first lane's last step was waited for by the last
-  // experts step) and for the hooks' streams.
+  // experts step) and for the hooks' streams. A placement's slot comes after the lead
+  // exchanges; a detached pass leaves the last wait to its caller (`done`).
   template <class First, class Experts, class Second>
   void run(First first, Experts experts, Second second) {
     const int lead = std::min(ctx.plan.lookahead, n_);
     for (int i = 0; i < lead; ++i) first(i);
+    if (place_ && place_->slot) place_->slot();
     for (int i = 0; i < n_; ++i) {
       if (i + lead < n_) first(i + lead);
       experts(i);
       second(i);
     }
-    ctx.ev.after(ctx.c, e.out[static_cast<std::size_t>(n_ - 1)]);
+    Event* last = e.out[static_cast<std::size_t>(n_ - 1)];
+    if (place_ && place_->detach) {
+      last_exchange = last;
+      return;
+    }
+    ctx.ev.after(ctx.c, last);
     if (hooks_) {
       for (Stream* s : hooks_->join()) ctx.ev.order(*s, ctx.c);
       hooks_->finish();
@@ -115,9 +154,11 @@ class Pass {
   }
   Context ctx;
   ChunkEvents e;
+  Event* last_exchange = nullptr;  // detached: the compute stream has not waited for it
 
  private:
   ChunkHooks* hooks_;
+  const PassPlacement* place_;
   const int n_;
 };
 }  // namespace
@@ -129,8 +170,8 @@ class Pass {
 // for. One chunk in flight: each made just before the step that writes it, and dT_O, the
 // largest, released as soon as it is sent (the experts' backward runs without it). The pass
 // hands the rest back (PassBuffers); hooks release their own in finish().
-PassBuffers issue_forward(MoELayer& L, MoESaved& sv, const Tensor& t_i, ChunkHooks* hooks) {
-  Pass pass(L, sv.plan, hooks);
+PassBuffers issue_forward(MoELayer& L, MoESaved& sv, const Tensor& t_i, ChunkHooks* hooks, const PassPlacement* place) {
+  Pass pass(L, sv.plan, hooks, place);
   // Named references, not a structured binding: the steps' lambdas capture them, which clang
   // accepts only from version 16 (C++20's P1091R3), and the fuzz build uses clang.
   Backend& b = pass.ctx.b;
@@ -196,11 +237,13 @@ PassBuffers issue_forward(MoELayer& L, MoESaved& sv, const Tensor& t_i, ChunkHoo
           return cs;
         });
       });
+  out.done = pass.last_exchange;
   return out;
 }
 
-PassBuffers issue_backward(MoELayer& L, MoESaved& sv, Tensor& d_t_o, bool defer, ChunkHooks* hooks) {
-  Pass pass(L, sv.plan, hooks);
+PassBuffers issue_backward(MoELayer& L, MoESaved& sv, Tensor& d_t_o, bool defer, ChunkHooks* hooks,
+                           const PassPlacement* place) {
+  Pass pass(L, sv.plan, hooks, place);
   Backend& b = pass.ctx.b;
   const ModelConfig& cfg = pass.ctx.cfg;
   const ChunkPlan& plan = pass.ctx.plan;
@@ -270,6 +313,7 @@ PassBuffers issue_backward(MoELayer& L, MoESaved& sv, Tensor& d_t_o, bool defer,
           return ds;
         });
       });
+  out.done = pass.last_exchange;
   return out;
 }
 

@@ -12,6 +12,7 @@
 //   ctest --test-dir build -R "moe_layer|fastermoe|mpipemoe"
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -66,6 +67,15 @@ struct ChunkPlan {
 // that they match; T_DI_c is local-expert-major, sources in the order of `from` within an expert.
 Chunk peer_chunk(const std::vector<std::int64_t>& sent, const std::vector<std::int64_t>& recv, std::int64_t El,
                  std::int64_t M, std::span<const int> to, std::span<const int> from);
+
+// Tutel's pipelined all-to-all (Hwang et al., "Tutel: Adaptive Mixture-of-Experts at Scale",
+// MLSys'23, §3.3): one chunk's exchange cut into r chunks, chunk c taking rows
+// [n·c/r, n·(c+1)/r) of every (peer, expert) segment of n rows. Sender and receiver cut the same
+// n the same way, so no counts are exchanged again; each piece's T_DI_c is local-expert-major
+// as the whole one is, and its sends are runs of the same T_I rows (no copy). `whole` must list
+// its segments as peer_chunk does (per peer, local experts in order); El local experts, M row
+// width. r = 1 gives `whole` back.
+std::vector<Chunk> split_chunk(const Chunk& whole, std::int64_t El, std::int64_t M, int r);
 
 // ---- issuing a plan ------------------------------------------------------------------------
 // One chunk's tensors in a pass (rows R_c; views when a schedule reuses buffers).
@@ -125,16 +135,34 @@ class ChunkHooks {
 struct PassBuffers {
   std::vector<ChunkTensors> chunks;  // per chunk: T_DO_c (forward); dT_DO_c, dT_DI_c (backward)
   Tensor d_t_i;                      // [N,M] backward: dT_I
+  // A detached pass (PassPlacement::detach): its last exchange, which the compute stream has not
+  // waited for. The caller waits for it before it reads the pass's output and before these
+  // buffers go. An event of the layer's pool: valid until the layer's next pass starts.
+  Event* done = nullptr;
+};
+
+// Compute of the caller's placed among a pass's steps (ScMoE's overlap schedule, Cai et al.,
+// arXiv 2404.05019, §4: the routed experts in a chosen slot of the main stream, the all-to-alls
+// beside it). `slot` is called once the plan's lead exchanges (ChunkPlan::lookahead of them) are
+// issued and before the first experts step waits for its exchange: what it issues on the
+// compute stream runs while those exchanges are in flight. With `detach` the pass ends without
+// the compute stream waiting for its last exchange (PassBuffers::done), so the caller can issue
+// more compute beside it. Not for schedules with hooks.
+struct PassPlacement {
+  std::function<void()> slot;
+  bool detach = false;
 };
 
 // Runs sv.plan forward: for every chunk its dispatch (T_I -> T_DI_c, on the plan's dispatch
 // lane), experts (compute stream) and combine (T_DO_c -> T_O rows, combine lane), in the plan's
 // order, each step waiting for the one it reads from; the compute stream waits for the last
 // exchanges at the end. Fills sv.t_o [N,M] and, unless hooks supply the buffers, sv.kept.
-PassBuffers issue_forward(MoELayer& layer, MoESaved& sv, const Tensor& t_i, ChunkHooks* hooks = nullptr);
+PassBuffers issue_forward(MoELayer& layer, MoESaved& sv, const Tensor& t_i, ChunkHooks* hooks = nullptr,
+                          const PassPlacement* place = nullptr);
 // The mirror: dT_O [N,M] -> per chunk combine backward (dT_O rows -> dT_DO_c), experts backward
 // (-> dT_DI_c; with defer, the weight-gradient GEMMs left in sv), dispatch backward (dT_DI_c ->
 // dT_I rows). One chunk in flight, d_t_o is released once sent.
-PassBuffers issue_backward(MoELayer& layer, MoESaved& sv, Tensor& d_t_o, bool defer, ChunkHooks* hooks = nullptr);
+PassBuffers issue_backward(MoELayer& layer, MoESaved& sv, Tensor& d_t_o, bool defer, ChunkHooks* hooks = nullptr,
+                           const PassPlacement* place = nullptr);
 
 }  // namespace moelab

@@ -67,6 +67,13 @@ void Backend::attention_backward(Stream&, const AttentionShape&, const Tensor&, 
 void Backend::swiglu_forward(Stream&, const Tensor&, Tensor&) { not_on(*this, "swiglu_forward"); }
 void Backend::swiglu_backward(Stream&, const Tensor&, const Tensor&, Tensor&) { not_on(*this, "swiglu_backward"); }
 void Backend::add(Stream&, const Tensor&, const Tensor&, Tensor&) { not_on(*this, "add"); }
+void Backend::gated_combine_forward(Stream&, const Tensor&, const Tensor&, const Tensor&, Tensor&) {
+  not_on(*this, "gated_combine_forward");
+}
+void Backend::gated_combine_backward(Stream&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&,
+                                     Tensor&, Tensor&) {
+  not_on(*this, "gated_combine_backward");
+}
 void Backend::scale(Stream&, const Tensor&, float, Tensor&) { not_on(*this, "scale"); }
 void Backend::cross_entropy_forward(Stream&, const Tensor&, const Tensor&, Tensor&, Tensor&, const VocabShard&) {
   not_on(*this, "cross_entropy_forward");

@@ -191,6 +191,24 @@ OpCost cost_add(std::int64_t elements, DType dtype) { return cost_elementwise(el
 
 OpCost cost_scale(std::int64_t elements, DType dtype) { return cost_elementwise(elements, dtype, 1, 1, 1); }
 
+// Gated sum: per row G gate values (an exponential, an add and a divide each: 4), per element two
+// multiplies and an add; reads a, b and the fp32 logits, writes out.
+OpCost cost_gated_combine_forward(std::int64_t tokens, std::int64_t width, int gates, DType dtype) {
+  const double T = static_cast<double>(tokens), TM = T * static_cast<double>(width), G = gates;
+  return {OpKind::elementwise, 3.0 * TM + 4.0 * G * T, 2.0 * TM * elem(dtype) + G * T * kStatBytes,
+          TM * elem(dtype), 0, 1};
+}
+
+// Backward: G row dot products <d_out, a> (and <d_out, b>) of 2 flops per element, the branch
+// gradients one multiply per element each, the logits' gradient ~8 per gate; reads d_out and
+// the G branches it dots with, writes da (and db) and dz.
+OpCost cost_gated_combine_backward(std::int64_t tokens, std::int64_t width, int gates, bool writes_db, DType dtype) {
+  const double T = static_cast<double>(tokens), TM = T * static_cast<double>(width), G = gates;
+  const double outs = writes_db ? 2.0 : 1.0;
+  return {OpKind::elementwise, 2.0 * G * TM + outs * TM + 8.0 * G * T, (1.0 + G) * TM * elem(dtype) + G * T * kStatBytes,
+          outs * TM * elem(dtype) + G * T * kStatBytes, 0, 1};
+}
+
 // Fused softmax cross-entropy: per logit a max, a subtract, an exponential and a sum; reads the
 // logits and targets once, writes the losses and the LSE.
 OpCost cost_cross_entropy_forward(std::int64_t tokens, std::int64_t vocab, DType dtype) {

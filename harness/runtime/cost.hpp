@@ -58,6 +58,10 @@ OpCost cost_swiglu_forward(std::int64_t tokens, std::int64_t width, DType dtype)
 OpCost cost_swiglu_backward(std::int64_t tokens, std::int64_t width, DType dtype);
 OpCost cost_add(std::int64_t elements, DType dtype);
 OpCost cost_scale(std::int64_t elements, DType dtype);
+// The gated sum of two branches (Backend::gated_combine_*): T rows of width M, G gate logits per
+// row; backward writes db only when asked (G = 1 may leave it to the caller).
+OpCost cost_gated_combine_forward(std::int64_t tokens, std::int64_t width, int gates, DType dtype);
+OpCost cost_gated_combine_backward(std::int64_t tokens, std::int64_t width, int gates, bool writes_db, DType dtype);
 OpCost cost_cross_entropy_forward(std::int64_t tokens, std::int64_t vocab, DType dtype);
 OpCost cost_cross_entropy_combine(std::int64_t tokens, std::int64_t shards);
 OpCost cost_cross_entropy_backward(std::int64_t tokens, std::int64_t vocab, DType dtype);

@@ -10,6 +10,7 @@
 // Tolerances compare fp32 results with float64 ones (all_close: |got − ref| <= rtol·(max|ref| +
 // |ref|)); each is about ten times the worst error seen over many seeds:
 //   embedding, add, scale, rope                1e-6 (a copy, one add or multiply, or one rotation)
+//   gated combine: out, da, db; dz             1e-6; 1e-5 (row dot products of up to 300 terms)
 //   swiglu                                     2e-6
 //   norms: y, mean, rstd, dγ, dβ               5e-6 (rows of up to 1000, sums over 37 rows)
 //   norms: dx                                  1e-5 of max rstd·|dy·γ|, the size of the terms
@@ -205,6 +206,22 @@ TEST(BlocksReference, SwigluAndCrossEntropyGradientsMatchFiniteDifferences) {
   };
   EXPECT_TRUE(matches_finite_differences("d_logits", L, logits,
                                          blocks_ref::cross_entropy_backward(logits, targets, V, scale), seed));
+}
+
+TEST(BlocksReference, GatedCombineGradientsMatchFiniteDifferences) {
+  const std::uint64_t seed = test::fresh_seed();
+  const std::int64_t T = 3, M = 4;
+  for (std::size_t G : {1u, 2u}) {
+    SCOPED_TRACE("G=" + std::to_string(G));
+    const Vec z = dvec(static_cast<std::size_t>(T) * G, seed, 1, -3, 3), a = dvec(T * M, seed, 2), b = dvec(T * M, seed, 3);
+    const Vec w = dvec(T * M, seed, 4);
+    Vec da, db, dz;
+    blocks_ref::gated_combine_backward(z, a, b, w, G, da, db, dz);
+    const auto L = [&](const Vec& zz, const Vec& aa, const Vec& bb) { return dot(w, blocks_ref::gated_combine_forward(zz, aa, bb, G)); };
+    EXPECT_TRUE(matches_finite_differences("dz", [&](const Vec& p) { return L(p, a, b); }, z, dz, seed));
+    EXPECT_TRUE(matches_finite_differences("da", [&](const Vec& p) { return L(z, p, b); }, a, da, seed));
+    EXPECT_TRUE(matches_finite_differences("db", [&](const Vec& p) { return L(z, a, p); }, b, db, seed));
+  }
 }
 
 // ---- cpu against the reference: attention ---------------------------------------------------------
@@ -425,6 +442,37 @@ TEST(Add, ElementwiseAndInPlace) {
   for (std::size_t i = 0; i < ref.size(); ++i) ref[i] = static_cast<double>(x[i]) + y[i];
   EXPECT_TRUE(all_close("out", cpu.get(tz), ref, 1e-6));
   EXPECT_TRUE(all_close("in place", cpu.get(tx), ref, 1e-6));
+}
+
+// ScMoE's combine gates: G = 1 (sigmoid, db left to the caller) and 2 (softmax), awkward
+// widths; out may alias a.
+TEST(GatedCombine, ForwardAndBackwardMatchReference) {
+  const std::uint64_t seed = test::fresh_seed();
+  for (std::int64_t M : {1, 7, 300})
+    for (std::int64_t G : {1, 2}) {
+      SCOPED_TRACE("M=" + std::to_string(M) + " G=" + std::to_string(G));
+      const std::int64_t T = 37;
+      const auto z = random_floats(static_cast<std::size_t>(T * G), seed, 1, -6, 6);
+      const auto a = random_floats(static_cast<std::size_t>(T * M), seed, 2), b = random_floats(static_cast<std::size_t>(T * M), seed, 3);
+      const auto dy = random_floats(static_cast<std::size_t>(T * M), seed, 4);
+      Cpu cpu;
+      Tensor tz = cpu.f32({T, G}, z), ta = cpu.f32({T, M}, a), tb = cpu.f32({T, M}, b), tdy = cpu.f32({T, M}, dy);
+      Tensor out = cpu.zeros({T, M}), da = cpu.zeros({T, M}), db = cpu.zeros({T, M}), dz = cpu.zeros({T, G}), none;
+      cpu.b->gated_combine_forward(cpu.s, tz, ta, tb, out);
+      cpu.b->gated_combine_backward(cpu.s, tz, ta, G == 2 ? tb : none, tdy, da, G == 2 ? db : none, dz);
+      Vec rda, rdb, rdz;
+      blocks_ref::gated_combine_backward(to_double(z), to_double(a), to_double(b), to_double(dy), static_cast<std::size_t>(G),
+                                         rda, rdb, rdz);
+      const Vec ref = blocks_ref::gated_combine_forward(to_double(z), to_double(a), to_double(b), static_cast<std::size_t>(G));
+      EXPECT_TRUE(all_close("out", cpu.get(out), ref, 1e-6));
+      EXPECT_TRUE(all_close("da", cpu.get(da), rda, 1e-6));
+      if (G == 2) {
+        EXPECT_TRUE(all_close("db", cpu.get(db), rdb, 1e-6));
+      }
+      EXPECT_TRUE(all_close("dz", cpu.get(dz), rdz, 1e-5));
+      cpu.b->gated_combine_forward(cpu.s, tz, ta, tb, ta);  // out aliases a
+      EXPECT_EQ(cpu.get(ta), cpu.get(out));
+    }
 }
 
 TEST(Scale, ElementwiseAndInPlace) {
@@ -684,6 +732,11 @@ std::vector<Expected> issue_every_block_op(Backend& b, Stream& s) {
   e.push_back({"swiglu_bwd", cost_swiglu_backward(T, F, f)});
   b.add(s, x, y, x);
   e.push_back({"add", cost_add(T * M, f)});
+  Tensor z1 = zeros({T, 1}), z2 = zeros({T, 2}), none;
+  b.gated_combine_forward(s, z2, x, y, x);
+  e.push_back({"gated_combine", cost_gated_combine_forward(T, M, 2, f)});
+  b.gated_combine_backward(s, z1, x, none, y, x, none, z1);
+  e.push_back({"gated_combine_bwd", cost_gated_combine_backward(T, M, 1, false, f)});
   b.scale(s, x, 0.5f, x);
   e.push_back({"scale", cost_scale(T * M, f)});
   b.cross_entropy_forward(s, logits, ids, losses, celse);

@@ -249,6 +249,55 @@ inline Vec swiglu_backward(const Vec& h, const Vec& d_out, std::int64_t F) {
   return dh;
 }
 
+// ---- gated combine (ScMoE's CG-1 / CG-2) ----------------------------------------------------------
+// z [T,G]: G = 1: c_a = 1/(1 + e^−z), c_b = 1; G = 2: c_a = e^z0/(e^z0 + e^z1), c_b = 1 − c_a.
+// out [T,M] = c_a·a + c_b·b.
+inline void combine_coefficients(const Vec& z, std::size_t t, std::size_t G, double& ca, double& cb) {
+  if (G == 1) {
+    ca = 1.0 / (1.0 + std::exp(-z[t]));
+    cb = 1.0;
+  } else {
+    ca = 1.0 / (1.0 + std::exp(z[2 * t + 1] - z[2 * t]));
+    cb = 1.0 - ca;
+  }
+}
+
+inline Vec gated_combine_forward(const Vec& z, const Vec& a, const Vec& b, std::size_t G) {
+  const std::size_t T = z.size() / G, M = a.size() / T;
+  Vec out(a.size());
+  for (std::size_t t = 0; t < T; ++t) {
+    double ca, cb;
+    combine_coefficients(z, t, G, ca, cb);
+    for (std::size_t c = 0; c < M; ++c) out[t * M + c] = ca * a[t * M + c] + cb * b[t * M + c];
+  }
+  return out;
+}
+
+// The gradients of Σ dy·out: da, db [T,M] and dz [T,G], by the chain rule through c_a, c_b.
+inline void gated_combine_backward(const Vec& z, const Vec& a, const Vec& b, const Vec& dy, std::size_t G, Vec& da,
+                                   Vec& db, Vec& dz) {
+  const std::size_t T = z.size() / G, M = a.size() / T;
+  da.assign(a.size(), 0.0);
+  db.assign(a.size(), 0.0);
+  dz.assign(z.size(), 0.0);
+  for (std::size_t t = 0; t < T; ++t) {
+    double ca, cb, pa = 0, pb = 0;
+    combine_coefficients(z, t, G, ca, cb);
+    for (std::size_t c = 0; c < M; ++c) {
+      da[t * M + c] = ca * dy[t * M + c];
+      db[t * M + c] = cb * dy[t * M + c];
+      pa += dy[t * M + c] * a[t * M + c];
+      pb += dy[t * M + c] * b[t * M + c];
+    }
+    if (G == 1) {
+      dz[t] = pa * ca * (1 - ca);  // σ' = σ(1 − σ)
+    } else {  // ∂c_a/∂z0 = c_a c_b = −∂c_a/∂z1, and c_b = 1 − c_a
+      dz[2 * t] = (pa - pb) * ca * cb;
+      dz[2 * t + 1] = -(pa - pb) * ca * cb;
+    }
+  }
+}
+
 // ---- cross-entropy -------------------------------------------------------------------------------
 struct CrossEntropy {
   Vec losses, lse;  // [T], [T]

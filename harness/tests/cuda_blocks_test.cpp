@@ -1,6 +1,6 @@
 // harness/tests/cuda_blocks_test.cpp — the cuda backend's transformer-block ops (embedding,
-// layernorm/rmsnorm, rope, tiled attention, SwiGLU, add, scale, fused cross-entropy and its
-// vocabulary-parallel form, SGD/Adam) in
+// layernorm/rmsnorm, rope, tiled attention, SwiGLU, add, scale, gated combine, fused cross-entropy
+// and its vocabulary-parallel form, SGD/Adam) in
 // fp32 and bf16, forward and backward, against the float64 reference of
 // cuda_blocks_reference.hpp on fresh random inputs (MOELAB_TEST_SEED replays one) and awkward
 // sizes: S = 1, 37, 130 (tiles of 32 with ragged edges), B = 1, 3, heads 4/4, 4/1, 6/3, head
@@ -22,6 +22,7 @@
 
 #include "harness/backends/cuda/cuda_backend.hpp"
 #include "harness/runtime/error.hpp"
+#include "harness/tests/blocks_reference.hpp"
 #include "harness/tests/cuda_blocks_reference.hpp"
 #include "harness/tests/test_util.hpp"
 
@@ -422,6 +423,34 @@ TEST_P(CudaElementwise, AddInPlace) {
   EXPECT_TRUE(all_close("a + b", b->download(out), ref, tol(dt)));
   b->add(*s, tx, ty, tx);  // residual stream: out aliases a
   EXPECT_EQ(b->download(tx), b->download(out));
+}
+
+// ScMoE's combine gates (Backend::gated_combine_*), G = 1 and 2, against the float64 reference
+// of blocks_reference.hpp (checked by finite differences in blocks_ops_test).
+TEST_P(CudaElementwise, GatedCombineForwardBackward) {
+  const auto [tf, dt] = GetParam();
+  const auto [T, M] = tf;
+  const std::uint64_t seed = fresh_seed();
+  for (i64 G : {1, 2}) {
+    SCOPED_TRACE("G=" + std::to_string(G));
+    const auto z = uniform(T * G, seed, -6.0, 6.0);
+    const auto a = stored(uniform(T * M, seed + 1), dt), bb = stored(uniform(T * M, seed + 2), dt);
+    const auto d_out = stored(uniform(T * M, seed + 3), dt);
+    Tensor tz = make({T, G}, DType::f32, z), ta = make({T, M}, dt, a), tb = make({T, M}, dt, bb), tdo = make({T, M}, dt, d_out);
+    Tensor out = poisoned({T, M}, dt), da = poisoned({T, M}, dt), db = poisoned({T, M}, dt), dz = poisoned({T, G}, DType::f32);
+    Tensor none;
+    b->gated_combine_forward(*s, tz, ta, tb, out);
+    b->gated_combine_backward(*s, tz, ta, G == 2 ? tb : none, tdo, da, G == 2 ? db : none, dz);
+    Vec rda, rdb, rdz;
+    blocks_ref::gated_combine_backward(dbl(z), dbl(a), dbl(bb), dbl(d_out), static_cast<std::size_t>(G), rda, rdb, rdz);
+    EXPECT_TRUE(all_close("out", b->download(out),
+                          blocks_ref::gated_combine_forward(dbl(z), dbl(a), dbl(bb), static_cast<std::size_t>(G)), tol(dt)));
+    EXPECT_TRUE(all_close("da", b->download(da), rda, tol_backward(dt)));
+    if (G == 2) {
+      EXPECT_TRUE(all_close("db", b->download(db), rdb, tol_backward(dt)));
+    }
+    EXPECT_TRUE(all_close("dz", b->download(dz), rdz, tol_backward(dt)));
+  }
 }
 
 TEST_P(CudaElementwise, ScaleInPlace) {

@@ -146,6 +146,44 @@ TEST(ParameterCounts, SwigluRmsnormRotaryUntiedAndSharedExpert) {
   EXPECT_EQ(p.norms, 5 * 64);                          // scale only
 }
 
+// ScMoE's block pairs: the defaults, the shared expert as wide as d_ffn, and what the pair adds
+// to the counts (a routed MoE norm and the combine gate's W_cg per MoE layer).
+TEST(Scmoe, DefaultsCountsAndRoundTrip) {
+  json j = tiny_moe();
+  j["moe"]["top_k"] = 1;
+  j["moe"].erase("shared_expert_hidden");
+  j["scmoe"] = json::object();
+  const TransformerConfig t = parse_transformer(j, "t.json");
+  EXPECT_TRUE(t.scmoe.enabled);
+  EXPECT_EQ(t.scmoe.position, ShortcutPosition::pos2);
+  EXPECT_EQ(t.scmoe.combine, ShortcutCombine::cg1);
+  EXPECT_EQ(t.scmoe.span(), 2);
+  EXPECT_EQ(t.scmoe.window_blocks(), 3);
+  EXPECT_EQ(t.scmoe.expert_slot, -1);
+  EXPECT_EQ(t.scmoe.chunks, 0);
+  EXPECT_EQ(t.shared_expert_hidden, 256);  // d_ffn
+  j.erase("scmoe");
+  j["moe"]["shared_expert_hidden"] = 256;
+  const ParamCounts plain = parse_transformer(j, "t.json").parameter_counts();
+  const ParamCounts p = t.parameter_counts();
+  EXPECT_EQ(p.gates - plain.gates, 64);     // W_cg [M,1], one MoE layer
+  EXPECT_EQ(p.norms - plain.norms, 2 * 64);  // the routed MoE's layernorm
+  EXPECT_EQ(p.dense_mlp, plain.dense_mlp);
+  const TransformerConfig back = parse_transformer(to_json(t), "round-trip");
+  EXPECT_EQ(to_json(back), to_json(t));
+
+  // Every block an MoE: Pos-1 by default; explicit slots and chunks survive the round trip.
+  j["moe_layers"] = "all";
+  j["scmoe"] = {{"combine", "cg2"}, {"expert_slot", 2}, {"chunks", 4}};
+  const TransformerConfig all = parse_transformer(j, "t.json");
+  EXPECT_EQ(all.scmoe.position, ShortcutPosition::pos1);
+  EXPECT_EQ(all.scmoe.span(), 1);
+  EXPECT_EQ(all.scmoe.gate_width(), 2);
+  EXPECT_EQ(all.scmoe.expert_slot, 2);
+  EXPECT_EQ(all.scmoe.chunks, 4);
+  EXPECT_EQ(to_json(parse_transformer(to_json(all), "round-trip")), to_json(all));
+}
+
 TEST(ActivationSizes, Gpt3MoeXlBatchTwo) {
   const ActivationSizes a = load_transformer(model_path("gpt3-moe-xl")).activation_sizes(2);
   EXPECT_EQ(a.tokens, 4096);
@@ -297,6 +335,72 @@ const BadCase kBadCases[] = {
       "4096",
       "exceeds 2^56"}},
     {"TopLevelArray", [](json& j) { j = json::array({1, 2}); }, {"expected a JSON object at the top level, got [1,2]"}},
+    // ScMoE's "scmoe" object (tiny-moe is top-2: the cases that should reach a later check set top_k 1).
+    {"ScmoeWithoutMoe",
+     [](json& j) {
+       j["moe_layers"] = "none";
+       j.erase("moe");
+       j["scmoe"] = json::object();
+     },
+     {"scmoe = {} is given but moe_layers = \"none\""}},
+    {"ScmoeNotObject", [](json& j) { j["scmoe"] = "pos2"; }, {"scmoe: expected an object, got \"pos2\""}},
+    {"ScmoeTopTwo", [](json& j) { j["scmoe"] = json::object(); }, {"moe.top_k = 2", "moe.top_k must be 1"}},
+    {"ScmoeUnknownField",
+     [](json& j) {
+       j["moe"]["top_k"] = 1;
+       j["scmoe"] = {{"postion", "pos1"}};
+     },
+     {"unknown field \"scmoe.postion\" (did you mean \"scmoe.position\"?)"}},
+    {"ScmoePositionTypo",
+     [](json& j) {
+       j["moe"]["top_k"] = 1;
+       j["scmoe"] = {{"position", "pos4"}};
+     },
+     {"scmoe.position = \"pos4\" is not one of pos1, pos2, pos3"}},
+    {"ScmoeCombineTypo",
+     [](json& j) {
+       j["moe"]["top_k"] = 1;
+       j["scmoe"] = {{"combine", "cg3"}};
+     },
+     {"scmoe.combine = \"cg3\" is not one of add, cg1, cg2"}},
+    {"ScmoePos2WithMoeInEveryBlock",
+     [](json& j) {
+       j["moe"]["top_k"] = 1;
+       j["moe_layers"] = "all";
+       j["scmoe"] = {{"position", "pos2"}};
+     },
+     {"scmoe.position = \"pos2\"", "moe_layers = \"all\"", "use \"pos1\""}},
+    {"ScmoeSlotBeyondWindow",
+     [](json& j) {
+       j["moe"]["top_k"] = 1;
+       j["scmoe"] = {{"position", "pos1"}, {"expert_slot", 3}};
+     },
+     {"scmoe.expert_slot = 3 is too large (at most 2)"}},
+    {"ScmoeSlotWord",
+     [](json& j) {
+       j["moe"]["top_k"] = 1;
+       j["scmoe"] = {{"expert_slot", "early"}};
+     },
+     {"scmoe.expert_slot: expected \"auto\" or an integer from 0 to 3, got \"early\""}},
+    {"ScmoeChunksZero",
+     [](json& j) {
+       j["moe"]["top_k"] = 1;
+       j["scmoe"] = {{"chunks", 0}};
+     },
+     {"scmoe.chunks: expected a positive integer, got 0"}},
+    {"ScmoeChunksBeyondBound",
+     [](json& j) {
+       j["moe"]["top_k"] = 1;
+       j["scmoe"] = {{"chunks", 65}};
+     },
+     {"scmoe.chunks = 65 is too large (at most 64)"}},
+    {"ScmoeWithoutSharedExpert",
+     [](json& j) {
+       j["moe"]["top_k"] = 1;
+       j["moe"]["shared_expert_hidden"] = 0;
+       j["scmoe"] = json::object();
+     },
+     {"moe.shared_expert_hidden = 0", "always has a shared expert"}},
 };
 
 INSTANTIATE_TEST_SUITE_P(Cases, BadModel, ::testing::ValuesIn(kBadCases),

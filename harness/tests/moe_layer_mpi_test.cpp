@@ -8,6 +8,8 @@
 // and compute, in-process, what its outputs and its experts' gradients must be.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "harness/comm/world.hpp"
 #include "harness/nn/moe_impl.hpp"
 #include "harness/nn/moe_layer.hpp"
@@ -53,8 +55,16 @@ const std::vector<ImplCase>& impl_cases() {
       {"mpipemoe", {{"partitions", 3}, {"strategy", "S1"}, {"t_m_buffers", 2}}},
       {"mpipemoe", {{"partitions", 3}, {"strategy", "S2"}, {"t_m_buffers", 2}}},
       {"mpipemoe", {{"partitions", 2}, {"strategy", "auto"}}},
+      {"top2", nlohmann::json::object()},
+      {"top2-pipelined", {{"chunks", 3}}},
   };
   return cases;
+}
+
+// gtest names allow letters, digits and underscores only ("top2-pipelined" -> "top2_pipelined").
+std::string test_name(std::string impl) {
+  std::replace(impl.begin(), impl.end(), '-', '_');
+  return impl;
 }
 
 class MoELayerMpi : public ::testing::TestWithParam<std::tuple<bool, std::size_t>> {};
@@ -186,7 +196,7 @@ INSTANTIATE_TEST_SUITE_P(Impls, MoELayerMpi,
                          ::testing::Combine(::testing::Values(false, true),
                                             ::testing::Range(std::size_t{0}, impl_cases().size())),
                          [](const auto& tp) {
-                           std::string n = impl_cases()[std::get<1>(tp.param)].name + "_" +
+                           std::string n = test_name(impl_cases()[std::get<1>(tp.param)].name) + "_" +
                                            std::to_string(std::get<1>(tp.param)) +
                                            (std::get<0>(tp.param) ? "_noisy" : "_plain");
                            return n;
@@ -297,7 +307,7 @@ TEST_P(MicrobatchesInFlightMpi, MatchFloat64ReferenceAndReturnTheirMemory) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Impls, MicrobatchesInFlightMpi, ::testing::Range(std::size_t{0}, impl_cases().size()),
-                         [](const auto& tp) { return impl_cases()[tp.param].name + "_" + std::to_string(tp.param); });
+                         [](const auto& tp) { return test_name(impl_cases()[tp.param].name) + "_" + std::to_string(tp.param); });
 
 }  // namespace
 }  // namespace moelab

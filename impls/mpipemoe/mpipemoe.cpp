@@ -128,6 +128,7 @@ class MPipeMoELayer final : public MoELayer {
   // Weight gradients in the combined pass: the memory reuse and restore strategies are
   // defined for it (backward_weight has nothing left to do).
   bool defers_weight_gradients() const override { return false; }
+  bool steps_drivable() const override { return false; }  // its own pass: search, strategies
   Tensor backward_pass(MoESaved& sv, const Tensor& dy, float grad_aux, bool defer) override;
   Forwarded pipelined_forward(const Tensor& x, const WorkKey& key, int n);
   // The strategy of this forward: the fixed one, or Eq. 10's choice; host memory checked.

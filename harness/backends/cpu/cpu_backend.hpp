@@ -76,6 +76,9 @@ class CpuBackend final : public Backend {
   void swiglu_forward(Stream& s, const Tensor& h, Tensor& out) override;
   void swiglu_backward(Stream& s, const Tensor& h, const Tensor& d_out, Tensor& d_h) override;
   void add(Stream& s, const Tensor& a, const Tensor& b, Tensor& out) override;
+  void gated_combine_forward(Stream& s, const Tensor& z, const Tensor& a, const Tensor& b, Tensor& out) override;
+  void gated_combine_backward(Stream& s, const Tensor& z, const Tensor& a, const Tensor& b, const Tensor& d_out,
+                              Tensor& da, Tensor& db, Tensor& dz) override;
   void scale(Stream& s, const Tensor& x, float alpha, Tensor& out) override;
   void cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor& lse,
                              const VocabShard& shard) override;

@@ -1,5 +1,6 @@
 // harness/backends/cpu/cpu_blocks.cpp — the cpu backend's transformer-block ops: embedding,
-// layernorm / rmsnorm, RoPE, tiled attention, SwiGLU, add, scale, fused cross-entropy, SGD / Adam.
+// layernorm / rmsnorm, RoPE, tiled attention, SwiGLU, add, scale, gated combine, fused
+// cross-entropy, SGD / Adam.
 //
 // The reference semantics of Backend's "transformer-block ops" (backend.hpp): fp32 data,
 // plain loops, reductions in fp32; attention is the one op with GEMMs inside (cpu_sgemm on
@@ -479,6 +480,84 @@ void CpuBackend::add(Stream& s, const Tensor& a, const Tensor& b, Tensor& out) {
   const std::int64_t n = a.numel();
   enqueue(s, "add", cost_add(n, DType::f32), [=] {
     for (std::int64_t i = 0; i < n; ++i) op[i] = ap[i] + bp[i];
+  });
+}
+
+// ---- gated combine (ScMoE's CG-1 / CG-2) ----------------------------------------------------------
+// The gate values of a row from its logits: G = 1 sigmoid and 1, G = 2 a softmax of two (the
+// larger logit subtracted, so exp never overflows).
+namespace {
+void combine_coefficients(const float* z, std::int64_t G, float& ca, float& cb) {
+  if (G == 1) {
+    ca = 1.0f / (1.0f + std::exp(-z[0]));
+    cb = 1.0f;
+  } else {
+    const float m = std::max(z[0], z[1]), ea = std::exp(z[0] - m), eb = std::exp(z[1] - m);
+    ca = ea / (ea + eb);
+    cb = eb / (ea + eb);
+  }
+}
+
+std::int64_t combine_gates(const Tensor& z, std::int64_t T, const char* op) {
+  MOELAB_CHECK(z.defined() && z.dtype() == DType::f32 && z.ndim() == 2 && z.dim(0) == T && (z.dim(1) == 1 || z.dim(1) == 2),
+               std::string(op) + ": z should be [" + std::to_string(T) + ",1 or 2] fp32, got " +
+                   (z.defined() ? z.describe() : std::string("undefined")));
+  return z.dim(1);
+}
+}  // namespace
+
+void CpuBackend::gated_combine_forward(Stream& s, const Tensor& z, const Tensor& a, const Tensor& b, Tensor& out) {
+  cpu_require_f32(a, "gated_combine_forward");
+  MOELAB_CHECK(a.ndim() == 2, "gated_combine_forward: a " + a.describe() + " should be [T,M]");
+  const std::int64_t T = a.dim(0), M = a.dim(1), G = combine_gates(z, T, "gated_combine_forward");
+  require_shape(b, {T, M}, "gated_combine_forward", "b");
+  require_shape(out, {T, M}, "gated_combine_forward", "out");
+  const float *zp = z.data<float>(), *ap = a.data<float>(), *bp = b.data<float>();
+  float* op = out.data<float>();
+  enqueue(s, "gated_combine", cost_gated_combine_forward(T, M, static_cast<int>(G), DType::f32), [=] {
+    for (std::int64_t t = 0; t < T; ++t) {
+      float ca = 0, cb = 0;
+      combine_coefficients(zp + t * G, G, ca, cb);
+      for (std::int64_t c = 0; c < M; ++c) op[t * M + c] = ca * ap[t * M + c] + cb * bp[t * M + c];
+    }
+  });
+}
+
+void CpuBackend::gated_combine_backward(Stream& s, const Tensor& z, const Tensor& a, const Tensor& b,
+                                        const Tensor& d_out, Tensor& da, Tensor& db, Tensor& dz) {
+  cpu_require_f32(a, "gated_combine_backward");
+  MOELAB_CHECK(a.ndim() == 2, "gated_combine_backward: a " + a.describe() + " should be [T,M]");
+  const std::int64_t T = a.dim(0), M = a.dim(1), G = combine_gates(z, T, "gated_combine_backward");
+  require_shape(d_out, {T, M}, "gated_combine_backward", "d_out");
+  require_shape(da, {T, M}, "gated_combine_backward", "da");
+  require_shape(dz, {T, G}, "gated_combine_backward", "dz");
+  MOELAB_CHECK(G == 1 || (b.defined() && db.defined()), "gated_combine_backward: a softmax gate needs b and db");
+  if (db.defined()) require_shape(db, {T, M}, "gated_combine_backward", "db");
+  if (G == 2) require_shape(b, {T, M}, "gated_combine_backward", "b");
+  const float *zp = z.data<float>(), *ap = a.data<float>(), *bp = ptr_or_null<float>(b), *dy = d_out.data<float>();
+  float *dap = da.data<float>(), *dbp = ptr_or_null<float>(db), *dzp = dz.data<float>();
+  enqueue(s, "gated_combine_bwd", cost_gated_combine_backward(T, M, static_cast<int>(G), db.defined(), DType::f32), [=] {
+    for (std::int64_t t = 0; t < T; ++t) {
+      float ca = 0, cb = 0;
+      combine_coefficients(zp + t * G, G, ca, cb);
+      float pa = 0, pb = 0;  // <d_out, a>, <d_out, b>
+      for (std::int64_t c = 0; c < M; ++c) {
+        pa += dy[t * M + c] * ap[t * M + c];
+        if (G == 2) pb += dy[t * M + c] * bp[t * M + c];
+      }
+      for (std::int64_t c = 0; c < M; ++c) {
+        const float d = dy[t * M + c];  // read before writing: da or db may alias d_out
+        dap[t * M + c] = ca * d;
+        if (dbp) dbp[t * M + c] = cb * d;
+      }
+      if (G == 1) {
+        dzp[t] = ca * (1.0f - ca) * pa;
+      } else {
+        const float mean = ca * pa + cb * pb;
+        dzp[t * 2] = ca * (pa - mean);
+        dzp[t * 2 + 1] = cb * (pb - mean);
+      }
+    }
   });
 }
 

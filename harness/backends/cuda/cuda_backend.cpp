@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "harness/backends/cuda/block_kernels.hpp"
+#include "harness/backends/cuda/combine_kernels.hpp"
 #include "harness/backends/cuda/kernels.hpp"
 #include "harness/runtime/error.hpp"
 
@@ -563,6 +564,9 @@ class CudaBackend final : public Backend {
   void swiglu_forward(Stream& s, const Tensor& h, Tensor& out) override;
   void swiglu_backward(Stream& s, const Tensor& h, const Tensor& d_out, Tensor& d_h) override;
   void add(Stream& s, const Tensor& a, const Tensor& b, Tensor& out) override;
+  void gated_combine_forward(Stream& s, const Tensor& z, const Tensor& a, const Tensor& b, Tensor& out) override;
+  void gated_combine_backward(Stream& s, const Tensor& z, const Tensor& a, const Tensor& b, const Tensor& d_out,
+                              Tensor& da, Tensor& db, Tensor& dz) override;
   void scale(Stream& s, const Tensor& x, float alpha, Tensor& out) override;
   void cross_entropy_forward(Stream& s, const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor& lse,
                              const VocabShard& shard) override;
@@ -1176,6 +1180,35 @@ void CudaBackend::add(Stream& s, const Tensor& a, const Tensor& b, Tensor& out) 
   require(out, a.numel(), a.dtype(), "add out");
   CudaOpScope op(*this, s, "add", cost_add(a.numel(), a.dtype()));
   cuda_kernels::add(native(s), elem_of(a), a.raw(), b.raw(), out.raw(), a.numel());
+}
+
+void CudaBackend::gated_combine_forward(Stream& s, const Tensor& z, const Tensor& a, const Tensor& b, Tensor& out) {
+  const std::int64_t T = rows_of(a), M = width_of(a), G = width_of(z);
+  MOELAB_CHECK(G == 1 || G == 2, "gated_combine_forward z " + z.describe() + ": 1 or 2 gate logits per row");
+  require(z, T * G, DType::f32, "gated_combine_forward z");
+  require(b, T * M, a.dtype(), "gated_combine_forward b");
+  require(out, T * M, a.dtype(), "gated_combine_forward out");
+  CudaOpScope op(*this, s, "gated_combine", cost_gated_combine_forward(T, M, static_cast<int>(G), a.dtype()));
+  cuda_kernels::gated_combine_forward(native(s), elem_of(a), f32p(z), static_cast<int>(G), a.raw(), b.raw(), out.raw(),
+                                      T, M);
+}
+
+void CudaBackend::gated_combine_backward(Stream& s, const Tensor& z, const Tensor& a, const Tensor& b,
+                                         const Tensor& d_out, Tensor& da, Tensor& db, Tensor& dz) {
+  const std::int64_t T = rows_of(a), M = width_of(a), G = width_of(z);
+  MOELAB_CHECK(G == 1 || G == 2, "gated_combine_backward z " + z.describe() + ": 1 or 2 gate logits per row");
+  MOELAB_CHECK(G == 1 || (b.defined() && db.defined()), "gated_combine_backward: a softmax gate needs b and db");
+  require(z, T * G, DType::f32, "gated_combine_backward z");
+  require(d_out, T * M, a.dtype(), "gated_combine_backward d_out");
+  require(da, T * M, a.dtype(), "gated_combine_backward da");
+  require(dz, T * G, DType::f32, "gated_combine_backward dz");
+  if (db.defined()) require(db, T * M, a.dtype(), "gated_combine_backward db");
+  if (G == 2) require(b, T * M, a.dtype(), "gated_combine_backward b");
+  CudaOpScope op(*this, s, "gated_combine_bwd",
+                 cost_gated_combine_backward(T, M, static_cast<int>(G), db.defined(), a.dtype()));
+  cuda_kernels::gated_combine_backward(native(s), elem_of(a), f32p(z), static_cast<int>(G), a.raw(),
+                                       b.defined() ? b.raw() : nullptr, d_out.raw(), da.raw(),
+                                       db.defined() ? db.raw() : nullptr, f32p(dz), T, M);
 }
 
 void CudaBackend::scale(Stream& s, const Tensor& x, float alpha, Tensor& out) {

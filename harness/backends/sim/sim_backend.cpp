@@ -511,6 +511,15 @@ class SimBackendImpl final : public Backend {
   void add(Stream& s, const Tensor& a, const Tensor&, Tensor&) override {
     issue(s, memory_bound("add", cost_add(a.numel(), a.dtype())));
   }
+  void gated_combine_forward(Stream& s, const Tensor& z, const Tensor& a, const Tensor&, Tensor&) override {
+    issue(s, memory_bound("gated_combine",
+                          cost_gated_combine_forward(a.dim(0), a.dim(1), static_cast<int>(z.dim(1)), a.dtype())));
+  }
+  void gated_combine_backward(Stream& s, const Tensor& z, const Tensor& a, const Tensor&, const Tensor&, Tensor&,
+                              Tensor& db, Tensor&) override {
+    issue(s, memory_bound("gated_combine_bwd", cost_gated_combine_backward(a.dim(0), a.dim(1), static_cast<int>(z.dim(1)),
+                                                                           db.defined(), a.dtype())));
+  }
   void scale(Stream& s, const Tensor& x, float, Tensor&) override {
     issue(s, memory_bound("scale", cost_scale(x.numel(), x.dtype())));
   }
