@@ -554,20 +554,45 @@ def check_summary(s, path):
             if mode == "simulated" and cluster is None:
                 c.fail(f"{w}.cluster", "a simulated run needs its cluster model, got null")
             _check_figures(c, c.obj(r, "results", w), f"{w}.results", full=True)
+        if c.string(r, "run_mode", w, required=False, choices=RUN_MODES) is not None:
+            # a whole-model run (a suite run with "models"): what the claims on runs pair it by
+            for k in ("model", "model_file", "label"):
+                c.string(r, k, w)
+            lay = c.string(r, "layers", w, null=True)
+            if lay is not None and layers_of(lay) is None:
+                c.fail(f"{w}.layers", f'expected "A:B" or null, got {_kind(lay)}')
+            c.string(r, "parallel", w, required=False, null=True)
+            c.obj(r, "override", w, required=False, null=True)
     for i, r in enumerate(c.array(s, "claims")):
         w = f"claims[{i}]"
-        for k in ("id", "system", "versus", "text", "source", "verdict"):
+        for k in ("id", "text", "source", "verdict"):
             c.string(r, k, w)
-        c.string(r, "metric", w, choices=("speedup", "memory_saving"))
+        on_runs = c.string(r, "compared_on", w, required=False, choices=("paper_setup", "all_points", "runs")) == "runs"
+        if on_runs:  # a claim on whole-model runs: one label or several; no baseline for one system's figure
+            _, sy = c.get(r, "system", w)
+            if not (isinstance(sy, str) or (isinstance(sy, list) and sy and all(isinstance(x, str) for x in sy))):
+                c.fail(f"{w}.system", f"expected a run label or a list of them, got {_kind(sy)}")
+            c.string(r, "versus", w, required=False, null=True)
+            c.string(r, "metric", w, choices=RUN_METRICS)
+            c.obj(r, "select", w, required=False)
+            rng = c.array(r, "paper_range", w, required=False)
+            if rng is not None and (len(rng) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                             for v in rng)):
+                c.fail(f"{w}.paper_range", f"expected [low, high], got {_kind(rng)}")
+        else:
+            for k in ("system", "versus"):
+                c.string(r, k, w)
+            c.string(r, "metric", w, choices=PAIR_METRICS)
         c.number(r, "paper", w)
         c.string(r, "mode", w, required=False)
         c.obj(r, "paper_setup", w, required=False, null=True)
-        c.string(r, "compared_on", w, required=False, choices=("paper_setup", "all_points"))
         ours = c.obj(r, "ours", w)
-        for scope in ("paper_setup", "all_points"):
+        for scope in ("runs",) if on_runs else ("paper_setup", "all_points"):
             o = c.obj(ours, scope, f"{w}.ours", required=(r.get("compared_on", "all_points") == scope))
             if o is not None and c.integer(o, "points", f"{w}.ours.{scope}", minimum=0):
                 c.number(o, "value", f"{w}.ours.{scope}")
+                if scope == "runs":
+                    c.strings(o, "used", f"{w}.ours.runs")
         c.boolean(r, "direction_agrees", w, null=True)
         c.boolean(r, "size_agrees", w, null=True)
     return s
@@ -585,6 +610,8 @@ def _check_figures(c, fig, where, full):
         c.fail(f"{where}.partitions", f'expected a positive integer or "auto", got {_kind(n)}')
     for k in ("overlap_ratio", "exposed_comm_s"):
         c.number(fig, k, where, required=full, minimum=0)
+    for k in ("all_to_all_share", "all_to_all_overlap"):  # whole-model runs (run_suite.py model_figures)
+        c.number(fig, k, where, required=False, minimum=0)
     c.numbers_map(fig, "phases_s", where, required=full)  # plots/runs.py stacks them
 
 
@@ -602,8 +629,10 @@ def _names(c, items, field):
 
 
 # What a run's "path" may name (scripts/run_suite.py destination()).
-PATH_FIELDS = ("workload", "impl", "ranks", "cluster", "backend", "device")
+PATH_FIELDS = ("workload", "impl", "ranks", "cluster", "backend", "device", "model", "label", "run_mode")
 DTYPES = ("fp32", "tf32", "bf16")
+RUN_MODES = ("training", "inference")
+LAYERS_RE = re.compile(r"^(\d{1,6}):(\d{1,6})$")
 
 
 def _check_path_template(c, field, path_t):
@@ -621,11 +650,63 @@ def _check_path_template(c, field, path_t):
                           f"is not one of {', '.join('{' + f + '}' for f in PATH_FIELDS)}")
 
 
+def layers_of(spec):
+    """(first, last) of a "layers" field "A:B" (moelab run --layers A:B: layers [A, B)), or None."""
+    m = LAYERS_RE.match(spec) if isinstance(spec, str) else None
+    return (int(m.group(1)), int(m.group(2))) if m and int(m.group(1)) < int(m.group(2)) else None
+
+
+def model_entry(spec):
+    """A run's "models" entry as an object: a model file's name is {"file": name}; "model" (the
+    name runs are compared by, e.g. the top-2 baseline's file for a ScMoE file) defaults to it."""
+    e = {"file": spec} if isinstance(spec, str) else dict(spec)
+    e.setdefault("model", e["file"])
+    return e
+
+
+def run_modes(r):
+    """The "mode" of a run entry as a list (training and/or inference; default training)."""
+    m = r.get("mode", "training")
+    return [m] if isinstance(m, str) else list(m)
+
+
+def run_labels(r):
+    """The labels a run entry's results are known by: its "label", else each implementation's."""
+    return [r["label"]] if r.get("label") else list(r["impls"])
+
+
+def _check_models(c, r, w):
+    """A run's "models": whole-model runs (moelab run --model) instead of "workloads"."""
+    for j, spec in enumerate(c.array(r, "models", w, nonempty=True)):
+        f = f"{w}.models[{j}]"
+        if isinstance(spec, str):
+            if not _is_name(spec):
+                c.fail(f, f"expected a model file's name (experiments/models/NAME.json) or an object, got {_kind(spec)}")
+            continue
+        if not isinstance(spec, dict):
+            c.fail(f, f"expected a model file's name or an object, got {_kind(spec)}")
+        c.name(spec, "file", f)
+        c.name(spec, "model", f, required=False)
+        c.obj(spec, "override", f, required=False)
+        lay = c.string(spec, "layers", f, required=False)
+        if lay is not None and layers_of(lay) is None:
+            c.fail(f"{f}.layers", f'expected "A:B" with A < B (moelab run --layers), got {_kind(lay)}')
+        par = c.obj(spec, "parallel", f, required=False)
+        for cl in par or {}:
+            if not _is_name(cl):
+                c.fail(f"{f}.parallel", f"expected cluster names as keys, got {_kind(cl)}")
+            c.label(par, cl, f"{f}.parallel")
+
+
 def _check_run(c, r, w, labels, models, has_grid):
     """One entry of "runs" (or one with its "quick" fields over it)."""
     c.label(r, "id", w)
     backend = c.string(r, "backend", w, choices=BACKENDS)
-    for j, wl in enumerate(c.array(r, "workloads", w, nonempty=True)):
+    if "models" in r:
+        if "workloads" in r:
+            c.fail(f"{w}.models", 'a run gives "workloads" (MoE layers) or "models" (whole models), not both')
+        _check_models(c, r, w)
+    for j, wl in enumerate(c.array(r, "workloads", w, nonempty=True) if "models" not in r else []):
         if isinstance(wl, dict):
             if not has_grid:
                 c.fail(f"{w}.workloads[{j}]", "a generated workload (an object) needs the suite's \"grid\"")
@@ -636,9 +717,21 @@ def _check_run(c, r, w, labels, models, has_grid):
             c.integer(wl, "tokens_per_rank", f"{w}.workloads[{j}]", minimum=1)
         elif not isinstance(wl, str) or not _is_label(wl):
             c.fail(f"{w}.workloads[{j}]", f"expected a workload name, a path or an object, got {_kind(wl)}")
-    for j, lab in enumerate(c.strings(r, "impls", w, nonempty=True)):
+    impls = c.strings(r, "impls", w, nonempty=True)
+    for j, lab in enumerate(impls):
         if lab not in labels:
             c.fail(f"{w}.impls[{j}]", f'{_kind(lab)} is not a label of the suite\'s "impls" ({", ".join(labels)})')
+    if c.name(r, "label", w, required=False) is not None and len(impls) != 1:
+        c.fail(f"{w}.label", f"a run's label names its one implementation's results; this run has {len(impls)}")
+    _, mode = c.get(r, "mode", w, required=False)
+    if mode is not ABSENT:
+        if "models" not in r:
+            c.fail(f"{w}.mode", 'training or inference is a whole model\'s ("models"), not an MoE layer\'s')
+        modes = [mode] if isinstance(mode, str) else mode
+        if not isinstance(modes, list) or not modes or any(m not in RUN_MODES for m in modes) \
+                or len(set(modes)) != len(modes):
+            c.fail(f"{w}.mode", f'expected "training", "inference" or a list of both, got {_kind(mode)}')
+    c.integer(r, "warmup", w, required=False, minimum=0)
     if backend == "sim":
         c.strings(r, "clusters", w, nonempty=True, names=True)
     elif "clusters" in r:
@@ -649,6 +742,48 @@ def _check_run(c, r, w, labels, models, has_grid):
     c.integer(r, "steps", w, required=False, minimum=1)
     c.boolean(r, "trace", w, required=False)
     _check_path_template(c, f"{w}.path", c.string(r, "path", w))
+
+
+PAIR_METRICS = ("speedup", "memory_saving")  # a system against a baseline
+RUN_METRICS = PAIR_METRICS + ("overlap_ratio", "all_to_all_share", "all_to_all_overlap")  # the last three: one system's
+STATS = ("max", "mean", "min")
+
+
+def _check_run_claim(c, it, w, run_labels_):
+    """A claim judged on a suite's whole-model runs ("on": "runs"; scripts/run_suite.py
+    claims_table): the system's label or labels, the baseline's, the selection, the statistic."""
+    metric = c.string(it, "metric", w, choices=RUN_METRICS)
+    _, sy = c.get(it, "system", w)
+    systems = [sy] if isinstance(sy, str) else sy
+    if not isinstance(systems, list) or not systems or not all(isinstance(x, str) for x in systems):
+        c.fail(f"{w}.system", f"expected a run label or a list of them, got {_kind(sy)}")
+    for lab in systems:
+        if lab not in run_labels_:
+            c.fail(f"{w}.system", f'{_kind(lab)} is not the label of a run with "models" '
+                                  f'({", ".join(sorted(run_labels_)) or "none"})')
+    vs = c.string(it, "versus", w, required=metric in PAIR_METRICS, null=metric not in PAIR_METRICS)
+    if vs is not None:
+        if metric not in PAIR_METRICS:
+            c.fail(f"{w}.versus", f"{metric} is one system's figure: no baseline, got {_kind(vs)}")
+        if vs not in run_labels_:
+            c.fail(f"{w}.versus", f'{_kind(vs)} is not the label of a run with "models" '
+                                  f'({", ".join(sorted(run_labels_)) or "none"})')
+    c.string(it, "stat", w, choices=STATS)
+    paper = c.number(it, "paper", w, positive=True)
+    rng = c.array(it, "paper_range", w, required=False)
+    if rng is not None and (len(rng) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                     and math.isfinite(v) for v in rng)
+                            or not 0 < rng[0] <= paper <= rng[1]):
+        c.fail(f"{w}.paper_range", f"expected [low, high] with 0 < low <= paper ({paper}) <= high, got {_kind(rng)}")
+    for k in ("text", "source"):
+        c.string(it, k, w)
+    sel = c.obj(it, "select", w, required=False) or {}
+    c.strings(sel, "clusters", f"{w}.select", required=False, nonempty=True, names=True)
+    c.strings(sel, "models", f"{w}.select", required=False, nonempty=True, names=True)
+    c.string(sel, "mode", f"{w}.select", required=False, choices=RUN_MODES)
+    for k in sel:
+        if k not in ("clusters", "models", "mode"):
+            c.fail(f"{w}.select.{k}", "not a selection field (clusters, models, mode)")
 
 
 def check_suite(s, path):
@@ -744,6 +879,7 @@ def check_suite(s, path):
     if grid is None and not runs:
         c.fail("grid", 'a suite needs a "grid", "runs", or both')
 
+    run_label_set = {lab for r in runs if isinstance(r, dict) and "models" in r for lab in run_labels(r)}
     claims = c.obj(s, "claims", required=False)
     if claims is not None:
         c.number(claims, "size_tolerance", "claims", minimum=0)
@@ -754,12 +890,15 @@ def check_suite(s, path):
             c.label(it, "id", w)
             for k in ("text", "source"):
                 c.string(it, k, w)
+            if c.string(it, "on", w, required=False, choices=("grid", "runs")) == "runs":
+                _check_run_claim(c, it, w, run_label_set)
+                continue
             for k in ("system", "versus"):
                 lab = c.string(it, k, w)
                 if lab not in labels:
                     c.fail(f"{w}.{k}", f'{_kind(lab)} is not a label of the suite\'s "impls"')
-            c.string(it, "metric", w, choices=("speedup", "memory_saving"))
-            c.string(it, "stat", w, choices=("max", "mean"))
+            c.string(it, "metric", w, choices=PAIR_METRICS)
+            c.string(it, "stat", w, choices=STATS)
             c.number(it, "paper", w, positive=True)  # ours is judged as a ratio to it
         _names(c, [it["id"] for it in claims["items"]], "claims.items")
 
@@ -810,6 +949,16 @@ def fmt_claim(metric, v):
     return f"{v:.2f}x" if metric == "speedup" else f"{100 * v:.0f}%"
 
 
+def selection_text(sel):
+    """A claim's selection of runs in words: "pcie-a30x1, training, gpt2-moe-small + 1 more"."""
+    sel = sel or {}
+    parts = [", ".join(sel["clusters"]) if sel.get("clusters") else "every cluster",
+             sel.get("mode") or "training and inference"]
+    ms = sel.get("models")
+    parts.append("every model" if not ms else ", ".join(ms))
+    return "; ".join(parts)
+
+
 def claim_rows(summary):
     """One dict of display strings per claim of a summary: what both tables show."""
     rows = []
@@ -817,15 +966,143 @@ def claim_rows(summary):
         scope = c.get("compared_on", "all_points")
         o = c["ours"].get(scope, {"points": 0})
         setup = c.get("paper_setup") or {}
-        on = ("the paper's setup" + (" (" + ", ".join(str(v) for v in setup.values()) + ")" if setup else "")
-              if scope == "paper_setup" else "every point of the run")
+        if scope == "runs":
+            used = o.get("used", []) if o.get("points") else []
+            on = f"runs ({selection_text(c.get('select'))})" + (": " + ", ".join(used) if used else "")
+        else:
+            on = ("the paper's setup" + (" (" + ", ".join(str(v) for v in setup.values()) + ")" if setup else "")
+                  if scope == "paper_setup" else "every point of the run")
+        rng = c.get("paper_range")
+        paper = (f"{fmt_claim(c['metric'], rng[0])} to {fmt_claim(c['metric'], rng[1])}" if rng
+                 else fmt_claim(c["metric"], c["paper"]))
         yn = {True: "yes", False: "no", None: "-"}
         rows.append({"suite": summary["suite"], "id": c["id"], "claim": c["text"], "source": c["source"],
-                     "paper": fmt_claim(c["metric"], c["paper"]),
+                     "paper": paper,
                      "ours": fmt_claim(c["metric"], o["value"]) if o.get("points") else "not run",
-                     "points": str(o.get("points", 0)), "on": on, "mode": c.get("mode", summary.get("mode")),
+                     "points": str(o.get("points", 0)), "on": on, "scope": scope,
+                     "mode": c.get("mode", summary.get("mode")),
                      "direction": yn[c["direction_agrees"]], "size": yn[c["size_agrees"]], "verdict": c["verdict"]})
     return rows
+
+
+# ---- whole-model runs: the figures a ScMoE comparison reads ---------------------------------
+
+MOE_PHASES = ("gate", "dispatch", "experts", "combine")
+
+
+def all_to_all_share(phases):
+    """(dispatch + combine) / (gate + dispatch + experts + combine) of a run's phases_s: the
+    all-to-all's share of the MoE layers' op time (ScMoE's "all-to-all is ~60% of MoE time on
+    A30"). None when the run has no MoE phases."""
+    total = sum(phases.get(k, 0.0) for k in MOE_PHASES)
+    return (phases.get("dispatch", 0.0) + phases.get("combine", 0.0)) / total if total > 0 else None
+
+
+def _union(intervals):
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _intersection(u, v):
+    """Length of the intersection of two unions of disjoint sorted intervals."""
+    i = j = 0
+    total = 0.0
+    while i < len(u) and j < len(v):
+        lo, hi = max(u[i][0], v[j][0]), min(u[i][1], v[j][1])
+        if hi > lo:
+            total += hi - lo
+        if u[i][1] < v[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def all_to_all_overlap(trace_path):
+    """The all-to-all's overlap ratio of a Chrome trace (moelab run --trace): per rank, the
+    union of its all-to-all ops (args.kind "collective", name all_to_all*) intersected with
+    the union of its compute stream's other ops, over the union of its all-to-alls, summed
+    over ranks (the result's overlap_ratio restricted to the all-to-all, so that a model
+    run's gradient all-reduce does not count). None when the trace has no all-to-all.
+    Raises SchemaError naming the file when it is not a trace."""
+    doc = load_json(trace_path)
+    events = doc.get("traceEvents") if isinstance(doc, dict) else doc
+    if not isinstance(events, list):
+        raise SchemaError(f"{trace_path}: field \"traceEvents\": expected a list of trace events")
+    names, a2a, comp = {}, {}, {}
+    for e in events:
+        if not isinstance(e, dict):
+            continue
+        if e.get("ph") == "M" and e.get("name") == "thread_name" and isinstance(e.get("args"), dict):
+            names[(e.get("pid"), e.get("tid"))] = e["args"].get("name")
+    for e in events:
+        if not isinstance(e, dict) or e.get("ph") != "X":
+            continue
+        ts, dur = e.get("ts"), e.get("dur")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (ts, dur)):
+            continue
+        args = e.get("args") if isinstance(e.get("args"), dict) else {}
+        iv = (ts, ts + dur)
+        if args.get("kind") == "collective" and str(e.get("name", "")).startswith("all_to_all"):
+            a2a.setdefault(e.get("pid"), []).append(iv)
+        elif names.get((e.get("pid"), e.get("tid"))) == "compute" and args.get("kind") != "collective":
+            comp.setdefault(e.get("pid"), []).append(iv)
+    hidden = total = 0.0
+    for rank, ivs in a2a.items():
+        u = _union(ivs)
+        total += sum(b - a for a, b in u)
+        hidden += _intersection(u, _union(comp.get(rank, [])))
+    return hidden / total if total > 0 else None
+
+
+def run_key(row):
+    """What a system's whole-model run is paired with its baseline's by: the model (compared
+    name), the layers, the cluster (or ranks) and the run mode."""
+    return (row.get("model"), row.get("layers"), row.get("cluster") or row.get("ranks"), row.get("run_mode"))
+
+
+def selected(row, sel):
+    """Whether a summary's run row is one a claim's selection (clusters, mode, models) takes."""
+    sel = sel or {}
+    return ((not sel.get("clusters") or row.get("cluster") in sel["clusters"])
+            and (not sel.get("mode") or row.get("run_mode") == sel["mode"])
+            and (not sel.get("models") or row.get("model") in sel["models"]))
+
+
+def point_name(row):
+    """A run row as a claim lists the points it used: "pcie-a30x1 training gpt2-moe-small [2:4]"."""
+    return " ".join(str(x) for x in (row.get("cluster") or f"np {row.get('ranks')}", row.get("run_mode"),
+                                     row.get("model")) if x) + (f" [{row['layers']}]" if row.get("layers") else "")
+
+
+def run_comparisons(runs, systems, versus, metric, sel=None):
+    """[(point name, value)] of a metric over the whole-model run rows (with results) of the
+    systems' labels that the selection takes: for speedup and memory_saving each paired with
+    versus's run of the same run_key; otherwise the system's own figure."""
+    done = [r for r in runs if "results" in r and r.get("run_mode") and selected(r, sel)]
+    base = {run_key(r): r for r in done if r.get("label") == versus}
+    out = []
+    for r in done:
+        if r.get("label") not in systems:
+            continue
+        f = r["results"]
+        if metric in PAIR_METRICS:
+            b = base.get(run_key(r))
+            if b is None:
+                continue
+            v = (b["results"]["step_time_s"] / f["step_time_s"] if metric == "speedup" and f["step_time_s"] > 0
+                 else 1.0 - f["peak_memory_bytes"] / b["results"]["peak_memory_bytes"]
+                 if metric == "memory_saving" and b["results"]["peak_memory_bytes"] > 0 else None)
+        else:
+            v = f.get(metric)
+        if v is not None:
+            out.append((point_name(r) + (f" {r['label']}" if len(systems) > 1 else ""), v))
+    return out
 
 
 # ---- classifying files of a result tree -----------------------------------------------------

@@ -192,6 +192,9 @@ def expand(suite, quick):
         r = {**r, **q} if over else r
         clusters = r.get("clusters") or [None]
         ranks = r.get("ranks") or [None]
+        if "models" in r:
+            jobs += model_jobs(suite, r, clusters, ranks, impls)
+            continue
         for j, spec in enumerate(r["workloads"]):
             where = f"runs[{i}]" + (".quick" if over and "workloads" in q else "") + f".workloads[{j}]"
             name, path, gen = resolve_workload(suite, spec, where)
@@ -203,7 +206,64 @@ def expand(suite, quick):
                                      "workload": name, "workload_file": path, "workload_gen": gen,
                                      "steps": r.get("steps"), "trace": bool(r.get("trace")),
                                      "path_template": r["path"]})
+    check_destinations(suite, jobs, quick)
     return jobs
+
+
+def model_jobs(suite, r, clusters, ranks, impls):
+    """The jobs of a run with "models" (whole models, moelab run --model): models x modes x
+    implementations x clusters x ranks. A model file that is not in this checkout does not stop
+    the suite: its jobs are kept and skipped, naming the file."""
+    jobs = []
+    for spec in r["models"]:
+        e = mr.model_entry(spec)
+        path = os.path.join(mr.EXPERIMENTS, "models", e["file"] + ".json")
+        missing = None if os.path.exists(path) else \
+            (f"no model file {rel_to(path, ROOT)} in this checkout (the runs stay in the suite and go once it exists)")
+        for mode in mr.run_modes(r):
+            for label in r["impls"]:
+                for cl in clusters:
+                    for n in ranks:
+                        jobs.append({"suite": suite["name"], "kind": "run", "run": r["id"], "impl": impls[label],
+                                     "backend": r["backend"], "cluster": cl, "ranks": n,
+                                     "workload": e["file"], "workload_file": None, "workload_gen": None,
+                                     "model_run": {"file": e["file"], "path": path, "missing": missing,
+                                                   "model": e["model"], "override": e.get("override"),
+                                                   "layers": e.get("layers"),
+                                                   "parallel": (e.get("parallel") or {}).get(cl),
+                                                   "run_mode": mode, "label": r.get("label") or label},
+                                     "steps": r.get("steps"), "warmup": r.get("warmup"),
+                                     "trace": bool(r.get("trace")), "path_template": r["path"]})
+    return jobs
+
+
+def check_destinations(suite, jobs, quick):
+    """Two runs of a suite may not write one result file (the second would replace the first):
+    a SchemaError naming the run whose "path" does not tell them apart."""
+    seen = {}
+    for j in jobs:
+        if j["kind"] != "run":
+            continue
+        dest = destination(j, None, "{device}")
+        if dest in seen:
+            i = next(k for k, r in enumerate(suite["runs"]) if r["id"] == j["run"])
+            raise mr.field_error(suite["_path"], f"runs[{i}]" + (".quick" if quick and isinstance(
+                suite["runs"][i].get("quick"), dict) and "path" in suite["runs"][i]["quick"] else "") + ".path",
+                f"{mr.show(j['path_template'])} gives {dest}.json to two runs (of {seen[dest]} and {j['run']}): "
+                f"name what tells them apart ({', '.join('{' + f + '}' for f in mr.PATH_FIELDS)})")
+        seen[dest] = j["run"]
+
+
+def job_name(j):
+    """What a job runs, as progress lines and --list print it: the workload, or the model file
+    with its layers."""
+    m = j.get("model_run")
+    return j["workload"] + (f" [{m['layers']}]" if m and m["layers"] else "")
+
+
+def job_label(j):
+    m = j.get("model_run")
+    return f"{m['label']} ({m['run_mode']})" if m else j["impl"]["label"]
 
 
 # ---- what this machine can run --------------------------------------------------------------
@@ -305,17 +365,47 @@ def probe(machine, impl, tmpdir, cluster):
     die(f"the probe of {impl['label']} failed (exit code {p.returncode}):\n  {' '.join(cmd)}\n{tail_of(p)}", 1)
 
 
+INFERENCE_NOTE = ("skipped: the installed moelab rejects --inference (the forward-only inference mode is not "
+                  "built into this binary yet); rebuild moelab once it is and rerun")
+
+
+def probe_inference(machine, tmpdir):
+    """Does the installed moelab take --inference (a model's forward passes only)? A one-rank
+    sim run of the tiny test model. None if it does, else the skip note; another failure stops."""
+    cmd = [machine.moelab, "run", "--model", os.path.join(mr.EXPERIMENTS, "models", "tiny-moe.json"), "--impl",
+           "fastmoe", "--backend", "sim", "--cluster", "dgx-a100x1", "--ranks", "1", "--steps", "1", "--warmup", "0",
+           "--inference", "--out", os.path.join(tmpdir, "probe-inference.json")]
+    p = run_moelab(cmd)
+    if p.returncode == 0:
+        return None
+    msg = (p.stderr.strip() or p.stdout.strip()).splitlines()
+    msg = msg[-1] if msg else ""
+    if p.returncode == 2 and '"--inference"' in msg:
+        return f"{INFERENCE_NOTE} (moelab said: {msg})"
+    die(f"the probe of --inference failed (exit code {p.returncode}):\n  {' '.join(cmd)}\n{tail_of(p)}", 1)
+
+
 # ---- one run --------------------------------------------------------------------------------
 
 def destination(job, machine, device=None):
     """The result's path in the results folder, without ".json". {device} is the CUDA device
-    class; for runs on the hosts of a host file it is known only from the result (device=)."""
+    class; for runs on the hosts of a host file it is known only from the result (device=).
+    With machine None (checking a suite before any machine is known): ranks as the suite gives
+    them and device as given."""
     if job["kind"] == "grid":
         return job["dest"]
-    dev = device or (machine.cuda_device if job["backend"] == "cuda" else None)
-    return job["path_template"].format(workload=job["workload"], impl=job["impl"]["label"],
-                                       ranks=machine.nranks(job) or 1, cluster=job["cluster"] or "",
-                                       backend=job["backend"], device=mr.slug(mr.device_class(dev or "unknown")))
+    if machine is None:
+        dev, ranks = device, job["ranks"] or 1
+    else:
+        dev = mr.slug(mr.device_class(device or (machine.cuda_device if job["backend"] == "cuda" else None)
+                                      or "unknown"))
+        ranks = machine.nranks(job) or 1
+    mrun = job.get("model_run") or {}
+    return job["path_template"].format(workload=job["workload"], impl=job["impl"]["label"], ranks=ranks,
+                                       cluster=job["cluster"] or "", backend=job["backend"], device=dev,
+                                       model=mrun.get("model", job["workload"]),
+                                       label=mrun.get("label", job["impl"]["label"]),
+                                       run_mode=mrun.get("run_mode", "training"))
 
 
 def move_result(stage, old, new):
@@ -327,9 +417,24 @@ def move_result(stage, old, new):
 
 def command(job, machine, wl_path, dest):
     im = job["impl"]
-    cmd = [machine.moelab, "run", "--workload", wl_path, "--impl", im["impl"]]
+    mrun = job.get("model_run")
+    if mrun:
+        cmd = [machine.moelab, "run", "--model", mrun["path"], "--impl", im["impl"]]
+    else:
+        cmd = [machine.moelab, "run", "--workload", wl_path, "--impl", im["impl"]]
     if im["options"]:
         cmd += ["--impl-options", json.dumps(im["options"], separators=(",", ":"))]
+    if mrun:
+        if mrun["override"]:
+            cmd += ["--model-override", json.dumps(mrun["override"], separators=(",", ":"))]
+        if mrun["layers"]:
+            cmd += ["--layers", mrun["layers"]]
+        if mrun["parallel"]:
+            cmd += ["--parallel", mrun["parallel"]]
+        if job.get("warmup") is not None:
+            cmd += ["--warmup", str(job["warmup"])]
+        if mrun["run_mode"] == "inference":
+            cmd += ["--inference"]
     cmd += ["--backend", job["backend"]]
     if job["cluster"]:
         cmd += ["--cluster", job["cluster"]]
@@ -371,6 +476,19 @@ def figures(res):
     return out
 
 
+def model_figures(res, a2a_overlap=None):
+    """figures() of a whole-model run (a suite run with "models") and what a ScMoE comparison
+    adds: the all-to-all's share of the MoE phases' op time and, from the run's trace, the
+    all-to-all's own overlap ratio (docs/RESULTS-SCHEMA.md)."""
+    out = figures(res)
+    share = mr.all_to_all_share(res["metrics"]["phases_s"])
+    if share is not None:
+        out["all_to_all_share"] = share
+    if a2a_overlap is not None:
+        out["all_to_all_overlap"] = a2a_overlap
+    return out
+
+
 # ---- the summary ----------------------------------------------------------------------------
 
 def comparisons(results, systems, baselines):
@@ -383,7 +501,51 @@ def comparisons(results, systems, baselines):
     return sp, ms
 
 
-def claims_table(suite, points):
+def judge(metric, v, paper, tol, paper_range=None):
+    """(direction agrees, size agrees, verdict) of ours (v) against the paper's figure. Direction:
+    faster (speed-up > 1), smaller (memory saving > 0), or for a share or overlap ratio the same
+    side of one half (most of it, or a minority). Size: within tol of the paper's figure
+    (relative), or of its range [low, high] when the claim gives one."""
+    if metric == "speedup":
+        up = v > 1.0
+    elif metric == "memory_saving":
+        up = v > 0.0
+    else:
+        up = (v > 0.5) == (paper > 0.5)
+    if paper_range:
+        size = paper_range[0] * (1 - tol) <= v <= paper_range[1] * (1 + tol)
+    else:
+        size = abs(v - paper) <= tol * paper
+    ratio = v / paper
+    verdict = ("agrees in direction and size" if size and up else
+               f"agrees in direction, ours is {ratio:.2f}x the paper's figure" if up else
+               "disagrees in direction")
+    return up, size, verdict
+
+
+def run_claim(item, runs, tol):
+    """One claim judged on the summary's whole-model runs (a claim with "on": "runs")."""
+    systems = [item["system"]] if isinstance(item["system"], str) else list(item["system"])
+    vals = mr.run_comparisons(runs, systems, item.get("versus"), item["metric"], item.get("select"))
+    row = dict(item)
+    row["mode"] = "simulated" if all(r.get("mode") == "simulated" for r in runs if "results" in r) else "mixed"
+    row["compared_on"] = "runs"
+    if not vals:
+        row["ours"] = {"runs": {"points": 0}}
+        row["direction_agrees"] = row["size_agrees"] = None
+        row["verdict"] = (f"not run (no selected run of {', '.join(systems)}"
+                          + (f" with a {item['versus']} run beside it" if item.get("versus") else "") + ")")
+        return row
+    xs = [v for _, v in vals]
+    stat = {"max": max, "min": min, "mean": lambda a: sum(a) / len(a)}[item["stat"]]
+    row["ours"] = {"runs": {"points": len(xs), "value": stat(xs), "max": max(xs), "mean": sum(xs) / len(xs),
+                            "min": min(xs), "used": [f"{n}: {mr.fmt_claim(item['metric'], v)}" for n, v in vals]}}
+    row["direction_agrees"], row["size_agrees"], row["verdict"] = judge(
+        item["metric"], row["ours"]["runs"]["value"], item["paper"], tol, item.get("paper_range"))
+    return row
+
+
+def claims_table(suite, points, runs=()):
     c = suite.get("claims")
     if not c:
         return []
@@ -392,6 +554,9 @@ def claims_table(suite, points):
     in_setup = (lambda p: all(p.get(k) == v for k, v in setup.items())) if setup else (lambda p: False)
     rows = []
     for item in c["items"]:
+        if item.get("on") == "runs":
+            rows.append(run_claim(item, runs, tol))
+            continue
         key = f"{item['system']}_vs_{item['versus']}"
         field = "speedup" if item["metric"] == "speedup" else "memory_saving"
         row = dict(item)
@@ -403,7 +568,7 @@ def claims_table(suite, points):
             if not vals:
                 row["ours"][scope] = {"points": 0}
                 continue
-            v = max(vals) if item["stat"] == "max" else sum(vals) / len(vals)
+            v = max(vals) if item["stat"] == "max" else min(vals) if item["stat"] == "min" else sum(vals) / len(vals)
             row["ours"][scope] = {"points": len(vals), "value": v, "max": max(vals),
                                   "mean": sum(vals) / len(vals), "min": min(vals)}
         best = row["ours"]["paper_setup"] if row["ours"]["paper_setup"]["points"] else row["ours"]["all_points"]
@@ -413,14 +578,7 @@ def claims_table(suite, points):
             row["size_agrees"] = None
             row["verdict"] = f"not run ({item['system']} has no result in this run)"
         else:
-            v = best["value"]
-            up = v > 1.0 if field == "speedup" else v > 0.0
-            row["direction_agrees"] = up
-            row["size_agrees"] = abs(v - item["paper"]) <= tol * item["paper"]
-            ratio = v / item["paper"]
-            row["verdict"] = ("agrees in direction and size" if row["size_agrees"] and up else
-                              f"agrees in direction, ours is {ratio:.2f}x the paper's figure" if up else
-                              "disagrees in direction")
+            row["direction_agrees"], row["size_agrees"], row["verdict"] = judge(field, best["value"], item["paper"], tol)
         rows.append(row)
     return rows
 
@@ -451,9 +609,14 @@ def summarize(suite, jobs, subset, host_seconds):
         row = {"id": j["run"], "impl": j["impl"]["label"], "impl_name": j["impl"]["impl"],
                "options": j["impl"]["options"], "workload": j["workload"], "backend": j["backend"],
                "cluster": j["cluster"], "ranks": j["ranks"]}
+        mrun = j.get("model_run")
+        if mrun:
+            row.update(model=mrun["model"], model_file=mrun["file"], layers=mrun["layers"], label=mrun["label"],
+                       run_mode=mrun["run_mode"], parallel=mrun["parallel"], override=mrun["override"])
         if res is not None:
             row.update(mode=res["mode"], device=res["device"], calibration=res["calibration"],
-                       world_size=res["world_size"], file=j["file"], results=figures(res))
+                       world_size=res["world_size"], file=j["file"],
+                       results=model_figures(res, j.get("a2a_overlap")) if mrun else figures(res))
         elif j.get("failed"):
             row.update(skipped=f"failed: {j['failed']}", failed=True)
         elif j.get("oom"):
@@ -491,6 +654,16 @@ def summarize(suite, jobs, subset, host_seconds):
             "memory_saving": "1 - peak device memory of the system / that of the baseline (the highest rank's peak over the timed step as the tracked allocator counts it: weights, gradients, activations and buffers; no optimizer states, which the paper's M_ms includes for Adam)",
             "partitions": "n used in the timed step (impl_report.last_n); chosen by the online granularity search for \"partitions\": \"auto\"",
             "overlap_ratio": "communication hidden behind computation / all communication, summed over ranks",
+            **({"whole-model runs": "runs with a model, run_mode and label: a step is one training step of the "
+                                    "model (forward, backward, gradient all-reduce, optimizer) or, in inference, its "
+                                    "forward passes; a claim on runs pairs a system's run with the baseline's run of "
+                                    "the same model, layers, cluster and run mode",
+                "all_to_all_share": "(dispatch + combine) / (gate + dispatch + experts + combine) phase op time of "
+                                    "the MoE layers",
+                "all_to_all_overlap": "all-to-all time hidden behind compute-stream ops / all-to-all time, summed "
+                                      "over ranks, from the run's trace (traced runs only; the gradient all-reduce "
+                                      "left out, which overlap_ratio counts)"}
+               if any(j.get("model_run") for j in jobs) else {}),
         },
         "dtype_notes": (suite.get("grid") or {}).get("dtype_notes"),
         "tokens_rule": (suite.get("grid") or {}).get("tokens_rule"),
@@ -498,7 +671,7 @@ def summarize(suite, jobs, subset, host_seconds):
                     for (w, why), n in skipped.items()],
         "points": rows,
         "runs": runs,
-        "claims": claims_table(suite, rows),
+        "claims": claims_table(suite, rows, runs),
     }
     return summary
 
@@ -516,11 +689,29 @@ def print_tables(suite, summary):
             ext = "; ".join(f"{k.replace('_vs_', '/')} {v:.2f}x {100 * r['memory_saving'][k]:+.0f}%"
                             for k, v in r["speedup"].items())
             print(f"{r['cluster']:11} {r['model']:12} {r['dtype']:5} {r['tokens_per_gpu']:>6}  {ts}   {ext}")
-    if s["runs"]:
-        ww = max([16] + [len(r["workload"]) for r in s["runs"]])
+    model_runs = [r for r in s["runs"] if r.get("run_mode")]
+    if model_runs:
+        ww = max([16] + [len(r["model_file"]) + (len(r["layers"]) + 3 if r.get("layers") else 0) for r in model_runs])
+        print(f"\n{'run':14} {'model file':{ww}} {'label':15} {'where':11} {'mode':9} {'ms/step':>9} {'overlap':>7} "
+              f"{'a2a/MoE':>7} {'peak GiB':>8}")
+        for r in model_runs:
+            mf = r["model_file"] + (f" [{r['layers']}]" if r.get("layers") else "")
+            where = r["cluster"] or (f"np {r['ranks']}" if r["ranks"] else "")
+            if "results" in r:
+                f = r["results"]
+                share = f"{100 * f['all_to_all_share']:6.0f}%" if "all_to_all_share" in f else f"{'-':>7}"
+                print(f"{r['id']:14} {mf:{ww}} {r['label']:15} {where:11} {r['run_mode']:9} "
+                      f"{f['step_time_s'] * 1e3:9.2f} {100 * f['overlap_ratio']:6.0f}% {share} "
+                      f"{f['peak_memory_bytes'] / 2**30:8.2f}")
+            else:
+                print(f"{r['id']:14} {mf:{ww}} {r['label']:15} {where:11} {r['run_mode']:9} "
+                      f"{'skipped' if not r.get('out_of_memory') else 'out of device memory'}")
+    layer_runs = [r for r in s["runs"] if not r.get("run_mode")]
+    if layer_runs:
+        ww = max([16] + [len(r["workload"]) for r in layer_runs])
         print(f"\n{'run':16} {'workload':{ww}} {'impl':15} {'backend':8} {'where':11} {'mode':9} "
               f"{'ms/step':>9} {'overlap':>7} {'peak MiB':>9}")
-        for r in s["runs"]:
+        for r in layer_runs:
             where = r["cluster"] or (f"np {r['ranks']}" if r["ranks"] else "")
             if "results" in r:
                 f = r["results"]
@@ -537,6 +728,8 @@ def print_tables(suite, summary):
             fmtv = (lambda v: f"{v:.2f}x") if r["metric"] == "speedup" else (lambda v: f"{100 * v:.0f}%")
             ours = fmtv(o["value"]) if o["points"] else "-"
             print(f"  {r['text'][:60]:60} {fmtv(r['paper']):>7} {ours:>7} {o['points']:>4}  {r['verdict']}")
+            for u in o.get("used", []) if o["points"] else []:
+                print(f"      {u}")
 
 
 # ---- main -----------------------------------------------------------------------------------
@@ -585,7 +778,7 @@ def main():
         for s, jobs in plan:
             for j in jobs:
                 where = j["cluster"] or f"np {j['ranks']}"
-                print(f"{s['name']:12} {j['kind']:4} {j['backend']:4} {where:11} {j['workload']:28} {j['impl']['label']}")
+                print(f"{s['name']:12} {j['kind']:4} {j['backend']:4} {where:11} {job_name(j):28} {job_label(j)}")
             print(f"{s['name']}: {len(jobs)} runs ({subset}" + (f", --run {','.join(a.run)}" if a.run else "") + ")")
         return
     if not (os.path.isfile(a.moelab) and os.access(a.moelab, os.X_OK)):
@@ -600,15 +793,23 @@ def main():
 
     # What cannot run here, and the implementations this binary lacks options for.
     with tempfile.TemporaryDirectory(prefix="run_suite.") as tmp:
+        probed = {}
         for s, jobs in plan:
-            probed = {}
             for j in jobs:
                 why = machine.why_not(j)
                 im = j["impl"]
+                mrun = j.get("model_run")
+                if not why and mrun and mrun["missing"]:
+                    why = mrun["missing"]
+                if not why and mrun and mrun["run_mode"] == "inference":
+                    if " --inference" not in probed:
+                        probed[" --inference"] = probe_inference(machine, tmp)
+                    why = probed[" --inference"]
                 if not why and im.get("requires_option"):
-                    if im["label"] not in probed:
-                        probed[im["label"]] = probe(machine, im, tmp, j["cluster"] or "dgx-a100x1")
-                    why = probed[im["label"]]
+                    key = (s["name"], im["label"])
+                    if key not in probed:
+                        probed[key] = probe(machine, im, tmp, j["cluster"] or "dgx-a100x1")
+                    why = probed[key]
                 j["skipped"] = why
     todo = [j for _, jobs in plan for j in jobs if not j["skipped"]]
     total = len(todo)
@@ -675,7 +876,7 @@ def main():
         cost.setdefault(group(j), []).append(dt)
         dest = os.path.join(stage, dest_rel)
         what = f"{j['cluster'] or j['backend'] + (' np ' + str(machine.nranks(j)) if machine.nranks(j) else '')} " \
-               f"{j['workload']} {j['impl']['label']}"
+               f"{job_name(j)} {job_label(j)}"
         if p.returncode == 3:
             # The configuration does not fit the (simulated) device: a finding, not a failure.
             j["oom"] = (p.stderr.strip() or f"exit code {p.returncode}").splitlines()[-1]
@@ -699,6 +900,11 @@ def main():
                     dest_rel = moved
                 j["result"] = res
                 j["file"] = dest_rel + ".json"
+                if j.get("model_run") and j["trace"] and os.path.exists(dest + ".trace.json"):
+                    try:
+                        j["a2a_overlap"] = mr.all_to_all_overlap(dest + ".trace.json")
+                    except mr.SchemaError as e:
+                        print(f"run_suite.py: {e} (the run's all-to-all overlap is left out)", file=sys.stderr)
                 f = figures(res)
                 n = f", n={f['partitions']}" if "partitions" in f and j["impl"]["impl"] == "mpipemoe" else ""
                 pk = f["peak_memory_bytes"]
