@@ -126,10 +126,33 @@ def suite_section(suite, summary, summary_file, results, figures_dir, report_dir
         tol = (suite.get("claims") or {}).get("size_tolerance")
         out += ["### Claims against ours", ""]
         out += claims_table(rows, False)
-        out += ["", f"Ours is the max or mean over the points the claim names, on the paper's setup when the run has "
-                    f"it; size agrees when ours is within {100 * tol:.0f}% of the paper's figure. "
+        on_runs = any(r["scope"] == "runs" for r in rows)
+        out += ["", f"Ours is the max, mean or min over the points the claim names, on the paper's setup when the run "
+                    f"has it" + ("; a claim on runs lists the runs it used (each system run paired with the baseline's "
+                                 "run of the same model, layers, cluster and mode)" if on_runs else "")
+                + f"; size agrees when ours is within {100 * tol:.0f}% of the paper's figure (or range). "
                     f"Source of the claims: {suite['claims'].get('source', 'see the suite file')}.", ""]
-    runs = s.get("runs", [])
+    model_runs = [r for r in s.get("runs", []) if r.get("run_mode")]
+    if model_runs:
+        out += ["### Whole-model runs", "",
+                "| run | model file | layers | variant | training or inference | where | measured or simulated | "
+                "step (ms) | overlap | all-to-all / MoE time | all-to-all hidden | exposed comm (ms) | "
+                "peak memory (MiB) | result |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in model_runs:
+            head = (f"| {r['id']} | {r['model_file']} | {r.get('layers') or 'all'} | {r['label']} | {r['run_mode']} | "
+                    f"{where_of(r)} |")
+            if "results" not in r:
+                out.append(f"{head} not run: {r['skipped'].replace('|', '/')} | | | | | | | |")
+                continue
+            f = r["results"]
+            dev = r["device"] if r["mode"] == "measured" else f"{r.get('calibration') or 'datasheet'} calibration"
+            pct = (lambda k: f"{100 * f[k]:.0f}%" if k in f else "-")
+            out.append(f"{head} {r['mode']} ({dev}) | {ms(f['step_time_s'])} | {100 * f['overlap_ratio']:.0f}% | "
+                       f"{pct('all_to_all_share')} | {pct('all_to_all_overlap')} | {ms(f['exposed_comm_s'])} | "
+                       f"{mib(f['peak_memory_bytes'])} | {link(os.path.join(results, r['file']), report_dir, 'json')} |")
+        out.append("")
+    runs = [r for r in s.get("runs", []) if not r.get("run_mode")]
     if runs:
         out += ["### Runs", "",
                 "| run | workload | implementation | backend | where | measured or simulated | step (ms) | "

@@ -8,7 +8,8 @@ Reads each suite's summary (RESULTS/<suite out>/summary.json); where a newer one
 RESULTS/candidate/ (a run whose simulated results differ from the committed ones and were not
 accepted), that one is shown and marked "candidate". Columns: the claim and its source, the
 paper's figure, ours (max or mean as the claim says, on the paper's setup when the run has
-it), measured or simulated, and whether direction and size agree. A suite without a summary
+it; a claim on runs: over the runs it selects, which are listed), measured or simulated, and whether
+direction and size agree. A suite without a summary
 is named; exit code 2 only when a summary is malformed. Standard library only.
 """
 import argparse
@@ -50,7 +51,8 @@ def main():
         cols = [("suite", 10), ("claim", 64), ("paper", 6), ("ours", 7), ("over", 22), ("mode", 9),
                 ("direction", 9), ("size", 4), ("source", 0)]
         for r in rows:
-            r["over"] = f"{'paper setup' if r['on'].startswith('the paper') else 'all points'}, {r['points']} pts"
+            where = {"paper_setup": "paper setup", "runs": "runs"}.get(r["scope"], "all points")
+            r["over"] = f"{where}, {r['points']} pts"
         print("  ".join(f"{c:{w}}" for c, w in cols).rstrip())
         for r in rows:
             print("  ".join(f"{r[c][:w]:{w}}" if w else r[c] for c, w in cols))
@@ -60,6 +62,9 @@ def main():
               f"{sum(1 for r in rows if r['direction'] == 'no')} disagree, "
               f"{sum(1 for r in rows if r['direction'] == '-')} not run "
               "(size: ours within the suite's tolerance of the paper's figure)")
+        for r in rows:
+            if r["scope"] == "runs" and r["points"] != "0":
+                print(f"  {r['suite']} {r['id']}: {r['on']}")
     for n in notes:
         print(n)
     return 0
