@@ -18,6 +18,7 @@ leave it out with --suite. Standard library only; the figures are made by plots/
 """
 import argparse
 import glob
+import json
 import os
 import sys
 
@@ -140,8 +141,9 @@ def suite_section(suite, summary, summary_file, results, figures_dir, report_dir
                 "peak memory (MiB) | result |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in model_runs:
-            head = (f"| {r['id']} | {r['model_file']} | {r.get('layers') or 'all'} | {r['label']} | {r['run_mode']} | "
-                    f"{where_of(r)} |")
+            ov = f" with `{json.dumps(r['override'], separators=(',', ':'))}`" if r.get("override") else ""
+            head = (f"| {r['id']} | {r['model_file']}{ov.replace('|', '/')} | {r.get('layers') or 'all'} | {r['label']} | "
+                    f"{r['run_mode']} | {where_of(r)} |")
             if "results" not in r:
                 out.append(f"{head} not run: {r['skipped'].replace('|', '/')} | | | | | | | |")
                 continue

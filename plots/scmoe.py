@@ -79,7 +79,9 @@ def order(runs, cluster):
 
 
 def point(r):
-    return r["model"] + (f"\n[{r['layers']}]" if r.get("layers") else "")
+    """A model as an axis names it: with its layers (--layers) or its depth when an override cut it."""
+    depth = (r.get("override") or {}).get("num_layers")
+    return r["model"] + (f"\n[{r['layers']}]" if r.get("layers") else f"\n({depth} layers)" if depth else "")
 
 
 def reasons(rows):
@@ -93,6 +95,15 @@ def reasons(rows):
         if why not in out:
             out.append(why)
     return out
+
+
+def short(why):
+    """A skip reason in a few words, for a bar's place."""
+    for key, text in (("no model file", "no model file"), ("--inference", "no --inference"),
+                      ("out of device memory", "out of memory"), ("failed", "failed")):
+        if key in why:
+            return text
+    return wrap(why, 20)
 
 
 def wrap(text, width=60):
@@ -132,6 +143,11 @@ def bars(ax, rows, value, labels, title, ylabel, ref_line=None):
             elif any(point(r) == m and r["label"] == l and r.get("out_of_memory") for r in rows):
                 ax.text(b.get_x() + b.get_width() / 2, 0.02, "OOM", ha="center", va="bottom", fontsize=6,
                         rotation=90, color="#d62728")
+    for i, m in enumerate(models):  # a model none of whose runs ran: say why where its bars would be
+        if all(vals.get((m, l)) is None for l in shown):
+            why = reasons([r for r in rows if point(r) == m])
+            ax.text(i, 0.02 * (top or 1), "not run:\n" + short(why[0] if why else "not run"), ha="center",
+                    va="bottom", fontsize=6, color="#d62728")
     if ref_line is not None:
         ax.axhline(ref_line, color="black", linestyle="--", linewidth=0.8)
     ax.set_ylim(0, top * 1.2 if top else 1)

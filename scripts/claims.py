@@ -56,12 +56,16 @@ def main():
         print("  ".join(f"{c:{w}}" for c, w in cols).rstrip())
         for r in rows:
             print("  ".join(f"{r[c][:w]:{w}}" if w else r[c] for c, w in cols))
-        agree = sum(1 for r in rows if r["direction"] == "yes" and r["size"] == "yes")
+        ran = [r for r in rows if r["points"] != "0"]
+        paired = [r for r in ran if r["direction"] != "-"]
+        single = [r for r in ran if r["direction"] == "-"]  # one system's figure (a share, an overlap): no direction
+        agree = sum(1 for r in paired if r["direction"] == "yes" and r["size"] == "yes")
         print(f"{len(rows)} claims: {agree} agree in direction and size, "
-              f"{sum(1 for r in rows if r['direction'] == 'yes') - agree} in direction only, "
-              f"{sum(1 for r in rows if r['direction'] == 'no')} disagree, "
-              f"{sum(1 for r in rows if r['direction'] == '-')} not run "
-              "(size: ours within the suite's tolerance of the paper's figure)")
+              f"{sum(1 for r in paired if r['direction'] == 'yes') - agree} in direction only, "
+              f"{sum(1 for r in paired if r['direction'] == 'no')} disagree"
+              + (f", {sum(1 for r in single if r['size'] == 'yes')} of {len(single)} figures of one system agree "
+                 "in size" if single else "")
+              + f", {len(rows) - len(ran)} not run (size: ours within the suite's tolerance of the paper's figure)")
         for r in rows:
             if r["scope"] == "runs" and r["points"] != "0":
                 print(f"  {r['suite']} {r['id']}: {r['on']}")

@@ -692,6 +692,9 @@ def _check_models(c, r, w):
         if lay is not None and layers_of(lay) is None:
             c.fail(f"{f}.layers", f'expected "A:B" with A < B (moelab run --layers), got {_kind(lay)}')
         par = c.obj(spec, "parallel", f, required=False)
+        if par and lay is not None:
+            c.fail(f"{f}.parallel", 'moelab run takes "layers" or "parallel", not both (the pipeline assigns the '
+                                    'layers to its stages): cut the model with "override": {"num_layers": N} instead')
         for cl in par or {}:
             if not _is_name(cl):
                 c.fail(f"{f}.parallel", f"expected cluster names as keys, got {_kind(cl)}")

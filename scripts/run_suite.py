@@ -502,21 +502,18 @@ def comparisons(results, systems, baselines):
 
 
 def judge(metric, v, paper, tol, paper_range=None):
-    """(direction agrees, size agrees, verdict) of ours (v) against the paper's figure. Direction:
-    faster (speed-up > 1), smaller (memory saving > 0), or for a share or overlap ratio the same
-    side of one half (most of it, or a minority). Size: within tol of the paper's figure
-    (relative), or of its range [low, high] when the claim gives one."""
-    if metric == "speedup":
-        up = v > 1.0
-    elif metric == "memory_saving":
-        up = v > 0.0
-    else:
-        up = (v > 0.5) == (paper > 0.5)
+    """(direction agrees, size agrees, verdict) of ours (v) against the paper's figure. Direction,
+    for a comparison of a system with a baseline: faster (speed-up > 1) or smaller (memory
+    saving > 0); one system's figure (a share, an overlap ratio) has none (None). Size: within
+    tol of the paper's figure (relative), or of its range [low, high] when the claim gives one."""
     if paper_range:
         size = paper_range[0] * (1 - tol) <= v <= paper_range[1] * (1 + tol)
     else:
         size = abs(v - paper) <= tol * paper
     ratio = v / paper
+    if metric not in mr.PAIR_METRICS:
+        return None, size, ("agrees in size" if size else f"ours is {ratio:.2f}x the paper's figure")
+    up = v > 1.0 if metric == "speedup" else v > 0.0
     verdict = ("agrees in direction and size" if size and up else
                f"agrees in direction, ours is {ratio:.2f}x the paper's figure" if up else
                "disagrees in direction")

@@ -151,3 +151,99 @@ def suite(name="fake"):
                      "files": ["fake-*.png"], "caption": "Bars of the fake suite.", "mode": "simulated",
                      "headline": True}],
     }
+
+
+def model_run_result(step=0.02, model="tiny-moe", layers=(0, 2), impl="top2"):
+    """A plain whole-model run (moelab run --model, no --parallel), as a suite's "models" run writes."""
+    r = model_result()
+    del r["parallel"]
+    r["world_size"] = 2
+    r["impl"] = impl
+    r["impl_report"] = {"schedule": "unpipelined expert parallelism"}
+    r["model"]["name"] = model
+    r["training"]["layers"] = list(layers)
+    r["training"]["microbatches"] = 1
+    m = r["metrics"]
+    m["step_time_s"] = {"median": step, "mean": step, "min": step, "max": step, "all": [step]}
+    m["phases_s"] = {"attention": 0.002, "mlp": 0.001, "gate": 0.0001, "dispatch": 0.0012, "experts": 0.0016,
+                     "combine": 0.0011, "grad_sync": 0.004, "optimizer": 0.001}
+    return r
+
+
+def model_row(label, model, cluster, step, run_mode="training", layers=None, overlap=0.1, share=0.5, a2a=None,
+              peak=3000, run="r"):
+    """A whole-model run's row of a summary (scripts/run_suite.py summarize)."""
+    f = {**figures(step, peak), "overlap_ratio": overlap, "all_to_all_share": share}
+    if a2a is not None:
+        f["all_to_all_overlap"] = a2a
+    return {"id": run, "impl": label, "impl_name": "top2", "options": {}, "workload": model, "backend": "sim",
+            "cluster": cluster, "ranks": None, "model": model, "model_file": model, "layers": layers,
+            "label": label, "run_mode": run_mode, "parallel": None, "override": None, "mode": "simulated",
+            "device": f"simulated GPU in {cluster}", "calibration": "datasheet", "world_size": 8,
+            "file": f"simulated/fake/{cluster}/{run_mode}/{model}-{label}.json", "results": f}
+
+
+def model_suite(name="fakemodels"):
+    """A suite of whole-model runs (tiny test models, which exist in experiments/models), with
+    claims on runs."""
+    return {
+        "schema": "moelab.suite/2", "name": name, "description": "A test suite of whole models.",
+        "out": f"simulated/{name}",
+        "impls": [{"label": "top2", "impl": "top2", "options": {}, "kind": "baseline"},
+                  {"label": "top1", "impl": "top1", "options": {}, "kind": "baseline"},
+                  {"label": "Sc", "impl": "fastmoe", "options": {}, "kind": "system"}],
+        "runs": [{"id": "base", "backend": "sim", "clusters": ["pcie-a30x1", "a800x1"], "ranks": [2],
+                  "models": [{"file": "tiny-moe", "parallel": {"a800x1": "tp=1,pp=1,ep=2"}},
+                             {"file": "tiny-scmoe", "model": "tiny-dense-se", "override": {"scmoe": None},
+                              "layers": "0:2"}],
+                  "mode": ["training", "inference"], "impls": ["top2", "top1"], "steps": 1, "warmup": 1,
+                  "path": "simulated/{cluster}/{run_mode}/{model}-{label}", "quick": True},
+                 {"id": "sc", "backend": "sim", "clusters": ["pcie-a30x1", "a800x1"], "ranks": [2],
+                  "models": [{"file": "tiny-scmoe", "model": "tiny-moe", "override": {"scmoe": {"position": "pos3"}}},
+                             "no-such-model"],
+                  "mode": ["training", "inference"], "impls": ["Sc"], "label": "Sc-Pos3", "trace": True,
+                  "path": "simulated/{cluster}/{run_mode}/{model}-{label}",
+                  "quick": {"clusters": ["pcie-a30x1"]}}],
+        "claims": {"source": "Fake et al.", "size_tolerance": 0.25,
+                   "items": [{"id": "sc-train", "on": "runs", "system": "Sc-Pos3", "versus": "top2",
+                              "metric": "speedup", "stat": "mean",
+                              "select": {"clusters": ["pcie-a30x1"], "mode": "training", "models": ["tiny-moe"]},
+                              "paper": 1.3, "text": "1.3x faster than top-2", "source": "Fake et al., abstract"},
+                             {"id": "sc-overlap", "on": "runs", "system": ["Sc-Pos3"], "metric": "all_to_all_overlap",
+                              "stat": "min", "paper": 0.7, "paper_range": [0.7, 1.0],
+                              "text": "70% to 100% overlapped", "source": "Fake et al., abstract"},
+                             {"id": "share", "on": "runs", "system": "top2", "metric": "all_to_all_share",
+                              "stat": "max", "select": {"mode": "training"}, "paper": 0.6,
+                              "text": "all-to-all 60% of MoE time", "source": "Fake et al., section 5"}]},
+        "figures": [{"id": "speedup", "script": "plots/scmoe.py",
+                     "args": ["speedup", "--summary", "{summary}", "--out", "{figures}/fake-speedup.png"],
+                     "files": ["fake-speedup.png"], "caption": "Speed-ups.", "mode": "simulated"}],
+    }
+
+
+def model_summary(suite="fakemodels"):
+    """A summary of model_suite()'s runs, claims judged."""
+    runs = [model_row("top2", "tiny-moe", "pcie-a30x1", 0.010, share=0.6),
+            model_row("top1", "tiny-moe", "pcie-a30x1", 0.009, share=0.6),
+            model_row("Sc-Pos3", "tiny-moe", "pcie-a30x1", 0.008, a2a=0.8, run="sc"),
+            {**model_row("top2", "tiny-moe", "pcie-a30x1", 0.0, run_mode="inference"), "skipped": "no --inference"}]
+    del runs[3]["results"], runs[3]["mode"], runs[3]["device"], runs[3]["calibration"], runs[3]["world_size"], \
+        runs[3]["file"]
+    return {
+        "schema": "moelab.suite-summary/1", "suite": suite, "suite_file": f"experiments/{suite}/suite.json",
+        "subset": "full", "mode": "simulated", "backends": ["sim"], "calibration": "datasheet",
+        "routing_model": "uniform", "commit": "0123456789ab", "date": "2026-11-22T05:00:00Z", "host_seconds": 3.0,
+        "skipped": [{"run": "base", "reason": "no --inference", "count": 1}], "points": [], "runs": runs,
+        "claims": [{"id": "sc-train", "on": "runs", "system": "Sc-Pos3", "versus": "top2", "metric": "speedup",
+                    "stat": "mean", "select": {"clusters": ["pcie-a30x1"], "mode": "training"}, "paper": 1.3,
+                    "text": "1.3x faster than top-2", "source": "Fake et al., abstract", "mode": "simulated",
+                    "compared_on": "runs",
+                    "ours": {"runs": {"points": 1, "value": 1.25, "max": 1.25, "mean": 1.25, "min": 1.25,
+                                      "used": ["pcie-a30x1 training tiny-moe: 1.25x"]}},
+                    "direction_agrees": True, "size_agrees": True, "verdict": "agrees in direction and size"},
+                   {"id": "sc-overlap", "on": "runs", "system": ["Sc-Pos3"], "versus": None,
+                    "metric": "all_to_all_overlap", "stat": "min", "paper": 0.7, "paper_range": [0.7, 1.0],
+                    "text": "70% to 100% overlapped", "source": "Fake et al., abstract", "mode": "simulated",
+                    "compared_on": "runs", "ours": {"runs": {"points": 0}},
+                    "direction_agrees": None, "size_agrees": None, "verdict": "not run"}],
+    }

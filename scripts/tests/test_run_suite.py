@@ -5,11 +5,13 @@ committed results kept aside until --update-baseline.
     MOELAB=build/harness/moelab /usr/bin/python3 -m unittest -v test_run_suite   (from scripts/tests)
 """
 import fcntl
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import types
 import unittest
 
 import fixtures
@@ -33,12 +35,12 @@ class Expand(unittest.TestCase):
         for path in mr.registered_suites():
             s = mr.load_suite(path)
             run_suite.check_quick_subset(s)
-            full = {j.get("path_template", "") + str(j.get("dest")) + j["workload"] + j["impl"]["label"]
-                    + str(j["cluster"]) + str(j["ranks"]) for j in run_suite.expand(s, False)}
+            def key(j):
+                return (j.get("path_template", "") + str(j.get("dest")) + j["workload"] + j["impl"]["label"]
+                        + str(j["cluster"]) + str(j["ranks"]) + json.dumps(j.get("model_run"), sort_keys=True))
+            full = {key(j) for j in run_suite.expand(s, False)}
             for j in run_suite.expand(s, True):
-                key = (j.get("path_template", "") + str(j.get("dest")) + j["workload"] + j["impl"]["label"]
-                       + str(j["cluster"]) + str(j["ranks"]))
-                self.assertIn(key, full, f"{s['name']}: a quick run that the full run lacks")
+                self.assertIn(key(j), full, f"{s['name']}: a quick run that the full run lacks")
 
     def test_quick_overrides(self):
         s = mr.load_suite("foundation")
@@ -119,6 +121,226 @@ class Expand(unittest.TestCase):
         return d.name
 
 
+def write_model_suite(folder, change=None):
+    s = fixtures.model_suite()
+    if change:
+        change(s)
+    path = os.path.join(folder, "experiments", s["name"], "suite.json")
+    mr.write_json(path, s)
+    return path
+
+
+MACHINE = types.SimpleNamespace(moelab="/bin/moelab", hostfile=None, mpirun="/usr/bin/mpirun", cuda_device=None,
+                                nranks=lambda job: job["ranks"])
+
+
+class ModelRuns(unittest.TestCase):
+    """Runs of whole models ("models"): their expansion into jobs and command lines."""
+
+    def tmp(self):
+        d = tempfile.TemporaryDirectory()
+        self.addCleanup(d.cleanup)
+        return d.name
+
+    def test_expansion_and_command_lines(self):
+        s = mr.load_suite(write_model_suite(self.tmp()))
+        jobs = run_suite.expand(s, False)
+        base = [j for j in jobs if j["run"] == "base"]
+        # 2 models x 2 modes x 2 implementations x 2 clusters x 1 rank count
+        self.assertEqual(len(base), 16)
+        self.assertEqual(len([j for j in jobs if j["run"] == "sc"]), 8)
+        dests = {run_suite.destination(j, MACHINE): j for j in jobs}
+        self.assertEqual(len(dests), len(jobs))
+        j = next(j for j in base if j["cluster"] == "a800x1" and j["impl"]["label"] == "top1"
+                 and j["model_run"]["layers"] == "0:2" and j["model_run"]["run_mode"] == "inference")
+        self.assertEqual(run_suite.destination(j, MACHINE), "simulated/a800x1/inference/tiny-dense-se-top1")
+        cmd = run_suite.command(j, MACHINE, None, "/out/x")
+        self.assertEqual(cmd[:6], ["/bin/moelab", "run", "--model", os.path.join(mr.EXPERIMENTS, "models",
+                                                                               "tiny-scmoe.json"), "--impl", "top1"])
+        self.assertEqual(json.loads(cmd[cmd.index("--model-override") + 1]), {"scmoe": None})
+        for flag, value in (("--layers", "0:2"), ("--warmup", "1"), ("--cluster", "a800x1"), ("--ranks", "2"),
+                            ("--steps", "1"), ("--out", "/out/x.json")):
+            self.assertEqual(cmd[cmd.index(flag) + 1], value, flag)
+        self.assertIn("--inference", cmd)
+        self.assertNotIn("--trace", cmd)
+        self.assertNotIn("--parallel", cmd)
+        # the parallel layout is the cluster's: a800x1's, none on pcie-a30x1; training has no --inference
+        k = next(k for k in base if k["cluster"] == "a800x1" and k["workload"] == "tiny-moe")
+        cmd = run_suite.command(k, MACHINE, None, "/out/y")
+        self.assertEqual(cmd[cmd.index("--parallel") + 1], "tp=1,pp=1,ep=2")
+        k = next(k for k in base if k["cluster"] == "pcie-a30x1" and k["workload"] == "tiny-moe"
+                 and k["model_run"]["run_mode"] == "training")
+        cmd = run_suite.command(k, MACHINE, None, "/out/y")
+        self.assertNotIn("--parallel", cmd)
+        self.assertNotIn("--inference", cmd)
+        # the ScMoE run: its label, its override, its trace, the model it is compared by
+        sc = next(j for j in jobs if j["run"] == "sc" and j["workload"] == "tiny-scmoe")
+        self.assertEqual((sc["model_run"]["model"], sc["model_run"]["label"]), ("tiny-moe", "Sc-Pos3"))
+        cmd = run_suite.command(sc, MACHINE, None, "/out/z")
+        self.assertEqual(json.loads(cmd[cmd.index("--model-override") + 1]), {"scmoe": {"position": "pos3"}})
+        self.assertEqual(cmd[cmd.index("--trace") + 1], "/out/z.trace.json")
+        self.assertEqual(run_suite.destination(sc, MACHINE),
+                         f"simulated/{sc['cluster']}/{sc['model_run']['run_mode']}/tiny-moe-Sc-Pos3")
+
+    def test_a_missing_model_file_skips_its_runs(self):
+        s = mr.load_suite(write_model_suite(self.tmp()))
+        missing = [j for j in run_suite.expand(s, False) if j["workload"] == "no-such-model"]
+        self.assertEqual(len(missing), 4)
+        for j in missing:
+            self.assertEqual(j["model_run"]["missing"], "no model file experiments/models/no-such-model.json in "
+                                                        "this checkout (the runs stay in the suite and go once it "
+                                                        "exists)")
+        p = subprocess.run([sys.executable, RUNNER, "--suite", write_model_suite(self.tmp()), "--list"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("no-such-model", p.stdout)
+        self.assertIn("fakemodels: 24 runs (full)", p.stdout)
+
+    def test_quick_subset(self):
+        s = mr.load_suite(write_model_suite(self.tmp()))
+        quick = [j for j in run_suite.expand(s, True) if j["run"] == "sc"]
+        self.assertEqual({j["cluster"] for j in quick}, {"pcie-a30x1"})
+        self.assertEqual(len(quick), 4)
+
+    def test_two_runs_writing_one_file_is_an_error(self):
+        path = write_model_suite(self.tmp(), lambda s: s["runs"][0].update(path="simulated/{model}-{label}"))
+        with self.assertRaises(mr.SchemaError) as cm:
+            run_suite.expand(mr.load_suite(path), False)
+        msg = str(cm.exception)
+        self.assertIn('field "runs[0].path"', msg)
+        self.assertIn("gives simulated/tiny-moe-top2.json to two runs (of base and base)", msg)
+
+    def test_suite_checks_of_model_runs(self):
+        cases = [
+            (lambda s: s["runs"][0].update(workloads=["tiny"]), "runs[0].models", "not both"),
+            (lambda s: s["runs"][0]["models"][1].update(layers="2:1"), "runs[0].models[1].layers", '"A:B" with A < B'),
+            (lambda s: s["runs"][0]["models"].append("../x"), "runs[0].models[2]", "model file's name"),
+            (lambda s: s["runs"][0].update(mode="serving"), "runs[0].mode", '"training", "inference"'),
+            (lambda s: s["runs"][0].update(label="x"), "runs[0].label", "this run has 2"),
+            (lambda s: s["runs"][1]["models"][0].update(parallel={"a800x1": 8}), "runs[1].models[0].parallel.a800x1",
+             "expected a string"),
+            (lambda s: s["runs"][0]["models"][1].update(parallel={"a800x1": "ep=2"}), "runs[0].models[1].parallel",
+             '"layers" or "parallel", not both'),
+            (lambda s: s["claims"]["items"][0].update(system="nope"), "claims.items[0].system",
+             'is not the label of a run with "models" (Sc-Pos3, top1, top2)'),
+            (lambda s: s["claims"]["items"][0].pop("versus"), "claims.items[0].versus", "missing"),
+            (lambda s: s["claims"]["items"][1].update(versus="top2"), "claims.items[1].versus", "no baseline"),
+            (lambda s: s["claims"]["items"][1].update(paper_range=[0.8, 1.0]), "claims.items[1].paper_range",
+             "0 < low <= paper (0.7) <= high"),
+            (lambda s: s["claims"]["items"][0]["select"].update(cluster="x"), "claims.items[0].select.cluster",
+             "not a selection field"),
+            (lambda s: s["claims"]["items"][0].update(stat="median"), "claims.items[0].stat", "max, mean, min"),
+        ]
+        for change, field, text in cases:
+            path = write_model_suite(self.tmp(), change)
+            with self.assertRaises(mr.SchemaError, msg=field) as cm:
+                mr.load_suite(path)
+            self.assertIn(f'field "{field}"', str(cm.exception))
+            self.assertIn(text, str(cm.exception))
+
+    def test_inference_probe(self):
+        d = self.tmp()
+        fake = os.path.join(d, "moelab")
+        for script, expected in (('echo \'moelab: error: unknown option "--inference" for moelab run\' >&2; exit 2',
+                                  run_suite.INFERENCE_NOTE), ("exit 0", None)):
+            with open(fake, "w") as f:
+                f.write("#!/bin/sh\ncase \"$*\" in *--inference*) " + script + ";; esac\nexit 0\n")
+            os.chmod(fake, 0o755)
+            machine = types.SimpleNamespace(moelab=fake)
+            got = run_suite.probe_inference(machine, d)
+            if expected is None:
+                self.assertIsNone(got)
+            else:
+                self.assertTrue(got.startswith(expected), got)
+                self.assertIn('moelab said: moelab: error: unknown option "--inference"', got)
+
+
+class RunClaims(unittest.TestCase):
+    """Claims judged on whole-model runs (run_suite.claims_table with "on": "runs")."""
+
+    def suite(self, *items):
+        s = fixtures.model_suite()
+        s["claims"]["items"] = list(items)
+        return s
+
+    def claim(self, **kw):
+        c = {"id": "c", "on": "runs", "system": "Sc", "versus": "top2", "metric": "speedup", "stat": "mean",
+             "paper": 1.3, "text": "1.3x", "source": "Fake"}
+        c.update(kw)
+        return c
+
+    RUNS = [fixtures.model_row("top2", "m1", "pcie", 0.010), fixtures.model_row("Sc", "m1", "pcie", 0.008),
+            fixtures.model_row("top2", "m2", "pcie", 0.020), fixtures.model_row("Sc", "m2", "pcie", 0.010),
+            fixtures.model_row("top2", "m1", "nvl", 0.010, share=0.2), fixtures.model_row("Sc", "m1", "nvl", 0.0125),
+            # paired by layers too: the pair-only run is not m1's whole model
+            fixtures.model_row("Sc", "m1", "pcie", 0.001, layers="2:4"),
+            # a system run without a baseline run beside it is left out
+            fixtures.model_row("Sc", "m3", "pcie", 0.001),
+            fixtures.model_row("Sc", "m1", "pcie", 0.004, run_mode="inference", overlap=0.9, a2a=None),
+            fixtures.model_row("top2", "m1", "pcie", 0.008, run_mode="inference", overlap=0.0)]
+
+    def table(self, *items):
+        return run_suite.claims_table(self.suite(*items), [], self.RUNS)
+
+    def test_speedup_mean_over_the_selected_pairs(self):
+        (r,) = self.table(self.claim(select={"clusters": ["pcie"], "mode": "training"}))
+        o = r["ours"]["runs"]
+        self.assertEqual(r["compared_on"], "runs")
+        self.assertEqual(o["points"], 2)
+        self.assertAlmostEqual(o["value"], (1.25 + 2.0) / 2)
+        self.assertEqual(o["used"], ["pcie training m1: 1.25x", "pcie training m2: 2.00x"])
+        self.assertEqual((r["direction_agrees"], r["size_agrees"]), (True, True))
+        self.assertEqual(r["verdict"], "agrees in direction and size")
+        mr.check_summary({**fixtures.model_summary(), "claims": [r]}, "(summary)")
+
+    def test_selection_stat_and_verdicts(self):
+        (r,) = self.table(self.claim(select={"clusters": ["nvl"]}, paper=1.11))
+        self.assertAlmostEqual(r["ours"]["runs"]["value"], 0.8)
+        self.assertEqual((r["direction_agrees"], r["verdict"]), (False, "disagrees in direction"))
+        (r,) = self.table(self.claim(select={"models": ["m1"], "mode": "training"}, stat="max", paper=3.0))
+        self.assertEqual((r["ours"]["runs"]["points"], r["ours"]["runs"]["value"]), (2, 1.25))
+        self.assertEqual((r["direction_agrees"], r["size_agrees"]), (True, False))
+        self.assertEqual(r["verdict"], "agrees in direction, ours is 0.42x the paper's figure")
+        (r,) = self.table(self.claim(select={"mode": "training"}, stat="min"))
+        self.assertAlmostEqual(r["ours"]["runs"]["value"], 0.8)
+        (r,) = self.table(self.claim(select={"mode": "inference"}))
+        self.assertEqual(r["ours"]["runs"]["used"], ["pcie inference m1: 2.00x"])
+
+    def test_one_systems_figures(self):
+        share, ov, a2a = self.table(
+            self.claim(id="s", system="top2", versus=None, metric="all_to_all_share", stat="mean", paper=0.6,
+                       select={"clusters": ["nvl"]}),
+            self.claim(id="o", metric="overlap_ratio", versus=None, stat="min", paper=0.7, paper_range=[0.7, 1.0],
+                       select={"mode": "inference"}),
+            self.claim(id="a", system=["Sc", "top2"], metric="all_to_all_overlap", versus=None, stat="min",
+                       paper=0.7))
+        self.assertEqual(share["ours"]["runs"]["value"], 0.2)
+        # one system's figure: no direction; size against the paper's figure, or its range
+        self.assertEqual((share["direction_agrees"], share["size_agrees"]), (None, False))
+        self.assertEqual(share["verdict"], "ours is 0.33x the paper's figure")
+        self.assertEqual(ov["ours"]["runs"]["value"], 0.9)
+        self.assertEqual((ov["direction_agrees"], ov["size_agrees"], ov["verdict"]), (None, True, "agrees in size"))
+        self.assertEqual(a2a["ours"]["runs"]["points"], 0)
+        self.assertEqual(a2a["verdict"], "not run (no selected run of Sc, top2)")
+        self.assertEqual(mr.claim_rows({"suite": "x", "claims": [ov]})[0]["paper"], "70% to 100%")
+
+    def test_not_run(self):
+        (r,) = self.table(self.claim(select={"clusters": ["nowhere"]}))
+        self.assertEqual((r["ours"], r["direction_agrees"], r["size_agrees"]), ({"runs": {"points": 0}}, None, None))
+        self.assertEqual(r["verdict"], "not run (no selected run of Sc with a top2 run beside it)")
+        row = mr.claim_rows({"suite": "x", "claims": [r]})[0]
+        self.assertEqual((row["ours"], row["points"]), ("not run", "0"))
+
+    def test_grid_claims_judged_as_before(self):
+        s = fixtures.suite()
+        pts = fixtures.summary()["points"]
+        (r,) = run_suite.claims_table(mr.check_suite(s, "x"), pts)
+        self.assertEqual((r["compared_on"], r["ours"]["paper_setup"]["points"], r["ours"]["all_points"]["value"]),
+                         ("paper_setup", 1, 2.0))
+        self.assertEqual((r["direction_agrees"], r["size_agrees"]), (True, False))
+        self.assertEqual(r["verdict"], "agrees in direction, ours is 0.71x the paper's figure")
+
+
 @unittest.skipUnless(os.environ.get("MOELAB"), "set MOELAB to a moelab binary")
 class EndToEnd(unittest.TestCase):
     def run_suite(self, *extra):
@@ -177,6 +399,34 @@ class EndToEnd(unittest.TestCase):
             self.assertFalse(os.path.exists(os.path.join(self.results, "simulated/fake/summary.json")))
             self.assertFalse(os.path.exists(os.path.join(self.results, "simulated/fake/dgx-a100x1")))
             self.assertIn("summary: not written (--run sim: a partial run)", out)
+
+
+@unittest.skipUnless(os.environ.get("MOELAB"), "set MOELAB to a moelab binary")
+class EndToEndModels(unittest.TestCase):
+    def test_model_runs_summary_and_claims(self):
+        with tempfile.TemporaryDirectory() as d:
+            suite = write_model_suite(d)
+            results = os.path.join(d, "results")
+            p = subprocess.run([sys.executable, RUNNER, "--suite", suite, "--out", results, "--quick",
+                                "--moelab", os.environ["MOELAB"]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+            self.assertEqual(p.returncode, 0, p.stdout)
+            self.assertIn("no model file experiments/models/no-such-model.json", p.stdout)
+            s = mr.load_summary(os.path.join(results, "simulated/fakemodels/summary.json"))
+            done = [r for r in s["runs"] if "results" in r]
+            self.assertTrue(done)
+            for r in done:
+                self.assertIn(r["run_mode"], ("training", "inference"))
+                self.assertGreater(r["results"]["all_to_all_share"], 0)
+                mr.load_result(os.path.join(results, r["file"]))
+            sc = [r for r in done if r["label"] == "Sc-Pos3"]
+            self.assertTrue(sc and all("all_to_all_overlap" in r["results"] for r in sc))
+            self.assertTrue(all("--inference" in r["skipped"] or "no model file" in r["skipped"]
+                                for r in s["runs"] if "results" not in r))
+            claims = {c["id"]: c for c in s["claims"]}
+            self.assertEqual(claims["sc-train"]["ours"]["runs"]["points"], 1)
+            self.assertEqual(claims["sc-train"]["ours"]["runs"]["used"][0].split(":")[0],
+                             "pcie-a30x1 training tiny-moe")
 
 
 if __name__ == "__main__":
