@@ -574,7 +574,7 @@ def check_summary(s, path):
                 c.fail(f"{w}.system", f"expected a run label or a list of them, got {_kind(sy)}")
             c.string(r, "versus", w, required=False, null=True)
             c.string(r, "metric", w, choices=RUN_METRICS)
-            c.obj(r, "select", w, required=False)
+            _check_select(c, r, w)
             rng = c.array(r, "paper_range", w, required=False)
             if rng is not None and (len(rng) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                              for v in rng)):
@@ -780,6 +780,11 @@ def _check_run_claim(c, it, w, run_labels_):
         c.fail(f"{w}.paper_range", f"expected [low, high] with 0 < low <= paper ({paper}) <= high, got {_kind(rng)}")
     for k in ("text", "source"):
         c.string(it, k, w)
+    _check_select(c, it, w)
+
+
+def _check_select(c, it, w):
+    """A claim's "select" (optional): which whole-model runs it is judged on."""
     sel = c.obj(it, "select", w, required=False) or {}
     c.strings(sel, "clusters", f"{w}.select", required=False, nonempty=True, names=True)
     c.strings(sel, "models", f"{w}.select", required=False, nonempty=True, names=True)

@@ -10,11 +10,13 @@
 
 A suite is data (docs/RESULTS-SCHEMA.md, "Suite files"): a "grid" of generated workloads
 (models x clusters x dtypes x tokens per GPU, on the sim backend) and/or "runs" of workload
-files on any backend (sim with cluster models; cpu with MPI ranks under mpirun; cuda when
-`moelab list` reports a device; "hostfile" ranks on a real cluster with --hostfile). Every
-entry a machine cannot run (cuda without a device, an option the binary rejects, a backend
-left out by --backends) is listed as skipped, on stdout and in the summary; nothing is
-skipped silently. A run that fails is reported with the end of its output, recorded in the
+files or whole models ("models": moelab run --model, in training or inference) on any backend
+(sim with cluster models; cpu with MPI ranks under mpirun; cuda when `moelab list` reports a
+device; "hostfile" ranks on a real cluster with --hostfile). Every entry a machine cannot run
+(cuda without a device, an option or --inference the binary rejects, a model file not in the
+checkout, a backend left out by --backends) is listed as skipped, on stdout and in the summary;
+nothing is skipped silently. The paper claims are judged on the grid's points or, for a claim
+with "on": "runs", on the whole-model runs it selects. A run that fails is reported with the end of its output, recorded in the
 summary, and makes the exit code 1; the other runs go on.
 
 Where things go (OUT = --out, default results/): every run is written first under

@@ -72,6 +72,26 @@ class Report(unittest.TestCase):
             text = f.read()
         self.assertIn("| dgx-a100x1 | M | fp32 | 2048 | 16384 | out of memory | 4.000 (n=2) |", text)
 
+    def test_whole_model_runs_and_claims_on_runs(self):
+        mr.write_json(os.path.join(self.experiments, "fakemodels", "suite.json"), fixtures.model_suite())
+        summ = fixtures.model_summary()
+        summ["runs"][2]["override"] = {"scmoe": {"position": "pos3"}}
+        mr.write_json(os.path.join(self.results, "simulated", "fakemodels", "summary.json"), summ)
+        p = self.report()
+        self.assertEqual(p.returncode, 0, p.stderr)
+        with open(self.out) as f:
+            text = f.read()
+        self.assertIn("### Whole-model runs", text)
+        self.assertIn('| sc | tiny-moe with `{"scmoe":{"position":"pos3"}}` | all | Sc-Pos3 | training | pcie-a30x1 '
+                      '(8 GPUs) | simulated (datasheet calibration) | 8.000 | 10% | 50% | 80% |', text)
+        self.assertIn("| r | tiny-moe | all | top2 | inference | pcie-a30x1 (? GPUs) | not run: no --inference |", text)
+        # the claim on runs: which runs, and the points used; one system's range
+        self.assertIn("| fakemodels | 1.3x faster than top-2 | Fake et al., abstract | 1.30x | 1.25x | runs "
+                      "(pcie-a30x1; training; every model): pcie-a30x1 training tiny-moe: 1.25x, 1 points | "
+                      "simulated | yes | yes |", text)
+        self.assertIn("| 70% to 100% | not run |", text)
+        self.assertIn("a claim on runs lists the runs it used", text)
+
     def test_missing_figure_is_named(self):
         os.unlink(os.path.join(self.results, "figures", "fake-bars.png"))
         self.assertEqual(self.report().returncode, 0)

@@ -148,7 +148,7 @@ def write(folder, rel, doc):
 
 
 def base_suites():
-    out = [fixtures.suite()]
+    out = [fixtures.suite(), fixtures.model_suite()]
     for path in mr.registered_suites():
         s = mr.load_json(path)
         out.append(s)
@@ -201,11 +201,22 @@ def use_suite(s, folder):
                 if not isinstance(a, str):
                     raise AssertionError(f"a command-line argument that is not a string: {a!r}")
                 a.encode()  # subprocess encodes every argument
-            res = fixtures.result("simulated" if j["backend"] == "sim" else "measured")
+            if j.get("model_run"):
+                res = fixtures.model_run_result()
+                if j["backend"] != "sim":
+                    res.update(mode="measured", backend=j["backend"], cluster=None, calibration=None)
+                    del res["routing_model"]
+                j["a2a_overlap"] = 0.75 if j["trace"] else None
+            else:
+                res = fixtures.result("simulated" if j["backend"] == "sim" else "measured")
             res["metrics"]["step_time_s"]["median"] = 0.004 + 0.001 * (len(j["impl"]["label"]) % 3)
             j["result"], j["file"] = res, dest + ".json"
         summary = run_suite.summarize(s, jobs, "quick" if quick else "full", 1.0)
         mr.check_summary(summary, "(the summary being written)")
+        for r in summary["runs"]:
+            if r.get("run_mode"):
+                mr.point_name(r)
+                mr.run_key(r)
         json.dumps(summary, allow_nan=False)
         with contextlib.redirect_stdout(io.StringIO()):
             run_suite.print_tables(s, summary)
@@ -311,6 +322,37 @@ class SuiteFindings(OneLine):
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 self.assertEqual((p.returncode, p.stderr.count("\n")), (2, 1), p.stderr)
 
+    MODEL_CASES = [
+        # A model entry's fields reach moelab's command line and the result's path.
+        (lambda s: s["runs"][0]["models"].append({"file": "a/b"}), "runs[0].models[2].file"),
+        (lambda s: s["runs"][0]["models"].append({"file": "x", "model": ".."}), "runs[0].models[2].model"),
+        (lambda s: s["runs"][0]["models"][1].update(layers="0:2:4"), "runs[0].models[1].layers"),
+        (lambda s: s["runs"][0]["models"][0].update(override=[1]), "runs[0].models[0].override"),
+        (lambda s: s["runs"][0]["models"][0].update(parallel={"a800x1": "ep=2\nrm"}),
+         "runs[0].models[0].parallel.a800x1"),
+        (lambda s: s["runs"][0].update(mode=["training", "training"]), "runs[0].mode"),
+        (lambda s: s["runs"][0].update(warmup=-1), "runs[0].warmup"),
+        (lambda s: s["runs"][1].update(label="a/b"), "runs[1].label"),
+        (lambda s: s["runs"][0].update(quick={"models": []}), "runs[0].quick.models"),
+        # Claims on runs: labels, selection, range.
+        (lambda s: s["claims"]["items"][1].update(system=[]), "claims.items[1].system"),
+        (lambda s: s["claims"]["items"][0]["select"].update(mode="serving"), "claims.items[0].select.mode"),
+        (lambda s: s["claims"]["items"][1].update(paper_range=[0.7]), "claims.items[1].paper_range"),
+        (lambda s: s["claims"]["items"][2].update(metric="latency"), "claims.items[2].metric"),
+        (lambda s: s["claims"]["items"][0].update(on="everywhere"), "claims.items[0].on"),
+    ]
+
+    def test_model_runs_rejected_naming_the_field(self):
+        for change, field in self.MODEL_CASES:
+            s = fixtures.model_suite()
+            change(s)
+            with tempfile.TemporaryDirectory() as d:
+                path = write(d, "experiments/fakemodels/suite.json", s)
+                with self.assertRaises(mr.SchemaError, msg=field) as cm:
+                    mr.load_suite(path)
+                self.assert_clear(cm.exception, path)
+                self.assertIn(f'field "{field}"', str(cm.exception))
+
     def test_a_missing_workload_file_is_named_by_field(self):
         s = fixtures.suite()
         s["runs"][0]["quick"] = {"workloads": ["tiny", "no-such-workload"]}
@@ -357,8 +399,14 @@ class SuiteFindings(OneLine):
 # ---- summaries and results ------------------------------------------------------------------
 
 def use_summary(summ, path, folder):
-    """What compare_results.py, claims.py and report.py do with a loaded summary."""
+    """What compare_results.py, claims.py, report.py and plots/scmoe.py's pairing do with a loaded summary."""
     mr.claim_rows(summ)
+    runs = summ.get("runs", [])
+    for metric in mr.RUN_METRICS:
+        mr.run_comparisons(runs, ["Sc-Pos3", "top1"], "top2", metric, {"clusters": ["pcie-a30x1"], "mode": "training"})
+    for r in runs:
+        if r.get("run_mode"):
+            mr.point_name(r)
     compare_results.diff_summaries(summ, summ, 1e-9)
     compare_results.diff_summaries(fixtures.summary(), summ, 1e-9)
     compare_results.diff_summaries(summ, fixtures.summary(), 1e-9)
@@ -384,7 +432,8 @@ class ResultFiles(OneLine):
     @IN_PROCESS
     @given(st.data())
     def test_a_mutated_summary_is_rejected_by_field_or_usable(self, data):
-        doc = data.draw(mutated(fixtures.summary(data.draw(st.sampled_from(["full", "quick"])))))
+        base = data.draw(st.sampled_from([fixtures.summary("full"), fixtures.summary("quick"), fixtures.model_summary()]))
+        doc = data.draw(mutated(base))
         with tempfile.TemporaryDirectory() as d:
             path = write(d, "summary.json", doc)
             try:
@@ -409,7 +458,8 @@ class ResultFiles(OneLine):
     @given(st.data())
     def test_the_readers_of_a_results_folder_exit_2_naming_the_file(self, data):
         which = data.draw(st.sampled_from(["summary", "result"]))
-        good = fixtures.summary() if which == "summary" else fixtures.result()
+        good = (data.draw(st.sampled_from([fixtures.summary(), fixtures.model_summary()])) if which == "summary"
+                else fixtures.result())
         doc = data.draw(mutated(good))
         with tempfile.TemporaryDirectory() as d:
             suite = write(d, "experiments/fake/suite.json", fixtures.suite())
@@ -421,6 +471,8 @@ class ResultFiles(OneLine):
                     (os.path.join(SCRIPTS, "compare_results.py"), [new, base, "--complete"])]
             if which == "summary":
                 runs += [(os.path.join(SCRIPTS, "claims.py"), ["--results", new, "--suite", suite]),
+                         (os.path.join(PLOTS, "scmoe.py"), ["speedup", "--summary", bad, "--out",
+                                                            os.path.join(d, "s.png")]),
                          (os.path.join(PLOTS, "report.py"), ["--results", new, "--suite", suite,
                                                              "--out", os.path.join(d, "RESULTS.md")]),
                          (os.path.join(PLOTS, "runs.py"), ["--summary", bad, "--out", os.path.join(d, "r.png")]),
@@ -456,10 +508,27 @@ class SummaryFindings(OneLine):
         (lambda s: s["points"][0].pop("gpus"), "points[0].gpus"),
         (lambda s: s["runs"][0].pop("world_size"), "runs[0].world_size"),
     ]
+    MODEL_CASES = [
+        # Whole-model rows: what a claim on runs pairs them by, and their ScMoE figures.
+        (lambda s: s["runs"][0].update(run_mode="serving"), "runs[0].run_mode"),
+        (lambda s: s["runs"][0].pop("label"), "runs[0].label"),
+        (lambda s: s["runs"][0].update(layers="all"), "runs[0].layers"),
+        (lambda s: s["runs"][2]["results"].update(all_to_all_overlap="most"), "runs[2].results.all_to_all_overlap"),
+        (lambda s: s["runs"][0]["results"].update(all_to_all_share=-0.1), "runs[0].results.all_to_all_share"),
+        # Claims on runs: the points they used.
+        (lambda s: s["claims"][0]["ours"]["runs"].update(used=[1]), "claims[0].ours.runs.used[0]"),
+        (lambda s: s["claims"][0]["ours"].pop("runs"), "claims[0].ours.runs"),
+        (lambda s: s["claims"][1].update(system=[]), "claims[1].system"),
+        (lambda s: s["claims"][0].update(metric="latency"), "claims[0].metric"),
+        # the selection, which the claims tables print (found by the properties above)
+        (lambda s: s["claims"][0]["select"].update(mode=True), "claims[0].select.mode"),
+        (lambda s: s["claims"][0]["select"].update(clusters=3), "claims[0].select.clusters"),
+    ]
 
     def test_each_is_rejected_naming_the_field(self):
-        for change, field in self.CASES:
-            s = fixtures.summary()
+        for change, field, base in ([(c, f, fixtures.summary) for c, f in self.CASES]
+                                    + [(c, f, fixtures.model_summary) for c, f in self.MODEL_CASES]):
+            s = base()
             change(s)
             with tempfile.TemporaryDirectory() as d:
                 path = write(d, "summary.json", s)
