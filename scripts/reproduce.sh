@@ -3,8 +3,8 @@
 # (experiments/*/suite.json), the micro-benchmarks, the figures and the report, and finish
 # with the table of paper claims against ours.
 #
-#   scripts/reproduce.sh                    # everything this machine can run (~17 min on 2 cores)
-#   scripts/reproduce.sh --quick            # each suite's reduced subset (~2.5 min)
+#   scripts/reproduce.sh                    # everything this machine can run (~18 min on 2 cores)
+#   scripts/reproduce.sh --quick            # each suite's reduced subset (~3 min)
 #   scripts/reproduce.sh --suite mpipemoe   # one suite (repeatable)
 #   scripts/reproduce.sh --out DIR          # results, figures and RESULTS.md under DIR, not results/
 #   scripts/reproduce.sh --update-baseline  # accept simulated results that differ from the committed ones
