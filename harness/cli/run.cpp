@@ -85,6 +85,8 @@ void print_run_help(std::FILE* to) {
       "  --sequence-parallel  with tp > 1: norms, residuals and MoE layers on T/tp tokens per rank\n"
       "  --zero1           shard Adam's states over the data-parallel groups (ZeRO stage 1)\n"
       "  --grad-bucket N   elements per gradient bucket (default 40000000, Megatron-Core's)\n"
+      "  --inference       forward passes only (full-sequence batches, no backward, no optimizer),\n"
+      "                    each block's activations released once the next has them\n"
       "  --help            this text\n"
       "\n"
       "Exit status: 0 success, 2 bad input (nothing written), 1 failure during the run.\n",
@@ -212,6 +214,8 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       o.sequence_parallel = true;
     } else if (flag == "--zero1") {
       o.zero1 = true;
+    } else if (flag == "--inference") {
+      o.inference = true;
     } else if (flag == "--grad-bucket") {
       o.grad_bucket = integer_flag(flag, take(), 1, std::int64_t{1} << 40);
     } else if (flag == "--lr") {
@@ -232,11 +236,17 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
                       "(e.g. experiments/models/tiny-moe.json)");
   const bool model_only = !o.model_override.empty() || o.first_layer != 0 || o.last_layer != -1 || o.micro_batch != 1 ||
                           o.microbatches != 1 || o.warmup != -1 || o.seed != 1 || o.optimizer != "adam" || o.lr != 1e-3 ||
-                          o.pipelined();
+                          o.pipelined() || o.inference;
   if (!o.workload.empty() && model_only)
     throw ConfigError("--model-override, --layers, --micro-batch, --microbatches, --warmup, --seed, --optimizer, --lr, "
-                      "--parallel, --schedule, --chunks, --recompute, --sequence-parallel, --zero1 and --grad-bucket apply to --model "
-                      "runs (a workload file sets its own)");
+                      "--parallel, --schedule, --chunks, --recompute, --sequence-parallel, --zero1, --grad-bucket and "
+                      "--inference apply to --model runs (a workload file sets its own)");
+  if (o.inference && o.pipelined())
+    throw ConfigError("--inference runs the forward pass with every rank holding the model (expert parallelism over all "
+                      "ranks); --parallel, --schedule, --chunks, --recompute, --sequence-parallel, --zero1 and "
+                      "--grad-bucket are for training");
+  if (o.inference && (o.optimizer != "adam" || o.lr != 1e-3))
+    throw ConfigError("--inference has no optimizer: leave out --optimizer and --lr");
   if (o.pipelined() && (o.first_layer != 0 || o.last_layer != -1))
     throw ConfigError("--layers and --parallel exclude each other: the pipeline assigns the layers to its stages");
   if (!o.model.empty() && !o.record_routing.empty())

@@ -8,9 +8,11 @@
 //       --parallel pp=2,dp=2,ep=2 --schedule 1f1b --microbatches 8      (one command line)
 //
 // A step: zero_grad; for each of --microbatches microbatches of --micro-batch sequences: forward,
-// backward (input then weight gradients); the replicated parameters' gradients summed over the
-// ranks (data parallelism; the experts are sharded by expert parallelism over the same ranks);
-// one optimizer step. With --parallel (or --schedule, --chunks, --recompute) the layout is
+// backward (block by block, input then weight gradients); the replicated parameters' gradients
+// summed over the ranks in buckets that overlap backward (data parallelism, GradSync; the
+// experts are sharded by expert parallelism over the same ranks); one optimizer step. With
+// --inference a step is the forward passes alone, each block's activations released as soon
+// as the next block has them. With --parallel (or --schedule, --chunks, --recompute) the layout is
 // parsed and checked against the world and the model before any work (exit 2), the process
 // groups are built, and each rank runs its stage of the pipeline (harness/pipeline/): the
 // schedule's node list over its model chunks, gradients summed over its data-parallel group
@@ -38,6 +40,7 @@
 #include "harness/metrics/run_figures.hpp"
 #include "harness/metrics/trace.hpp"
 #include "harness/nn/data.hpp"
+#include "harness/nn/grad_sync.hpp"
 #include "harness/comm/groups.hpp"
 #include "harness/nn/model.hpp"
 #include "harness/pipeline/executor.hpp"
@@ -51,8 +54,8 @@ using nlohmann::json;
 
 namespace {
 
-const std::vector<std::string> kModelPhases = {"embedding", "attention", "mlp",  "moe",  "gate",
-                                               "dispatch",  "experts",   "combine", "head", "optimizer"};
+const std::vector<std::string> kModelPhases = {"embedding", "attention", "mlp",  "moe",       "gate",     "dispatch",
+                                               "experts",   "combine",   "head", "grad_sync", "optimizer"};
 
 // A --parallel run's layout and schedule, checked before any work.
 struct PipelinePlan {
@@ -94,6 +97,12 @@ struct Trainee {
   std::unique_ptr<ProcessGroups> groups;
   std::unique_ptr<pipeline::PipelineStage> stage;
   std::unique_ptr<Model> model;
+  // Without a pipeline: the replicated parameters' gradients summed over every rank (a
+  // communicator of its own, the world's members) in buckets overlapping backward, as
+  // PyTorch's DistributedDataParallel does (Li et al., VLDB 2020); the experts are sharded
+  // over the same ranks, so their group is the rank alone.
+  std::unique_ptr<Communicator> dp, edp;
+  std::unique_ptr<GradSync> sync;
 
   std::vector<Model*> chunks() { return stage ? stage->chunks() : std::vector<Model*>{model.get()}; }
   bool has_embedding() { return stage ? stage->has_embedding() : model->has_embedding(); }
@@ -302,20 +311,26 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       model.stage->use_bucketed_sync(plan->sync);
     } else {
       model.model->init_parameters(opt.seed);
+      if (!opt.inference) {
+        model.dp = c.dup();
+        model.edp = c.split(rank, 0);
+        model.sync = std::make_unique<GradSync>(b, model.stream(), model.model->param_slots(), *model.dp, *model.edp);
+        model.model->set_grad_sync(model.sync.get());
+      }
     }
     std::unique_ptr<Optimizer> optimizer;
-    if (opt.optimizer != "none") {
+    if (opt.optimizer != "none" && !opt.inference) {
       OptimizerConfig oc;
       oc.kind = parse_optimizer(opt.optimizer);
       oc.lr = static_cast<float>(opt.lr);
       if (model.stage)
         model.stage->make_optimizer(oc);  // per chunk on its synchroniser (ZeRO-1: sharded states)
       else
-        optimizer = std::make_unique<Optimizer>(b, model.stream(), model.parameters(), oc);
+        optimizer = std::make_unique<Optimizer>(b, model.stream(), *model.sync, oc);
     }
     const float scale = 1.0f / static_cast<float>(T * opt.microbatches * replicas);
     const auto next = synthetic_successor(cfg.vocab_size, opt.seed);
-    const Tensor dy = model.has_head() || model.stage ? Tensor() : random_rows(b, T, M, cfg.dtype, Rng::mix(opt.seed, 2, static_cast<std::uint64_t>(rank)));
+    const Tensor dy = model.has_head() || model.stage || opt.inference ? Tensor() : random_rows(b, T, M, cfg.dtype, Rng::mix(opt.seed, 2, static_cast<std::uint64_t>(rank)));
 
     // One batch per microbatch, new tokens every step, uploaded before the step's clock starts.
     std::vector<Batch> batches(static_cast<std::size_t>(opt.microbatches));
@@ -348,14 +363,22 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       }
       Model& m = *model.model;
       losses.clear();
+      if (opt.inference) {
+        for (int mb = 0; mb < opt.microbatches; ++mb) {
+          const Tensor y = m.infer(batches[static_cast<std::size_t>(mb)], {0, mb, step_no});
+          if (m.has_head()) losses.push_back(y);
+        }
+        b.synchronize();
+        return;
+      }
       m.zero_grad();
       for (int mb = 0; mb < opt.microbatches; ++mb) {
         Forwarded f = m.forward(batches[static_cast<std::size_t>(mb)], {0, mb, step_no});
         if (m.has_head()) losses.push_back(f.y);
-        m.backward_input(*f.saved, dy);
-        m.backward_weight(*f.saved);
+        if (mb + 1 == opt.microbatches) model.sync->arm();  // the step's last gradients follow
+        m.backward(*f.saved, dy);
       }
-      m.all_reduce_gradients(c);
+      model.sync->finish();
       if (optimizer) optimizer->step();
       b.synchronize();
     };
@@ -451,7 +474,9 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
 
     // Every rank's chunks, a step; the ranks of a TP group work on the same tokens' one model.
     const double tp_size = plan ? static_cast<double>(plan->layout.tp) : 1.0;
-    const double all_flops = c.all_reduce_sum(model.model_flops(T * opt.microbatches) / tp_size);
+    // Inference: the forward third of forward + backward (2·N·T of 6·N·T, attention's term alike).
+    const double pass_share = opt.inference ? 1.0 / 3.0 : 1.0;
+    const double all_flops = c.all_reduce_sum(model.model_flops(T * opt.microbatches) * pass_share / tp_size);
     json trace;
     if (!opt.trace.empty()) {
       for (auto& op : ops) op.start -= window_start, op.end -= window_start;
@@ -508,7 +533,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     std::printf(plan ? "batch      %d microbatches x %lld sequences x %lld tokens per pipeline, optimizer %s\n"
                      : "batch      %d microbatches x %lld sequences x %lld tokens per rank, optimizer %s\n",
                 opt.microbatches, static_cast<long long>(opt.micro_batch), static_cast<long long>(S),
-                opt.optimizer.c_str());
+                opt.inference ? "none (inference: forward passes only)" : opt.optimizer.c_str());
     std::printf("steps      %d timed after %d warm-up\n\n", steps, warmup);
     std::printf("tokens/s   %.0f\n", tokens_per_s);
     std::printf("step       %.3f ms median (min %.3f, max %.3f)%s\n", step_med * 1e3, fig.step_min * 1e3,
@@ -569,7 +594,8 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     result["world_size"] = world;
     result["model"] = to_json(cfg);
     result["training"] = {{"layers", {first, last}},               {"micro_batch", opt.micro_batch},
-                          {"microbatches", opt.microbatches},     {"optimizer", opt.optimizer},
+                          {"microbatches", opt.microbatches},     {"optimizer", opt.inference ? "none" : opt.optimizer},
+                          {"pass", opt.inference ? "inference" : "training"},
                           {"lr", opt.lr},                         {"seed", opt.seed},
                           {"steps", steps},                       {"warmup", warmup}};
     if (plan) result["parallel"] = parallel;

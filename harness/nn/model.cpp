@@ -172,7 +172,11 @@ std::vector<ParamSlot> Model::param_slots() {
   return out;
 }
 
-Forwarded Model::forward(const Batch& batch, const WorkKey& key) {
+Forwarded Model::forward(const Batch& batch, const WorkKey& key) { return run_forward(batch, key, true); }
+
+Tensor Model::infer(const Batch& batch, const WorkKey& key) { return run_forward(batch, key, false).y; }
+
+Forwarded Model::run_forward(const Batch& batch, const WorkKey& key, bool keep) {
   auto sv = std::make_unique<ModelSaved>(key);
   Tensor h = batch.input;
   // Tokens of the microbatch on this rank outside the TP regions (what the MoE layers route).
@@ -190,10 +194,11 @@ Forwarded Model::forward(const Batch& batch, const WorkKey& key) {
     if (group) group->set_aux_grad_scale(static_cast<float>(T) * batch.loss_scale);
     Forwarded f = blk->forward(h, k);
     h = f.y;
-    sv->blocks.push_back(std::move(f.saved));
+    if (keep) sv->blocks.push_back(std::move(f.saved));
     if (ffn) ++layer;
     if (group) layer += group->num_layers();
   }
+  if (!keep) return {h, nullptr};
   if (head_) {
     sv->losses = h;
     sv->targets = batch.targets;
@@ -207,6 +212,20 @@ Tensor Model::backward_input(Saved& saved, const Tensor& dy) {
   Tensor g = dy;
   for (std::size_t i = blocks_.size(); i-- > 0;) g = blocks_[i]->backward_input(*sv.blocks[i], g);
   sv.input_done = true;
+  return g;
+}
+
+Tensor Model::backward(Saved& saved, const Tensor& dy) {
+  auto& sv = saved_as<ModelSaved>(saved, "model");
+  MOELAB_CHECK(!sv.input_done && sv.blocks.size() == blocks_.size(), "model backward: the saved state is spent");
+  Tensor g = dy;
+  for (std::size_t i = blocks_.size(); i-- > 0;) {
+    g = blocks_[i]->backward_input(*sv.blocks[i], g);
+    blocks_[i]->backward_weight(*sv.blocks[i]);
+    sv.blocks[i].reset();
+    if (sync_) sync_->block_done(static_cast<int>(i));
+  }
+  sv.input_done = sv.weight_done = true;
   return g;
 }
 

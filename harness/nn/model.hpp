@@ -79,6 +79,16 @@ class Model {
   Forwarded forward(const Batch& batch, const WorkKey& key);
   Tensor backward_input(Saved& saved, const Tensor& dy);
   void backward_weight(Saved& saved);
+  // Both halves block by block (input gradient, then weight gradient of the same block, from
+  // the last block to the first), as autograd orders them: each block's gradients are final
+  // as early as possible, so that data parallelism's buckets (GradSync) overlap the rest of
+  // backward as PyTorch's DistributedDataParallel does. The same gradients as
+  // backward_input + backward_weight.
+  Tensor backward(Saved& saved, const Tensor& dy);
+  // Forward without training: every block's saved state is released as soon as the block has
+  // run, so that only the activations in flight are held (inference over full-sequence
+  // batches). y as forward's; the Forwarded has no saved state. The head's loss is computed.
+  Tensor infer(const Batch& batch, const WorkKey& key);
   // The microbatch's mean cross-entropy over its counted targets, and its summed auxiliary
   // loss over MoE layers (host values; synchronises). Last stage only for the loss.
   double loss(const Saved& saved);
@@ -115,6 +125,7 @@ class Model {
   double model_flops(std::int64_t tokens) const;
 
  private:
+  Forwarded run_forward(const Batch& batch, const WorkKey& key, bool keep);
   Backend& b_;
   Communicator& ep_;
   TransformerConfig cfg_;
