@@ -311,7 +311,8 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       model.stage->use_bucketed_sync(plan->sync);
     } else {
       model.model->init_parameters(opt.seed);
-      if (!opt.inference) {
+      if (opt.inference) model.model->release_gradients();
+      else {
         model.dp = c.dup();
         model.edp = c.split(rank, 0);
         model.sync = std::make_unique<GradSync>(b, model.stream(), model.model->param_slots(), *model.dp, *model.edp);

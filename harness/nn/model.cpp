@@ -111,7 +111,14 @@ void Model::init_parameters(std::uint64_t seed) {
 }
 
 void Model::zero_grad() {
-  for (auto& p : parameters()) b_.fill_zero(s_, p.grad);
+  for (auto& p : parameters()) {
+    MOELAB_CHECK(p.grad.defined(), "Model::zero_grad: " + p.name + " has no gradient (released for inference)");
+    b_.fill_zero(s_, p.grad);
+  }
+}
+
+void Model::release_gradients() {
+  for (auto& s : param_slots()) *s.grad = Tensor();
 }
 
 std::vector<MoEImpl*> Model::moe_layers() {
@@ -135,16 +142,18 @@ std::vector<ParamSlot> Model::param_slots() {
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
     const int block = static_cast<int>(i);
     std::vector<Param*> ps;
-    blocks_[i]->collect(ps);
+    auto* group = dynamic_cast<LayerGroup*>(blocks_[i].get());
+    if (group) group->collect_own(ps);
+    else blocks_[i]->collect(ps);
     for (Param* p : ps) out.push_back({*p, &p->value, &p->grad, block});
-    if (auto* g = dynamic_cast<LayerGroup*>(blocks_[i].get())) {  // its collect() named its own MoE parameters
-      layer += g->num_layers();
-      continue;
-    }
     auto* f = dynamic_cast<FfnBlock*>(blocks_[i].get());
-    if (!f) continue;
-    if (MoEImpl* m = f->moe()) {
-      const std::string pre = "layer" + std::to_string(layer) + ".moe.";
+    MoEImpl* m = group ? group->moe() : f ? f->moe() : nullptr;
+    // A group's MoE layer is its last layer (ScMoE's Block-MoE l+1).
+    const int moe_layer = group ? layer + group->num_layers() - 1 : layer;
+    if (group) layer += group->num_layers();
+    else if (f) ++layer;
+    if (m) {
+      const std::string pre = "layer" + std::to_string(moe_layer) + ".moe.";
       MoEParams& v = m->params();
       MoEParams& g = m->grads();
       auto add = [&](const char* name, Tensor& value, Tensor& grad, bool gate) {
@@ -164,7 +173,6 @@ std::vector<ParamSlot> Model::param_slots() {
       add("w1", v.w1, g.w1, false);
       add("w2", v.w2, g.w2, false);
     }
-    ++layer;
   }
   // The head's copy of tied embeddings: final when the head's backward_weight is.
   if (wte_copy_.value.defined())

@@ -89,6 +89,9 @@ class Model {
   // run, so that only the activations in flight are held (inference over full-sequence
   // batches). y as forward's; the Forwarded has no saved state. The head's loss is computed.
   Tensor infer(const Batch& batch, const WorkKey& key);
+  // Inference only: every parameter's gradient tensor given back (the memory a forward-only run
+  // does not need); backward is refused afterwards.
+  void release_gradients();
   // The microbatch's mean cross-entropy over its counted targets, and its summed auxiliary
   // loss over MoE layers (host values; synchronises). Last stage only for the loss.
   double loss(const Saved& saved);

@@ -51,8 +51,8 @@ if "$moelab" run --model "$models/gpt3-moe-xl.json" --layers 4:8 --model-overrid
 else bad "--layers"; cat "$work/stage.log"; fi
 
 # 5. --inference: forward passes only. On cpu the first step's loss is the training run's first
-# (same seed, same tokens, parameters not yet updated), with no optimizer and less activation
-# memory; on sim a step of GPT2-MoE-Small-ScMoE is shorter than its training step.
+# (same seed, same tokens, parameters not yet updated), with no optimizer, no gradients and
+# less activation memory; on sim a step of GPT2-MoE-Small-ScMoE is shorter than its training step.
 if "$moelab" run --model "$models/tiny-moe.json" --impl fastmoe --backend cpu --steps 1 --warmup 0 --micro-batch 4 \
      --out "$work/t1.json" >"$work/t1.log" 2>&1 &&
    "$moelab" run --model "$models/tiny-moe.json" --impl fastmoe --backend cpu --steps 1 --warmup 0 --micro-batch 4 \
@@ -64,9 +64,10 @@ import json, sys
 t, i = (json.load(open(p))['metrics'] for p in sys.argv[1:3])
 lt, li = t['loss']['first'], i['loss']['first']
 act = lambda m: m['peak_memory_bytes']['peak_per_category']['activations']
-ok = abs(lt - li) <= 1e-6 * abs(lt) and act(i) < act(t) and i['peak_memory_bytes']['peak_per_category']['optimizer'] == 0
+pk = i['peak_memory_bytes']['peak_per_category']
+ok = abs(lt - li) <= 1e-6 * abs(lt) and act(i) < act(t) and pk['optimizer'] == 0 and pk['gradients'] == 0
 sys.exit(0 if ok else 1)" "$work/t1.json" "$work/inf.json"; then
-  ok "--inference on cpu: the training run's first loss $(jget "$work/inf.json" "['metrics']['loss']['first']"), less activation memory, no optimizer"
+  ok "--inference on cpu: the training run's first loss $(jget "$work/inf.json" "['metrics']['loss']['first']"), less activation memory, no optimizer or gradients"
 else bad "--inference on cpu"; cat "$work/inf.log"; fi
 if "$moelab" run --model "$models/gpt2-moe-small-scmoe.json" --impl fastmoe --backend sim --cluster pcie-a30x1 --steps 1 \
      --warmup 0 --inference --out "$work/sim_inf.json" >"$work/sim_inf.log" 2>&1 &&

@@ -144,6 +144,7 @@ class ScMoEPair final : public LayerGroup {
   void backward_weight(Saved& saved) override;
   void init_parameters(std::uint64_t seed) override;
   void collect(std::vector<Param*>& out) override;
+  void collect_own(std::vector<Param*>& out) override;
   float aux_loss(const Saved& saved) override;
   void set_aux_grad_scale(float s) override { aux_scale_ = s; }
 
@@ -172,7 +173,7 @@ class ScMoEPair final : public LayerGroup {
   Param w_cg_;  // [M,G]
   std::unique_ptr<MoEImpl> impl_;
   ScheduledMoE scheduled_;
-  std::vector<Param> moe_params_;  // the routed MoE's tensors, named (collect())
+  std::vector<Param> moe_params_;  // the routed MoE's tensors, named: filled by collect() only
   float aux_coef_ = 0.0f, aux_scale_ = 1.0f;
   std::map<std::int64_t, Placement> placements_;  // by T
   std::int64_t last_T_ = 0;
@@ -199,20 +200,6 @@ ScMoEPair::ScMoEPair(LayerGroupArgs a)
   }
   moe_attention_ = std::make_unique<AttentionBlock>(b_, s_, cfg_, moe_layer_);
   if (sc_.gate_width() > 0) w_cg_ = make_param(b_, s_, name("scmoe.w_cg"), {cfg_.d_model, sc_.gate_width()}, cfg_.dtype);
-  MoEParams& v = impl_->params();
-  MoEParams& g = impl_->grads();
-  const auto add = [&](const char* what, Tensor& value, Tensor& grad, bool gate) {
-    Param p;  // the gate replicated over the data-parallel ranks, the experts sharded
-    p.name = name(what);
-    p.value = value;
-    p.grad = grad;
-    p.replicated = gate;
-    moe_params_.push_back(std::move(p));
-  };
-  add("moe.w_gate", v.w_gate, g.w_gate, true);
-  if (v.w_noise.defined()) add("moe.w_noise", v.w_noise, g.w_noise, true);
-  add("moe.w1", v.w1, g.w1, false);
-  add("moe.w2", v.w2, g.w2, false);
 }
 
 // GPT-2 / Megatron's N(0, 0.02^2) for W_cg too (coef starts near 1/2); the other parameters as
@@ -228,7 +215,7 @@ void ScMoEPair::init_parameters(std::uint64_t seed) {
   impl_->init_parameters(Rng::mix(seed, tag(16)));
 }
 
-void ScMoEPair::collect(std::vector<Param*>& out) {
+void ScMoEPair::collect_own(std::vector<Param*>& out) {
   if (dense_attention_) dense_attention_->collect(out);
   if (dense_mlp_) dense_mlp_->collect(out);
   moe_attention_->collect(out);
@@ -236,6 +223,27 @@ void ScMoEPair::collect(std::vector<Param*>& out) {
   se_.collect(out);
   moe_norm_.collect(out);
   if (w_cg_.value.defined()) out.push_back(&w_cg_);
+}
+
+// The routed MoE's tensors as named copies of its handles, made afresh at each call (the pair's
+// tests read them; a Model uses collect_own and the layer's own members).
+void ScMoEPair::collect(std::vector<Param*>& out) {
+  collect_own(out);
+  MoEParams& v = impl_->params();
+  MoEParams& g = impl_->grads();
+  moe_params_.clear();
+  const auto add = [&](const char* what, Tensor& value, Tensor& grad, bool gate) {
+    Param p;  // the gate replicated over the data-parallel ranks, the experts sharded
+    p.name = name(what);
+    p.value = value;
+    p.grad = grad;
+    p.replicated = gate;
+    moe_params_.push_back(std::move(p));
+  };
+  add("moe.w_gate", v.w_gate, g.w_gate, true);
+  if (v.w_noise.defined()) add("moe.w_noise", v.w_noise, g.w_noise, true);
+  add("moe.w1", v.w1, g.w1, false);
+  add("moe.w2", v.w2, g.w2, false);
   for (Param& p : moe_params_) out.push_back(&p);
 }
 
