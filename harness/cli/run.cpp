@@ -87,6 +87,9 @@ void print_run_help(std::FILE* to) {
       "  --grad-bucket N   elements per gradient bucket (default 40000000, Megatron-Core's)\n"
       "  --inference       forward passes only (full-sequence batches, no backward, no optimizer),\n"
       "                    each block's activations released once the next has them\n"
+      "  --offload-experts MODE  with --inference: the routed experts' weights in pinned host memory,\n"
+      "                    each forward's selected experts copied in: async (beside compute; ScMoE's\n"
+      "                    expert offloading), sync (in the compute stream's path) or none (default)\n"
       "  --help            this text\n"
       "\n"
       "Exit status: 0 success, 2 bad input (nothing written), 1 failure during the run.\n",
@@ -216,6 +219,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       o.zero1 = true;
     } else if (flag == "--inference") {
       o.inference = true;
+    } else if (flag == "--offload-experts") {
+      o.offload_experts = take();
+      if (o.offload_experts != "none" && o.offload_experts != "sync" && o.offload_experts != "async")
+        throw ConfigError("--offload-experts = \"" + shown(o.offload_experts) + "\": expected none, sync or async");
     } else if (flag == "--grad-bucket") {
       o.grad_bucket = integer_flag(flag, take(), 1, std::int64_t{1} << 40);
     } else if (flag == "--lr") {
@@ -247,6 +254,13 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
                       "--grad-bucket are for training");
   if (o.inference && (o.optimizer != "adam" || o.lr != 1e-3))
     throw ConfigError("--inference has no optimizer: leave out --optimizer and --lr");
+  if (o.offload_experts != "none" && !o.inference)
+    throw ConfigError("--offload-experts " + o.offload_experts + " needs --inference (the experts' weights live on the host; "
+                      "training would need them and their gradients on the device)");
+  // MPipeMoE's pass reads the experts' weights itself (MoELayer::offload_experts refuses it too).
+  if (o.offload_experts != "none" && o.impl == "mpipemoe")
+    throw ConfigError("--offload-experts: --impl mpipemoe runs a pass of its own over the experts' weights; use fastmoe, "
+                      "fastermoe, top1, top2 or their pipelined forms");
   if (o.pipelined() && (o.first_layer != 0 || o.last_layer != -1))
     throw ConfigError("--layers and --parallel exclude each other: the pipeline assigns the layers to its stages");
   if (!o.model.empty() && !o.record_routing.empty())

@@ -48,6 +48,7 @@ struct RunOptions {
   bool zero1 = false;                                          // --zero1: Adam's states sharded over DP
   std::int64_t grad_bucket = 0;                                // --grad-bucket N elements (0: 40M)
   bool inference = false;                                      // --inference: forward passes only
+  std::string offload_experts = "none";                        // --offload-experts none|sync|async (inference)
   bool pipelined() const {
     return !parallel.empty() || !schedule.empty() || chunks != 0 || !recompute.empty() || sequence_parallel || zero1 ||
            grad_bucket != 0;

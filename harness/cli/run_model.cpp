@@ -54,8 +54,9 @@ using nlohmann::json;
 
 namespace {
 
-const std::vector<std::string> kModelPhases = {"embedding", "attention", "mlp",  "moe",       "gate",     "dispatch",
-                                               "experts",   "combine",   "head", "grad_sync", "optimizer"};
+const std::vector<std::string> kModelPhases = {"embedding", "attention", "mlp",  "moe",     "gate",
+                                               "dispatch",  "migrate",   "experts", "combine", "head",
+                                               "grad_sync", "optimizer"};
 
 // A --parallel run's layout and schedule, checked before any work.
 struct PipelinePlan {
@@ -311,8 +312,13 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       model.stage->use_bucketed_sync(plan->sync);
     } else {
       model.model->init_parameters(opt.seed);
-      if (opt.inference) model.model->release_gradients();
-      else {
+      if (opt.inference) {
+        model.model->release_gradients();
+        if (opt.offload_experts != "none") {
+          const auto mode = opt.offload_experts == "async" ? MoELayer::ExpertOffload::async : MoELayer::ExpertOffload::sync;
+          for (MoEImpl* m : model.model->moe_layers()) m->layer().offload_experts(mode);
+        }
+      } else {
         model.dp = c.dup();
         model.edp = c.split(rank, 0);
         model.sync = std::make_unique<GradSync>(b, model.stream(), model.model->param_slots(), *model.dp, *model.edp);
@@ -534,7 +540,11 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     std::printf(plan ? "batch      %d microbatches x %lld sequences x %lld tokens per pipeline, optimizer %s\n"
                      : "batch      %d microbatches x %lld sequences x %lld tokens per rank, optimizer %s\n",
                 opt.microbatches, static_cast<long long>(opt.micro_batch), static_cast<long long>(S),
-                opt.inference ? "none (inference: forward passes only)" : opt.optimizer.c_str());
+                opt.inference ? (opt.offload_experts == "none" ? "none (inference: forward passes only)"
+                                                               : opt.offload_experts == "async"
+                                                                   ? "none (inference; experts offloaded, copied in async)"
+                                                                   : "none (inference; experts offloaded, copied in sync)")
+                              : opt.optimizer.c_str());
     std::printf("steps      %d timed after %d warm-up\n\n", steps, warmup);
     std::printf("tokens/s   %.0f\n", tokens_per_s);
     std::printf("step       %.3f ms median (min %.3f, max %.3f)%s\n", step_med * 1e3, fig.step_min * 1e3,
@@ -597,6 +607,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     result["training"] = {{"layers", {first, last}},               {"micro_batch", opt.micro_batch},
                           {"microbatches", opt.microbatches},     {"optimizer", opt.inference ? "none" : opt.optimizer},
                           {"pass", opt.inference ? "inference" : "training"},
+                          {"offload_experts", opt.offload_experts},
                           {"lr", opt.lr},                         {"seed", opt.seed},
                           {"steps", steps},                       {"warmup", warmup}};
     if (plan) result["parallel"] = parallel;

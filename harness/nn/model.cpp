@@ -119,6 +119,7 @@ void Model::zero_grad() {
 
 void Model::release_gradients() {
   for (auto& s : param_slots()) *s.grad = Tensor();
+  gradients_released_ = true;
 }
 
 std::vector<MoEImpl*> Model::moe_layers() {
@@ -215,6 +216,7 @@ Forwarded Model::run_forward(const Batch& batch, const WorkKey& key, bool keep) 
 }
 
 Tensor Model::backward_input(Saved& saved, const Tensor& dy) {
+  MOELAB_CHECK(!gradients_released_, "model backward: the gradients were released for inference");
   auto& sv = saved_as<ModelSaved>(saved, "model");
   MOELAB_CHECK(sv.blocks.size() == blocks_.size(), "model backward: the saved state is spent");
   Tensor g = dy;
@@ -224,6 +226,7 @@ Tensor Model::backward_input(Saved& saved, const Tensor& dy) {
 }
 
 Tensor Model::backward(Saved& saved, const Tensor& dy) {
+  MOELAB_CHECK(!gradients_released_, "model backward: the gradients were released for inference");
   auto& sv = saved_as<ModelSaved>(saved, "model");
   MOELAB_CHECK(!sv.input_done && sv.blocks.size() == blocks_.size(), "model backward: the saved state is spent");
   Tensor g = dy;

@@ -136,6 +136,7 @@ class Model {
   TensorParallel tp_;
   Stream& s_;
   GradSync* sync_ = nullptr;
+  bool gradients_released_ = false;  // release_gradients(): inference only
   int first_ = 0, last_ = 0;
   std::unique_ptr<MoEChannels> channels_;  // shared by the MoE layers; outlives them (declared first)
   Param wte_copy_;                         // [V,M] the head's copy of tied embeddings (tied_embedding_copy)
