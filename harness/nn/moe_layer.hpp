@@ -169,7 +169,7 @@ class MoELayer {
   // strategies), which a caller runs whole (forward, backward_input, backward_weight).
   virtual bool steps_drivable() const { return true; }
 
-  // ScMoE's expert offloading for memory-limited inference (Cai et al., ICML 2025, §4.3 "expert
+  // ScMoE's expert offloading for memory-limited inference (Cai et al., ICML 2025, its "expert
   // offloading"): the local experts' weights move to pinned host memory (MemCategory::
   // host_pinned) and the gradients go; each forward copies just the experts its plan brings
   // rows to into a device buffer of that many experts, as soon as the plan is known (after the

@@ -68,7 +68,7 @@ if "$moelab" run --model "$models/gpt2-moe-small.json" --model-override '{"moe":
      >"$work/residual.log" 2>&1; then ok "baseline residual-moe with the model's dense MLP"
 else bad "baseline residual-moe"; cat "$work/residual.log"; fi
 
-# 6. offloaded inference (the paper's §4.3): the routed experts in host memory. On cpu the loss
+# 6. offloaded inference (the paper's memory-limited inference): the routed experts in host memory. On cpu the loss
 # is the resident run's; on one simulated A30 the device peak falls, and copying the selected
 # experts in beside the pair's compute (async) is faster than in the compute stream's path (sync).
 if "$moelab" run --model "$models/tiny-scmoe.json" --impl fastmoe --backend cpu --steps 1 --warmup 0 --inference \
