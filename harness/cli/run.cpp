@@ -87,6 +87,11 @@ void print_run_help(std::FILE* to) {
       "  --grad-bucket N   elements per gradient bucket (default 40000000, Megatron-Core's)\n"
       "  --inference       forward passes only (full-sequence batches, no backward, no optimizer),\n"
       "                    each block's activations released once the next has them\n"
+      "  --data SPEC       training tokens: a text file read as bytes (several joined by ','; the last\n"
+      "                    tenth held out), or markov:K (a Markov source of entropy rate ln K); default:\n"
+      "                    the synthetic successor language\n"
+      "  --eval-every N    with --data: the validation loss every N steps (and before the first)\n"
+      "  --eval-batches N  microbatches of held-out windows per evaluation (default 4)\n"
       "  --offload-experts MODE  with --inference: the routed experts' weights in pinned host memory,\n"
       "                    each forward's selected experts copied in: async (beside compute; ScMoE's\n"
       "                    expert offloading), sync (in the compute stream's path) or none (default)\n"
@@ -217,6 +222,12 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       o.sequence_parallel = true;
     } else if (flag == "--zero1") {
       o.zero1 = true;
+    } else if (flag == "--data") {
+      o.data = take();
+    } else if (flag == "--eval-every") {
+      o.eval_every = static_cast<int>(integer_flag(flag, take(), 1, 1000000));
+    } else if (flag == "--eval-batches") {
+      o.eval_batches = static_cast<int>(integer_flag(flag, take(), 1, 4096));
     } else if (flag == "--inference") {
       o.inference = true;
     } else if (flag == "--offload-experts") {
@@ -243,17 +254,22 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
                       "(e.g. experiments/models/tiny-moe.json)");
   const bool model_only = !o.model_override.empty() || o.first_layer != 0 || o.last_layer != -1 || o.micro_batch != 1 ||
                           o.microbatches != 1 || o.warmup != -1 || o.seed != 1 || o.optimizer != "adam" || o.lr != 1e-3 ||
-                          o.pipelined() || o.inference;
+                          o.pipelined() || o.inference || !o.data.empty() || o.eval_every != 0;
   if (!o.workload.empty() && model_only)
     throw ConfigError("--model-override, --layers, --micro-batch, --microbatches, --warmup, --seed, --optimizer, --lr, "
-                      "--parallel, --schedule, --chunks, --recompute, --sequence-parallel, --zero1, --grad-bucket and "
-                      "--inference apply to --model runs (a workload file sets its own)");
+                      "--parallel, --schedule, --chunks, --recompute, --sequence-parallel, --zero1, --grad-bucket, "
+                      "--inference, --data and --eval-every apply to --model runs (a workload file sets its own)");
   if (o.inference && o.pipelined())
     throw ConfigError("--inference runs the forward pass with every rank holding the model (expert parallelism over all "
                       "ranks); --parallel, --schedule, --chunks, --recompute, --sequence-parallel, --zero1 and "
                       "--grad-bucket are for training");
   if (o.inference && (o.optimizer != "adam" || o.lr != 1e-3))
     throw ConfigError("--inference has no optimizer: leave out --optimizer and --lr");
+  if (o.eval_every != 0 && (o.data.empty() || o.inference || o.pipelined()))
+    throw ConfigError("--eval-every needs --data (the held-out text or the Markov source), training, and no --parallel "
+                      "(the validation forward runs on the whole model of every rank)");
+  if (!o.data.empty() && o.backend == "sim")
+    throw ConfigError("--data: the sim backend computes no values (shapes and times only); train on cpu or cuda");
   if (o.offload_experts != "none" && !o.inference)
     throw ConfigError("--offload-experts " + o.offload_experts + " needs --inference (the experts' weights live on the host; "
                       "training would need them and their gradients on the device)");

@@ -25,6 +25,7 @@
 // memory by category and by microbatch at the peak, the loss, and the Chrome trace (--trace).
 // Bad input: exit 2 on every rank before any work, nothing written.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <numeric>
@@ -43,6 +44,7 @@
 #include "harness/nn/grad_sync.hpp"
 #include "harness/comm/groups.hpp"
 #include "harness/nn/model.hpp"
+#include "harness/nn/text_data.hpp"
 #include "harness/pipeline/executor.hpp"
 #include "harness/runtime/error.hpp"
 #include "harness/runtime/random.hpp"
@@ -274,9 +276,10 @@ void print_pipeline(const json& par, int steps) {
 }
 
 // plan: the checked layout and schedule of a --parallel run (null: every rank holds the model).
+// data: --data's source, opened and checked before the run (null: the synthetic language).
 int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const TransformerConfig& cfg,
                       const Platform& platform, RunOutputs* outputs, const PipelinePlan* plan, int gpus_per_node,
-                      bool preflight = false) {
+                      const TrainingData* data, bool preflight = false) {
   const int rank = c.rank(), world = c.size();
   const int steps = preflight ? 1 : opt.steps > 0 ? opt.steps : 3;
   const int warmup = preflight ? 0 : opt.warmup >= 0 ? opt.warmup : 1;
@@ -351,7 +354,8 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     auto prepare = [&](std::uint64_t step_no) {
       if (!b.has_data()) return;
       for (int mb = 0; mb < opt.microbatches; ++mb) {
-        const TokenBatch tb = synthetic_batch(next, opt.micro_batch, S, opt.seed, step_no, mb, data_rank);
+        const TokenBatch tb = data ? data->train(opt.micro_batch, opt.seed, step_no, mb, data_rank)
+                                   : synthetic_batch(next, opt.micro_batch, S, opt.seed, step_no, mb, data_rank);
         Batch& x = batches[static_cast<std::size_t>(mb)];
         if (model.has_embedding()) b.upload_i32(tb.ids, x.input);
         if (model.has_head()) b.upload_i32(tb.targets, x.targets);
@@ -402,11 +406,41 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       return n ? sum / static_cast<double>(n) : 0.0;
     };
 
+    // --eval-every: the mean loss over the held-out windows, forward only, between steps; its ops
+    // are left out of the step's figures (their spans, `evals`, are cut from the timeline).
+    std::vector<std::pair<double, double>> evals;
+    json validation = json::array();
+    auto evaluate = [&] {
+      if (!data || opt.eval_every == 0 || preflight) return;
+      b.synchronize();
+      c.barrier();
+      const double at = b.now();
+      Batch v;
+      v.input = b.empty({T}, DType::i32, MemCategory::activations, b.default_stream());
+      v.targets = b.empty({T}, DType::i32, MemCategory::activations, b.default_stream());
+      double sum = 0;
+      std::int64_t n = 0;
+      for (int i = 0; i < opt.eval_batches; ++i) {
+        const TokenBatch tb = data->validation(opt.micro_batch, i, opt.eval_batches);
+        b.upload_i32(tb.ids, v.input);
+        b.upload_i32(tb.targets, v.targets);
+        const auto l = b.download(model.model->infer(v, {0, 0, step_no}));
+        for (std::size_t j = 0; j < l.size(); ++j) sum += l[j], ++n;
+      }
+      b.synchronize();
+      c.barrier();
+      evals.push_back({at, b.now()});
+      validation.push_back({step_no, n ? sum / static_cast<double>(n) : 0.0});
+    };
+    auto due = [&] { return opt.eval_every > 0 && step_no % static_cast<std::uint64_t>(opt.eval_every) == 0; };
+
     std::vector<double> loss_curve;
+    evaluate();  // before the first step
     for (int i = 0; i < warmup; ++i) {
       prepare(step_no + 1);
       step();
       loss_curve.push_back(mean_loss());
+      if (due()) evaluate();
     }
     b.synchronize();
     c.barrier();
@@ -425,6 +459,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       windows.push_back({t0, b.now()});
       step_s.push_back(b.now() - t0);
       loss_curve.push_back(mean_loss());
+      if (due() || (i + 1 == steps && opt.eval_every > 0 && !due())) evaluate();
     }
 
     if (preflight) return 0;
@@ -432,6 +467,11 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     // ---- what this rank measured -------------------------------------------------------------
     const std::vector<MemSample> mem_samples = b.memory().timeline();
     std::vector<OpRecord> ops = b.timeline();
+    std::erase_if(ops, [&](const OpRecord& r) {
+      for (const auto& [from, to] : evals)
+        if (r.start >= from && r.start <= to) return true;
+      return false;
+    });
     RankFigures local;
     add_timeline_figures(local, ops, steps, kModelPhases);
     add_memory_figures(local, b);
@@ -590,6 +630,18 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     metrics["peak_memory_bytes"]["by_microbatch_at_peak"] = mb_at_peak;
     if (b.has_data() && heads > 0)
       metrics["loss"] = {{"first", curve.front()}, {"last", curve.back()}, {"all", curve}};
+    if (data) {
+      const double h = data->entropy_rate();
+      metrics["validation"] = {{"data", data->spec()},
+                               {"synthetic", data->synthetic()},
+                               {"entropy_rate", std::isnan(h) ? json(nullptr) : json(h)},
+                               {"train_bytes", data->synthetic() ? json(nullptr) : json(data->train_bytes())},
+                               {"valid_bytes", data->synthetic() ? json(nullptr) : json(data->valid_bytes())},
+                               {"every", opt.eval_every},
+                               {"batches", opt.eval_batches},
+                               {"tokens_per_evaluation", opt.eval_batches * T},
+                               {"points", validation}};
+    }
 
     json result;
     result["schema"] = "moelab.result/1";
@@ -685,7 +737,7 @@ int run_model_command(const RunOptions& opt) {
         throw Unsupported(shown(cfg.origin) + ": dtype = \"" + std::string(dtype_name(cfg.dtype)) +
                           "\" is not supported by the sim backend");
       const int r = run_model_on_rank(b, c, opt, cfg, platform, c.rank() == 0 ? &outputs : nullptr,
-                                      plan ? &*plan : nullptr, cluster.options().cluster.node.gpus);
+                                      plan ? &*plan : nullptr, cluster.options().cluster.node.gpus, nullptr);
       if (c.rank() == 0) rc = r;
     });
     return rc;
@@ -693,6 +745,7 @@ int run_model_command(const RunOptions& opt) {
 
   TransformerConfig cfg;
   std::optional<PipelinePlan> plan;
+  std::optional<TrainingData> data;
   StartedRun run;
   start_run(
       run, opt,
@@ -701,6 +754,7 @@ int run_model_command(const RunOptions& opt) {
         if (opt.pipelined()) plan = plan_pipeline(opt, cfg, world, world);
         else validate_model_for_world(cfg, opt, world);
         check_impl_options(opt.impl, opt.impl_options, {cfg.moe, plan ? plan->layout.ep : world, tokens(cfg), cfg.shared_expert_hidden});
+        if (!opt.data.empty()) data = TrainingData::open(opt.data, cfg.vocab_size, cfg.seq_len, opt.seed);
       },
       [&](const Backend& b) {
         if (b.supports(cfg.dtype)) return std::string();
@@ -709,10 +763,10 @@ int run_model_command(const RunOptions& opt) {
                (b.name() == "cpu" ? " (it computes in fp32; override with --model-override '{\"dtype\": \"fp32\"}')" : "");
       },
       [&](Backend& b, Communicator& c) {
-        run_model_on_rank(b, c, opt, cfg, Platform{}, nullptr, plan ? &*plan : nullptr, world, true);
+        run_model_on_rank(b, c, opt, cfg, Platform{}, nullptr, plan ? &*plan : nullptr, world, data ? &*data : nullptr, true);
       });
   return run_model_on_rank(*run.backend, *run.comm, opt, cfg, Platform{}, world_rank() == 0 ? &run.outputs : nullptr,
-                           plan ? &*plan : nullptr, world);
+                           plan ? &*plan : nullptr, world, data ? &*data : nullptr);
 }
 
 }  // namespace moelab::cli
