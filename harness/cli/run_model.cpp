@@ -630,6 +630,19 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     metrics["peak_memory_bytes"]["by_microbatch_at_peak"] = mb_at_peak;
     if (b.has_data() && heads > 0)
       metrics["loss"] = {{"first", curve.front()}, {"last", curve.back()}, {"all", curve}};
+    {
+      // Parameters per token (the quality comparison's yardstick): every parameter but the
+      // routed experts a token is not sent to (k of E per MoE layer, k the implementation's).
+      const ParamCounts pc = cfg.parameter_counts();
+      int k = cfg.moe.top_k;
+      for (MoEImpl* m : model.moe_layers()) k = m->layer().config().top_k;
+      const double routed_share = cfg.moe.num_experts > 0 ? static_cast<double>(k) / static_cast<double>(cfg.moe.num_experts) : 0.0;
+      metrics["parameters"] = {{"total", pc.total},
+                               {"routed_experts", pc.experts},
+                               {"active_per_token", static_cast<double>(pc.total - pc.experts) + routed_share * static_cast<double>(pc.experts)},
+                               {"top_k", k}};
+      metrics["model_flops_per_token"] = all_flops / (static_cast<double>(T * opt.microbatches) * replicas);
+    }
     if (data) {
       const double h = data->entropy_rate();
       metrics["validation"] = {{"data", data->spec()},
