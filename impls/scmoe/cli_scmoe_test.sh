@@ -71,10 +71,11 @@ else bad "baseline residual-moe"; cat "$work/residual.log"; fi
 # 6. offloaded inference (the paper's memory-limited inference): the routed experts in host memory. On cpu the loss
 # is the resident run's; on one simulated A30 the device peak falls, and copying the selected
 # experts in beside the pair's compute (async) is faster than in the compute stream's path (sync).
-if "$moelab" run --model "$models/tiny-scmoe.json" --impl fastmoe --backend cpu --steps 1 --warmup 0 --inference \
-     --out "$work/inf_none.json" >"$work/inf_none.log" 2>&1 &&
-   "$moelab" run --model "$models/tiny-scmoe.json" --impl fastmoe --backend cpu --steps 1 --warmup 0 --inference \
-     --offload-experts async --out "$work/inf_async.json" >"$work/inf_async.log" 2>&1 &&
+# (tiny-scmoe with two pairs: one pair's experts on the device at a time.)
+if "$moelab" run --model "$models/tiny-scmoe.json" --model-override '{"num_layers": 4}' --impl fastmoe --backend cpu \
+     --steps 1 --warmup 0 --inference --out "$work/inf_none.json" >"$work/inf_none.log" 2>&1 &&
+   "$moelab" run --model "$models/tiny-scmoe.json" --model-override '{"num_layers": 4}' --impl fastmoe --backend cpu \
+     --steps 1 --warmup 0 --inference --offload-experts async --out "$work/inf_async.json" >"$work/inf_async.log" 2>&1 &&
    "$py" -c "
 import json, sys
 n, a = (json.load(open(p))['metrics'] for p in sys.argv[1:3])
@@ -87,7 +88,8 @@ sys.exit(0 if ok else 1)" "$work/inf_none.json" "$work/inf_async.json"; then
 else bad "offloaded inference on cpu"; cat "$work/inf_async.log"; fi
 for mode in none sync async; do
   "$moelab" run --model "$models/gpt2-moe-small-scmoe.json" --impl fastmoe --backend sim --cluster pcie-a30x1 --ranks 1 \
-    --steps 1 --warmup 0 --inference --offload-experts "$mode" --out "$work/off_$mode.json" >"$work/off_$mode.log" 2>&1 ||
+    --micro-batch 4 --steps 1 --warmup 0 --inference --offload-experts "$mode" --out "$work/off_$mode.json" \
+    >"$work/off_$mode.log" 2>&1 ||
     { bad "offloaded inference on sim ($mode)"; cat "$work/off_$mode.log"; }
 done
 if "$py" -c "
@@ -96,7 +98,8 @@ n, s, a = (json.load(open(p))['metrics'] for p in sys.argv[1:4])
 t = lambda m: m['step_time_s']['max']
 d = lambda m: m['peak_memory_bytes']['device_total']
 print(f'peak {d(n)/2**20:.0f} -> {d(a)/2**20:.0f} MiB; sync {t(s)*1e3:.2f} ms, async {t(a)*1e3:.2f} ms, resident {t(n)*1e3:.2f} ms')
-sys.exit(0 if d(a) < d(n) and t(s) > t(a) >= t(n) and a['host_copy_s'] > 0 else 1)" \
+slot = json.load(open(sys.argv[3]))['impl_report']['scmoe']
+sys.exit(0 if d(a) < d(n) and t(s) > t(a) >= t(n) and a['host_copy_s'] > 0 and slot['migrate_us'] > 0 else 1)" \
      "$work/off_none.json" "$work/off_sync.json" "$work/off_async.json" >"$work/off.txt" 2>&1; then
   ok "offloaded inference of GPT2-MoE-Small-ScMoE on one simulated A30: $(cat "$work/off.txt")"
 else bad "offloaded inference on sim: $(cat "$work/off.txt")"; fi

@@ -86,6 +86,11 @@ struct Placement {
   SlotChoice forward_choice, backward_choice;
   ChunkChoice chunk_choice;
   std::string rates;
+  // Offloaded experts (inference, MoELayer::offload_experts): the seconds to copy the local
+  // experts in, which the experts' slot must also cover (their weights arrive beside the
+  // dispatch); 0 when the experts are resident.
+  double migrate = 0.0;
+  std::string offload = "none";
   json to_json() const;
 };
 
@@ -100,6 +105,8 @@ json Placement::to_json() const {
   json j;
   j["window"] = names;
   j["expert_slot"] = {{"forward", slot_forward}, {"backward", slot_backward}, {"chosen", chosen}};
+  j["offload_experts"] = offload;
+  if (offload != "none") j["migrate_us"] = migrate * 1e6;
   j["chunks"] = chunks;
   j["estimate_us"] = {{"forward", {{"window", us(forward.compute)},
                                    {"experts", forward.experts * 1e6},
@@ -333,6 +340,19 @@ const Placement& ScMoEPair::placement(std::int64_t T) {
     p.rates = r.gemm_flops > 0 ? r.source : "GEMM rate measured with " + b_.name() + "'s GEMM library";
     if (!(r.a2a_bytes > 0) && impl_->layer().channels().dispatch_comm().size() > 1)
       p.rates += "; all-to-all " + std::to_string(kAssumedA2aBytesPerS / 1e9) + " GB/s assumed";
+    // Offloaded experts: every local expert that balanced routing reaches (all of them when
+    // T·k rows outnumber them) is copied in over the host link before the experts can run:
+    // the experts' slot sees max(dispatch, migration) before it.
+    const auto mode = impl_->layer().expert_offload();
+    if (mode != MoELayer::ExpertOffload::none) {
+      p.offload = MoELayer::expert_offload_name(mode);
+      const std::int64_t reached = std::min<std::int64_t>(El, T * cfg_.moe.top_k);
+      const double bytes = 2.0 * static_cast<double>(reached * M * H) * static_cast<double>(dtype_size(cfg_.dtype));
+      p.migrate = r.host_copy_bytes > 0 ? bytes / r.host_copy_bytes : 0.0;
+      if (!(r.host_copy_bytes > 0)) p.rates += "; host link rate unknown: the migration not priced";
+      // sync: the copies are in the compute stream's path whatever the slot; async: beside it.
+      if (mode == MoELayer::ExpertOffload::async) p.forward.first = std::max(p.forward.first, p.migrate);
+    }
   }
   p.forward_choice = choose_slot(p.forward.compute, p.forward.first, p.forward.second);
   p.backward_choice = choose_slot(p.backward.compute, p.backward.first, p.backward.second);
