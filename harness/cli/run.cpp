@@ -85,6 +85,16 @@ void print_run_help(std::FILE* to) {
       "  --sequence-parallel  with tp > 1: norms, residuals and MoE layers on T/tp tokens per rank\n"
       "  --zero1           shard Adam's states over the data-parallel groups (ZeRO stage 1)\n"
       "  --grad-bucket N   elements per gradient bucket (default 40000000, Megatron-Core's)\n"
+      "  --inference       forward passes only (full-sequence batches, no backward, no optimizer),\n"
+      "                    each block's activations released once the next has them\n"
+      "  --data SPEC       training tokens: a text file read as bytes (several joined by ','; the last\n"
+      "                    tenth held out), or markov:K (a Markov source of entropy rate ln K); default:\n"
+      "                    the synthetic successor language\n"
+      "  --eval-every N    with --data: the validation loss every N steps (and before the first)\n"
+      "  --eval-batches N  microbatches of held-out windows per evaluation (default 4)\n"
+      "  --offload-experts MODE  with --inference: the routed experts' weights in pinned host memory,\n"
+      "                    each forward's selected experts copied in: async (beside compute; ScMoE's\n"
+      "                    expert offloading), sync (in the compute stream's path) or none (default)\n"
       "  --help            this text\n"
       "\n"
       "Exit status: 0 success, 2 bad input (nothing written), 1 failure during the run.\n",
@@ -212,6 +222,18 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       o.sequence_parallel = true;
     } else if (flag == "--zero1") {
       o.zero1 = true;
+    } else if (flag == "--data") {
+      o.data = take();
+    } else if (flag == "--eval-every") {
+      o.eval_every = static_cast<int>(integer_flag(flag, take(), 1, 1000000));
+    } else if (flag == "--eval-batches") {
+      o.eval_batches = static_cast<int>(integer_flag(flag, take(), 1, 4096));
+    } else if (flag == "--inference") {
+      o.inference = true;
+    } else if (flag == "--offload-experts") {
+      o.offload_experts = take();
+      if (o.offload_experts != "none" && o.offload_experts != "sync" && o.offload_experts != "async")
+        throw ConfigError("--offload-experts = \"" + shown(o.offload_experts) + "\": expected none, sync or async");
     } else if (flag == "--grad-bucket") {
       o.grad_bucket = integer_flag(flag, take(), 1, std::int64_t{1} << 40);
     } else if (flag == "--lr") {
@@ -232,11 +254,29 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
                       "(e.g. experiments/models/tiny-moe.json)");
   const bool model_only = !o.model_override.empty() || o.first_layer != 0 || o.last_layer != -1 || o.micro_batch != 1 ||
                           o.microbatches != 1 || o.warmup != -1 || o.seed != 1 || o.optimizer != "adam" || o.lr != 1e-3 ||
-                          o.pipelined();
+                          o.pipelined() || o.inference || !o.data.empty() || o.eval_every != 0;
   if (!o.workload.empty() && model_only)
     throw ConfigError("--model-override, --layers, --micro-batch, --microbatches, --warmup, --seed, --optimizer, --lr, "
-                      "--parallel, --schedule, --chunks, --recompute, --sequence-parallel, --zero1 and --grad-bucket apply to --model "
-                      "runs (a workload file sets its own)");
+                      "--parallel, --schedule, --chunks, --recompute, --sequence-parallel, --zero1, --grad-bucket, "
+                      "--inference, --data and --eval-every apply to --model runs (a workload file sets its own)");
+  if (o.inference && o.pipelined())
+    throw ConfigError("--inference runs the forward pass with every rank holding the model (expert parallelism over all "
+                      "ranks); --parallel, --schedule, --chunks, --recompute, --sequence-parallel, --zero1 and "
+                      "--grad-bucket are for training");
+  if (o.inference && (o.optimizer != "adam" || o.lr != 1e-3))
+    throw ConfigError("--inference has no optimizer: leave out --optimizer and --lr");
+  if (o.eval_every != 0 && (o.data.empty() || o.inference || o.pipelined()))
+    throw ConfigError("--eval-every needs --data (the held-out text or the Markov source), training, and no --parallel "
+                      "(the validation forward runs on the whole model of every rank)");
+  if (!o.data.empty() && o.backend == "sim")
+    throw ConfigError("--data: the sim backend computes no values (shapes and times only); train on cpu or cuda");
+  if (o.offload_experts != "none" && !o.inference)
+    throw ConfigError("--offload-experts " + o.offload_experts + " needs --inference (the experts' weights live on the host; "
+                      "training would need them and their gradients on the device)");
+  // MPipeMoE's pass reads the experts' weights itself (MoELayer::offload_experts refuses it too).
+  if (o.offload_experts != "none" && o.impl == "mpipemoe")
+    throw ConfigError("--offload-experts: --impl mpipemoe runs a pass of its own over the experts' weights; use fastmoe, "
+                      "fastermoe, top1, top2 or their pipelined forms");
   if (o.pipelined() && (o.first_layer != 0 || o.last_layer != -1))
     throw ConfigError("--layers and --parallel exclude each other: the pipeline assigns the layers to its stages");
   if (!o.model.empty() && !o.record_routing.empty())

@@ -47,6 +47,11 @@ struct RunOptions {
   bool sequence_parallel = false;                              // --sequence-parallel (with tp > 1)
   bool zero1 = false;                                          // --zero1: Adam's states sharded over DP
   std::int64_t grad_bucket = 0;                                // --grad-bucket N elements (0: 40M)
+  bool inference = false;                                      // --inference: forward passes only
+  std::string offload_experts = "none";                        // --offload-experts none|sync|async (inference)
+  std::string data;                                            // --data FILE[,FILE...]|markov:K (harness/nn/text_data.hpp)
+  int eval_every = 0;                                          // --eval-every N steps: validation loss (0: never)
+  int eval_batches = 4;                                        // --eval-batches N microbatches per evaluation
   bool pipelined() const {
     return !parallel.empty() || !schedule.empty() || chunks != 0 || !recompute.empty() || sequence_parallel || zero1 ||
            grad_bucket != 0;

@@ -8,9 +8,11 @@
 //       --parallel pp=2,dp=2,ep=2 --schedule 1f1b --microbatches 8      (one command line)
 //
 // A step: zero_grad; for each of --microbatches microbatches of --micro-batch sequences: forward,
-// backward (input then weight gradients); the replicated parameters' gradients summed over the
-// ranks (data parallelism; the experts are sharded by expert parallelism over the same ranks);
-// one optimizer step. With --parallel (or --schedule, --chunks, --recompute) the layout is
+// backward (block by block, input then weight gradients); the replicated parameters' gradients
+// summed over the ranks in buckets that overlap backward (data parallelism, GradSync; the
+// experts are sharded by expert parallelism over the same ranks); one optimizer step. With
+// --inference a step is the forward passes alone, each block's activations released as soon
+// as the next block has them. With --parallel (or --schedule, --chunks, --recompute) the layout is
 // parsed and checked against the world and the model before any work (exit 2), the process
 // groups are built, and each rank runs its stage of the pipeline (harness/pipeline/): the
 // schedule's node list over its model chunks, gradients summed over its data-parallel group
@@ -23,6 +25,7 @@
 // memory by category and by microbatch at the peak, the loss, and the Chrome trace (--trace).
 // Bad input: exit 2 on every rank before any work, nothing written.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <numeric>
@@ -38,8 +41,10 @@
 #include "harness/metrics/run_figures.hpp"
 #include "harness/metrics/trace.hpp"
 #include "harness/nn/data.hpp"
+#include "harness/nn/grad_sync.hpp"
 #include "harness/comm/groups.hpp"
 #include "harness/nn/model.hpp"
+#include "harness/nn/text_data.hpp"
 #include "harness/pipeline/executor.hpp"
 #include "harness/runtime/error.hpp"
 #include "harness/runtime/random.hpp"
@@ -51,8 +56,9 @@ using nlohmann::json;
 
 namespace {
 
-const std::vector<std::string> kModelPhases = {"embedding", "attention", "mlp",  "moe",  "gate",
-                                               "dispatch",  "experts",   "combine", "head", "optimizer"};
+const std::vector<std::string> kModelPhases = {"embedding", "attention", "mlp",  "moe",     "gate",
+                                               "dispatch",  "migrate",   "experts", "combine", "head",
+                                               "grad_sync", "optimizer"};
 
 // A --parallel run's layout and schedule, checked before any work.
 struct PipelinePlan {
@@ -94,6 +100,12 @@ struct Trainee {
   std::unique_ptr<ProcessGroups> groups;
   std::unique_ptr<pipeline::PipelineStage> stage;
   std::unique_ptr<Model> model;
+  // Without a pipeline: the replicated parameters' gradients summed over every rank (a
+  // communicator of its own, the world's members) in buckets overlapping backward, as
+  // PyTorch's DistributedDataParallel does (Li et al., VLDB 2020); the experts are sharded
+  // over the same ranks, so their group is the rank alone.
+  std::unique_ptr<Communicator> dp, edp;
+  std::unique_ptr<GradSync> sync;
 
   std::vector<Model*> chunks() { return stage ? stage->chunks() : std::vector<Model*>{model.get()}; }
   bool has_embedding() { return stage ? stage->has_embedding() : model->has_embedding(); }
@@ -264,9 +276,10 @@ void print_pipeline(const json& par, int steps) {
 }
 
 // plan: the checked layout and schedule of a --parallel run (null: every rank holds the model).
+// data: --data's source, opened and checked before the run (null: the synthetic language).
 int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const TransformerConfig& cfg,
                       const Platform& platform, RunOutputs* outputs, const PipelinePlan* plan, int gpus_per_node,
-                      bool preflight = false) {
+                      const TrainingData* data, bool preflight = false) {
   const int rank = c.rank(), world = c.size();
   const int steps = preflight ? 1 : opt.steps > 0 ? opt.steps : 3;
   const int warmup = preflight ? 0 : opt.warmup >= 0 ? opt.warmup : 1;
@@ -302,20 +315,32 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       model.stage->use_bucketed_sync(plan->sync);
     } else {
       model.model->init_parameters(opt.seed);
+      if (opt.inference) {
+        model.model->release_gradients();
+        if (opt.offload_experts != "none") {
+          const auto mode = opt.offload_experts == "async" ? MoELayer::ExpertOffload::async : MoELayer::ExpertOffload::sync;
+          for (MoEImpl* m : model.model->moe_layers()) m->layer().offload_experts(mode);
+        }
+      } else {
+        model.dp = c.dup();
+        model.edp = c.split(rank, 0);
+        model.sync = std::make_unique<GradSync>(b, model.stream(), model.model->param_slots(), *model.dp, *model.edp);
+        model.model->set_grad_sync(model.sync.get());
+      }
     }
     std::unique_ptr<Optimizer> optimizer;
-    if (opt.optimizer != "none") {
+    if (opt.optimizer != "none" && !opt.inference) {
       OptimizerConfig oc;
       oc.kind = parse_optimizer(opt.optimizer);
       oc.lr = static_cast<float>(opt.lr);
       if (model.stage)
         model.stage->make_optimizer(oc);  // per chunk on its synchroniser (ZeRO-1: sharded states)
       else
-        optimizer = std::make_unique<Optimizer>(b, model.stream(), model.parameters(), oc);
+        optimizer = std::make_unique<Optimizer>(b, model.stream(), *model.sync, oc);
     }
     const float scale = 1.0f / static_cast<float>(T * opt.microbatches * replicas);
     const auto next = synthetic_successor(cfg.vocab_size, opt.seed);
-    const Tensor dy = model.has_head() || model.stage ? Tensor() : random_rows(b, T, M, cfg.dtype, Rng::mix(opt.seed, 2, static_cast<std::uint64_t>(rank)));
+    const Tensor dy = model.has_head() || model.stage || opt.inference ? Tensor() : random_rows(b, T, M, cfg.dtype, Rng::mix(opt.seed, 2, static_cast<std::uint64_t>(rank)));
 
     // One batch per microbatch, new tokens every step, uploaded before the step's clock starts.
     std::vector<Batch> batches(static_cast<std::size_t>(opt.microbatches));
@@ -329,7 +354,8 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     auto prepare = [&](std::uint64_t step_no) {
       if (!b.has_data()) return;
       for (int mb = 0; mb < opt.microbatches; ++mb) {
-        const TokenBatch tb = synthetic_batch(next, opt.micro_batch, S, opt.seed, step_no, mb, data_rank);
+        const TokenBatch tb = data ? data->train(opt.micro_batch, opt.seed, step_no, mb, data_rank)
+                                   : synthetic_batch(next, opt.micro_batch, S, opt.seed, step_no, mb, data_rank);
         Batch& x = batches[static_cast<std::size_t>(mb)];
         if (model.has_embedding()) b.upload_i32(tb.ids, x.input);
         if (model.has_head()) b.upload_i32(tb.targets, x.targets);
@@ -348,14 +374,22 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       }
       Model& m = *model.model;
       losses.clear();
+      if (opt.inference) {
+        for (int mb = 0; mb < opt.microbatches; ++mb) {
+          const Tensor y = m.infer(batches[static_cast<std::size_t>(mb)], {0, mb, step_no});
+          if (m.has_head()) losses.push_back(y);
+        }
+        b.synchronize();
+        return;
+      }
       m.zero_grad();
       for (int mb = 0; mb < opt.microbatches; ++mb) {
         Forwarded f = m.forward(batches[static_cast<std::size_t>(mb)], {0, mb, step_no});
         if (m.has_head()) losses.push_back(f.y);
-        m.backward_input(*f.saved, dy);
-        m.backward_weight(*f.saved);
+        if (mb + 1 == opt.microbatches) model.sync->arm();  // the step's last gradients follow
+        m.backward(*f.saved, dy);
       }
-      m.all_reduce_gradients(c);
+      model.sync->finish();
       if (optimizer) optimizer->step();
       b.synchronize();
     };
@@ -372,11 +406,41 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       return n ? sum / static_cast<double>(n) : 0.0;
     };
 
+    // --eval-every: the mean loss over the held-out windows, forward only, between steps; its ops
+    // are left out of the step's figures (their spans, `evals`, are cut from the timeline).
+    std::vector<std::pair<double, double>> evals;
+    json validation = json::array();
+    auto evaluate = [&] {
+      if (!data || opt.eval_every == 0 || preflight) return;
+      b.synchronize();
+      c.barrier();
+      const double at = b.now();
+      Batch v;
+      v.input = b.empty({T}, DType::i32, MemCategory::activations, b.default_stream());
+      v.targets = b.empty({T}, DType::i32, MemCategory::activations, b.default_stream());
+      double sum = 0;
+      std::int64_t n = 0;
+      for (int i = 0; i < opt.eval_batches; ++i) {
+        const TokenBatch tb = data->validation(opt.micro_batch, i, opt.eval_batches);
+        b.upload_i32(tb.ids, v.input);
+        b.upload_i32(tb.targets, v.targets);
+        const auto l = b.download(model.model->infer(v, {0, 0, step_no}));
+        for (std::size_t j = 0; j < l.size(); ++j) sum += l[j], ++n;
+      }
+      b.synchronize();
+      c.barrier();
+      evals.push_back({at, b.now()});
+      validation.push_back({step_no, n ? sum / static_cast<double>(n) : 0.0});
+    };
+    auto due = [&] { return opt.eval_every > 0 && step_no % static_cast<std::uint64_t>(opt.eval_every) == 0; };
+
     std::vector<double> loss_curve;
+    evaluate();  // before the first step
     for (int i = 0; i < warmup; ++i) {
       prepare(step_no + 1);
       step();
       loss_curve.push_back(mean_loss());
+      if (due()) evaluate();
     }
     b.synchronize();
     c.barrier();
@@ -395,6 +459,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       windows.push_back({t0, b.now()});
       step_s.push_back(b.now() - t0);
       loss_curve.push_back(mean_loss());
+      if (due() || (i + 1 == steps && opt.eval_every > 0 && !due())) evaluate();
     }
 
     if (preflight) return 0;
@@ -402,6 +467,11 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     // ---- what this rank measured -------------------------------------------------------------
     const std::vector<MemSample> mem_samples = b.memory().timeline();
     std::vector<OpRecord> ops = b.timeline();
+    std::erase_if(ops, [&](const OpRecord& r) {
+      for (const auto& [from, to] : evals)
+        if (r.start >= from && r.start <= to) return true;
+      return false;
+    });
     RankFigures local;
     add_timeline_figures(local, ops, steps, kModelPhases);
     add_memory_figures(local, b);
@@ -451,7 +521,9 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
 
     // Every rank's chunks, a step; the ranks of a TP group work on the same tokens' one model.
     const double tp_size = plan ? static_cast<double>(plan->layout.tp) : 1.0;
-    const double all_flops = c.all_reduce_sum(model.model_flops(T * opt.microbatches) / tp_size);
+    // Inference: the forward third of forward + backward (2·N·T of 6·N·T, attention's term alike).
+    const double pass_share = opt.inference ? 1.0 / 3.0 : 1.0;
+    const double all_flops = c.all_reduce_sum(model.model_flops(T * opt.microbatches) * pass_share / tp_size);
     json trace;
     if (!opt.trace.empty()) {
       for (auto& op : ops) op.start -= window_start, op.end -= window_start;
@@ -508,7 +580,11 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     std::printf(plan ? "batch      %d microbatches x %lld sequences x %lld tokens per pipeline, optimizer %s\n"
                      : "batch      %d microbatches x %lld sequences x %lld tokens per rank, optimizer %s\n",
                 opt.microbatches, static_cast<long long>(opt.micro_batch), static_cast<long long>(S),
-                opt.optimizer.c_str());
+                opt.inference ? (opt.offload_experts == "none" ? "none (inference: forward passes only)"
+                                                               : opt.offload_experts == "async"
+                                                                   ? "none (inference; experts offloaded, copied in async)"
+                                                                   : "none (inference; experts offloaded, copied in sync)")
+                              : opt.optimizer.c_str());
     std::printf("steps      %d timed after %d warm-up\n\n", steps, warmup);
     std::printf("tokens/s   %.0f\n", tokens_per_s);
     std::printf("step       %.3f ms median (min %.3f, max %.3f)%s\n", step_med * 1e3, fig.step_min * 1e3,
@@ -554,6 +630,31 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     metrics["peak_memory_bytes"]["by_microbatch_at_peak"] = mb_at_peak;
     if (b.has_data() && heads > 0)
       metrics["loss"] = {{"first", curve.front()}, {"last", curve.back()}, {"all", curve}};
+    {
+      // Parameters per token (the quality comparison's yardstick): every parameter but the
+      // routed experts a token is not sent to (k of E per MoE layer, k the implementation's).
+      const ParamCounts pc = cfg.parameter_counts();
+      int k = cfg.moe.top_k;
+      for (MoEImpl* m : model.moe_layers()) k = m->layer().config().top_k;
+      const double routed_share = cfg.moe.num_experts > 0 ? static_cast<double>(k) / static_cast<double>(cfg.moe.num_experts) : 0.0;
+      metrics["parameters"] = {{"total", pc.total},
+                               {"routed_experts", pc.experts},
+                               {"active_per_token", static_cast<double>(pc.total - pc.experts) + routed_share * static_cast<double>(pc.experts)},
+                               {"top_k", k}};
+      metrics["model_flops_per_token"] = all_flops / (static_cast<double>(T * opt.microbatches) * replicas);
+    }
+    if (data) {
+      const double h = data->entropy_rate();
+      metrics["validation"] = {{"data", data->spec()},
+                               {"synthetic", data->synthetic()},
+                               {"entropy_rate", std::isnan(h) ? json(nullptr) : json(h)},
+                               {"train_bytes", data->synthetic() ? json(nullptr) : json(data->train_bytes())},
+                               {"valid_bytes", data->synthetic() ? json(nullptr) : json(data->valid_bytes())},
+                               {"every", opt.eval_every},
+                               {"batches", opt.eval_batches},
+                               {"tokens_per_evaluation", opt.eval_batches * T},
+                               {"points", validation}};
+    }
 
     json result;
     result["schema"] = "moelab.result/1";
@@ -569,7 +670,9 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     result["world_size"] = world;
     result["model"] = to_json(cfg);
     result["training"] = {{"layers", {first, last}},               {"micro_batch", opt.micro_batch},
-                          {"microbatches", opt.microbatches},     {"optimizer", opt.optimizer},
+                          {"microbatches", opt.microbatches},     {"optimizer", opt.inference ? "none" : opt.optimizer},
+                          {"pass", opt.inference ? "inference" : "training"},
+                          {"offload_experts", opt.offload_experts},
                           {"lr", opt.lr},                         {"seed", opt.seed},
                           {"steps", steps},                       {"warmup", warmup}};
     if (plan) result["parallel"] = parallel;
@@ -647,7 +750,7 @@ int run_model_command(const RunOptions& opt) {
         throw Unsupported(shown(cfg.origin) + ": dtype = \"" + std::string(dtype_name(cfg.dtype)) +
                           "\" is not supported by the sim backend");
       const int r = run_model_on_rank(b, c, opt, cfg, platform, c.rank() == 0 ? &outputs : nullptr,
-                                      plan ? &*plan : nullptr, cluster.options().cluster.node.gpus);
+                                      plan ? &*plan : nullptr, cluster.options().cluster.node.gpus, nullptr);
       if (c.rank() == 0) rc = r;
     });
     return rc;
@@ -655,6 +758,7 @@ int run_model_command(const RunOptions& opt) {
 
   TransformerConfig cfg;
   std::optional<PipelinePlan> plan;
+  std::optional<TrainingData> data;
   StartedRun run;
   start_run(
       run, opt,
@@ -663,6 +767,7 @@ int run_model_command(const RunOptions& opt) {
         if (opt.pipelined()) plan = plan_pipeline(opt, cfg, world, world);
         else validate_model_for_world(cfg, opt, world);
         check_impl_options(opt.impl, opt.impl_options, {cfg.moe, plan ? plan->layout.ep : world, tokens(cfg), cfg.shared_expert_hidden});
+        if (!opt.data.empty()) data = TrainingData::open(opt.data, cfg.vocab_size, cfg.seq_len, opt.seed);
       },
       [&](const Backend& b) {
         if (b.supports(cfg.dtype)) return std::string();
@@ -671,10 +776,10 @@ int run_model_command(const RunOptions& opt) {
                (b.name() == "cpu" ? " (it computes in fp32; override with --model-override '{\"dtype\": \"fp32\"}')" : "");
       },
       [&](Backend& b, Communicator& c) {
-        run_model_on_rank(b, c, opt, cfg, Platform{}, nullptr, plan ? &*plan : nullptr, world, true);
+        run_model_on_rank(b, c, opt, cfg, Platform{}, nullptr, plan ? &*plan : nullptr, world, data ? &*data : nullptr, true);
       });
   return run_model_on_rank(*run.backend, *run.comm, opt, cfg, Platform{}, world_rank() == 0 ? &run.outputs : nullptr,
-                           plan ? &*plan : nullptr, world);
+                           plan ? &*plan : nullptr, world, data ? &*data : nullptr);
 }
 
 }  // namespace moelab::cli

@@ -22,6 +22,11 @@ class LayerGroup : public Block {
   virtual int num_layers() const = 0;
   // The MoE layer's implementation inside the group (its report says how the group scheduled it).
   virtual MoEImpl* moe() = 0;
+  // The group's parameters other than its MoE layer's: the Model names those itself, pointing
+  // at the layer's own tensors as it does for an FfnBlock's (Model::param_slots), so that what
+  // rebinds or releases them (GradSync's buckets, inference) reaches the tensors the layer's
+  // GEMMs use. collect() gives these and the MoE layer's, named alike.
+  virtual void collect_own(std::vector<Param*>& out) = 0;
   // The auxiliary loss of a forward's MoE layer (synchronises); dL/d aux as FfnBlock's.
   virtual float aux_loss(const Saved& saved) = 0;
   virtual void set_aux_grad_scale(float s) = 0;

@@ -111,7 +111,15 @@ void Model::init_parameters(std::uint64_t seed) {
 }
 
 void Model::zero_grad() {
-  for (auto& p : parameters()) b_.fill_zero(s_, p.grad);
+  for (auto& p : parameters()) {
+    MOELAB_CHECK(p.grad.defined(), "Model::zero_grad: " + p.name + " has no gradient (released for inference)");
+    b_.fill_zero(s_, p.grad);
+  }
+}
+
+void Model::release_gradients() {
+  for (auto& s : param_slots()) *s.grad = Tensor();
+  gradients_released_ = true;
 }
 
 std::vector<MoEImpl*> Model::moe_layers() {
@@ -135,16 +143,18 @@ std::vector<ParamSlot> Model::param_slots() {
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
     const int block = static_cast<int>(i);
     std::vector<Param*> ps;
-    blocks_[i]->collect(ps);
+    auto* group = dynamic_cast<LayerGroup*>(blocks_[i].get());
+    if (group) group->collect_own(ps);
+    else blocks_[i]->collect(ps);
     for (Param* p : ps) out.push_back({*p, &p->value, &p->grad, block});
-    if (auto* g = dynamic_cast<LayerGroup*>(blocks_[i].get())) {  // its collect() named its own MoE parameters
-      layer += g->num_layers();
-      continue;
-    }
     auto* f = dynamic_cast<FfnBlock*>(blocks_[i].get());
-    if (!f) continue;
-    if (MoEImpl* m = f->moe()) {
-      const std::string pre = "layer" + std::to_string(layer) + ".moe.";
+    MoEImpl* m = group ? group->moe() : f ? f->moe() : nullptr;
+    // A group's MoE layer is its last layer (ScMoE's Block-MoE l+1).
+    const int moe_layer = group ? layer + group->num_layers() - 1 : layer;
+    if (group) layer += group->num_layers();
+    else if (f) ++layer;
+    if (m) {
+      const std::string pre = "layer" + std::to_string(moe_layer) + ".moe.";
       MoEParams& v = m->params();
       MoEParams& g = m->grads();
       auto add = [&](const char* name, Tensor& value, Tensor& grad, bool gate) {
@@ -164,7 +174,6 @@ std::vector<ParamSlot> Model::param_slots() {
       add("w1", v.w1, g.w1, false);
       add("w2", v.w2, g.w2, false);
     }
-    ++layer;
   }
   // The head's copy of tied embeddings: final when the head's backward_weight is.
   if (wte_copy_.value.defined())
@@ -172,7 +181,11 @@ std::vector<ParamSlot> Model::param_slots() {
   return out;
 }
 
-Forwarded Model::forward(const Batch& batch, const WorkKey& key) {
+Forwarded Model::forward(const Batch& batch, const WorkKey& key) { return run_forward(batch, key, true); }
+
+Tensor Model::infer(const Batch& batch, const WorkKey& key) { return run_forward(batch, key, false).y; }
+
+Forwarded Model::run_forward(const Batch& batch, const WorkKey& key, bool keep) {
   auto sv = std::make_unique<ModelSaved>(key);
   Tensor h = batch.input;
   // Tokens of the microbatch on this rank outside the TP regions (what the MoE layers route).
@@ -190,10 +203,11 @@ Forwarded Model::forward(const Batch& batch, const WorkKey& key) {
     if (group) group->set_aux_grad_scale(static_cast<float>(T) * batch.loss_scale);
     Forwarded f = blk->forward(h, k);
     h = f.y;
-    sv->blocks.push_back(std::move(f.saved));
+    if (keep) sv->blocks.push_back(std::move(f.saved));
     if (ffn) ++layer;
     if (group) layer += group->num_layers();
   }
+  if (!keep) return {h, nullptr};
   if (head_) {
     sv->losses = h;
     sv->targets = batch.targets;
@@ -202,11 +216,27 @@ Forwarded Model::forward(const Batch& batch, const WorkKey& key) {
 }
 
 Tensor Model::backward_input(Saved& saved, const Tensor& dy) {
+  MOELAB_CHECK(!gradients_released_, "model backward: the gradients were released for inference");
   auto& sv = saved_as<ModelSaved>(saved, "model");
   MOELAB_CHECK(sv.blocks.size() == blocks_.size(), "model backward: the saved state is spent");
   Tensor g = dy;
   for (std::size_t i = blocks_.size(); i-- > 0;) g = blocks_[i]->backward_input(*sv.blocks[i], g);
   sv.input_done = true;
+  return g;
+}
+
+Tensor Model::backward(Saved& saved, const Tensor& dy) {
+  MOELAB_CHECK(!gradients_released_, "model backward: the gradients were released for inference");
+  auto& sv = saved_as<ModelSaved>(saved, "model");
+  MOELAB_CHECK(!sv.input_done && sv.blocks.size() == blocks_.size(), "model backward: the saved state is spent");
+  Tensor g = dy;
+  for (std::size_t i = blocks_.size(); i-- > 0;) {
+    g = blocks_[i]->backward_input(*sv.blocks[i], g);
+    blocks_[i]->backward_weight(*sv.blocks[i]);
+    sv.blocks[i].reset();
+    if (sync_) sync_->block_done(static_cast<int>(i));
+  }
+  sv.input_done = sv.weight_done = true;
   return g;
 }
 

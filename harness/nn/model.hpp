@@ -79,6 +79,19 @@ class Model {
   Forwarded forward(const Batch& batch, const WorkKey& key);
   Tensor backward_input(Saved& saved, const Tensor& dy);
   void backward_weight(Saved& saved);
+  // Both halves block by block (input gradient, then weight gradient of the same block, from
+  // the last block to the first), as autograd orders them: each block's gradients are final
+  // as early as possible, so that data parallelism's buckets (GradSync) overlap the rest of
+  // backward as PyTorch's DistributedDataParallel does. The same gradients as
+  // backward_input + backward_weight.
+  Tensor backward(Saved& saved, const Tensor& dy);
+  // Forward without training: every block's saved state is released as soon as the block has
+  // run, so that only the activations in flight are held (inference over full-sequence
+  // batches). y as forward's; the Forwarded has no saved state. The head's loss is computed.
+  Tensor infer(const Batch& batch, const WorkKey& key);
+  // Inference only: every parameter's gradient tensor given back (the memory a forward-only run
+  // does not need); backward is refused afterwards.
+  void release_gradients();
   // The microbatch's mean cross-entropy over its counted targets, and its summed auxiliary
   // loss over MoE layers (host values; synchronises). Last stage only for the loss.
   double loss(const Saved& saved);
@@ -115,6 +128,7 @@ class Model {
   double model_flops(std::int64_t tokens) const;
 
  private:
+  Forwarded run_forward(const Batch& batch, const WorkKey& key, bool keep);
   Backend& b_;
   Communicator& ep_;
   TransformerConfig cfg_;
@@ -122,6 +136,7 @@ class Model {
   TensorParallel tp_;
   Stream& s_;
   GradSync* sync_ = nullptr;
+  bool gradients_released_ = false;  // release_gradients(): inference only
   int first_ = 0, last_ = 0;
   std::unique_ptr<MoEChannels> channels_;  // shared by the MoE layers; outlives them (declared first)
   Param wte_copy_;                         // [V,M] the head's copy of tied embeddings (tied_embedding_copy)

@@ -184,6 +184,7 @@ Tensor MoELayer::dispatch_preprocess(Stream& c, MoESaved& sv) {
     for (std::size_t l = 0; l < ch.rows.size(); ++l) routing_.recv_per_local[l] += ch.rows[l];
     last_chunk_rows_.push_back(ch.rows);
   }
+  if (offload_ != ExpertOffload::none) migrate_experts(c);
   return t_i;
 }
 
@@ -214,15 +215,16 @@ void MoELayer::experts(Stream& c, const Chunk& ch, const Tensor& t_di, Tensor& t
   Tensor a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
   b_.activation_forward(c, cfg_.activation, t_m, a);
   b_.grouped_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
-    return GemmProblem{false, false, r, M, H, a.rows(o, r), params_.w2.select(l), t_do.rows(o, r), 1, 0};
+    return GemmProblem{false, false, r, M, H, a.rows(o, r), expert_w2(l), t_do.rows(o, r), 1, 0};
   }), "fc2");
 }
 
 void MoELayer::expert_fc1(Stream& c, const Chunk& ch, const Tensor& t_di, Tensor& t_m, const char* name) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
   PhaseScope ph(b_, "experts");
+  if (offload_ == ExpertOffload::async && resident_.w1.defined()) b_.wait(c, *copies_done_);  // the experts' weights are in
   b_.grouped_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
-    return GemmProblem{false, false, r, H, M, t_di.rows(o, r), params_.w1.select(l), t_m.rows(o, r), 1, 0};
+    return GemmProblem{false, false, r, H, M, t_di.rows(o, r), expert_w1(l), t_m.rows(o, r), 1, 0};
   }), name);
 }
 
@@ -234,11 +236,83 @@ void MoELayer::combine(Stream& s, Communicator& comm, const Chunk& ch, const Ten
 void MoELayer::combine_postprocess(Stream& c, const MoESaved& sv, Tensor& y) {
   PhaseScope ph(b_, "combine");
   b_.unpermute(c, sv.t_o, sv.slot, sv.topk_w, y);
+  resident_ = {};  // the experts have run (earlier on c): their device copies go, stream-ordered
+}
+
+// ---- expert offloading ------------------------------------------------------------------------
+const char* MoELayer::expert_offload_name(ExpertOffload m) {
+  return m == ExpertOffload::sync ? "sync" : m == ExpertOffload::async ? "async" : "none";
+}
+
+void MoELayer::offload_experts(ExpertOffload mode) {
+  if (mode == offload_) return;
+  if (!steps_drivable())
+    throw ConfigError("--offload-experts: the MoE layer's schedule runs a pass of its own (MPipeMoE); expert offloading "
+                      "needs a layer whose steps the model drives (fastmoe, fastermoe, top1, top2, their pipelined forms, ScMoE)");
+  MOELAB_CHECK(offload_ == ExpertOffload::none, "MoELayer::offload_experts: the experts are offloaded already");
+  Stream& c = *compute_;
+  for (Tensor MoEParams::*w : {&MoEParams::w1, &MoEParams::w2}) {
+    Tensor host = b_.empty((params_.*w).shape(), cfg_.dtype, MemCategory::host_pinned, c, MemSpace::host_pinned);
+    b_.copy(c, params_.*w, host);
+    params_.*w = host;  // the device copy goes (stream-ordered, after the copy)
+  }
+  grads_ = {};
+  b_.synchronize(c);
+  offload_ = mode;
+  copies_start_ = b_.create_event();
+  copies_done_ = b_.create_event();
+}
+
+// The experts the plan brings rows to, copied host -> device: on the host-to-device stream once
+// the compute stream has made their buffer (async), or on the compute stream (sync).
+void MoELayer::migrate_experts(Stream& c) {
+  const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
+  Resident r;
+  r.slot.assign(static_cast<std::size_t>(local_experts_), -1);
+  std::int64_t n = 0;
+  for (std::int64_t l = 0; l < local_experts_; ++l)
+    if (routing_.recv_per_local[static_cast<std::size_t>(l)] > 0) r.slot[static_cast<std::size_t>(l)] = n++;
+  if (n == 0) {
+    resident_ = std::move(r);
+    return;
+  }
+  PhaseScope ph(b_, "migrate");
+  r.w1 = b_.empty({n, M, H}, cfg_.dtype, MemCategory::weights, c);  // [n,M,H]
+  r.w2 = b_.empty({n, H, M}, cfg_.dtype, MemCategory::weights, c);  // [n,H,M]
+  Stream& s = offload_ == ExpertOffload::async ? channels_->host_to_device() : c;
+  if (&s != &c) {
+    b_.record(*copies_start_, c);
+    b_.wait(s, *copies_start_);
+  }
+  for (std::int64_t l = 0; l < local_experts_; ++l) {
+    const std::int64_t at = r.slot[static_cast<std::size_t>(l)];
+    if (at < 0) continue;
+    Tensor d1 = r.w1.select(at), d2 = r.w2.select(at);
+    b_.copy(s, params_.w1.select(l), d1);
+    b_.copy(s, params_.w2.select(l), d2);
+  }
+  if (&s != &c) b_.record(*copies_done_, s);
+  resident_ = std::move(r);
+}
+
+Tensor MoELayer::expert_w1(std::int64_t l) const {
+  if (offload_ == ExpertOffload::none) return params_.w1.select(l);
+  const std::int64_t at = resident_.slot.empty() ? -1 : resident_.slot[static_cast<std::size_t>(l)];
+  MOELAB_CHECK(at >= 0, "MoE layer: expert " + std::to_string(l) + " has rows but is not resident (offloaded)");
+  return resident_.w1.select(at);
+}
+
+Tensor MoELayer::expert_w2(std::int64_t l) const {
+  if (offload_ == ExpertOffload::none) return params_.w2.select(l);
+  const std::int64_t at = resident_.slot.empty() ? -1 : resident_.slot[static_cast<std::size_t>(l)];
+  MOELAB_CHECK(at >= 0, "MoE layer: expert " + std::to_string(l) + " has rows but is not resident (offloaded)");
+  return resident_.w2.select(at);
 }
 
 // ---- backward steps ---------------------------------------------------------------------------
 void MoELayer::combine_postprocess_backward(Stream& c, const MoESaved& sv, const Tensor& dy, Tensor& d_t_o,
                                             Tensor& d_w) {
+  MOELAB_CHECK(offload_ == ExpertOffload::none, "MoE layer: backward with the experts offloaded (inference only)");
   PhaseScope ph(b_, "combine");
   b_.unpermute_backward(c, dy, sv.t_o, sv.slot, sv.topk_w, d_t_o, d_w);
 }
@@ -497,14 +571,23 @@ std::vector<GemmProblem> MoELayer::expert_gemm_problems(bool per_chunk) {
     return t;
   };
   const auto rows_sets = per_chunk ? last_chunk_rows_ : std::vector<std::vector<std::int64_t>>{routing_.recv_per_local};
+  // Inference (the gradients released): the forward GEMMs only. Offloaded experts: device
+  // weights of their shape, as the forward's resident copies are (the yardstick is the GEMM
+  // library on device operands).
+  const bool training = grads_.w1.defined();
+  const bool offloaded = offload_ != ExpertOffload::none;
+  const Tensor w1s = offloaded ? scratch(M, H) : Tensor(), w2s = offloaded ? scratch(H, M) : Tensor();
+  const auto w1 = [&](std::int64_t l) { return offloaded ? w1s : params_.w1.select(l); };
+  const auto w2 = [&](std::int64_t l) { return offloaded ? w2s : params_.w2.select(l); };
   for (const auto& rows : rows_sets)
     for (std::size_t l = 0; l < rows.size(); ++l) {
       const std::int64_t r = rows[l];
       if (r == 0) continue;
       const auto li = static_cast<std::int64_t>(l);
       Tensor t_di = scratch(r, M), t_m = scratch(r, H), t_do = scratch(r, M);
-      ps.push_back({false, false, r, H, M, t_di, params_.w1.select(li), t_m, 1, 0});        // fc1
-      ps.push_back({false, false, r, M, H, t_m, params_.w2.select(li), t_do, 1, 0});        // fc2
+      ps.push_back({false, false, r, H, M, t_di, w1(li), t_m, 1, 0});  // fc1
+      ps.push_back({false, false, r, M, H, t_m, w2(li), t_do, 1, 0});  // fc2
+      if (!training) continue;
       ps.push_back({false, true, r, H, M, t_do, params_.w2.select(li), scratch(r, H), 1, 0});  // fc2 dgrad
       ps.push_back({true, false, H, M, r, t_m, t_do, grads_.w2.select(li), 1, 1});          // fc2 wgrad
       ps.push_back({true, false, M, H, r, t_di, t_m, grads_.w1.select(li), 1, 1});          // fc1 wgrad

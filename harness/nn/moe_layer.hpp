@@ -27,6 +27,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "harness/comm/communicator.hpp"
@@ -168,6 +169,21 @@ class MoELayer {
   // strategies), which a caller runs whole (forward, backward_input, backward_weight).
   virtual bool steps_drivable() const { return true; }
 
+  // ScMoE's expert offloading for memory-limited inference (Cai et al., ICML 2025, its "expert
+  // offloading"): the local experts' weights move to pinned host memory (MemCategory::
+  // host_pinned) and the gradients go; each forward copies just the experts its plan brings
+  // rows to into a device buffer of that many experts, as soon as the plan is known (after the
+  // gate and the count exchange: the model's real routing, not a guess), and frees the buffer
+  // once the experts have run (the next MoE layer's copy can take its place while it is still
+  // in use: one buffer in use, one being filled). async: the copies run on the host-to-device
+  // stream, and only the experts' GEMMs wait for them (what ScMoE's shortcut gives time to
+  // hide); sync: on the compute stream, in its path (the baseline). Forward only: backward is
+  // refused. ConfigError for a layer whose schedule runs its own pass (steps_drivable false).
+  enum class ExpertOffload { none, sync, async };
+  void offload_experts(ExpertOffload mode);
+  ExpertOffload expert_offload() const { return offload_; }
+  static const char* expert_offload_name(ExpertOffload m);
+
   // ---- the steps, forward. Each issues on the stream it is given (c: the compute stream;
   //      s, comm: a communication stream and the communicator used from it) ---------------
   // Gate on sv.x: fills the gate part of sv and routing(); the layer's one host
@@ -249,6 +265,20 @@ class MoELayer {
   std::uint64_t step_ = 0;               // forwards of the one-in-flight API
   std::vector<float> last_eps_;
   std::vector<std::vector<std::int64_t>> last_chunk_rows_;  // [chunks][El] of the last forward
+
+  // Expert offloading: the forward's resident experts ([n,M,H], [n,H,M] on the device, n the
+  // experts with rows; slot[l] their place, -1 for the others), held from the copy to the
+  // unpermute.
+  struct Resident {
+    Tensor w1, w2;
+    std::vector<std::int64_t> slot;
+  };
+  ExpertOffload offload_ = ExpertOffload::none;
+  Resident resident_;
+  std::unique_ptr<Event> copies_start_, copies_done_;
+  void migrate_experts(Stream& c);  // end of dispatch_preprocess, with the plan
+  Tensor expert_w1(std::int64_t l) const;  // [M,H] of local expert l where the GEMMs read it
+  Tensor expert_w2(std::int64_t l) const;  // [H,M]
 };
 
 }  // namespace moelab

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # harness/tests/cli_model_test.sh — `moelab run --model` through the real command line: a tiny
 # MoE model trains on cpu (the loss falls), the same on two MPI ranks, a 24-layer GPT3-MoE-XL
-# step on eight simulated A800s, a layer range, and bad model input (exit 2, no file).
+# step on eight simulated A800s, a layer range, inference (--inference), gradient buckets
+# overlapping backward, and bad model input (exit 2, no file).
 #   bash harness/tests/cli_model_test.sh build/harness/moelab /tmp/workdir
 set -u
 moelab="$1"
@@ -49,7 +50,49 @@ if "$moelab" run --model "$models/gpt3-moe-xl.json" --layers 4:8 --model-overrid
    [ "$(jget "$work/stage.json" "['training']['layers']")" = "[4, 8]" ]; then ok "--layers 4:8 runs a stage"
 else bad "--layers"; cat "$work/stage.log"; fi
 
-# 5. bad input: exit 2, a message naming the field, no result file
+# 5. --inference: forward passes only. On cpu the first step's loss is the training run's first
+# (same seed, same tokens, parameters not yet updated), with no optimizer, no gradients and
+# less activation memory; on sim a step of GPT2-MoE-Small-ScMoE is shorter than its training step.
+if "$moelab" run --model "$models/tiny-moe.json" --impl fastmoe --backend cpu --steps 1 --warmup 0 --micro-batch 4 \
+     --out "$work/t1.json" >"$work/t1.log" 2>&1 &&
+   "$moelab" run --model "$models/tiny-moe.json" --impl fastmoe --backend cpu --steps 1 --warmup 0 --micro-batch 4 \
+     --inference --out "$work/inf.json" >"$work/inf.log" 2>&1 &&
+   [ "$(jget "$work/inf.json" "['training']['pass']")" = "inference" ] &&
+   [ "$(jget "$work/inf.json" "['training']['optimizer']")" = "none" ] &&
+   "$py" -c "
+import json, sys
+t, i = (json.load(open(p))['metrics'] for p in sys.argv[1:3])
+lt, li = t['loss']['first'], i['loss']['first']
+act = lambda m: m['peak_memory_bytes']['peak_per_category']['activations']
+pk = i['peak_memory_bytes']['peak_per_category']
+ok = abs(lt - li) <= 1e-6 * abs(lt) and act(i) < act(t) and pk['optimizer'] == 0 and pk['gradients'] == 0
+sys.exit(0 if ok else 1)" "$work/t1.json" "$work/inf.json"; then
+  ok "--inference on cpu: the training run's first loss $(jget "$work/inf.json" "['metrics']['loss']['first']"), less activation memory, no optimizer or gradients"
+else bad "--inference on cpu"; cat "$work/inf.log"; fi
+if "$moelab" run --model "$models/gpt2-moe-small-scmoe.json" --impl fastmoe --backend sim --cluster pcie-a30x1 --steps 1 \
+     --warmup 0 --inference --out "$work/sim_inf.json" >"$work/sim_inf.log" 2>&1 &&
+   "$moelab" run --model "$models/gpt2-moe-small-scmoe.json" --impl fastmoe --backend sim --cluster pcie-a30x1 --steps 1 \
+     --warmup 0 --out "$work/sim_train.json" >"$work/sim_train.log" 2>&1 &&
+   "$py" -c "
+import json, sys
+i, t = (json.load(open(p))['metrics'] for p in sys.argv[1:3])
+sys.exit(0 if 0 < i['step_time_s']['max'] < t['step_time_s']['max'] / 2 and 'optimizer' not in {k for k, v in i['phases_s'].items() if v > 0} else 1)" \
+     "$work/sim_inf.json" "$work/sim_train.json"; then
+  ok "--inference on sim: GPT2-MoE-Small-ScMoE $(jget "$work/sim_inf.json" "['metrics']['step_time_s']['max']") s vs training $(jget "$work/sim_train.json" "['metrics']['step_time_s']['max']") s"
+else bad "--inference on sim"; cat "$work/sim_inf.log" "$work/sim_train.log"; fi
+
+# 6. data parallelism without a pipeline: the dense gradients are summed in buckets on their
+# own stream while backward runs (PyTorch DDP's overlap): on 8 simulated A800s the step is
+# shorter than the compute stream's busy time plus the synchroniser's.
+if "$py" -c "
+import json, sys
+m = json.load(open(sys.argv[1]))['metrics']
+busy = m['stream_busy_s']
+sys.exit(0 if busy.get('grad_sync', 0) > 0 and m['step_time_s']['max'] < busy['compute'] + busy['grad_sync'] else 1)" "$work/xl.json"; then
+  ok "gradient buckets overlap backward on sim (grad_sync stream busy $(jget "$work/xl.json" "['metrics']['stream_busy_s']['grad_sync']") s)"
+else bad "gradient buckets overlapping backward"; jget "$work/xl.json" "['metrics']['stream_busy_s']"; fi
+
+# 7. bad input: exit 2, a message naming the field, no result file
 expect_2() {
   local name="$1" want="$2"
   shift 2
@@ -66,6 +109,9 @@ expect_2 layers_out_of_range "layers" --model "$models/tiny-moe.json" --layers 1
 expect_2 experts_not_dividing "num_experts" --model "$models/tiny-moe.json" --impl fastmoe --backend sim --cluster dgx-a100x1 --ranks 3
 expect_2 workload_and_model "exclude each other" --model "$models/tiny-moe.json" --workload "$root/experiments/workloads/tiny.json" --impl fastmoe --backend cpu
 expect_2 model_override "num_layers" --model "$models/tiny-moe.json" --model-override '{"num_layers": 0}' --impl fastmoe --backend cpu
+expect_2 inference_workload "apply to --model" --workload "$root/experiments/workloads/tiny.json" --inference --impl fastmoe --backend cpu
+expect_2 inference_zero1 "for training" --model "$models/tiny-moe.json" --inference --zero1 --impl fastmoe --backend cpu
+expect_2 inference_optimizer "no optimizer" --model "$models/tiny-moe.json" --inference --optimizer sgd --impl fastmoe --backend cpu
 
 echo "cli_model: $pass passed, $fail failed"
 [ "$fail" = 0 ]

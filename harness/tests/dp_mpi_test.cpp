@@ -5,7 +5,8 @@
 // the concatenated batch (the DP ranks' batches as the microbatches of each step). Layouts:
 // data parallel with every expert on every rank (expert-DP = DP), with the experts spread
 // over all ranks (expert parallelism, expert-DP = 1), and tensor × data parallel (the expert
-// gradients averaged over the TP copies). Bucket sizes: Megatron's default (one bucket per
+// gradients averaged over the TP copies); and ScMoE's model (tiny-scmoe), data parallel and
+// expert parallel. Bucket sizes: Megatron's default (one bucket per
 // kind), one element (a bucket per parameter) and an awkward 1000. ZeRO-1's optimizer bytes
 // per rank are the unsharded bytes / dp up to the padding.
 //   mpirun --oversubscribe -np 4 build/harness/tests/dp_mpi_test
@@ -26,15 +27,20 @@ std::uint64_t g_seed = 0;  // agreed across ranks in main()
 constexpr int kSteps = 3;
 constexpr std::int64_t kSequences = 2;  // per rank and step
 
-TransformerConfig tiny() {
-  const auto path = std::filesystem::path(__FILE__).parent_path() / ".." / ".." / "experiments" / "models" / "tiny-moe.json";
+// tiny-moe, or tiny-scmoe (ScMoE's block pair: its routed MoE's tensors reach the synchroniser
+// through the Model, not through copies the pair holds).
+TransformerConfig tiny(bool scmoe) {
+  const auto path = std::filesystem::path(__FILE__).parent_path() / ".." / ".." / "experiments" / "models" /
+                    (scmoe ? "tiny-scmoe.json" : "tiny-moe.json");
   // Smaller than the file; capacity_factor 2 with top-2 of 4 experts is a capacity of T: no
-  // token is dropped whatever the rank holds.
+  // token is dropped whatever the rank holds. ScMoE's top-1 with capacity_factor 4 alike.
+  nlohmann::json moe = {{"d_hidden", 40}};
+  if (scmoe) moe.update({{"shared_expert_hidden", 48}, {"capacity_factor", 4.0}});
   return load_transformer(path.string(), {{"d_model", 32},
                                           {"d_ffn", 48},
                                           {"seq_len", 16},
                                           {"vocab_size", 48},
-                                          {"moe", {{"d_hidden", 40}}}});
+                                          {"moe", moe}});
 }
 
 // Adam divides by sqrt(v) + eps: with the default eps (1e-8) a gradient that is zero up to
@@ -78,13 +84,16 @@ Params reference(const TransformerConfig& cfg, std::uint64_t seed, int dp) {
 }
 
 struct Case {
-  const char* layout;  // "dp", "dp_ep" (ep = world), "tp2_dp" (tp = 2)
+  const char* layout;  // "dp", "dp_ep" (ep = world), "tp2_dp" (tp = 2); "scmoe_dp", "scmoe_dp_ep": tiny-scmoe
   bool zero1;
   std::int64_t bucket;
 };
 
+bool is_scmoe(const char* layout) { return std::string(layout).rfind("scmoe_", 0) == 0; }
+
 std::string spec_of(const char* layout, int n) {
-  const std::string l = layout;
+  std::string l = layout;
+  if (is_scmoe(layout)) l = l.substr(6);
   if (l == "dp_ep") return "ep=" + std::to_string(n);
   if (l == "tp2_dp") return "tp=2";
   return "";
@@ -98,7 +107,7 @@ TEST_P(DataParallelMpi, AdamStepsEqualOneRankOnTheConcatenatedBatch) {
   auto world = make_world_communicator(*b);
   const int n = world->size();
   if (std::string(c.layout) == "tp2_dp" && n % 2 != 0) GTEST_SKIP() << "tp = 2 needs an even world";
-  const TransformerConfig cfg = tiny();
+  const TransformerConfig cfg = tiny(is_scmoe(c.layout));
   const GroupLayout layout = check_layout(ParallelLayout::parse(spec_of(c.layout, n)), n, n, cfg);
   ProcessGroups pg(*world, layout, gather_nodes(*world));
   const int dp = layout.dp, me = pg.coords().dp;
@@ -180,7 +189,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{"dp", false, 40'000'000}, Case{"dp", false, 1}, Case{"dp", false, 1000},
                       Case{"dp", true, 40'000'000}, Case{"dp", true, 1}, Case{"dp", true, 1000},
                       Case{"dp_ep", false, 1000}, Case{"dp_ep", true, 1000}, Case{"tp2_dp", false, 1000},
-                      Case{"tp2_dp", true, 1000}),
+                      Case{"tp2_dp", true, 1000}, Case{"scmoe_dp", false, 1000}, Case{"scmoe_dp", true, 1000},
+                      Case{"scmoe_dp_ep", false, 1000}),
     [](const auto& p) {
       return std::string(p.param.layout) + (p.param.zero1 ? "_zero1" : "_allreduce") + "_bucket" +
              std::to_string(p.param.bucket);

@@ -1,7 +1,9 @@
 // harness/tests/model_test.cpp — the model level on the cpu backend: whole-model gradients
 // against finite differences of the loss, several microbatches in flight and deferred weight
-// gradients giving the same numbers as one microbatch at a time, memory charged to each
-// microbatch and returned, and a tiny MoE model that trains.
+// gradients giving the same numbers as one microbatch at a time, the block-by-block backward
+// giving the split one's gradients, inference giving forward's output with less held (and with
+// the experts offloaded to host memory), memory
+// charged to each microbatch and returned, and a tiny MoE model that trains.
 //   ctest --test-dir build -R model_test
 // (The block ops themselves are checked against a float64 reference in blocks_ops_test.)
 #include <gtest/gtest.h>
@@ -12,6 +14,8 @@
 #include "harness/comm/communicator.hpp"
 #include "harness/nn/data.hpp"
 #include "harness/nn/model.hpp"
+#include "harness/nn/moe_impl.hpp"
+#include "harness/nn/moe_layer.hpp"
 #include "harness/tests/test_util.hpp"
 
 namespace moelab {
@@ -204,6 +208,113 @@ TEST(Model, MicrobatchesInFlightGiveTheSequentialGradients) {
     f1.saved.reset();
     const auto inflight = r.grads();
     EXPECT_LT(max_rel_diff(seq, inflight), 1e-5) << (moe ? "moe" : "dense") << " seed " << seed;
+  }
+}
+
+// backward() (each block's input then weight gradients, block by block) gives the gradients of
+// backward_input then backward_weight, and the synchroniser hears of every block in reverse
+// order; a spent saved state is refused.
+TEST(Model, BlockByBlockBackwardGivesTheSplitGradients) {
+  const std::uint64_t seed = test::fresh_seed();
+  for (bool moe : {false, true}) {
+    const TransformerConfig cfg = tiny(moe);
+    Rig r(cfg, seed);
+    const float scale = 1.0f / static_cast<float>(3 * cfg.seq_len);
+    Batch x = r.batch(3, seed, 1, 0, scale);
+    r.model->zero_grad();
+    Forwarded f = r.model->forward(x, {0, 0, 1});
+    r.model->backward_input(*f.saved, Tensor());
+    r.model->backward_weight(*f.saved);
+    f.saved.reset();
+    const auto split = r.grads();
+    r.model->zero_grad();
+    Forwarded g = r.model->forward(x, {0, 0, 1});
+    r.model->backward(*g.saved, Tensor());
+    EXPECT_THROW(r.model->backward(*g.saved, Tensor()), std::exception);
+    g.saved.reset();
+    const auto fused = r.grads();
+    EXPECT_LT(max_rel_diff(split, fused), 1e-6) << (moe ? "moe" : "dense") << " seed " << seed;
+    double norm = 0;
+    for (const auto& v : fused)
+      for (float e : v) norm += static_cast<double>(e) * e;
+    EXPECT_GT(norm, 0.0);
+  }
+}
+
+// infer() computes forward's output (the head's per-token losses) while holding only what is in
+// flight: its activation peak is below forward's, and nothing stays charged afterwards.
+TEST(Model, InferenceGivesForwardsOutputAndHoldsLess) {
+  const std::uint64_t seed = test::fresh_seed();
+  for (bool moe : {false, true}) {
+    const TransformerConfig cfg = tiny(moe);
+    Rig r(cfg, seed);
+    Batch x = r.batch(3, seed, 1, 0, 1.0f);
+    r.b->synchronize();
+    const std::size_t before = r.b->memory().in_use(MemCategory::activations) + r.b->memory().in_use(MemCategory::buffers);
+    r.b->memory().reset_peak();
+    Forwarded f = r.model->forward(x, {0, 0, 1});
+    const auto trained = r.b->download(f.y);
+    const auto peak_train = r.b->memory().peak_per_category();
+    f = Forwarded{};
+    r.b->synchronize();
+    r.b->memory().reset_peak();
+    std::vector<float> inferred;
+    {
+      const Tensor y = r.model->infer(x, {0, 0, 1});
+      inferred = r.b->download(y);
+    }
+    const auto peak_infer = r.b->memory().peak_per_category();
+    ASSERT_EQ(trained.size(), inferred.size());
+    for (std::size_t i = 0; i < trained.size(); ++i) ASSERT_EQ(trained[i], inferred[i]) << "token " << i;
+    const auto act = static_cast<std::size_t>(MemCategory::activations);
+    EXPECT_LT(peak_infer[act], peak_train[act]) << (moe ? "moe" : "dense");
+    r.b->synchronize();
+    EXPECT_EQ(r.b->memory().in_use(MemCategory::activations) + r.b->memory().in_use(MemCategory::buffers), before);
+  }
+}
+
+// Expert offloading (ScMoE's memory-limited inference): with the experts in pinned host memory
+// and copied in per forward, sync or async, inference gives the same output; the device holds
+// less weight memory at its peak (one MoE layer's experts instead of every layer's), and the
+// host holds the experts.
+TEST(Model, OffloadedExpertsGiveTheSameOutputWithLessDeviceMemory) {
+  const std::uint64_t seed = test::fresh_seed();
+  TransformerConfig cfg = tiny(true);
+  cfg.num_layers = 6;  // three MoE layers: one layer's experts on the device at a time
+  std::vector<float> want;
+  std::size_t weights_peak = 0;
+  for (auto mode : {MoELayer::ExpertOffload::none, MoELayer::ExpertOffload::sync, MoELayer::ExpertOffload::async}) {
+    Rig r(cfg, seed);
+    r.model->release_gradients();
+    std::size_t expert_bytes = 0;
+    for (MoEImpl* m : r.model->moe_layers()) {
+      expert_bytes += m->params().w1.nbytes() + m->params().w2.nbytes();
+      m->layer().offload_experts(mode);
+      EXPECT_EQ(m->layer().expert_offload(), mode);
+    }
+    Batch x = r.batch(3, seed, 1, 0, 1.0f);
+    r.b->synchronize();
+    r.b->memory().reset_peak();
+    std::vector<float> got;
+    {
+      const Tensor y = r.model->infer(x, {0, 0, 1});
+      got = r.b->download(y);
+    }
+    r.b->synchronize();
+    const auto peak = r.b->memory().peak_per_category();
+    const std::size_t w = peak[static_cast<std::size_t>(MemCategory::weights)];
+    const char* name = MoELayer::expert_offload_name(mode);
+    if (mode == MoELayer::ExpertOffload::none) {
+      want = got;
+      weights_peak = w;
+      continue;
+    }
+    ASSERT_EQ(got.size(), want.size());
+    for (std::size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], want[i]) << name << " token " << i;
+    EXPECT_LT(w, weights_peak) << name;
+    EXPECT_EQ(r.b->memory().in_use(MemCategory::host_pinned), expert_bytes) << name;
+    Forwarded f = r.model->forward(x, {0, 0, 2});
+    EXPECT_THROW(r.model->backward(*f.saved, Tensor()), std::exception) << name << ": backward is refused";
   }
 }
 

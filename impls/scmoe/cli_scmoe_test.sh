@@ -2,7 +2,9 @@
 # impls/scmoe/cli_scmoe_test.sh — ScMoE models through the real command line: tiny-scmoe
 # trains on cpu (the loss falls), on two MPI ranks with chunked all-to-alls, GPT2-MoE-Small-ScMoE
 # and four layers of LLaMA2-MoE-ScMoE on eight simulated A30s over PCIe (the pair's schedule in
-# the result), the baselines by name, and bad input (exit 2, one line naming it, no file).
+# the result), the baselines by name, offloaded inference (cpu: the same loss; one simulated A30:
+# the device peak and sync against async copies), and bad input (exit 2, one line naming it, no
+# file).
 #   bash impls/scmoe/cli_scmoe_test.sh build/harness/moelab /tmp/workdir
 set -u
 moelab="$1"
@@ -66,7 +68,43 @@ if "$moelab" run --model "$models/gpt2-moe-small.json" --model-override '{"moe":
      >"$work/residual.log" 2>&1; then ok "baseline residual-moe with the model's dense MLP"
 else bad "baseline residual-moe"; cat "$work/residual.log"; fi
 
-# 6. bad input: exit 2, a message naming it, no result file
+# 6. offloaded inference (the paper's memory-limited inference): the routed experts in host memory. On cpu the loss
+# is the resident run's; on one simulated A30 the device peak falls, and copying the selected
+# experts in beside the pair's compute (async) is faster than in the compute stream's path (sync).
+# (tiny-scmoe with two pairs: one pair's experts on the device at a time.)
+if "$moelab" run --model "$models/tiny-scmoe.json" --model-override '{"num_layers": 4}' --impl fastmoe --backend cpu \
+     --steps 1 --warmup 0 --inference --out "$work/inf_none.json" >"$work/inf_none.log" 2>&1 &&
+   "$moelab" run --model "$models/tiny-scmoe.json" --model-override '{"num_layers": 4}' --impl fastmoe --backend cpu \
+     --steps 1 --warmup 0 --inference --offload-experts async --out "$work/inf_async.json" >"$work/inf_async.log" 2>&1 &&
+   "$py" -c "
+import json, sys
+n, a = (json.load(open(p))['metrics'] for p in sys.argv[1:3])
+pk = lambda m: m['peak_memory_bytes']
+ok = (abs(n['loss']['first'] - a['loss']['first']) <= 1e-6 * abs(n['loss']['first'])
+      and pk(a)['peak_per_category']['host_pinned'] > 0 and pk(a)['device_total'] < pk(n)['device_total']
+      and pk(n)['peak_per_category']['gradients'] == 0)
+sys.exit(0 if ok else 1)" "$work/inf_none.json" "$work/inf_async.json"; then
+  ok "offloaded inference on cpu: the resident run's loss, less device memory"
+else bad "offloaded inference on cpu"; cat "$work/inf_async.log"; fi
+for mode in none sync async; do
+  "$moelab" run --model "$models/gpt2-moe-small-scmoe.json" --impl fastmoe --backend sim --cluster pcie-a30x1 --ranks 1 \
+    --micro-batch 4 --steps 1 --warmup 0 --inference --offload-experts "$mode" --out "$work/off_$mode.json" \
+    >"$work/off_$mode.log" 2>&1 ||
+    { bad "offloaded inference on sim ($mode)"; cat "$work/off_$mode.log"; }
+done
+if "$py" -c "
+import json, sys
+n, s, a = (json.load(open(p))['metrics'] for p in sys.argv[1:4])
+t = lambda m: m['step_time_s']['max']
+d = lambda m: m['peak_memory_bytes']['device_total']
+print(f'peak {d(n)/2**20:.0f} -> {d(a)/2**20:.0f} MiB; sync {t(s)*1e3:.2f} ms, async {t(a)*1e3:.2f} ms, resident {t(n)*1e3:.2f} ms')
+slot = json.load(open(sys.argv[3]))['impl_report']['scmoe']
+sys.exit(0 if d(a) < d(n) and t(s) > t(a) >= t(n) and a['host_copy_s'] > 0 and slot['migrate_us'] > 0 else 1)" \
+     "$work/off_none.json" "$work/off_sync.json" "$work/off_async.json" >"$work/off.txt" 2>&1; then
+  ok "offloaded inference of GPT2-MoE-Small-ScMoE on one simulated A30: $(cat "$work/off.txt")"
+else bad "offloaded inference on sim: $(cat "$work/off.txt")"; fi
+
+# 7. bad input: exit 2, a message naming it, no result file
 expect_2() {
   local name="$1" want="$2"
   shift 2
@@ -82,6 +120,9 @@ expect_2 position_typo "scmoe.position" --model "$models/tiny-scmoe.json" --mode
 expect_2 scmoe_top2_file "moe.top_k" --model "$models/tiny-moe.json" --model-override '{"scmoe": {}}' --impl fastmoe --backend cpu
 expect_2 residual_without_mlp "shared_expert_hidden" --model "$models/tiny-moe.json" --impl residual-moe --backend cpu
 expect_2 chunks_option "chunks" --model "$models/tiny-moe.json" --impl top2-pipelined --impl-options '{"chunks": 0}' --backend cpu
+expect_2 offload_training "needs --inference" --model "$models/tiny-scmoe.json" --offload-experts async --impl fastmoe --backend cpu
+expect_2 offload_mode "--offload-experts" --model "$models/tiny-scmoe.json" --inference --offload-experts later --impl fastmoe --backend cpu
+expect_2 offload_mpipemoe "pass of its own" --model "$models/tiny-moe.json" --inference --offload-experts sync --impl mpipemoe --backend cpu
 
 echo "cli_scmoe: $pass passed, $fail failed"
 [ "$fail" = 0 ]

@@ -86,6 +86,11 @@ struct Placement {
   SlotChoice forward_choice, backward_choice;
   ChunkChoice chunk_choice;
   std::string rates;
+  // Offloaded experts (inference, MoELayer::offload_experts): the seconds to copy the local
+  // experts in, which the experts' slot must also cover (their weights arrive beside the
+  // dispatch); 0 when the experts are resident.
+  double migrate = 0.0;
+  std::string offload = "none";
   json to_json() const;
 };
 
@@ -100,6 +105,8 @@ json Placement::to_json() const {
   json j;
   j["window"] = names;
   j["expert_slot"] = {{"forward", slot_forward}, {"backward", slot_backward}, {"chosen", chosen}};
+  j["offload_experts"] = offload;
+  if (offload != "none") j["migrate_us"] = migrate * 1e6;
   j["chunks"] = chunks;
   j["estimate_us"] = {{"forward", {{"window", us(forward.compute)},
                                    {"experts", forward.experts * 1e6},
@@ -144,6 +151,7 @@ class ScMoEPair final : public LayerGroup {
   void backward_weight(Saved& saved) override;
   void init_parameters(std::uint64_t seed) override;
   void collect(std::vector<Param*>& out) override;
+  void collect_own(std::vector<Param*>& out) override;
   float aux_loss(const Saved& saved) override;
   void set_aux_grad_scale(float s) override { aux_scale_ = s; }
 
@@ -172,7 +180,7 @@ class ScMoEPair final : public LayerGroup {
   Param w_cg_;  // [M,G]
   std::unique_ptr<MoEImpl> impl_;
   ScheduledMoE scheduled_;
-  std::vector<Param> moe_params_;  // the routed MoE's tensors, named (collect())
+  std::vector<Param> moe_params_;  // the routed MoE's tensors, named: filled by collect() only
   float aux_coef_ = 0.0f, aux_scale_ = 1.0f;
   std::map<std::int64_t, Placement> placements_;  // by T
   std::int64_t last_T_ = 0;
@@ -199,20 +207,6 @@ ScMoEPair::ScMoEPair(LayerGroupArgs a)
   }
   moe_attention_ = std::make_unique<AttentionBlock>(b_, s_, cfg_, moe_layer_);
   if (sc_.gate_width() > 0) w_cg_ = make_param(b_, s_, name("scmoe.w_cg"), {cfg_.d_model, sc_.gate_width()}, cfg_.dtype);
-  MoEParams& v = impl_->params();
-  MoEParams& g = impl_->grads();
-  const auto add = [&](const char* what, Tensor& value, Tensor& grad, bool gate) {
-    Param p;  // the gate replicated over the data-parallel ranks, the experts sharded
-    p.name = name(what);
-    p.value = value;
-    p.grad = grad;
-    p.replicated = gate;
-    moe_params_.push_back(std::move(p));
-  };
-  add("moe.w_gate", v.w_gate, g.w_gate, true);
-  if (v.w_noise.defined()) add("moe.w_noise", v.w_noise, g.w_noise, true);
-  add("moe.w1", v.w1, g.w1, false);
-  add("moe.w2", v.w2, g.w2, false);
 }
 
 // GPT-2 / Megatron's N(0, 0.02^2) for W_cg too (coef starts near 1/2); the other parameters as
@@ -228,7 +222,7 @@ void ScMoEPair::init_parameters(std::uint64_t seed) {
   impl_->init_parameters(Rng::mix(seed, tag(16)));
 }
 
-void ScMoEPair::collect(std::vector<Param*>& out) {
+void ScMoEPair::collect_own(std::vector<Param*>& out) {
   if (dense_attention_) dense_attention_->collect(out);
   if (dense_mlp_) dense_mlp_->collect(out);
   moe_attention_->collect(out);
@@ -236,6 +230,27 @@ void ScMoEPair::collect(std::vector<Param*>& out) {
   se_.collect(out);
   moe_norm_.collect(out);
   if (w_cg_.value.defined()) out.push_back(&w_cg_);
+}
+
+// The routed MoE's tensors as named copies of its handles, made afresh at each call (the pair's
+// tests read them; a Model uses collect_own and the layer's own members).
+void ScMoEPair::collect(std::vector<Param*>& out) {
+  collect_own(out);
+  MoEParams& v = impl_->params();
+  MoEParams& g = impl_->grads();
+  moe_params_.clear();
+  const auto add = [&](const char* what, Tensor& value, Tensor& grad, bool gate) {
+    Param p;  // the gate replicated over the data-parallel ranks, the experts sharded
+    p.name = name(what);
+    p.value = value;
+    p.grad = grad;
+    p.replicated = gate;
+    moe_params_.push_back(std::move(p));
+  };
+  add("moe.w_gate", v.w_gate, g.w_gate, true);
+  if (v.w_noise.defined()) add("moe.w_noise", v.w_noise, g.w_noise, true);
+  add("moe.w1", v.w1, g.w1, false);
+  add("moe.w2", v.w2, g.w2, false);
   for (Param& p : moe_params_) out.push_back(&p);
 }
 
@@ -325,6 +340,19 @@ const Placement& ScMoEPair::placement(std::int64_t T) {
     p.rates = r.gemm_flops > 0 ? r.source : "GEMM rate measured with " + b_.name() + "'s GEMM library";
     if (!(r.a2a_bytes > 0) && impl_->layer().channels().dispatch_comm().size() > 1)
       p.rates += "; all-to-all " + std::to_string(kAssumedA2aBytesPerS / 1e9) + " GB/s assumed";
+    // Offloaded experts: every local expert that balanced routing reaches (all of them when
+    // T·k rows outnumber them) is copied in over the host link before the experts can run:
+    // the experts' slot sees max(dispatch, migration) before it.
+    const auto mode = impl_->layer().expert_offload();
+    if (mode != MoELayer::ExpertOffload::none) {
+      p.offload = MoELayer::expert_offload_name(mode);
+      const std::int64_t reached = std::min<std::int64_t>(El, T * cfg_.moe.top_k);
+      const double bytes = 2.0 * static_cast<double>(reached * M * H) * static_cast<double>(dtype_size(cfg_.dtype));
+      p.migrate = r.host_copy_bytes > 0 ? bytes / r.host_copy_bytes : 0.0;
+      if (!(r.host_copy_bytes > 0)) p.rates += "; host link rate unknown: the migration not priced";
+      // sync: the copies are in the compute stream's path whatever the slot; async: beside it.
+      if (mode == MoELayer::ExpertOffload::async) p.forward.first = std::max(p.forward.first, p.migrate);
+    }
   }
   p.forward_choice = choose_slot(p.forward.compute, p.forward.first, p.forward.second);
   p.backward_choice = choose_slot(p.backward.compute, p.backward.first, p.backward.second);
