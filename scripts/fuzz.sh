@@ -26,7 +26,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${FUZZ_BUILD_DIR:-$root/build-fuzz}"
 jobs="${JOBS:-$(nproc)}"
-all_targets=(workload model cluster catalogue profile routing_trace impl_options parallel_layout)
+all_targets=(workload model cluster catalogue profile routing_trace impl_options parallel_layout training_data)
 total=60
 per_target=""
 runs=-1
@@ -74,7 +74,7 @@ if [ "$mode" = corpus ]; then
   [ -x "$moelab" ] || { echo "fuzz.sh: $moelab not built (cmake --build build --target moelab)" >&2; exit 2; }
   c="$root/harness/fuzz/corpus"
   rm -rf "$c"
-  mkdir -p "$c"/{workload,model,cluster,catalogue,profile,routing_trace,impl_options,parallel_layout}
+  mkdir -p "$c"/{workload,model,cluster,catalogue,profile,routing_trace,impl_options,parallel_layout,training_data}
   cp "$root"/experiments/workloads/*.json "$c/workload/"
   cp "$root"/experiments/models/*.json "$c/model/"
   printf '\0{"num_layers": 3, "moe": {"num_experts": 8}}' | cat "$root/experiments/models/tiny-moe.json" - >"$c/model/tiny-moe-with-override"
@@ -104,6 +104,11 @@ EOF
     printf '%s' "$l" >"$c/parallel_layout/layout-$i"
     i=$((i + 1))
   done
+  # --data: a first byte (sequence length, vocabulary) and a Markov spec or a text (this README).
+  printf '\020markov:8' >"$c/training_data/markov-8"
+  printf '\040markov:300\n' >"$c/training_data/markov-300"
+  { printf '\010'; head -c 3000 "$root/README.md"; } >"$c/training_data/text-readme"
+  { printf '\210'; head -c 600 "$root/README.md"; } >"$c/training_data/text-small-vocab"
   w="$(mktemp -d)"
   "$moelab" calibrate --backend cpu --quick --name fuzz-seed --out "$c/profile/cpu-quick.json" >/dev/null
   "$moelab" run --workload "$root/experiments/workloads/tiny.json" --impl fastmoe --backend cpu \
