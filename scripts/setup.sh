@@ -15,6 +15,7 @@ packages=(
   libbenchmark-dev                  # micro-benchmarks
   libopenblas-dev                   # cpu GEMM
   python3-matplotlib                # plots (run with /usr/bin/python3)
+  fortunes                          # English text for the quality comparison (scripts/quality.py)
 )
 
 missing=()
