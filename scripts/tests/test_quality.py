@@ -1,6 +1,7 @@
 """Tests of the quality comparison's summary (scripts/quality.py): statistics over seeds, the curve
 band, the comparison with the reference, the markov floor, the experiment file's checks, and
-that a failed run leaves the results folder as it was.
+that a failed run leaves the results folder as it was. With MOELAB set to a moelab binary (CTest
+sets it), every variant runs a few steps on markov:8 end to end; without it that test is skipped.
 
     /usr/bin/python3 -m unittest -v test_quality      (from scripts/tests)
 """
@@ -190,6 +191,36 @@ class FailedRun(unittest.TestCase):
                 self.assertEqual(quality.main(args), 2)
             self.assertIn(fragment, err.getvalue())
             self.assertEqual(len(err.getvalue().strip().splitlines()), 1)
+
+
+class EndToEnd(unittest.TestCase):
+    @unittest.skipUnless(os.environ.get("MOELAB"), "MOELAB (a moelab binary) is not set")
+    def test_every_variant_a_few_steps(self):
+        e = quality.load_experiment(quality.EXPERIMENT)
+        e["settings"] = {"tiny": {"seeds": [5, 6], "steps": 4, "eval_every": 2, "eval_batches": 1}}
+        e["default_setting"] = "tiny"
+        with tempfile.TemporaryDirectory() as d:
+            path, out = os.path.join(d, "q.json"), os.path.join(d, "out")
+            with open(path, "w") as f:
+                json.dump(e, f)
+            with contextlib.redirect_stdout(io.StringIO()) as log:
+                rc = quality.main(["--experiment", path, "--source", "markov8", "--moelab", os.environ["MOELAB"],
+                                   "--out", out, "--no-plot"])
+            self.assertEqual(rc, 0, log.getvalue())
+            with open(os.path.join(out, "summary.json")) as f:
+                s = json.load(f)
+            src = s["sources"]["markov8"]
+            self.assertAlmostEqual(src["entropy_floor"], math.log(8))
+            self.assertEqual(set(src["variants"]), {v["name"] for v in e["variants"]})
+            for name, v in src["variants"].items():
+                self.assertEqual(v["curve"]["steps"], [0, 2, 4], name)
+                self.assertEqual(v["seeds"], [5, 6])
+                self.assertTrue(os.path.isfile(os.path.join(out, "markov8", f"{name}-seed5.json")))
+            # top-2 sends each token to two experts, the others to one beside a shared expert
+            self.assertEqual(src["variants"]["top2"]["top_k"], 2)
+            self.assertEqual({v["top_k"] for n, v in src["variants"].items() if n != "top2"}, {1})
+            self.assertEqual(set(src["versus_reference"]), {v["name"] for v in e["variants"]} - {"top2"})
+            self.assertFalse([n for n in os.listdir(out) if n.startswith(".staging")])
 
 
 if __name__ == "__main__":
