@@ -183,10 +183,11 @@ def versus(ref, other):
     if set(ref) != set(other):
         raise ValueError(f"different seeds: {sorted(ref)} and {sorted(other)}")
     a, b = stats(ref.values()), stats(other.values())
+    out = {"delta_mean": b["mean"] - a["mean"], "delta_per_seed": {str(s): other[s] - ref[s] for s in sorted(ref)}}
+    if a["n"] < 2:
+        return {**out, "ranges_apart": None, "verdict": "one seed: no spread to compare with"}
     apart = b["max"] < a["min"] or a["max"] < b["min"]
-    return {"delta_mean": b["mean"] - a["mean"],
-            "delta_per_seed": {str(s): other[s] - ref[s] for s in sorted(ref)},
-            "ranges_apart": apart,
+    return {**out, "ranges_apart": apart,
             "verdict": ("lower than" if b["mean"] < a["mean"] else "higher than") + " the reference beyond the seed spread"
             if apart else "within the seed spread of the reference"}
 
@@ -219,6 +220,9 @@ def summarize_source(results, reference):
     return out
 
 
+APART = {True: "yes", False: "no", None: "— (one seed)"}
+
+
 def table(summary, labels=None):
     """The summary as a markdown table, one row per source and variant."""
     labels = labels or {}
@@ -233,9 +237,9 @@ def table(summary, labels=None):
             std = f"{f['std']:.3f}" if f["std"] is not None else "—"
             vs = s.get("versus_reference", {}).get(v)
             rows.append(f"| {name} | {labels.get(v, v)} | {e['parameters_active_per_token']:,.0f} | "
-                        f"{e['training_flops_per_token'] / 1e6:.2f} | {f['mean']:.3f} ± {std} | "
+                        f"{e['training_flops_per_token'] / 1e6:.3f} | {f['mean']:.3f} ± {std} | "
                         f"{f['min']:.3f} – {f['max']:.3f} | "
-                        + (f"{vs['delta_mean']:+.3f} | {'yes' if vs['ranges_apart'] else 'no'} |" if vs else "— | — |"))
+                        + (f"{vs['delta_mean']:+.3f} | {APART[vs['ranges_apart']]} |" if vs else "— | — |"))
     return "\n".join(rows)
 
 
@@ -339,7 +343,8 @@ def main(argv=None):
           f"setting {setting_name}, seeds {setting['seeds']}; measured on cpu ({summary['device']}), commit "
           f"{summary['commit']}; {summary['host_seconds']['total']:.0f} s\n")
     print(table(summary, summary["labels"]))
-    print(f"\nquality.py: wrote {os.path.relpath(out, ROOT)}/summary.json and {len(jobs)} results")
+    where = os.path.relpath(out, ROOT) if out.startswith(ROOT + os.sep) else out
+    print(f"\nquality.py: wrote {where}/summary.json and {len(jobs)} results")
     if not a.no_plot:
         fig = os.path.join(out, "scmoe_quality.png")
         p = subprocess.run([sys.executable, os.path.join(ROOT, "plots", "scmoe_quality.py"), "--summary",

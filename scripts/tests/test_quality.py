@@ -83,6 +83,12 @@ class Versus(unittest.TestCase):
     def test_touching_ranges_are_not_apart(self):
         self.assertFalse(quality.versus({1: 2.0, 2: 2.2}, {1: 2.2, 2: 2.4})["ranges_apart"])
 
+    def test_one_seed_has_no_verdict(self):
+        v = quality.versus({1: 3.0}, {1: 2.0})
+        self.assertAlmostEqual(v["delta_mean"], -1.0)
+        self.assertIsNone(v["ranges_apart"])
+        self.assertIn("one seed", v["verdict"])
+
     def test_different_seeds_refused(self):
         with self.assertRaises(ValueError):
             quality.versus({1: 2.0, 2: 2.1}, {1: 2.0, 3: 2.1})
