@@ -5,6 +5,7 @@
     /usr/bin/python3 scripts/quality.py --setting quick        # one seed, a few steps (< 1 min)
     /usr/bin/python3 scripts/quality.py --setting long         # more steps and seeds (hours; not run by reproduce.sh)
     /usr/bin/python3 scripts/quality.py --data notes.txt       # a text file of one's own instead of the sources
+    /usr/bin/python3 scripts/quality.py --source fortunes --steps 600 --seeds 1 --eval-every 100   # a custom run
     /usr/bin/python3 scripts/quality.py --list                 # the commands, without running them
 
 The experiment is data, experiments/scmoe/quality.json: the variants (a model file, an --impl,
@@ -15,8 +16,9 @@ one after another, with `--data`, `--eval-every` and `--eval-batches`: the valid
 over the held-out windows before the first step and every N steps (moelab's
 harness/nn/text_data.hpp).
 
-Where things go (OUT: --out, default results/measured/cpu/quality for the default setting and
-results/measured/cpu/quality-<setting> for the others): OUT/<source>/<variant>-seed<S>.json, one
+Where things go (OUT: --out, default results/measured/cpu/quality for the default setting,
+results/measured/cpu/quality-<setting> for the others, results/measured/cpu/quality-custom when
+--steps, --seeds or --eval-every change a setting): OUT/<source>/<variant>-seed<S>.json, one
 moelab result per run, and OUT/summary.json: per source and variant, the final validation loss
 (mean, sample standard deviation, min, max and spread over the seeds), the curve (mean, min and
 max over the seeds at every evaluation), parameters (total, active per token) and training
@@ -263,6 +265,9 @@ def main(argv=None):
     ap.add_argument("--moelab", help="the moelab binary (default $MOELAB, else build/harness/moelab)")
     ap.add_argument("--experiment", default=EXPERIMENT, help=argparse.SUPPRESS)
     ap.add_argument("--no-plot", action="store_true", help="do not draw the figure")
+    ap.add_argument("--steps", type=int, help="override the setting's steps (a custom run: its own default folder)")
+    ap.add_argument("--seeds", help="override the setting's seeds, e.g. 1,2 (a custom run)")
+    ap.add_argument("--eval-every", type=int, help="override the setting's evaluation cadence (a custom run)")
     ap.add_argument("--list", action="store_true", help="print the commands and stop")
     a = ap.parse_args(argv)
     try:
@@ -270,13 +275,36 @@ def main(argv=None):
         setting_name = a.setting or e["default_setting"]
         if setting_name not in e["settings"]:
             raise InputError(f"--setting {setting_name}: expected one of {', '.join(e['settings'])}")
-        setting = e["settings"][setting_name]
+        setting = dict(e["settings"][setting_name])
+        custom = []
+        if a.steps is not None:
+            if a.steps < 1:
+                raise InputError(f"--steps {a.steps}: expected a positive number of steps")
+            setting["steps"] = a.steps
+            custom.append(f"steps {a.steps}")
+        if a.seeds is not None:
+            try:
+                seeds = [int(x) for x in a.seeds.split(",")]
+            except ValueError:
+                seeds = []
+            if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+                raise InputError(f"--seeds {a.seeds}: expected distinct integers >= 0 joined by ','")
+            setting["seeds"] = seeds
+            custom.append(f"seeds {a.seeds}")
+        if a.eval_every is not None:
+            if not 0 < a.eval_every <= setting["steps"]:
+                raise InputError(f"--eval-every {a.eval_every}: expected 1 to the steps ({setting['steps']})")
+            setting["eval_every"] = a.eval_every
+            custom.append(f"eval every {a.eval_every}")
+        setting["eval_every"] = min(setting["eval_every"], setting["steps"])
+        if custom:
+            setting_name += " (" + ", ".join(custom) + ")"
         sources = resolve_sources(e, a.source, a.data)
         moelab = "moelab" if a.list else find_moelab(a.moelab)
     except InputError as err:
         print(f"quality.py: {err}", file=sys.stderr)
         return 2
-    default_out = e["out"] + ("" if setting_name == e["default_setting"] else f"-{setting_name}")
+    default_out = e["out"] + ("-custom" if custom else "" if setting_name == e["default_setting"] else f"-{setting_name}")
     out = os.path.abspath(a.out or os.path.join(mr.RESULTS, default_out))
     jobs = [(s["name"], s["spec"], v, seed) for s in sources for v in e["variants"] for seed in setting["seeds"]]
     if a.list:

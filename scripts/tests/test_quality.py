@@ -191,12 +191,26 @@ class FailedRun(unittest.TestCase):
     def test_bad_input(self):
         for args, fragment in ((["--setting", "nope", "--list"], "--setting nope"),
                                (["--source", "nope", "--list"], "--source nope"),
-                               (["--moelab", "/nonexistent/moelab"], "no moelab binary")):
+                               (["--moelab", "/nonexistent/moelab"], "no moelab binary"),
+                               (["--seeds", "1,1", "--list"], "--seeds 1,1"),
+                               (["--steps", "0", "--list"], "--steps 0"),
+                               (["--steps", "10", "--eval-every", "20", "--list"], "--eval-every 20")):
             err = io.StringIO()
             with contextlib.redirect_stderr(err):
                 self.assertEqual(quality.main(args), 2)
             self.assertIn(fragment, err.getvalue())
             self.assertEqual(len(err.getvalue().strip().splitlines()), 1)
+
+
+class Custom(unittest.TestCase):
+    def test_overrides_go_to_their_own_folder(self):
+        with contextlib.redirect_stdout(io.StringIO()) as log:
+            self.assertEqual(quality.main(["--source", "markov8", "--steps", "30", "--seeds", "4,7", "--list"]), 0)
+        lines = log.getvalue().strip().splitlines()
+        self.assertEqual(len(lines), 8)  # 4 variants x 2 seeds
+        self.assertTrue(all("/quality-custom/markov8/" in x and "--steps 30" in x for x in lines))
+        self.assertTrue(all("--eval-every 20" in x for x in lines))
+        self.assertEqual(sum("--seed 7 " in x for x in lines), 4)
 
 
 class EndToEnd(unittest.TestCase):
