@@ -16,6 +16,7 @@ packages=(
   libopenblas-dev                   # cpu GEMM
   python3-matplotlib                # plots (run with /usr/bin/python3)
   python3-hypothesis                # property-based tests of the suite files (scripts/tests)
+  fortunes                          # English text for the quality comparison (scripts/quality.py)
 )
 
 missing=()
