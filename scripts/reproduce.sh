@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # scripts/reproduce.sh — install what is missing, build, run every registered experiment suite
-# (experiments/*/suite.json), the micro-benchmarks, the figures and the report, and finish
+# (experiments/*/suite.json), ScMoE's quality comparison, the micro-benchmarks, the figures and
+# the report, and finish
 # with the table of paper claims against ours.
 #
-#   scripts/reproduce.sh                    # everything this machine can run (~18 min on 2 cores)
-#   scripts/reproduce.sh --quick            # each suite's reduced subset (~3 min)
+#   scripts/reproduce.sh                    # everything this machine can run (~23 min on 2 cores)
+#   scripts/reproduce.sh --quick            # each suite's reduced subset (~4 min)
 #   scripts/reproduce.sh --suite mpipemoe   # one suite (repeatable)
 #   scripts/reproduce.sh --out DIR          # results, figures and RESULTS.md under DIR, not results/
 #   scripts/reproduce.sh --update-baseline  # accept simulated results that differ from the committed ones
@@ -60,6 +61,21 @@ echo "== suites"
 suites_rc=0
 "$py" "$root/scripts/run_suite.py" "${suite_args[@]}" "${run_args[@]}" --out "$out" --moelab "$moelab" || suites_rc=$?
 
+# ScMoE's quality comparison (measured on the cpu backend, written always): the default
+# setting in a full run (~4 min), the quick one with --quick; the long one is separate
+# (scripts/quality.py --setting long, impls/scmoe/README.md "Quality").
+quality_rc=0
+if [ "${#suite_args[@]}" = 0 ] || printf '%s\n' "${suite_args[@]}" | grep -qx scmoe; then
+  echo
+  if [ "$quick" = 1 ]; then
+    echo "== ScMoE quality, quick setting (measured on cpu) -> ${out#$root/}/measured/cpu/quality-quick"
+    "$py" "$root/scripts/quality.py" --setting quick --moelab "$moelab" --out "$out/measured/cpu/quality-quick" || quality_rc=$?
+  else
+    echo "== ScMoE quality (measured on cpu) -> ${out#$root/}/measured/cpu/quality"
+    "$py" "$root/scripts/quality.py" --moelab "$moelab" --out "$out/measured/cpu/quality" || quality_rc=$?
+  fi
+fi
+
 echo
 echo "== micro-benchmarks (measured, written always; the comparison is informational)"
 mkdir -p "$out/bench"
@@ -106,3 +122,4 @@ if [ "$suites_rc" != 0 ]; then
   exit 1
 fi
 [ "$figures_rc" = 0 ] || { echo "reproduce.sh: a figure or the report failed (see above)" >&2; exit 1; }
+[ "$quality_rc" = 0 ] || { echo "reproduce.sh: the quality comparison failed (see above)" >&2; exit 1; }
