@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # scripts/reproduce.sh — install what is missing, build, run every registered experiment suite
 # (experiments/*/suite.json), ScMoE's quality comparison, the micro-benchmarks, the figures and
-# the report, and finish
-# with the table of paper claims against ours.
+# the report, and finish with the table of paper claims against ours.
 #
 #   scripts/reproduce.sh                    # everything this machine can run (~23 min on 2 cores)
 #   scripts/reproduce.sh --quick            # each suite's reduced subset (~4 min)
