@@ -86,7 +86,8 @@ void print_run_help(std::FILE* to) {
       "  --zero1           shard Adam's states over the data-parallel groups (ZeRO stage 1)\n"
       "  --grad-bucket N   elements per gradient bucket (default 40000000, Megatron-Core's)\n"
       "  --inference       forward passes only (full-sequence batches, no backward, no optimizer),\n"
-      "                    each block's activations released once the next has them\n"
+      "                    each block's activations released once the next has them; --parallel\n"
+      "                    may place the ranks (dp and ep only: e.g. ep=8 on 16 GPUs)\n"
       "  --data SPEC       training tokens: a text file read as bytes (several joined by ','; the last\n"
       "                    tenth held out), or markov:K (a Markov source of entropy rate ln K); default:\n"
       "                    the synthetic successor language\n"
@@ -260,8 +261,8 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
                       "--parallel, --schedule, --chunks, --recompute, --sequence-parallel, --zero1, --grad-bucket, "
                       "--inference, --data and --eval-every apply to --model runs (a workload file sets its own)");
   if (o.inference && o.pipelined())
-    throw ConfigError("--inference runs the forward pass with every rank holding the model (expert parallelism over all "
-                      "ranks); --parallel, --schedule, --chunks, --recompute, --sequence-parallel, --zero1 and "
+    throw ConfigError("--inference runs the forward pass of the whole model on every rank (--parallel may place the ranks as "
+                      "dp x ep replicas); --schedule, --chunks, --recompute, --sequence-parallel, --zero1 and "
                       "--grad-bucket are for training");
   if (o.inference && (o.optimizer != "adam" || o.lr != 1e-3))
     throw ConfigError("--inference has no optimizer: leave out --optimizer and --lr");
@@ -277,7 +278,7 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
   if (o.offload_experts != "none" && o.impl == "mpipemoe")
     throw ConfigError("--offload-experts: --impl mpipemoe runs a pass of its own over the experts' weights; use fastmoe, "
                       "fastermoe, top1, top2 or their pipelined forms");
-  if (o.pipelined() && (o.first_layer != 0 || o.last_layer != -1))
+  if (!o.parallel.empty() && (o.first_layer != 0 || o.last_layer != -1))
     throw ConfigError("--layers and --parallel exclude each other: the pipeline assigns the layers to its stages");
   if (!o.model.empty() && !o.record_routing.empty())
     throw ConfigError("--record-routing applies to --workload runs");

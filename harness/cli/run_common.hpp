@@ -52,9 +52,11 @@ struct RunOptions {
   std::string data;                                            // --data FILE[,FILE...]|markov:K (harness/nn/text_data.hpp)
   int eval_every = 0;                                          // --eval-every N steps: validation loss (0: never)
   int eval_batches = 4;                                        // --eval-batches N microbatches per evaluation
+  // Training through the pipeline executor. With --inference, --parallel only places the ranks
+  // (data × expert parallel replicas of the whole model; run_model.cpp).
   bool pipelined() const {
-    return !parallel.empty() || !schedule.empty() || chunks != 0 || !recompute.empty() || sequence_parallel || zero1 ||
-           grad_bucket != 0;
+    return (!parallel.empty() && !inference) || !schedule.empty() || chunks != 0 || !recompute.empty() ||
+           sequence_parallel || zero1 || grad_bucket != 0;
   }
   bool help = false;
 };

@@ -94,6 +94,16 @@ PipelinePlan plan_pipeline(const RunOptions& opt, const TransformerConfig& cfg, 
   return p;
 }
 
+// An --inference run's --parallel: replicas of the whole model, data × expert parallel only.
+std::optional<GroupLayout> replica_layout(const RunOptions& opt, const TransformerConfig& cfg, int world, int gpus_per_node) {
+  if (!opt.inference || opt.parallel.empty()) return std::nullopt;
+  GroupLayout l = check_layout(ParallelLayout::parse(opt.parallel), world, gpus_per_node, cfg);
+  if (l.tp != 1 || l.pp != 1 || l.etp != 1)
+    throw ConfigError("--inference --parallel " + l.to_string() + ": inference runs whole-model replicas; only dp and ep may "
+                      "exceed 1");
+  return l;
+}
+
 // What one rank trains: the model (or its --layers range) as one Model whose replicated
 // gradients are summed over every rank; or, with --parallel, its stage of a pipeline.
 struct Trainee {
@@ -277,9 +287,10 @@ void print_pipeline(const json& par, int steps) {
 
 // plan: the checked layout and schedule of a --parallel run (null: every rank holds the model).
 // data: --data's source, opened and checked before the run (null: the synthetic language).
+// replicas: an --inference run's --parallel layout (dp × ep; null: expert parallel over all ranks).
 int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const TransformerConfig& cfg,
                       const Platform& platform, RunOutputs* outputs, const PipelinePlan* plan, int gpus_per_node,
-                      const TrainingData* data, bool preflight = false) {
+                      const TrainingData* data, const GroupLayout* replica_layout, bool preflight = false) {
   const int rank = c.rank(), world = c.size();
   const int steps = preflight ? 1 : opt.steps > 0 ? opt.steps : 3;
   const int warmup = preflight ? 0 : opt.warmup >= 0 ? opt.warmup : 1;
@@ -306,6 +317,12 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
                                                               model.groups->ep(), po);
       model.stage->set_gradient_sync(&model.groups->dp(), &model.groups->edp());
       replicas = plan->layout.dp;
+      data_rank = model.groups->coords().dp;
+    } else if (replica_layout) {  // --inference on dp × ep replicas: each its own tokens
+      model.groups = std::make_unique<ProcessGroups>(
+          c, *replica_layout, b.name() == "sim" ? NodeMap::uniform(world, gpus_per_node) : gather_nodes(c));
+      model.model = std::make_unique<Model>(b, model.groups->ep(), cfg, mo);
+      replicas = replica_layout->dp;
       data_rank = model.groups->coords().dp;
     } else {
       model.model = std::make_unique<Model>(b, c, cfg, mo);
@@ -672,6 +689,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     result["training"] = {{"layers", {first, last}},               {"micro_batch", opt.micro_batch},
                           {"microbatches", opt.microbatches},     {"optimizer", opt.inference ? "none" : opt.optimizer},
                           {"pass", opt.inference ? "inference" : "training"},
+                          {"replicas", replica_layout ? json(replica_layout->to_string()) : json(nullptr)},
                           {"offload_experts", opt.offload_experts},
                           {"lr", opt.lr},                         {"seed", opt.seed},
                           {"steps", steps},                       {"warmup", warmup}};
@@ -732,9 +750,11 @@ int run_model_command(const RunOptions& opt) {
     // Everything that can be checked is checked before the cluster is built.
     const int n = sim_world_size(so.cluster, opt.ranks);
     std::optional<PipelinePlan> plan;
+    const std::optional<GroupLayout> replicas = replica_layout(opt, cfg, n, so.cluster.node.gpus);
     if (opt.pipelined()) plan = plan_pipeline(opt, cfg, n, so.cluster.node.gpus);
-    else validate_model_for_world(cfg, opt, n);
-    check_impl_options(opt.impl, opt.impl_options, {cfg.moe, plan ? plan->layout.ep : n, tokens(cfg), cfg.shared_expert_hidden});
+    else if (!replicas) validate_model_for_world(cfg, opt, n);
+    check_impl_options(opt.impl, opt.impl_options,
+                       {cfg.moe, plan ? plan->layout.ep : replicas ? replicas->ep : n, tokens(cfg), cfg.shared_expert_hidden});
     if (!opt.profile.empty()) so.profile = sim::load_profile(opt.profile);
     so.routing = RoutingModel::parse(opt.routing, opt.seed);
     so.ranks = opt.ranks;
@@ -750,7 +770,8 @@ int run_model_command(const RunOptions& opt) {
         throw Unsupported(shown(cfg.origin) + ": dtype = \"" + std::string(dtype_name(cfg.dtype)) +
                           "\" is not supported by the sim backend");
       const int r = run_model_on_rank(b, c, opt, cfg, platform, c.rank() == 0 ? &outputs : nullptr,
-                                      plan ? &*plan : nullptr, cluster.options().cluster.node.gpus, nullptr);
+                                      plan ? &*plan : nullptr, cluster.options().cluster.node.gpus, nullptr,
+                                      replicas ? &*replicas : nullptr);
       if (c.rank() == 0) rc = r;
     });
     return rc;
@@ -758,15 +779,18 @@ int run_model_command(const RunOptions& opt) {
 
   TransformerConfig cfg;
   std::optional<PipelinePlan> plan;
+  std::optional<GroupLayout> replicas;
   std::optional<TrainingData> data;
   StartedRun run;
   start_run(
       run, opt,
       [&] {
         cfg = load_transformer(opt.model, opt.model_override);
+        replicas = replica_layout(opt, cfg, world, world);
         if (opt.pipelined()) plan = plan_pipeline(opt, cfg, world, world);
-        else validate_model_for_world(cfg, opt, world);
-        check_impl_options(opt.impl, opt.impl_options, {cfg.moe, plan ? plan->layout.ep : world, tokens(cfg), cfg.shared_expert_hidden});
+        else if (!replicas) validate_model_for_world(cfg, opt, world);
+        check_impl_options(opt.impl, opt.impl_options,
+                           {cfg.moe, plan ? plan->layout.ep : replicas ? replicas->ep : world, tokens(cfg), cfg.shared_expert_hidden});
         if (!opt.data.empty()) data = TrainingData::open(opt.data, cfg.vocab_size, cfg.seq_len, opt.seed);
       },
       [&](const Backend& b) {
@@ -776,10 +800,11 @@ int run_model_command(const RunOptions& opt) {
                (b.name() == "cpu" ? " (it computes in fp32; override with --model-override '{\"dtype\": \"fp32\"}')" : "");
       },
       [&](Backend& b, Communicator& c) {
-        run_model_on_rank(b, c, opt, cfg, Platform{}, nullptr, plan ? &*plan : nullptr, world, data ? &*data : nullptr, true);
+        run_model_on_rank(b, c, opt, cfg, Platform{}, nullptr, plan ? &*plan : nullptr, world, data ? &*data : nullptr,
+                          replicas ? &*replicas : nullptr, true);
       });
   return run_model_on_rank(*run.backend, *run.comm, opt, cfg, Platform{}, world_rank() == 0 ? &run.outputs : nullptr,
-                           plan ? &*plan : nullptr, world, data ? &*data : nullptr);
+                           plan ? &*plan : nullptr, world, data ? &*data : nullptr, replicas ? &*replicas : nullptr);
 }
 
 }  // namespace moelab::cli

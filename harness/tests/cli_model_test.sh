@@ -81,6 +81,13 @@ sys.exit(0 if 0 < i['step_time_s']['max'] < t['step_time_s']['max'] / 2 and 'opt
   ok "--inference on sim: GPT2-MoE-Small-ScMoE $(jget "$work/sim_inf.json" "['metrics']['step_time_s']['max']") s vs training $(jget "$work/sim_train.json" "['metrics']['step_time_s']['max']") s"
 else bad "--inference on sim"; cat "$work/sim_inf.log" "$work/sim_train.log"; fi
 
+# --inference on replicas: 8 experts over 16 simulated A800s, each expert on edp = 2 ranks.
+if "$moelab" run --model "$models/gpt2-moe-small.json" --impl top2 --backend sim --cluster a800x2 --parallel ep=8 \
+     --steps 1 --warmup 0 --inference --out "$work/replicas.json" >"$work/replicas.log" 2>&1 &&
+   jget "$work/replicas.json" "['training']['replicas']" | grep -q "ep=8,etp=1,edp=2" &&
+   [ "$(jget "$work/replicas.json" "['world_size']")" = "16" ]; then ok "--inference --parallel ep=8 on 16 simulated GPUs: every expert on 2 ranks"
+else bad "--inference on replicas"; cat "$work/replicas.log"; fi
+
 # 6. data parallelism without a pipeline: the dense gradients are summed in buckets on their
 # own stream while backward runs (PyTorch DDP's overlap): on 8 simulated A800s the step is
 # shorter than the compute stream's busy time plus the synchroniser's.
@@ -111,6 +118,8 @@ expect_2 workload_and_model "exclude each other" --model "$models/tiny-moe.json"
 expect_2 model_override "num_layers" --model "$models/tiny-moe.json" --model-override '{"num_layers": 0}' --impl fastmoe --backend cpu
 expect_2 inference_workload "apply to --model" --workload "$root/experiments/workloads/tiny.json" --inference --impl fastmoe --backend cpu
 expect_2 inference_zero1 "for training" --model "$models/tiny-moe.json" --inference --zero1 --impl fastmoe --backend cpu
+expect_2 inference_pp "only dp and ep" --model "$models/tiny-moe.json" --inference --parallel pp=2 --impl fastmoe --backend sim \
+  --cluster dgx-a100x1 --ranks 2
 expect_2 inference_optimizer "no optimizer" --model "$models/tiny-moe.json" --inference --optimizer sgd --impl fastmoe --backend cpu
 
 echo "cli_model: $pass passed, $fail failed"
