@@ -28,9 +28,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         if (tb.ids[i] < 0 || tb.ids[i] >= vocab || tb.targets[i] < 0 || tb.targets[i] >= vocab)
           fuzz::finding("a token outside the vocabulary", what);
     };
-    for (std::uint64_t step = 1; step <= 3; ++step) check(d.train(3, 7, step, 0, 1), "train");
-    for (int i = 0; i < 3; ++i) check(d.validation(2, i, 3), "validation");
-    check(d.validation(1, 0, 1), "one validation window");
+    for (std::uint64_t step = 1; step <= 3; ++step) check(d.train(3, 7, step, 0, 1), 3, "train");
+    for (int i = 0; i < 3; ++i) check(d.validation(2, i, 3), 2, "validation");
+    check(d.validation(1, 0, 1), 1, "one validation window");
     if (markov && !(std::isfinite(d.entropy_rate()) && d.entropy_rate() >= 0))
       fuzz::finding("a Markov source without a finite entropy rate", spec);
   });
