@@ -111,7 +111,7 @@ struct Trainee {
   std::unique_ptr<pipeline::PipelineStage> stage;
   std::unique_ptr<Model> model;
   // Without a pipeline: the replicated parameters' gradients summed over every rank (a
-  // communicator of its own, the world's members) in buckets overlapping backward, as
+  // communicator of its own, the world's members) in 25 MiB buckets overlapping backward, as
   // PyTorch's DistributedDataParallel does (Li et al., VLDB 2020); the experts are sharded
   // over the same ranks, so their group is the rank alone.
   std::unique_ptr<Communicator> dp, edp;
@@ -341,7 +341,12 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       } else {
         model.dp = c.dup();
         model.edp = c.split(rank, 0);
-        model.sync = std::make_unique<GradSync>(b, model.stream(), model.model->param_slots(), *model.dp, *model.edp);
+        // PyTorch DDP's bucket (bucket_cap_mb = 25, which Fairseq's --bucket-cap-mb keeps): the
+        // data-parallel runs these model runs stand for; the pipeline path takes Megatron's.
+        GradSyncOptions ddp;
+        ddp.bucket_elems = std::max<std::int64_t>((std::int64_t{25} << 20) / static_cast<std::int64_t>(dtype_size(cfg.dtype)), 1);
+        model.sync = std::make_unique<GradSync>(b, model.stream(), model.model->param_slots(), *model.dp, *model.edp,
+                                                TensorParallel{}, ddp);
         model.model->set_grad_sync(model.sync.get());
       }
     }
