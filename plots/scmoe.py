@@ -322,21 +322,7 @@ def figure_timeline(a, plt):
     colours = dict(timeline.PHASE_COLOURS)
     seen = []
     for k, (ax, (tids, names, ops)) in enumerate(zip(axes[0], panels)):
-        row = {t: i for i, t in enumerate(tids)}
-        for e in ops:
-            ph = e.get("cat") or e.get("args", {}).get("phase", "other")
-            if ph not in colours:
-                colours[ph] = timeline.EXTRA_COLOURS[(len(colours) - len(timeline.PHASE_COLOURS))
-                                                     % len(timeline.EXTRA_COLOURS)]
-            if ph not in seen:
-                seen.append(ph)
-            y = len(tids) - 1 - row[e["tid"]]
-            ax.broken_barh([(e["ts"] / 1e3, max(e["dur"] / 1e3, t_end * 1e-4))], (y - 0.38, 0.76),
-                           facecolors=colours[ph], edgecolors="black", linewidth=0.2)
-        ax.set_yticks(range(len(tids)))
-        ax.set_yticklabels([names.get(t, f"stream {t}") for t in reversed(tids)], fontsize=8)
-        ax.set_ylim(-0.6, len(tids) - 0.4)
-        ax.grid(axis="x", linestyle=":", linewidth=0.6)
+        timeline.draw_streams(ax, tids, names, ops, t_end, colours, seen, linewidth=0.2, fontsize=8)
         ax.set_title(titles[k], loc="left", fontsize=9)
         ax.set_xlim(0, t_end * 1.01)
         ax.set_xlabel(xlabel, fontsize=8)

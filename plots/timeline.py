@@ -63,6 +63,25 @@ def load_rank(path, rank):
     return tids, names, ops
 
 
+def draw_streams(ax, tids, names, ops, t_end, colours, seen, linewidth=0.3, fontsize=None):
+    """One panel: a row per stream, a bar per op coloured by its phase (colours and seen, the
+    legend's phases in order of appearance, are shared by the figure's panels and grow here)."""
+    row = {t: i for i, t in enumerate(tids)}
+    for e in ops:
+        ph = e.get("cat") or e.get("args", {}).get("phase", "other")
+        if ph not in colours:
+            colours[ph] = EXTRA_COLOURS[(len(colours) - len(PHASE_COLOURS)) % len(EXTRA_COLOURS)]
+        if ph not in seen:
+            seen.append(ph)
+        y = len(tids) - 1 - row[e["tid"]]
+        ax.broken_barh([(e["ts"] / 1e3, max(e["dur"] / 1e3, t_end * 1e-4))], (y - 0.38, 0.76),
+                       facecolors=colours[ph], edgecolors="black", linewidth=linewidth)
+    ax.set_yticks(range(len(tids)))
+    ax.set_yticklabels([names.get(t, f"stream {t}") for t in reversed(tids)], fontsize=fontsize)
+    ax.set_ylim(-0.6, len(tids) - 0.4)
+    ax.grid(axis="x", linestyle=":", linewidth=0.6)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("traces", nargs="+", help="Chrome trace JSON files written by moelab run --trace")
@@ -94,20 +113,7 @@ def main():
     colours = dict(PHASE_COLOURS)
     seen = []
     for k, (ax, (tids, names, ops)) in enumerate(zip(axes[:, 0], panels)):
-        row = {t: i for i, t in enumerate(tids)}
-        for e in ops:
-            ph = e.get("cat") or e.get("args", {}).get("phase", "other")
-            if ph not in colours:
-                colours[ph] = EXTRA_COLOURS[(len(colours) - len(PHASE_COLOURS)) % len(EXTRA_COLOURS)]
-            if ph not in seen:
-                seen.append(ph)
-            y = len(tids) - 1 - row[e["tid"]]
-            ax.broken_barh([(e["ts"] / 1e3, max(e["dur"] / 1e3, t_end * 1e-4))], (y - 0.38, 0.76),
-                           facecolors=colours[ph], edgecolors="black", linewidth=0.3)
-        ax.set_yticks(range(len(tids)))
-        ax.set_yticklabels([names.get(t, f"stream {t}") for t in reversed(tids)])
-        ax.set_ylim(-0.6, len(tids) - 0.4)
-        ax.grid(axis="x", linestyle=":", linewidth=0.6)
+        draw_streams(ax, tids, names, ops, t_end, colours, seen)
         title = labels[k]
         if results:
             m = results[k]["metrics"]
