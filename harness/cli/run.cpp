@@ -274,10 +274,6 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
   if (o.offload_experts != "none" && !o.inference)
     throw ConfigError("--offload-experts " + o.offload_experts + " needs --inference (the experts' weights live on the host; "
                       "training would need them and their gradients on the device)");
-  // MPipeMoE's pass reads the experts' weights itself (MoELayer::offload_experts refuses it too).
-  if (o.offload_experts != "none" && o.impl == "mpipemoe")
-    throw ConfigError("--offload-experts: --impl mpipemoe runs a pass of its own over the experts' weights; use fastmoe, "
-                      "fastermoe, top1, top2 or their pipelined forms");
   if (!o.parallel.empty() && (o.first_layer != 0 || o.last_layer != -1))
     throw ConfigError("--layers and --parallel exclude each other: the pipeline assigns the layers to its stages");
   if (!o.model.empty() && !o.record_routing.empty())
