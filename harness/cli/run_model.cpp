@@ -481,7 +481,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       windows.push_back({t0, b.now()});
       step_s.push_back(b.now() - t0);
       loss_curve.push_back(mean_loss());
-      if (due() || (i + 1 == steps && opt.eval_every > 0 && !due())) evaluate();
+      if (due() || (i + 1 == steps && opt.eval_every > 0)) evaluate();  // and after the last step
     }
 
     if (preflight) return 0;

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "harness/config/json_fields.hpp"
 #include "harness/nn/data.hpp"
 #include "harness/runtime/error.hpp"
 #include "harness/runtime/random.hpp"
@@ -35,11 +36,11 @@ class TrainingData {
       const std::string k = spec.substr(7);
       std::int64_t K = 0;
       for (char ch : k) {
-        if (ch < '0' || ch > '9' || K > (1 << 20)) throw ConfigError("--data " + quote(spec) + ": expected markov:K with K a positive integer");
+        if (ch < '0' || ch > '9' || K > (1 << 20)) throw ConfigError("--data " + json_fields::quote(spec) + ": expected markov:K with K a positive integer");
         K = K * 10 + (ch - '0');
       }
       if (k.empty() || K < 1 || K > vocab)
-        throw ConfigError("--data " + quote(spec) + ": K must be between 1 and the model's vocab_size " + std::to_string(vocab));
+        throw ConfigError("--data " + json_fields::quote(spec) + ": K must be between 1 and the model's vocab_size " + std::to_string(vocab));
       d.markov_ = true;
       d.vocab_ = vocab;
       d.k_ = K;
@@ -53,7 +54,7 @@ class TrainingData {
       return d;
     }
     if (vocab < 256)
-      throw ConfigError("--data " + quote(spec) + ": text is read as bytes (256 tokens), but the model's vocab_size is " +
+      throw ConfigError("--data " + json_fields::quote(spec) + ": text is read as bytes (256 tokens), but the model's vocab_size is " +
                         std::to_string(vocab));
     std::string text;
     std::size_t from = 0;
@@ -61,14 +62,14 @@ class TrainingData {
       const std::size_t comma = spec.find(',', from);
       const std::string path = spec.substr(from, comma == std::string::npos ? std::string::npos : comma - from);
       std::ifstream in(path, std::ios::binary);
-      if (path.empty() || !in) throw ConfigError("--data " + quote(path) + ": cannot read the file");
+      if (path.empty() || !in) throw ConfigError("--data " + json_fields::quote(path) + ": cannot read the file");
       text.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
       if (comma == std::string::npos) break;
       from = comma + 1;
     }
     const auto held = std::max<std::int64_t>(static_cast<std::int64_t>(text.size()) / 10, 4 * (seq + 1));
     if (static_cast<std::int64_t>(text.size()) < held + 4 * (seq + 1))
-      throw ConfigError("--data " + quote(spec) + ": " + std::to_string(text.size()) + " bytes is too short for windows of " +
+      throw ConfigError("--data " + json_fields::quote(spec) + ": " + std::to_string(text.size()) + " bytes is too short for windows of " +
                         std::to_string(seq + 1) + " bytes (need " + std::to_string(held + 4 * (seq + 1)) + ")");
     const auto cut = text.size() - static_cast<std::size_t>(held);
     d.train_.assign(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(cut));
@@ -95,8 +96,6 @@ class TrainingData {
   }
 
  private:
-  static std::string quote(const std::string& s) { return "\"" + (s.size() > 120 ? s.substr(0, 120) + "..." : s) + "\""; }
-
   TokenBatch draw(std::int64_t B, Rng& rng, bool valid, std::int64_t first, std::int64_t total = 1) const {
     TokenBatch tb;
     const std::int64_t S = seq_;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # harness/tests/cli_model_test.sh — `moelab run --model` through the real command line: a tiny
 # MoE model trains on cpu (the loss falls), the same on two MPI ranks, a 24-layer GPT3-MoE-XL
-# step on eight simulated A800s, a layer range, inference (--inference), gradient buckets
+# step on eight simulated A800s, a layer range, inference (--inference), training data from a
+# Markov source and a text with a validation curve (--data, --eval-every), gradient buckets
 # overlapping backward, and bad model input (exit 2, no file).
 #   bash harness/tests/cli_model_test.sh build/harness/moelab /tmp/workdir
 set -u
@@ -88,6 +89,24 @@ if "$moelab" run --model "$models/gpt2-moe-small.json" --impl top2 --backend sim
    [ "$(jget "$work/replicas.json" "['world_size']")" = "16" ]; then ok "--inference --parallel ep=8 on 16 simulated GPUs: every expert on 2 ranks"
 else bad "--inference on replicas"; cat "$work/replicas.log"; fi
 
+# --data: a Markov source of entropy rate ln 8 and a text (README.md as bytes); the validation
+# curve starts before the first step, ends after the last and falls (by over 1.5 nats from ln 256
+# in 200 steps); it never goes below ln 8.
+if "$moelab" run --model "$models/tiny-moe.json" --impl fastmoe --backend cpu --steps 200 --warmup 0 --lr 0.01 \
+     --micro-batch 8 --data markov:8 --eval-every 100 --out "$work/markov.json" >"$work/markov.log" 2>&1 &&
+   "$moelab" run --model "$models/tiny-moe.json" --impl fastmoe --backend cpu --steps 30 --warmup 0 --lr 0.01 \
+     --micro-batch 2 --data "$root/README.md" --eval-every 30 --out "$work/text.json" >"$work/text.log" 2>&1 &&
+   "$py" -c "
+import json, math, sys
+m, t = (json.load(open(p))['metrics']['validation'] for p in sys.argv[1:3])
+pts = m['points']
+ok = (abs(m['entropy_rate'] - math.log(8)) < 1e-12 and [p[0] for p in pts] == [0, 100, 200]
+      and pts[-1][1] < pts[0][1] - 1.5 and all(p[1] > math.log(8) - 0.05 for p in pts)
+      and t['entropy_rate'] is None and t['train_bytes'] > 9 * t['valid_bytes'] // 10 and len(t['points']) == 2)
+sys.exit(0 if ok else 1)" "$work/markov.json" "$work/text.json"; then
+  ok "--data markov:8 and a text file: validation $(jget "$work/markov.json" "['metrics']['validation']['points']")"
+else bad "--data"; cat "$work/markov.log" "$work/text.log"; fi
+
 # 6. data parallelism without a pipeline: the dense gradients are summed in buckets on their
 # own stream while backward runs (PyTorch DDP's overlap): on 8 simulated A800s the step is
 # shorter than the compute stream's busy time plus the synchroniser's.
@@ -118,6 +137,11 @@ expect_2 workload_and_model "exclude each other" --model "$models/tiny-moe.json"
 expect_2 model_override "num_layers" --model "$models/tiny-moe.json" --model-override '{"num_layers": 0}' --impl fastmoe --backend cpu
 expect_2 inference_workload "apply to --model" --workload "$root/experiments/workloads/tiny.json" --inference --impl fastmoe --backend cpu
 expect_2 inference_zero1 "for training" --model "$models/tiny-moe.json" --inference --zero1 --impl fastmoe --backend cpu
+expect_2 data_missing "cannot read the file" --model "$models/tiny-moe.json" --data "$work/no-such-file" --impl fastmoe --backend cpu
+expect_2 data_markov "markov:K" --model "$models/tiny-moe.json" --data markov:x --impl fastmoe --backend cpu
+expect_2 data_sim "sim backend computes no values" --model "$models/tiny-moe.json" --data markov:4 --impl fastmoe --backend sim \
+  --cluster dgx-a100x1 --ranks 2
+expect_2 eval_without_data "needs --data" --model "$models/tiny-moe.json" --eval-every 5 --impl fastmoe --backend cpu
 expect_2 inference_pp "only dp and ep" --model "$models/tiny-moe.json" --inference --parallel pp=2 --impl fastmoe --backend sim \
   --cluster dgx-a100x1 --ranks 2
 expect_2 inference_optimizer "no optimizer" --model "$models/tiny-moe.json" --inference --optimizer sgd --impl fastmoe --backend cpu
