@@ -98,10 +98,12 @@ int list_command(const std::vector<std::string>& args) {
   std::printf("models (%s), parameters:\n", models.string().c_str());
   for (const auto& f : files) {
     const ParamCounts p = load_transformer(f.string()).parameter_counts();
-    std::printf("  %-18s %11lld = embedding %lld + attention %lld + dense MLP %lld + experts %lld + gates %lld + norms %lld\n",
+    std::printf("  %-18s %11lld = embedding %lld + attention %lld + dense MLP %lld + experts %lld + gates %lld + norms %lld",
                 f.stem().string().c_str(), static_cast<long long>(p.total), static_cast<long long>(p.embedding),
                 static_cast<long long>(p.attention), static_cast<long long>(p.dense_mlp),
                 static_cast<long long>(p.experts), static_cast<long long>(p.gates), static_cast<long long>(p.norms));
+    if (p.merging > 0) std::printf(" + patch merging %lld", static_cast<long long>(p.merging));
+    std::printf("\n");
   }
   return 0;
 }

@@ -57,8 +57,8 @@ using nlohmann::json;
 namespace {
 
 const std::vector<std::string> kModelPhases = {"embedding", "attention", "mlp",  "moe",     "gate",
-                                               "dispatch",  "migrate",   "experts", "combine", "head",
-                                               "grad_sync", "optimizer"};
+                                               "dispatch",  "migrate",   "experts", "combine", "merge",
+                                               "head",      "grad_sync", "optimizer"};
 
 // A --parallel run's layout and schedule, checked before any work.
 struct PipelinePlan {
@@ -156,6 +156,22 @@ void validate_model_for_world(const TransformerConfig& cfg, const RunOptions& op
   if (any_moe && cfg.moe.num_experts % world != 0)
     throw ConfigError(shown(cfg.origin) + ": moe.num_experts = " + std::to_string(cfg.moe.num_experts) +
                       " is not divisible by the expert-parallel degree " + std::to_string(world) + " (the ranks)");
+}
+
+// The implementation's options checked against every MoE layer's configuration and tokens (a
+// vision model's stages differ in width and tokens; a language model's layers are alike).
+void check_impl_options_for(const RunOptions& opt, const TransformerConfig& cfg, int ep) {
+  std::int64_t last_grid = -1;
+  for (int l = 0; l < cfg.num_layers; ++l) {
+    if (!cfg.is_moe(l)) continue;
+    const TransformerConfig c = cfg.layer_config(l);
+    if (c.grid == last_grid) continue;
+    last_grid = c.grid;
+    const std::int64_t tokens = opt.micro_batch * (c.grid > 0 ? c.grid * c.grid : c.seq_len);
+    check_impl_options(opt.impl, opt.impl_options, {c.moe, ep, tokens, c.shared_expert_hidden});
+    if (c.grid == 0) return;
+  }
+  if (last_grid < 0) check_impl_options(opt.impl, opt.impl_options, {cfg.moe, ep, opt.micro_batch * cfg.seq_len, cfg.shared_expert_hidden});
 }
 
 Tensor random_rows(Backend& b, std::int64_t rows, std::int64_t width, DType dt, std::uint64_t seed) {
@@ -360,21 +376,39 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       else
         optimizer = std::make_unique<Optimizer>(b, model.stream(), *model.sync, oc);
     }
-    const float scale = 1.0f / static_cast<float>(T * opt.microbatches * replicas);
-    const auto next = synthetic_successor(cfg.vocab_size, opt.seed);
+    // The step's loss is the mean over its tokens (a vision model's: over its images).
+    const bool vision = cfg.vision.enabled;
+    const std::int64_t samples = vision ? opt.micro_batch : T;
+    const float scale = 1.0f / static_cast<float>(samples * opt.microbatches * replicas);
+    const auto next = vision ? std::vector<std::int32_t>() : synthetic_successor(cfg.vocab_size, opt.seed);
     const Tensor dy = model.has_head() || model.stage || opt.inference ? Tensor() : random_rows(b, T, M, cfg.dtype, Rng::mix(opt.seed, 2, static_cast<std::uint64_t>(rank)));
 
     // One batch per microbatch, new tokens every step, uploaded before the step's clock starts.
     std::vector<Batch> batches(static_cast<std::size_t>(opt.microbatches));
     for (int mb = 0; mb < opt.microbatches; ++mb) {
       Batch& x = batches[static_cast<std::size_t>(mb)];
+      const std::uint64_t mb_seed = Rng::mix(opt.seed, 1, Rng::mix(static_cast<std::uint64_t>(data_rank), static_cast<std::uint64_t>(mb)));
+      if (vision) {
+        // Synthetic images: every patch's values uniform in [-1, 1) and a label per image, the
+        // same every step (a batch the model can fit, so that its loss falls).
+        x.input = random_rows(b, T, cfg.vision.patch_values(), cfg.dtype, mb_seed);
+        x.targets = b.empty({samples}, DType::i32, MemCategory::activations, b.default_stream());
+        if (b.has_data()) {
+          Rng rng(Rng::mix(mb_seed, 3));
+          std::vector<std::int32_t> labels(static_cast<std::size_t>(samples));
+          for (auto& y : labels) y = static_cast<std::int32_t>(rng.uniform(0.0, 1.0) * static_cast<double>(cfg.vocab_size)) % static_cast<std::int32_t>(cfg.vocab_size);
+          b.upload_i32(labels, x.targets);
+        }
+        x.loss_scale = scale;
+        continue;
+      }
       if (model.has_embedding()) x.input = b.empty({T}, DType::i32, MemCategory::activations, b.default_stream());
       else if (!model.stage) x.input = random_rows(b, T, M, cfg.dtype, Rng::mix(opt.seed, 1, Rng::mix(static_cast<std::uint64_t>(rank), static_cast<std::uint64_t>(mb))));
       if (model.has_head()) x.targets = b.empty({T}, DType::i32, MemCategory::activations, b.default_stream());
       x.loss_scale = scale;
     }
     auto prepare = [&](std::uint64_t step_no) {
-      if (!b.has_data()) return;
+      if (!b.has_data() || vision) return;
       for (int mb = 0; mb < opt.microbatches; ++mb) {
         const TokenBatch tb = data ? data->train(opt.micro_batch, opt.seed, step_no, mb, data_rank)
                                    : synthetic_batch(next, opt.micro_batch, S, opt.seed, step_no, mb, data_rank);
@@ -745,8 +779,6 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
 int run_model_command(const RunOptions& opt) {
   const int world = world_size();
   check_impl_name(opt.impl);
-  // The tokens one forward of an MoE layer sees on a rank: a microbatch.
-  const auto tokens = [&](const TransformerConfig& cfg) { return opt.micro_batch * cfg.seq_len; };
   if (opt.backend == "sim") {
     if (world > 1) throw ConfigError("--backend sim runs every simulated rank in one process: start it without mpirun");
     const TransformerConfig cfg = load_transformer(opt.model, opt.model_override);
@@ -758,8 +790,7 @@ int run_model_command(const RunOptions& opt) {
     const std::optional<GroupLayout> replicas = replica_layout(opt, cfg, n, so.cluster.node.gpus);
     if (opt.pipelined()) plan = plan_pipeline(opt, cfg, n, so.cluster.node.gpus);
     else if (!replicas) validate_model_for_world(cfg, opt, n);
-    check_impl_options(opt.impl, opt.impl_options,
-                       {cfg.moe, plan ? plan->layout.ep : replicas ? replicas->ep : n, tokens(cfg), cfg.shared_expert_hidden});
+    check_impl_options_for(opt, cfg, plan ? plan->layout.ep : replicas ? replicas->ep : n);
     if (!opt.profile.empty()) so.profile = sim::load_profile(opt.profile);
     so.routing = RoutingModel::parse(opt.routing, opt.seed);
     so.ranks = opt.ranks;
@@ -794,8 +825,10 @@ int run_model_command(const RunOptions& opt) {
         replicas = replica_layout(opt, cfg, world, world);
         if (opt.pipelined()) plan = plan_pipeline(opt, cfg, world, world);
         else if (!replicas) validate_model_for_world(cfg, opt, world);
-        check_impl_options(opt.impl, opt.impl_options,
-                           {cfg.moe, plan ? plan->layout.ep : replicas ? replicas->ep : world, tokens(cfg), cfg.shared_expert_hidden});
+        check_impl_options_for(opt, cfg, plan ? plan->layout.ep : replicas ? replicas->ep : world);
+        if (!opt.data.empty() && cfg.vision.enabled)
+          throw ConfigError("--data " + opt.data + ": " + shown(cfg.origin) + " is a vision model (\"vision\"); --data feeds "
+                            "text to a language model (a vision model trains on synthetic images)");
         if (!opt.data.empty()) data = TrainingData::open(opt.data, cfg.vocab_size, cfg.seq_len, opt.seed);
       },
       [&](const Backend& b) {

@@ -9,6 +9,7 @@
 // Tested by harness/tests/model_config_test.cpp (ctest -R model_config).
 #include "harness/config/model.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -89,6 +90,101 @@ void read_scmoe(const Fields& f, const json& sc, const json* moe, TransformerCon
                  "for one as wide as d_ffn)");
 }
 
+// The "vision" object (a hierarchical vision transformer, VisionConfig), read after d_model: it
+// sets the fields a vision model derives (num_layers, seq_len, vocab_size, num_heads, the MoE
+// layers), which the file may not give.
+void read_vision(const Fields& f, const json& v, TransformerConfig& t) {
+  const std::string& origin = t.origin;
+  for (const char* k : {"num_heads", "num_kv_heads", "num_layers", "seq_len", "vocab_size", "moe_layers", "positions",
+                        "rope_theta", "tie_embeddings"})
+    if (const json* given = f.find(k))
+      fail(origin, std::string(k) + " = " + show(*given) + " is given, but a vision model (\"vision\") sets it: num_layers "
+                   "is the stages' depths summed, seq_len (image_size / patch_size)², vocab_size num_classes, num_heads "
+                   "stage 0's, the MoE layers the stages' moe_blocks; positions none, embeddings untied (remove the field)");
+  if (!v.is_object()) f.wrong_type("vision", v, "an object");
+  Fields vf(v, origin, "vision.", {"image_size", "patch_size", "in_channels", "num_classes", "window", "stages"});
+  VisionConfig& c = t.vision;
+  c.enabled = true;
+  constexpr std::int64_t kMaxSide = std::int64_t{1} << 16;
+  c.image_size = vf.integer("image_size", 1, kMaxSide);
+  c.patch_size = vf.integer("patch_size", 1, kMaxSide);
+  if (c.image_size % c.patch_size != 0)
+    vf.bad_value("patch_size", "does not divide image_size = " + std::to_string(c.image_size) + " (the patches tile the image)");
+  c.in_channels = vf.integer("in_channels", 1, kMaxSide);
+  if (!(Checked(c.patch_size) * c.patch_size * c.in_channels).ok() || c.patch_values() > limits::kMaxHidden)
+    fail(origin, "vision: patch_size² × in_channels (the values of one patch) exceeds " + std::to_string(limits::kMaxHidden));
+  c.num_classes = vf.integer("num_classes", 1, limits::kMaxVocab);
+  c.window = vf.integer("window", 1, kMaxSide);
+  const json& st = vf.require("stages");
+  constexpr std::size_t kMaxStages = 16;
+  if (!st.is_array() || st.empty() || st.size() > kMaxStages)
+    vf.wrong_type("stages", st, "an array of 1 to 16 stages");
+  const std::int64_t side = c.image_size / c.patch_size;
+  if (side * side > limits::kMaxSeqLen)
+    fail(origin, "vision: (image_size / patch_size)² = " + std::to_string(side * side) + " tokens per image exceeds " +
+                     std::to_string(limits::kMaxSeqLen) + " (seq_len's bound)");
+  int layers = 0;
+  t.moe_mask.clear();
+  for (std::size_t i = 0; i < st.size(); ++i) {
+    const std::string pre = "vision.stages[" + std::to_string(i) + "]";
+    if (!st[i].is_object()) fail(origin, pre + ": expected an object with depth, num_heads and moe_blocks, got " + show(st[i]));
+    Fields sf(st[i], origin, pre + ".", {"depth", "num_heads", "moe_blocks"});
+    VisionConfig::Stage g;
+    g.depth = static_cast<int>(sf.integer("depth", 1, limits::kMaxLayers));
+    g.num_heads = static_cast<int>(sf.integer("num_heads", 1, limits::kMaxDModel));
+    const int s = static_cast<int>(i);
+    if (s > 0 && (side >> (s - 1)) % 2 != 0)
+      fail(origin, pre + ": stage " + std::to_string(s - 1) + "'s feature map is " + std::to_string(side >> (s - 1)) + " × " +
+                       std::to_string(side >> (s - 1)) + " tokens, odd, but patch merging halves it (image_size / "
+                       "patch_size = " + std::to_string(side) + " must be divisible by 2^" + std::to_string(s) + ")");
+    if (t.d_model > (limits::kMaxDModel >> s))
+      fail(origin, pre + ": its width d_model × 2^" + std::to_string(s) + " exceeds " + std::to_string(limits::kMaxDModel));
+    const std::int64_t width = t.d_model << s;
+    if (width % g.num_heads != 0)
+      sf.bad_value("num_heads", "does not divide the stage's width " + std::to_string(width) + " (d_model × 2^" +
+                                    std::to_string(s) + ")");
+    const std::int64_t grid = side >> s, w = std::min(c.window, grid);
+    if (w < grid && grid % w != 0)
+      fail(origin, "vision.window = " + std::to_string(c.window) + " does not divide stage " + std::to_string(s) +
+                       "'s feature map side " + std::to_string(grid) + " (windows tile the map)");
+    std::vector<char> mask(static_cast<std::size_t>(g.depth), 0);
+    if (const json* mb = sf.find("moe_blocks")) {
+      if (!mb->is_array()) sf.wrong_type("moe_blocks", *mb, "an array of block indices within the stage ([] for none)");
+      for (std::size_t k = 0; k < mb->size(); ++k) {
+        const std::string key = "moe_blocks[" + std::to_string(k) + "]";
+        const std::int64_t b = sf.integer(key.c_str(), (*mb)[k], 0, g.depth - 1);
+        if (!g.moe_blocks.empty() && b <= g.moe_blocks.back())
+          sf.bad_value("moe_blocks", "is not increasing (each block once, in order)");
+        g.moe_blocks.push_back(static_cast<int>(b));
+        mask[static_cast<std::size_t>(b)] = 1;
+      }
+    }
+    layers += g.depth;
+    if (layers > limits::kMaxLayers)
+      fail(origin, "vision.stages: the depths sum to more than " + std::to_string(limits::kMaxLayers) + " layers");
+    t.moe_mask.insert(t.moe_mask.end(), mask.begin(), mask.end());
+    c.stages.push_back(std::move(g));
+  }
+  t.num_layers = layers;
+  t.seq_len = side * side;
+  t.vocab_size = c.num_classes;
+  t.num_heads = t.num_kv_heads = c.stages[0].num_heads;
+  t.positions = PositionKind::none;
+  t.tie_embeddings = false;
+  const bool any_moe = std::find(t.moe_mask.begin(), t.moe_mask.end(), 1) != t.moe_mask.end();
+  t.moe_layers = any_moe ? MoELayers::listed : MoELayers::none;
+  if (!any_moe) t.moe_mask.clear();
+}
+
+// A width given for stage 0 of a vision model, doubled per stage, must stay within `hi`.
+void check_stage_width(const TransformerConfig& t, const char* field, std::int64_t width, std::int64_t hi) {
+  if (!t.vision.enabled) return;
+  const int last = static_cast<int>(t.vision.stages.size()) - 1;
+  if (width > (hi >> last))
+    fail(t.origin, std::string(field) + " = " + std::to_string(width) + " (stage 0's) doubles to more than " +
+                       std::to_string(hi) + " at stage " + std::to_string(last));
+}
+
 // A float field in (0, hi].
 float positive_float(const Fields& f, const char* key, float fallback, double hi) {
   if (!f.find(key)) return fallback;
@@ -108,6 +204,20 @@ json float_json(float x) {
   return std::strtod(buf, nullptr);
 }
 
+// Stage s of a vision model as a plain stack of its layers (its widths, its MoE blocks only), for
+// the counts and sizes the plain code computes.
+TransformerConfig stage_stack(const TransformerConfig& t, int s) {
+  const int first = t.vision.first_layer(s);
+  TransformerConfig c = t.layer_config(first);
+  c.vision.enabled = false;
+  c.num_layers = t.vision.stages[static_cast<std::size_t>(s)].depth;
+  c.moe_mask.clear();
+  if (!t.moe_mask.empty()) c.moe_mask.assign(t.moe_mask.begin() + first, t.moe_mask.begin() + first + c.num_layers);
+  c.moe_layers = MoELayers::listed;
+  if (c.num_moe_layers() == 0) c.moe_layers = MoELayers::none;
+  return c;
+}
+
 // The one-line message for a derived size beyond the bound.
 [[noreturn]] void too_large(const std::string& origin, const std::string& what, const std::string& formula) {
   fail(origin, what + " (" + formula + ") exceeds 2^56 (see harness/config/limits.hpp)");
@@ -120,7 +230,7 @@ const char* positions_name(PositionKind k) {
   return k == PositionKind::rotary ? "rotary" : k == PositionKind::none ? "none" : "learned";
 }
 const char* moe_layers_name(MoELayers m) {
-  return m == MoELayers::all ? "all" : m == MoELayers::every_second ? "every_second" : "none";
+  return m == MoELayers::all ? "all" : m == MoELayers::every_second ? "every_second" : m == MoELayers::listed ? "listed" : "none";
 }
 const char* shortcut_position_name(ShortcutPosition p) {
   return p == ShortcutPosition::pos1 ? "pos1" : p == ShortcutPosition::pos3 ? "pos3" : "pos2";
@@ -129,8 +239,44 @@ const char* shortcut_combine_name(ShortcutCombine c) {
   return c == ShortcutCombine::add ? "add" : c == ShortcutCombine::cg2 ? "cg2" : "cg1";
 }
 
+int VisionConfig::stage_of(int layer) const {
+  int end = 0;
+  for (std::size_t s = 0; s < stages.size(); ++s) {
+    end += stages[s].depth;
+    if (layer < end) return static_cast<int>(s);
+  }
+  return static_cast<int>(stages.size()) - 1;
+}
+
+int VisionConfig::first_layer(int stage) const {
+  int first = 0;
+  for (int s = 0; s < stage; ++s) first += stages[static_cast<std::size_t>(s)].depth;
+  return first;
+}
+
+TransformerConfig TransformerConfig::layer_config(int layer) const {
+  if (!vision.enabled) return *this;
+  const int s = vision.stage_of(layer);
+  TransformerConfig c = *this;
+  const std::int64_t w = vision.window_of(s);
+  c.d_model = d_model << s;
+  c.num_heads = c.num_kv_heads = vision.stages[static_cast<std::size_t>(s)].num_heads;
+  c.d_ffn = d_ffn << s;
+  c.shared_expert_hidden = shared_expert_hidden << s;
+  c.moe.d_model = c.d_model;
+  c.moe.d_hidden = moe.d_hidden << s;
+  c.seq_len = w * w;
+  c.grid = vision.grid(s);
+  return c;
+}
+
 int TransformerConfig::num_moe_layers() const {
   switch (moe_layers) {
+    case MoELayers::listed: {
+      int n = 0;
+      for (char m : moe_mask) n += m ? 1 : 0;
+      return n;
+    }
     case MoELayers::all:
       return num_layers;
     case MoELayers::every_second:
@@ -142,6 +288,43 @@ int TransformerConfig::num_moe_layers() const {
 }
 
 ParamCounts TransformerConfig::parameter_counts() const {
+  if (vision.enabled && grid == 0) {
+    // Stage by stage from the layers' own configurations; the patch embedding W [P,C] and its
+    // norm, the merging layers' W [4C,2C] and norms over 4C, the classifier W [C_last,K].
+    const auto count = [&](const Checked& c, const char* what) {
+      if (!c.ok()) too_large(origin, what, "summed over the stages");
+      return c.value();
+    };
+    const std::int64_t norm_params = norm == NormKind::layernorm ? 2 : 1;
+    ParamCounts p;
+    Checked attention_c(0), dense_c(0), experts_c(0), gates_c(0), norms_c(Checked(norm_params) * d_model), merging_c(0);
+    for (int s = 0; s < static_cast<int>(vision.stages.size()); ++s) {
+      const TransformerConfig c = stage_stack(*this, s);
+      const ParamCounts q = c.parameter_counts();
+      attention_c = attention_c + q.attention;
+      dense_c = dense_c + q.dense_mlp;
+      experts_c = experts_c + q.experts;
+      gates_c = gates_c + q.gates;
+      norms_c = norms_c + Checked(q.norms - norm_params * c.d_model);  // the stack's final norm is the merge's or the head's
+      if (s > 0) {
+        merging_c = merging_c + Checked(4) * (d_model << (s - 1)) * c.d_model;
+        norms_c = norms_c + Checked(norm_params) * 4 * (d_model << (s - 1));
+      }
+    }
+    const std::int64_t last = d_model << (vision.stages.size() - 1);
+    p.embedding = count(Checked(vision.patch_values()) * d_model + Checked(last) * vision.num_classes,
+                        "the patch embedding's and classifier's parameter count");
+    norms_c = norms_c + Checked(norm_params) * last;  // the head's final norm
+    p.attention = count(attention_c, "the attention parameter count");
+    p.dense_mlp = count(dense_c, "the dense MLP parameter count");
+    p.experts = count(experts_c, "the routed experts' parameter count");
+    p.gates = count(gates_c, "the gates' parameter count");
+    p.norms = count(norms_c, "the norms' parameter count");
+    p.merging = count(merging_c, "the patch merging parameter count");
+    p.total = count(Checked(p.embedding) + p.attention + p.dense_mlp + p.experts + p.gates + p.norms + p.merging,
+                    "the total parameter count");
+    return p;
+  }
   const std::int64_t M = d_model, D = head_dim();
   const int moe_count = num_moe_layers(), dense = num_layers - moe_count;
   const int mlp_mats = mlp == MlpKind::swiglu ? 3 : 2;  // SwiGLU: W1 [M,2F] (gate | up) and W2 [F,M]
@@ -178,6 +361,27 @@ ParamCounts TransformerConfig::parameter_counts() const {
 
 ActivationSizes TransformerConfig::activation_sizes(std::int64_t batch) const {
   if (batch < 1) fail(origin, "batch = " + std::to_string(batch) + " must be >= 1");
+  if (vision.enabled && grid == 0) {
+    // The largest of each size over the stages (stage 0 has the most tokens, later stages the
+    // widest experts), and the classifier's logits [B,K].
+    ActivationSizes a;
+    for (int s = 0; s < static_cast<int>(vision.stages.size()); ++s) {
+      const TransformerConfig c = stage_stack(*this, s);
+      const std::int64_t windows = (c.grid / vision.window_of(s)) * (c.grid / vision.window_of(s));
+      const Checked wb = Checked(batch) * windows;
+      if (!wb.ok()) too_large(origin, "the windows of a batch", "batch × windows per image");
+      const ActivationSizes q = c.activation_sizes(wb.value());
+      for (auto [dst, src] : {std::pair{&a.tokens, q.tokens}, {&a.hidden, q.hidden}, {&a.qkv, q.qkv}, {&a.lse, q.lse},
+                              {&a.mlp_hidden, q.mlp_hidden}, {&a.gate_logits, q.gate_logits},
+                              {&a.routed_slots, q.routed_slots}, {&a.expert_hidden, q.expert_hidden},
+                              {&a.shared_hidden, q.shared_hidden}})
+        *dst = std::max(*dst, src);
+    }
+    const Checked logits = Checked(batch) * vision.num_classes;
+    if (!logits.ok()) too_large(origin, "the size of the classifier's logits", "batch × num_classes");
+    a.logits = logits.value();
+    return a;
+  }
   const std::string of = "batch = " + std::to_string(batch) + ", seq_len = " + std::to_string(seq_len);
   const auto size = [&](const Checked& c, const char* what) {
     if (!c.ok()) too_large(origin, std::string("the size of one layer's ") + what, of);
@@ -210,30 +414,36 @@ TransformerConfig parse_transformer(const json& j, const std::string& origin) {
   Fields f(j, origin, "",
            {"name", "description", "source", "d_model", "num_heads", "num_kv_heads", "d_ffn", "num_layers", "seq_len",
             "vocab_size", "norm", "norm_eps", "mlp", "positions", "rope_theta", "attention", "tie_embeddings", "dtype",
-            "allow_tf32", "moe_layers", "moe", "scmoe"});
+            "allow_tf32", "moe_layers", "moe", "scmoe", "vision"});
   TransformerConfig t;
   t.origin = origin;
   t.name = f.string_or("name", stem_of(origin));
   (void)f.string_or("description", "");
   t.source = f.string("source");
   t.d_model = f.integer("d_model", 1, limits::kMaxDModel);
-  t.num_heads = static_cast<int>(f.integer("num_heads", 1, limits::kMaxDModel));
+  const json* vision = f.find("vision");
+  if (vision) read_vision(f, *vision, t);
+  else t.num_heads = static_cast<int>(f.integer("num_heads", 1, limits::kMaxDModel));
   if (t.d_model % t.num_heads != 0)
     fail(origin, "num_heads = " + std::to_string(t.num_heads) + " does not divide d_model = " +
                      std::to_string(t.d_model) + " (every head has d_model / num_heads dimensions)");
-  t.num_kv_heads = static_cast<int>(f.integer_or("num_kv_heads", t.num_heads, 1, limits::kMaxDModel));
+  if (!vision) t.num_kv_heads = static_cast<int>(f.integer_or("num_kv_heads", t.num_heads, 1, limits::kMaxDModel));
   if (t.num_heads % t.num_kv_heads != 0)
     fail(origin, "num_kv_heads = " + std::to_string(t.num_kv_heads) + " does not divide num_heads = " +
                      std::to_string(t.num_heads) +
                      " (grouped-query attention: each key/value head serves num_heads / num_kv_heads query heads)");
   t.d_ffn = f.integer("d_ffn", 1, limits::kMaxHidden);
-  t.num_layers = static_cast<int>(f.integer("num_layers", 1, limits::kMaxLayers));
-  t.seq_len = f.integer("seq_len", 1, limits::kMaxSeqLen);
-  t.vocab_size = f.integer("vocab_size", 1, limits::kMaxVocab);
+  check_stage_width(t, "d_ffn", t.d_ffn, limits::kMaxHidden);
+  if (!vision) {
+    t.num_layers = static_cast<int>(f.integer("num_layers", 1, limits::kMaxLayers));
+    t.seq_len = f.integer("seq_len", 1, limits::kMaxSeqLen);
+    t.vocab_size = f.integer("vocab_size", 1, limits::kMaxVocab);
+  }
   t.norm = parse_norm(f.choice_or("norm", norm_name(t.norm), {"layernorm", "rmsnorm"}));
   t.norm_eps = positive_float(f, "norm_eps", t.norm_eps, 1.0);
   t.mlp = parse_mlp(f.choice_or("mlp", mlp_name(t.mlp), {"gelu", "swiglu"}));
-  t.positions = parse_positions(f.choice_or("positions", positions_name(t.positions), {"learned", "rotary", "none"}));
+  if (!vision)
+    t.positions = parse_positions(f.choice_or("positions", positions_name(t.positions), {"learned", "rotary", "none"}));
   if (t.positions == PositionKind::rotary) {
     t.rope_theta = positive_float(f, "rope_theta", t.rope_theta, kMaxRopeTheta);
     if (t.head_dim() % 2 != 0)
@@ -244,16 +454,22 @@ TransformerConfig parse_transformer(const json& j, const std::string& origin) {
     fail(origin, "rope_theta = " + show(*v) + " is only used with positions = \"rotary\" (this model has positions = \"" +
                      positions_name(t.positions) + "\")");
   }
-  t.causal = f.choice_or("attention", "causal", {"causal", "bidirectional"}) == "causal";
-  t.tie_embeddings = f.boolean_or("tie_embeddings", t.tie_embeddings);
+  t.causal = f.choice_or("attention", vision ? "bidirectional" : "causal", {"causal", "bidirectional"}) == "causal";
+  if (vision && t.causal)
+    fail(origin, "attention = \"causal\", but a vision model's windows attend both ways (\"bidirectional\", the default "
+                 "with \"vision\")");
+  if (!vision) t.tie_embeddings = f.boolean_or("tie_embeddings", t.tie_embeddings);
   t.dtype = parse_dtype(f.choice_or("dtype", dtype_name(t.dtype), {"fp32", "bf16"}));
   t.allow_tf32 = f.boolean_or("allow_tf32", t.allow_tf32);
   if (t.allow_tf32 && t.dtype != DType::f32)
     fail(origin, "allow_tf32 = true applies to fp32 GEMMs, but dtype = \"" + std::string(dtype_name(t.dtype)) + "\"");
 
-  t.moe_layers = parse_moe_layers(f.choice_or("moe_layers", moe_layers_name(t.moe_layers), {"none", "all", "every_second"}));
+  if (!vision)
+    t.moe_layers = parse_moe_layers(f.choice_or("moe_layers", moe_layers_name(t.moe_layers), {"none", "all", "every_second"}));
   const json* moe = f.find("moe");
-  const std::string layers = std::string("moe_layers = \"") + moe_layers_name(t.moe_layers) + "\"";
+  const std::string layers = vision ? std::string(t.moe_layers == MoELayers::none ? "no stage of vision.stages lists moe_blocks"
+                                                                                   : "vision.stages list moe_blocks")
+                                    : std::string("moe_layers = \"") + moe_layers_name(t.moe_layers) + "\"";
   if (t.moe_layers == MoELayers::none) {
     if (moe)
       fail(origin, "moe = " + show(*moe) + " is given but " + layers +
@@ -272,8 +488,26 @@ TransformerConfig parse_transformer(const json& j, const std::string& origin) {
     t.moe.allow_tf32 = t.allow_tf32;
     expert_fields::read(mf, "d_model", t.moe);
     t.shared_expert_hidden = mf.integer_or("shared_expert_hidden", 0, 0, limits::kMaxHidden);
+    check_stage_width(t, "moe.d_hidden", t.moe.d_hidden, limits::kMaxHidden);
+    check_stage_width(t, "moe.shared_expert_hidden", t.shared_expert_hidden, limits::kMaxHidden);
   }
   if (const json* sc = f.find("scmoe")) read_scmoe(f, *sc, moe, t);
+  if (vision && t.scmoe.span() == 2) {
+    // Each pair is (Block-MLP l, Block-MoE l+1) of one stage: a patch merging between them
+    // would change the width the shortcut carries.
+    for (int l = 0; l < t.num_layers; ++l) {
+      if (!t.is_moe(l)) continue;
+      const int s = t.vision.stage_of(l), b = l - t.vision.first_layer(s);
+      const std::string blk = "vision.stages[" + std::to_string(s) + "] block " + std::to_string(b);
+      if (b == 0)
+        fail(origin, "scmoe.position = \"" + std::string(shortcut_position_name(t.scmoe.position)) + "\" pairs each MoE block "
+                     "with the dense block before it, but " + blk + " is an MoE block that starts its stage (use \"pos1\", "
+                     "or a dense block first)");
+      if (t.is_moe(l - 1))
+        fail(origin, "scmoe.position = \"" + std::string(shortcut_position_name(t.scmoe.position)) + "\" pairs each MoE block "
+                     "with the dense block before it, but " + blk + " follows another MoE block (use \"pos1\")");
+    }
+  }
   // Every derived size, now, so that a loaded model never fails later.
   (void)t.parameter_counts();
   (void)t.activation_sizes(1);
@@ -320,6 +554,16 @@ json to_json(const TransformerConfig& t) {
     for (const char* k : {"name", "d_model", "dtype", "allow_tf32"}) moe.erase(k);  // the model's own
     moe["shared_expert_hidden"] = t.shared_expert_hidden;
     j["moe"] = moe;
+  }
+  if (t.vision.enabled) {
+    for (const char* k : {"num_heads", "num_kv_heads", "num_layers", "seq_len", "vocab_size", "moe_layers", "positions",
+                          "tie_embeddings"})
+      j.erase(k);
+    const VisionConfig& v = t.vision;
+    json stages = json::array();
+    for (const auto& s : v.stages) stages.push_back({{"depth", s.depth}, {"num_heads", s.num_heads}, {"moe_blocks", s.moe_blocks}});
+    j["vision"] = {{"image_size", v.image_size}, {"patch_size", v.patch_size}, {"in_channels", v.in_channels},
+                   {"num_classes", v.num_classes}, {"window", v.window}, {"stages", stages}};
   }
   if (t.scmoe.enabled) {
     const ShortcutConfig& c = t.scmoe;

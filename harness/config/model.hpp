@@ -39,6 +39,19 @@
 // compute (an integer from 0 to the window's blocks, or "auto": the cost model's choice);
 // chunks: pieces of each all-to-all (1 to 64, or "auto": 1 unless communication exceeds the
 // window). Checks: moe_layers not "none", moe.top_k = 1, moe.shared_expert_hidden not 0.
+//
+// "vision" (optional) makes the model a hierarchical vision transformer (VisionConfig below):
+//   "vision": { "image_size": 192, "patch_size": 4, "in_channels": 3, "num_classes": 21841,
+//               "window": 12, "stages": [ {"depth": 2, "num_heads": 3, "moe_blocks": []}, ... ] }
+// It derives num_layers (the depths' sum), seq_len (tokens per image at stage 0: (image_size /
+// patch_size)²), vocab_size (num_classes), num_heads (stage 0's) and moe_layers (the listed
+// blocks): those fields may not be given; positions are "none", attention "bidirectional",
+// embeddings untied. d_model, d_ffn, moe.d_hidden and moe.shared_expert_hidden are stage 0's.
+// Checks: patch_size divides image_size; every stage's feature map halves evenly into the next
+// (an even side before each patch merging); a window smaller than a stage's side divides it;
+// every stage's head count divides its width; moe_blocks in [0, depth), increasing; "moe"
+// exactly when a block is listed; with "scmoe" at pos2 or pos3, each MoE block's predecessor is
+// a dense block of the same stage (the pair may not straddle a patch merging).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -52,7 +65,9 @@ namespace moelab {
 
 enum class MlpKind { gelu, swiglu };
 enum class PositionKind { learned, rotary, none };
-enum class MoELayers { none, all, every_second };  // every_second: layers 1, 3, 5, ... (as Megatron's moe_layer_freq = 2)
+// every_second: layers 1, 3, 5, ... (as Megatron's moe_layer_freq = 2); listed: the blocks a
+// vision model's stages name (VisionConfig::Stage::moe_blocks).
+enum class MoELayers { none, all, every_second, listed };
 
 // ScMoE's shortcut (see the file comment; impls/scmoe/README.md maps the paper to the code).
 enum class ShortcutPosition { pos1, pos2, pos3 };
@@ -76,6 +91,40 @@ struct ShortcutConfig {
 const char* shortcut_position_name(ShortcutPosition p);
 const char* shortcut_combine_name(ShortcutCombine c);
 
+// A hierarchical vision transformer (Swin, Liu et al. 2021, ICCV; its MoE variant Swin-MoE,
+// Hwang et al. 2023, "Tutel", and the Swin Transformer repository's swinmoe configurations):
+// the image is cut into patch_size² patches (a linear patch embedding, then a norm), and the
+// model is a sequence of stages at halving resolution and doubling width. Stage s (from 0) has
+// a feature map of grid(s)² tokens per image, width d_model·2^s, its own head count, depth
+// blocks, window attention over window(s)² tokens (the attention of its blocks runs over
+// non-overlapping windows: grid(s)/window(s) squared per image), and the MoE blocks it lists
+// (block indices within the stage, as the Swin-MoE configs' MOE_BLOCKS). Between stages a patch
+// merging layer concatenates each 2 × 2 group of tokens and maps 4C to 2C. The head is a final
+// norm, the mean over each image's tokens and a linear classifier over num_classes. The MLP and
+// expert widths scale with the width (the top-level d_ffn, moe.d_hidden and
+// moe.shared_expert_hidden are stage 0's; mlp_ratio stays fixed as in Swin).
+// Not modelled, each an elementwise or per-window term beside the GEMMs and attention priced
+// here: the shifted windows of every second block (a cyclic shift of the rows and a mask at
+// the border: moelab's blocks all use regular windows), the relative position bias, SwinV2's
+// scaled cosine attention and post-norm placement.
+struct VisionConfig {
+  struct Stage {
+    int depth = 0;
+    int num_heads = 0;
+    std::vector<int> moe_blocks;  // indices in [0, depth)
+  };
+  bool enabled = false;
+  std::int64_t image_size = 0, patch_size = 0, in_channels = 0, num_classes = 0;
+  std::int64_t window = 0;  // before clipping to the feature map
+  std::vector<Stage> stages;
+
+  std::int64_t grid(int stage) const { return (image_size / patch_size) >> stage; }
+  std::int64_t window_of(int stage) const { return window < grid(stage) ? window : grid(stage); }
+  std::int64_t patch_values() const { return patch_size * patch_size * in_channels; }  // P
+  int stage_of(int layer) const;   // the stage holding a global layer index
+  int first_layer(int stage) const;
+};
+
 // Parameters of the model as moelab builds it (no biases in linear layers: its GEMMs have
 // none; layernorm has a scale and a shift, rmsnorm a scale). Counts, not bytes.
 struct ParamCounts {
@@ -85,6 +134,7 @@ struct ParamCounts {
   std::int64_t experts = 0;    // routed experts of every MoE layer, all E of them (global): E·2·M·H per layer
   std::int64_t gates = 0;      // per MoE layer W_g [M,E] (and W_noise [M,E] with a noisy gate)
   std::int64_t norms = 0;      // two per layer and the final one
+  std::int64_t merging = 0;    // vision: the patch merging layers' W [4C,2C]; the patch embedding and classifier count as embedding
   std::int64_t total = 0;
 };
 
@@ -126,11 +176,21 @@ struct TransformerConfig {
   ModelConfig moe;                       // the MoE layers' configuration (d_model, dtype filled in)
   std::int64_t shared_expert_hidden = 0; // a dense shared expert beside the routed ones (0: none)
   ShortcutConfig scmoe;                  // ScMoE's block pairs (disabled unless "scmoe" is given)
+  VisionConfig vision;                   // a hierarchical vision model (disabled unless "vision" is given)
+  std::vector<char> moe_mask;            // moe_layers == listed: per layer, whether it is an MoE layer
+  // A vision model's layer configuration (layer_config): the stage's feature-map side; 0 otherwise.
+  std::int64_t grid = 0;
 
   int head_dim() const { return static_cast<int>(d_model / num_heads); }
   bool is_moe(int layer) const {
+    if (moe_layers == MoELayers::listed)
+      return layer >= 0 && static_cast<std::size_t>(layer) < moe_mask.size() && moe_mask[static_cast<std::size_t>(layer)];
     return moe_layers == MoELayers::all || (moe_layers == MoELayers::every_second && layer % 2 == 1);
   }
+  // The configuration the blocks of `layer` are built from: the model itself, or for a vision
+  // model its stage's (d_model, heads, MLP and expert widths scaled; seq_len the window's tokens,
+  // so that attention runs over windows; grid the feature map's side).
+  TransformerConfig layer_config(int layer) const;
   AttentionShape attention(std::int64_t batch) const {
     return {batch, seq_len, num_heads, num_kv_heads, head_dim(), causal};
   }

@@ -261,7 +261,7 @@ struct AttentionSaved final : Saved {
 
 AttentionBlock::AttentionBlock(Backend& b, Stream& s, const TransformerConfig& cfg, int layer, const TensorParallel& tp)
     : b_(b), s_(s), cfg_(cfg), layer_(layer), tp_(tp),
-      norm_(b, s, cfg, "layer" + std::to_string(layer) + ".attn_norm", tp) {
+      norm_(b, s, cfg, "layer" + std::to_string(layer) + ".attn_norm", tp), window_slots_(b, s) {
   const std::int64_t M = cfg.d_model, D = cfg.head_dim(), t = tp.size();
   const std::int64_t Hq = cfg.num_heads, Hkv = cfg.num_kv_heads;
   const std::string p = "layer" + std::to_string(layer) + ".attn";
@@ -283,6 +283,13 @@ AttentionShape AttentionBlock::shape(std::int64_t tokens) const {
   a.heads /= tp_.size();
   a.kv_heads /= tp_.size();
   return a;
+}
+
+const Tensor* AttentionBlock::windows(std::int64_t tokens) {
+  const std::int64_t g = cfg_.grid, area = g * g;
+  if (g == 0 || cfg_.seq_len == area) return nullptr;  // not a vision stage, or one window per image
+  const std::int64_t w = static_cast<std::int64_t>(std::lround(std::sqrt(static_cast<double>(cfg_.seq_len))));
+  return &window_slots_.get(tokens, tokens, 1, [&] { return window_slots(tokens / area, g, w); });
 }
 
 void AttentionBlock::init_parameters(std::uint64_t seed) {
@@ -309,6 +316,15 @@ Forwarded AttentionBlock::forward(const Tensor& x, const WorkKey& key) {
   PhaseScope ph(b_, kind());
   auto sv = std::make_unique<AttentionSaved>(key);
   sv->a = norm_.forward(x, sv->norm);
+  // Window attention (a vision stage): the rows regrouped window by window once here, and back
+  // after the output projection; every GEMM works row by row, so the block's saved tensors
+  // (a, qkv, o, and dy in B) are all in window order.
+  const Tensor* win = windows(T);
+  if (win) {
+    Tensor a_w = b_.empty({T, M}, cfg_.dtype, MemCategory::activations, s_);
+    b_.permute(s_, sv->a, *win, a_w);
+    sv->a = a_w;
+  }
   const Tensor a_all = tp_.enter(b_, s_, sv->a);                         // [T,M]
   sv->qkv = b_.empty({T, Q}, cfg_.dtype, MemCategory::activations, s_);  // [T,Q/t]
   b_.gemm(s_, mm(false, false, T, Q, M, a_all, wqkv_.value, sv->qkv, 0), "qkv");
@@ -319,6 +335,11 @@ Forwarded AttentionBlock::forward(const Tensor& x, const WorkKey& key) {
   b_.attention_forward(s_, a, sv->qkv, sv->o, sv->lse);
   Tensor p = b_.empty({T, M}, cfg_.dtype, MemCategory::buffers, s_);  // [T,M], a partial sum under TP
   b_.gemm(s_, mm(false, false, T, M, HD, sv->o, wo_.value, p, 0), "attn_out");
+  if (win) {  // back to the image's row order
+    Tensor p_rows = b_.empty({T, M}, cfg_.dtype, MemCategory::buffers, s_);
+    b_.permute_backward(s_, p, *win, p_rows);
+    p = p_rows;
+  }
   p = tp_.leave(b_, s_, std::move(p));                                // [T,M] or [T/t,M]
   Tensor y = b_.empty(x.shape(), cfg_.dtype, MemCategory::activations, s_);
   b_.add(s_, x, p, y);  // residual
@@ -327,8 +348,14 @@ Forwarded AttentionBlock::forward(const Tensor& x, const WorkKey& key) {
 
 Tensor AttentionBlock::backward_input(Saved& saved, const Tensor& dy_mine) {
   auto& sv = saved_as<AttentionSaved>(saved, "attention block");
-  const Tensor dy = tp_.leave_backward(b_, s_, dy_mine);  // [T,M]
+  Tensor dy = tp_.leave_backward(b_, s_, dy_mine);  // [T,M]
   const std::int64_t T = dy.dim(0), M = cfg_.d_model;
+  const Tensor* win = windows(T);
+  if (win) {  // window order, as the saved tensors
+    Tensor dy_w = b_.empty({T, M}, cfg_.dtype, MemCategory::buffers, s_);
+    b_.permute(s_, dy, *win, dy_w);
+    dy = dy_w;
+  }
   const AttentionShape a = shape(T);
   const std::int64_t Q = a.qkv_width(), HD = static_cast<std::int64_t>(a.heads) * a.head_dim;
   MicrobatchScope mb(b_, sv.key.microbatch);
@@ -341,6 +368,11 @@ Tensor AttentionBlock::backward_input(Saved& saved, const Tensor& dy_mine) {
   if (cfg_.positions == PositionKind::rotary) b_.rope(s_, a, cfg_.rope_theta, true, sv.d_qkv);
   Tensor d_a = b_.empty({T, M}, cfg_.dtype, MemCategory::buffers, s_);  // da = dqkv · Wqkv^T, a partial sum under TP
   b_.gemm(s_, mm(false, true, T, M, Q, sv.d_qkv, wqkv_.value, d_a, 0), "qkv_dgrad");
+  if (win) {
+    Tensor d_a_rows = b_.empty({T, M}, cfg_.dtype, MemCategory::buffers, s_);
+    b_.permute_backward(s_, d_a, *win, d_a_rows);
+    d_a = d_a_rows;
+  }
   d_a = tp_.enter_backward(b_, s_, std::move(d_a));                     // [T,M] or [T/t,M]
   Tensor dx = norm_.backward(sv.norm, d_a);
   b_.add(s_, dx, dy_mine, dx);  // residual
@@ -361,6 +393,11 @@ void AttentionBlock::backward_weight(Saved& saved) {
     Norm::State again;
     sv.a = norm_.forward(sv.norm.x, again);
     sv.norm = Norm::State{};
+    if (const Tensor* win = windows(T)) {
+      Tensor a_w = b_.empty({T, M}, cfg_.dtype, MemCategory::buffers, s_);
+      b_.permute(s_, sv.a, *win, a_w);
+      sv.a = a_w;
+    }
   }
   const Tensor a_all = tp_.enter(b_, s_, sv.a);                                         // gathered again under SP
   b_.gemm(s_, mm(true, false, M, Q, T, a_all, sv.d_qkv, wqkv_.grad, 1), "qkv_wgrad");  // dWqkv += a^T · dqkv

@@ -27,6 +27,7 @@
 // the norms, residuals and MoE layers work on those rows only.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -135,6 +136,31 @@ class FeedForward {
   Param w1_, w2_;  // [M,F/t] (SwiGLU [M,2F/t]), [F/t,M]
 };
 
+// Destination row of every token when `images` images of grid × grid tokens are regrouped into
+// window × window windows (window order: image, window row, window column, then the token's
+// row and column inside its window). A permutation of [0, images·grid²).
+std::vector<std::int32_t> window_slots(std::int64_t images, std::int64_t grid, std::int64_t window);
+// Index tensors of a row regrouping, one per token count (a block sees the training microbatch
+// and, for evaluation, other batch sizes), made on first use and kept.
+class RowIndexCache {
+ public:
+  RowIndexCache(Backend& b, Stream& s) : b_(b), s_(s) {}
+  // The [n, k] int32 tensor of `make()`'s values for `key`, made when first asked for.
+  template <class Make>
+  const Tensor& get(std::int64_t key, std::int64_t n, std::int64_t k, Make make) {
+    auto it = cache_.find(key);
+    if (it != cache_.end()) return it->second;
+    Tensor t = b_.empty({n, k}, DType::i32, MemCategory::buffers, s_);
+    if (b_.has_data()) b_.upload_i32(make(), t);
+    return cache_.emplace(key, std::move(t)).first->second;
+  }
+
+ private:
+  Backend& b_;
+  Stream& s_;
+  std::map<std::int64_t, Tensor> cache_;
+};
+
 // ---- the blocks ----------------------------------------------------------------------------
 
 // Token embedding (+ learned positions): ids [T] int32 -> [T,M]. Its only gradient is the
@@ -183,6 +209,9 @@ class AttentionBlock final : public Block {
 
  private:
   AttentionShape shape(std::int64_t tokens) const;  // this rank's heads over the microbatch's T tokens
+  // A vision model's stage with several windows per image: the rows' window order for T tokens
+  // (window_slots); null when attention runs over whole sequences (one window per image).
+  const Tensor* windows(std::int64_t tokens);
 
   Backend& b_;
   Stream& s_;
@@ -192,6 +221,7 @@ class AttentionBlock final : public Block {
   Norm norm_;
   Param wqkv_, wo_;  // [M,Q/t], [Hq·D/t,M]
   bool recompute_norm_ = false;
+  RowIndexCache window_slots_;
 };
 
 // y = x + ffn(norm(x)) where ffn is a dense MLP, or an MoE layer served by an MoEImpl

@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "harness/nn/layer_group.hpp"
+#include "harness/nn/vision.hpp"
 #include "harness/runtime/error.hpp"
 
 namespace moelab {
@@ -37,7 +38,19 @@ Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const M
     throw ConfigError("--layers " + std::to_string(first_) + ":" + std::to_string(last_) + " is not a range of the " +
                       std::to_string(cfg.num_layers) + " layers of " + cfg.name);
   b.set_allow_tf32(cfg.allow_tf32);
-  if (first_ == 0) {
+  const bool vision = cfg.vision.enabled;
+  if (vision && (first_ != 0 || last_ != cfg.num_layers))
+    throw ConfigError("--layers " + std::to_string(first_) + ":" + std::to_string(last_) + ": " + cfg.origin +
+                      " is a vision model (\"vision\"), which runs whole on every rank (no pipeline stages: the "
+                      "stages' widths differ)");
+  if (vision && tp_.on())
+    throw ConfigError(cfg.origin + ": a vision model (\"vision\") is not built for tensor parallelism (tp = " +
+                      std::to_string(tp_.size()) + ")");
+  if (first_ == 0 && vision) {
+    auto e = std::make_unique<PatchEmbed>(b, s_, cfg);
+    patch_embed_ = e.get();
+    blocks_.push_back(std::move(e));
+  } else if (first_ == 0) {
     auto e = std::make_unique<Embedding>(b, s_, cfg, tp_);
     embedding_ = e.get();
     blocks_.push_back(std::move(e));
@@ -56,30 +69,39 @@ Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const M
                       std::to_string(tp_.size()) + ")");
   routed_top_k_.assign(static_cast<std::size_t>(last_ - first_), 0);
   for (int l = first_; l < last_; ++l) {
+    // The layer's own sizes (a vision model's stage; the model's otherwise), and a patch merging
+    // before each stage but the first.
+    const TransformerConfig lc = cfg.layer_config(l);
+    if (vision && l > 0 && cfg.vision.stage_of(l) != cfg.vision.stage_of(l - 1))
+      blocks_.push_back(std::make_unique<PatchMerging>(b, s_, cfg.layer_config(l - 1), cfg.vision.stage_of(l)));
     if (span > 0 && l + span - 1 < last_ && cfg.is_moe(l + span - 1)) {
       if (!shortcut_pair_factory())
         throw ConfigError(cfg.origin + ": \"scmoe\" needs ScMoE's block pair, which this binary does not have");
       if (!channels_) channels_ = std::make_unique<MoEChannels>(b, ep);
       blocks_.push_back(shortcut_pair_factory()(
-          {b, s_, cfg, l, make_impl(opt.impl, b, ep, cfg.moe, opt.impl_options, channels_.get()), opt.aux_loss_coef}));
+          {b, s_, lc, l, make_impl(opt.impl, b, ep, lc.moe, opt.impl_options, channels_.get()), opt.aux_loss_coef}));
       routed_top_k_[static_cast<std::size_t>(l + span - 1 - first_)] =
           static_cast<LayerGroup&>(*blocks_.back()).moe()->layer().config().top_k;
       l += span - 1;
       continue;
     }
-    blocks_.push_back(std::make_unique<AttentionBlock>(b, s_, cfg, l, tp_));
+    blocks_.push_back(std::make_unique<AttentionBlock>(b, s_, lc, l, tp_));
     if (cfg.is_moe(l)) {
       // Every MoE layer of the model issues on one set of streams and communicators: L layers
       // do not make 2L streams and 2L duplicates of the expert-parallel communicator.
       if (!channels_) channels_ = std::make_unique<MoEChannels>(b, ep);
-      auto impl = make_impl(opt.impl, b, ep, cfg.moe, opt.impl_options, channels_.get());
+      auto impl = make_impl(opt.impl, b, ep, lc.moe, opt.impl_options, channels_.get());
       routed_top_k_[static_cast<std::size_t>(l - first_)] = impl->layer().config().top_k;  // a baseline's own k
-      blocks_.push_back(std::make_unique<FfnBlock>(b, s_, cfg, l, std::move(impl), opt.aux_loss_coef, tp_));
+      blocks_.push_back(std::make_unique<FfnBlock>(b, s_, lc, l, std::move(impl), opt.aux_loss_coef, tp_));
     }
     else
-      blocks_.push_back(std::make_unique<FfnBlock>(b, s_, cfg, l, tp_));
+      blocks_.push_back(std::make_unique<FfnBlock>(b, s_, lc, l, tp_));
   }
-  if (last_ == cfg.num_layers) {
+  if (vision) {
+    auto h = std::make_unique<ClassifierHead>(b, s_, cfg.layer_config(cfg.num_layers - 1));
+    classifier_ = h.get();
+    blocks_.push_back(std::move(h));
+  } else if (last_ == cfg.num_layers) {
     // Tied embeddings across stages: the head's own copy, whose gradient the pipeline sums with
     // the embedding's (Megatron's embedding group; ModelOptions::tied_embedding_copy); within
     // one stage they are one tensor.
@@ -189,12 +211,14 @@ Forwarded Model::run_forward(const Batch& batch, const WorkKey& key, bool keep) 
   auto sv = std::make_unique<ModelSaved>(key);
   Tensor h = batch.input;
   // Tokens of the microbatch on this rank outside the TP regions (what the MoE layers route).
-  const std::int64_t T = embedding_ ? tp_.local_tokens(h.dim(0)) : h.dim(0);
+  // A vision model's loss is per image: its MoE layers' share is the microbatch's images.
+  const std::int64_t T = classifier_ ? batch.targets.numel() : embedding_ ? tp_.local_tokens(h.dim(0)) : h.dim(0);
   int layer = first_;
   for (auto& blk : blocks_) {
     WorkKey k = key;
     k.layer = layer;
     if (blk.get() == head_) head_->set_targets(batch.targets, batch.loss_scale);
+    if (blk.get() == classifier_) classifier_->set_targets(batch.targets, batch.loss_scale);
     auto* ffn = dynamic_cast<FfnBlock*>(blk.get());
     // The MoE auxiliary loss enters the objective once per microbatch, weighted like the
     // microbatch's share of the step's tokens: dL/d aux = coef · T · loss_scale.
@@ -208,7 +232,7 @@ Forwarded Model::run_forward(const Batch& batch, const WorkKey& key, bool keep) 
     if (group) layer += group->num_layers();
   }
   if (!keep) return {h, nullptr};
-  if (head_) {
+  if (has_head()) {
     sv->losses = h;
     sv->targets = batch.targets;
   }
@@ -253,7 +277,7 @@ void Model::backward_weight(Saved& saved) {
 
 double Model::loss(const Saved& saved) {
   const auto* sv = dynamic_cast<const ModelSaved*>(&saved);
-  MOELAB_CHECK(sv != nullptr && head_ != nullptr, "Model::loss: only the stage with the head has a loss");
+  MOELAB_CHECK(sv != nullptr && has_head(), "Model::loss: only the stage with the head has a loss");
   if (!b_.has_data()) return 0.0;
   const auto losses = b_.download(sv->losses);
   const auto targets = b_.download_i32(sv->targets);
@@ -288,6 +312,7 @@ void Model::all_reduce_gradients(Communicator& dp) {
 }
 
 double Model::model_flops(std::int64_t tokens) const {
+  if (cfg_.vision.enabled) return vision_flops(tokens);
   // Matmul parameters a token meets (embedding lookups are not matmuls), times 6 for forward
   // (2) and backward (4); attention's score and value products add 6·2·S·Hq·D per token and
   // layer (PaLM, Chowdhery et al. 2022, App. B: 6N + 12·L·H·Q·T, no causal discount).
@@ -312,6 +337,31 @@ double Model::model_flops(std::int64_t tokens) const {
   }
   if (head_) per_token += M * static_cast<double>(cfg_.vocab_size);
   return 6.0 * per_token * static_cast<double>(tokens);
+}
+
+double Model::vision_flops(std::int64_t tokens) const {
+  // Per image, stage by stage (tokens are stage 0's patches): each layer's matmul parameters
+  // times its stage's tokens, attention over its window's S tokens, the patch embedding, the
+  // merges' 4C·2C per merged token, and the classifier once per image; times 6 as above.
+  const VisionConfig& v = cfg_.vision;
+  double per_image = static_cast<double>(cfg_.seq_len) * static_cast<double>(v.patch_values()) * static_cast<double>(cfg_.d_model);
+  for (int l = 0; l < cfg_.num_layers; ++l) {
+    const TransformerConfig c = cfg_.layer_config(l);
+    const double M = static_cast<double>(c.d_model), D = c.head_dim(), H = c.num_heads, S = static_cast<double>(c.seq_len);
+    const double n = static_cast<double>(c.grid * c.grid);
+    double per_token = M * 3 * H * D + H * D * M + 2.0 * S * H * D;
+    if (c.is_moe(l)) {
+      const double Hd = static_cast<double>(c.moe.d_hidden), E = static_cast<double>(c.moe.num_experts);
+      const int k = routed_top_k_[static_cast<std::size_t>(l)] > 0 ? routed_top_k_[static_cast<std::size_t>(l)] : c.moe.top_k;
+      per_token += M * E + k * 2.0 * M * Hd + M * c.scmoe.gate_width() + 2.0 * M * static_cast<double>(c.shared_expert_hidden);
+    } else {
+      per_token += 2.0 * M * static_cast<double>(c.d_ffn);
+    }
+    per_image += n * per_token;
+    if (l + 1 < cfg_.num_layers && v.stage_of(l + 1) != v.stage_of(l)) per_image += n / 4 * (4 * M) * (2 * M);
+  }
+  per_image += static_cast<double>(cfg_.d_model << (v.stages.size() - 1)) * static_cast<double>(v.num_classes);
+  return 6.0 * per_image * static_cast<double>(tokens) / static_cast<double>(cfg_.seq_len);
 }
 
 // ---- optimizer -----------------------------------------------------------------------------

@@ -32,6 +32,7 @@
 #include "harness/config/model.hpp"
 #include "harness/nn/blocks.hpp"
 #include "harness/nn/grad_sync.hpp"
+#include "harness/nn/vision.hpp"
 
 namespace moelab {
 
@@ -114,8 +115,8 @@ class Model {
   const TensorParallel& tensor_parallel() const { return tp_; }
 
   const TransformerConfig& config() const { return cfg_; }
-  bool has_embedding() const { return embedding_ != nullptr; }
-  bool has_head() const { return head_ != nullptr; }
+  bool has_embedding() const { return embedding_ != nullptr || patch_embed_ != nullptr; }
+  bool has_head() const { return head_ != nullptr || classifier_ != nullptr; }
   int first_layer() const { return first_; }
   int last_layer() const { return last_; }
   const std::vector<std::unique_ptr<Block>>& blocks() const { return blocks_; }
@@ -129,6 +130,7 @@ class Model {
 
  private:
   Forwarded run_forward(const Batch& batch, const WorkKey& key, bool keep);
+  double vision_flops(std::int64_t tokens) const;
   Backend& b_;
   Communicator& ep_;
   TransformerConfig cfg_;
@@ -142,6 +144,8 @@ class Model {
   Param wte_copy_;                         // [V,M] the head's copy of tied embeddings (tied_embedding_copy)
   Embedding* embedding_ = nullptr;
   Head* head_ = nullptr;
+  PatchEmbed* patch_embed_ = nullptr;     // a vision model's first block, in place of the embedding
+  ClassifierHead* classifier_ = nullptr;  // and its last, in place of the head
   std::vector<std::unique_ptr<Block>> blocks_;  // in order: [embedding] (attention, ffn)* [head]
   std::vector<int> routed_top_k_;  // per layer of the range: the top-k its MoE layer's implementation routes (0: dense)
 };

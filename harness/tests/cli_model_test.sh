@@ -3,7 +3,8 @@
 # MoE model trains on cpu (the loss falls), the same on two MPI ranks, a 24-layer GPT3-MoE-XL
 # step on eight simulated A800s, a layer range, inference (--inference), training data from a
 # Markov source and a text with a validation curve (--data, --eval-every), gradient buckets
-# overlapping backward, and bad model input (exit 2, no file).
+# overlapping backward, a vision model (cpu, two ranks with ScMoE, SwinV2-MoE-S on sim), and bad
+# model input (exit 2, no file).
 #   bash harness/tests/cli_model_test.sh build/harness/moelab /tmp/workdir
 set -u
 moelab="$1"
@@ -118,7 +119,28 @@ sys.exit(0 if busy.get('grad_sync', 0) > 0 and m['step_time_s']['max'] < busy['c
   ok "gradient buckets overlap backward on sim (grad_sync stream busy $(jget "$work/xl.json" "['metrics']['stream_busy_s']['grad_sync']") s)"
 else bad "gradient buckets overlapping backward"; jget "$work/xl.json" "['metrics']['stream_busy_s']"; fi
 
-# 7. bad input: exit 2, a message naming the field, no result file
+# 7. a vision model ("vision": patch embedding, window attention, patch merging, a classifier):
+# tiny-swin-moe fits its synthetic images on cpu (the loss of 10 classes from ln 10 = 2.30 to
+# below 1), on two MPI ranks with ScMoE's pair in its second stage, and SwinV2-MoE-S steps on 8
+# simulated A30s, the patch merging and the head in the step's phases.
+if "$moelab" run --model "$models/tiny-swin-moe.json" --impl fastmoe --backend cpu --steps 30 --warmup 0 --lr 3e-3 \
+     --micro-batch 4 --out "$work/swin.json" >"$work/swin.log" 2>&1 &&
+   "$py" -c "import json,sys; l=json.load(open(sys.argv[1]))['metrics']['loss']; sys.exit(0 if l['first'] > 2.0 and l['last'] < 1.0 else 1)" "$work/swin.json"
+then ok "tiny-swin-moe trains on cpu: loss $(jget "$work/swin.json" "['metrics']['loss']['first']") -> $(jget "$work/swin.json" "['metrics']['loss']['last']")"
+else bad "tiny-swin-moe on cpu"; cat "$work/swin.log"; fi
+if command -v mpirun >/dev/null &&
+   mpirun --oversubscribe -n 2 "$moelab" run --model "$models/tiny-swin-moe.json" --impl fastmoe \
+     --model-override '{"moe": {"top_k": 1, "shared_expert_hidden": 64}, "scmoe": {"position": "pos3"}}' \
+     --backend cpu --steps 3 --out "$work/swin-mpi.json" >"$work/swin-mpi.log" 2>&1 &&
+   [ "$(jget "$work/swin-mpi.json" "['model']['scmoe']['position']")" = "pos3" ]; then ok "tiny-swin-moe with a ScMoE pair on 2 MPI ranks"
+else bad "tiny-swin-moe ScMoE on 2 MPI ranks"; cat "$work/swin-mpi.log"; fi
+if "$moelab" run --model "$models/swinv2-moe-s.json" --impl top2 --backend sim --cluster pcie-a30x1 --steps 1 --warmup 0 \
+     --micro-batch 8 --out "$work/swinv2.json" >"$work/swinv2.log" 2>&1 &&
+   "$py" -c "import json,sys; m=json.load(open(sys.argv[1]))['metrics']; p=m['phases_s']; sys.exit(0 if p['merge'] > 0 and p['head'] > 0 and p['dispatch'] > 0 and 0 < m['mfu'] < 1 else 1)" "$work/swinv2.json"
+then ok "SwinV2-MoE-S step on 8 simulated A30s ($(grep -o 'MFU [0-9.]*%' "$work/swinv2.log"))"
+else bad "SwinV2-MoE-S on sim"; cat "$work/swinv2.log"; fi
+
+# 8. bad input: exit 2, a message naming the field, no result file
 expect_2() {
   local name="$1" want="$2"
   shift 2
@@ -144,6 +166,10 @@ expect_2 data_sim "sim backend computes no values" --model "$models/tiny-moe.jso
 expect_2 eval_without_data "needs --data" --model "$models/tiny-moe.json" --eval-every 5 --impl fastmoe --backend cpu
 expect_2 inference_pp "only dp and ep" --model "$models/tiny-moe.json" --inference --parallel pp=2 --impl fastmoe --backend sim \
   --cluster dgx-a100x1 --ranks 2
+expect_2 vision_layers "runs whole on every rank" --model "$models/tiny-swin-moe.json" --layers 0:2 --impl fastmoe --backend cpu
+expect_2 vision_data "is a vision model" --model "$models/tiny-swin-moe.json" --data markov:4 --impl fastmoe --backend cpu
+expect_2 vision_tp "not built for tensor parallelism" --model "$models/tiny-swin-moe.json" --parallel tp=2 --impl fastmoe \
+  --backend sim --cluster dgx-a100x1 --ranks 2
 expect_2 inference_optimizer "no optimizer" --model "$models/tiny-moe.json" --inference --optimizer sgd --impl fastmoe --backend cpu
 
 echo "cli_model: $pass passed, $fail failed"

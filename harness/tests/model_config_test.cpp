@@ -57,7 +57,7 @@ TEST(ShippedModels, EveryFileLoadsAndRoundTrips) {
     EXPECT_EQ(back.parameter_counts().total, t.parameter_counts().total);
   }
   for (const char* want : {"gpt2-moe-small", "gpt2-moe-medium", "gpt3-moe-xl", "llama2-moe", "pipeoffload-llama",
-                           "tiny-moe", "tiny-dense"})
+                           "tiny-moe", "tiny-dense", "swinv2-moe-s", "swinv2-moe-s-scmoe", "tiny-swin-moe"})
     EXPECT_NE(std::find(stems.begin(), stems.end(), want), stems.end()) << want;
 }
 
@@ -94,6 +94,128 @@ TEST(ShippedModels, FieldsAsTheFilesSay) {
   EXPECT_TRUE(tiny.is_moe(1));
   EXPECT_EQ(load_transformer(model_path("tiny-dense")).num_moe_layers(), 0);
 }
+
+// ---- vision models ---------------------------------------------------------------------------
+
+TEST(Vision, SwinV2MoeSDerivesItsFieldsAndStages) {
+  const TransformerConfig t = load_transformer(model_path("swinv2-moe-s"));
+  EXPECT_EQ(t.num_layers, 24);
+  EXPECT_EQ(t.seq_len, 48 * 48);  // 192 / 4 patches per side
+  EXPECT_EQ(t.vocab_size, 21841);
+  EXPECT_EQ(t.num_heads, 3);
+  EXPECT_FALSE(t.causal);
+  EXPECT_EQ(t.positions, PositionKind::none);
+  EXPECT_EQ(t.moe_layers, MoELayers::listed);
+  EXPECT_EQ(t.num_moe_layers(), 10);
+  for (int l = 0; l < 24; ++l) EXPECT_EQ(t.is_moe(l), (l >= 4 && l <= 21 && l % 2 == 1) || l == 23) << l;
+  const int stage_of[] = {0, 0, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3};
+  for (int l = 0; l < 24; ++l) EXPECT_EQ(t.vision.stage_of(l), stage_of[l]) << l;
+  struct Want {
+    int layer;
+    std::int64_t d_model, heads, d_ffn, d_hidden, seq_len, grid;
+  };
+  for (const Want w : {Want{0, 96, 3, 384, 384, 144, 48}, {3, 192, 6, 768, 768, 144, 24}, {5, 384, 12, 1536, 1536, 144, 12},
+                       {23, 768, 24, 3072, 3072, 36, 6}}) {
+    const TransformerConfig c = t.layer_config(w.layer);
+    EXPECT_EQ(c.d_model, w.d_model) << w.layer;
+    EXPECT_EQ(c.num_heads, w.heads) << w.layer;
+    EXPECT_EQ(c.head_dim(), 32) << w.layer;
+    EXPECT_EQ(c.d_ffn, w.d_ffn) << w.layer;
+    EXPECT_EQ(c.moe.d_model, w.d_model) << w.layer;
+    EXPECT_EQ(c.moe.d_hidden, w.d_hidden) << w.layer;
+    EXPECT_EQ(c.seq_len, w.seq_len) << w.layer;  // the window's tokens: min(12, grid)²
+    EXPECT_EQ(c.grid, w.grid) << w.layer;
+  }
+  // By hand: attention 4C² per block, a dense MLP 2·C·4C, 8 experts of 2·C·4C and a noisy
+  // gate 2·C·8 per MoE block, two layernorms (2C each) per block, the patch embedding [48,96]
+  // and its norm, each merge's norm over 4C and W [4C,2C], the final norm and the classifier.
+  const int depth[] = {2, 2, 18, 2}, moe[] = {0, 0, 9, 1};
+  std::int64_t attention = 0, dense = 0, experts = 0, gates = 0, norms = 2 * 96 + 2 * 768, merging = 0;
+  for (int s = 0; s < 4; ++s) {
+    const std::int64_t C = std::int64_t{96} << s;
+    attention += depth[s] * 4 * C * C;
+    dense += (depth[s] - moe[s]) * 2 * C * 4 * C;
+    experts += moe[s] * 8 * 2 * C * 4 * C;
+    gates += moe[s] * 2 * C * 8;
+    norms += depth[s] * 2 * 2 * C;
+    if (s > 0) {
+      merging += 4 * (C / 2) * C;
+      norms += 2 * 4 * (C / 2);
+    }
+  }
+  const ParamCounts p = t.parameter_counts();
+  EXPECT_EQ(p.embedding, 48 * 96 + 768 * 21841);
+  EXPECT_EQ(p.attention, attention);
+  EXPECT_EQ(p.dense_mlp, dense);
+  EXPECT_EQ(p.experts, experts);
+  EXPECT_EQ(p.gates, gates);
+  EXPECT_EQ(p.norms, norms);
+  EXPECT_EQ(p.merging, merging);
+  EXPECT_EQ(p.total, p.embedding + attention + dense + experts + gates + norms + merging);
+
+  const TransformerConfig sc = load_transformer(model_path("swinv2-moe-s-scmoe"));
+  EXPECT_TRUE(sc.scmoe.enabled);
+  EXPECT_EQ(sc.layer_config(23).shared_expert_hidden, 3072);  // as wide as the stage's MLP
+  // ScMoE adds per MoE block a shared expert, W_cg [C,1] and the routed MoE's norm.
+  std::int64_t extra = 0;
+  for (int s = 2; s < 4; ++s) {
+    const std::int64_t C = std::int64_t{96} << s;
+    extra += moe[s] * (2 * C * 4 * C + C + 2 * C);
+  }
+  EXPECT_EQ(sc.parameter_counts().total, p.total + extra);
+}
+
+TEST(Vision, ActivationSizesTakeEachStagesLargest) {
+  const TransformerConfig t = load_transformer(model_path("swinv2-moe-s"));
+  const ActivationSizes a = t.activation_sizes(2);
+  EXPECT_EQ(a.tokens, 2 * 2304);                    // stage 0
+  EXPECT_EQ(a.hidden, std::max(2 * 2304 * 96, 2 * 36 * 768));
+  EXPECT_EQ(a.lse, 2 * 16 * 3 * 144);               // [B·windows, heads, window²] of stage 0
+  EXPECT_EQ(a.routed_slots, 2 * 144 * 2);           // stage 2's MoE tokens, top-2
+  EXPECT_EQ(a.expert_hidden, std::max(2 * 144 * 2 * 1536, 2 * 36 * 2 * 3072));
+  EXPECT_EQ(a.logits, 2 * 21841);
+}
+
+class BadVisionModel : public ::testing::TestWithParam<BadCase> {};
+
+TEST_P(BadVisionModel, IsRejectedNamingFieldAndValue) {
+  std::ifstream in(model_path("tiny-swin-moe"));
+  expect_rejected(json::parse(in), GetParam(), [](const std::string& path) { load_transformer(path); });
+}
+
+const BadCase kBadVisionCases[] = {
+    {"GivesNumLayers", [](json& j) { j["num_layers"] = 4; }, {"num_layers = 4 is given, but a vision model", "sets it"}},
+    {"GivesSeqLen", [](json& j) { j["seq_len"] = 64; }, {"seq_len = 64 is given"}},
+    {"Causal", [](json& j) { j["attention"] = "causal"; }, {"attention = \"causal\"", "attend both ways"}},
+    {"PatchDoesNotDivide", [](json& j) { j["vision"]["patch_size"] = 3; }, {"vision.patch_size = 3 does not divide image_size = 16"}},
+    {"WindowDoesNotDivide", [](json& j) { j["vision"]["window"] = 3; }, {"vision.window = 3 does not divide stage 0's feature map side 8"}},
+    {"OddMapBeforeMerge",
+     [](json& j) {
+       j["vision"]["image_size"] = 12;
+       j["vision"]["patch_size"] = 4;
+       j["vision"]["window"] = 3;
+     },
+     {"vision.stages[1]: stage 0's feature map is 3 × 3 tokens, odd"}},
+    {"HeadsDoNotDivideWidth", [](json& j) { j["vision"]["stages"][1]["num_heads"] = 5; }, {"vision.stages[1].num_heads = 5 does not divide the stage's width 32"}},
+    {"MoeBlockOutOfRange", [](json& j) { j["vision"]["stages"][1]["moe_blocks"] = {2}; }, {"vision.stages[1].moe_blocks[0] = 2 is too large (at most 1)"}},
+    {"MoeBlocksNotIncreasing", [](json& j) { j["vision"]["stages"][1]["moe_blocks"] = {1, 1}; }, {"vision.stages[1].moe_blocks = [1,1] is not increasing"}},
+    {"SwinsNoneMarker", [](json& j) { j["vision"]["stages"][0]["moe_blocks"] = {-1}; }, {"vision.stages[0].moe_blocks[0]: expected"}},
+    {"NoStages", [](json& j) { j["vision"]["stages"] = json::array(); }, {"vision.stages: expected an array of 1 to 16 stages"}},
+    {"UnknownStageField", [](json& j) { j["vision"]["stages"][0]["heads"] = 2; }, {"unknown field \"vision.stages[0].heads\""}},
+    {"MoeWithoutBlocks", [](json& j) { j["vision"]["stages"][1]["moe_blocks"] = json::array(); }, {"moe = {", "no stage of vision.stages lists moe_blocks"}},
+    {"BlocksWithoutMoe", [](json& j) { j.erase("moe"); }, {"missing field \"moe\" (vision.stages list moe_blocks"}},
+    {"ScmoePairAcrossTheMerge",
+     [](json& j) {
+       j["vision"]["stages"][1]["moe_blocks"] = {0};
+       j["moe"]["top_k"] = 1;
+       j["scmoe"] = json::object();
+     },
+     {"scmoe.position = \"pos2\" pairs each MoE block", "vision.stages[1] block 0 is an MoE block that starts its stage"}},
+    {"WidthDoublesTooFar", [](json& j) { j["d_ffn"] = 4000000; }, {"d_ffn = 4000000 (stage 0's) doubles to more than"}},
+};
+
+INSTANTIATE_TEST_SUITE_P(Cases, BadVisionModel, ::testing::ValuesIn(kBadVisionCases),
+                         [](const ::testing::TestParamInfo<BadCase>& p) { return p.param.name; });
 
 // ---- parameter counts against a hand computation -----------------------------------------------
 

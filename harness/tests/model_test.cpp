@@ -65,6 +65,20 @@ struct Rig {
     next = synthetic_successor(cfg.vocab_size, seed);
   }
   Batch batch(std::int64_t sequences, std::uint64_t seed, std::uint64_t step, int mb, float scale) {
+    const TransformerConfig& cfg = model->config();
+    if (cfg.vision.enabled) {  // random patches and a label per image
+      Batch x;
+      const std::int64_t T = sequences * cfg.seq_len, P = cfg.vision.patch_values();
+      x.input = b->empty({T, P}, DType::f32, MemCategory::activations, b->default_stream());
+      b->upload(test::uniform(static_cast<std::size_t>(T * P), Rng::mix(seed, step, static_cast<std::uint64_t>(mb))), x.input);
+      std::vector<std::int32_t> labels(static_cast<std::size_t>(sequences));
+      Rng r(Rng::mix(seed, step, static_cast<std::uint64_t>(mb) + 1000));
+      for (auto& y : labels) y = static_cast<std::int32_t>(r.next() % static_cast<std::uint64_t>(cfg.vocab_size));
+      x.targets = b->empty({sequences}, DType::i32, MemCategory::activations, b->default_stream());
+      b->upload_i32(labels, x.targets);
+      x.loss_scale = scale;
+      return x;
+    }
     const auto tb = synthetic_batch(next, sequences, model->config().seq_len, seed, step, mb, 0);
     Batch x;
     const auto T = static_cast<std::int64_t>(tb.ids.size());
@@ -97,6 +111,35 @@ double objective(Rig& r, const Batch& x, float coef, std::vector<std::int64_t>* 
   return ce + coef * aux;
 }
 
+// A two-stage vision model (harness/config/model.hpp "vision"): the patch embedding, window
+// attention over four 2 × 2 windows per image in stage 0, a patch merging, and an MoE block in
+// stage 1, whose single window is the whole 2 × 2 map.
+TransformerConfig tiny_vision() {
+  TransformerConfig c = tiny(true);
+  c.name = "tiny-vision";
+  c.d_model = 16;
+  c.d_ffn = 24;
+  c.positions = PositionKind::none;
+  c.causal = false;
+  c.tie_embeddings = false;
+  c.vision.enabled = true;
+  c.vision.image_size = 8;
+  c.vision.patch_size = 2;
+  c.vision.in_channels = 3;
+  c.vision.num_classes = 6;
+  c.vision.window = 2;
+  c.vision.stages = {{1, 2, {}}, {2, 4, {1}}};
+  c.num_layers = 3;
+  c.num_heads = c.num_kv_heads = 2;
+  c.seq_len = 16;
+  c.vocab_size = 6;
+  c.moe_layers = MoELayers::listed;
+  c.moe_mask = {0, 0, 1};
+  c.moe.d_model = 16;
+  c.moe.d_hidden = 20;
+  return c;
+}
+
 class ModelGrad : public ::testing::TestWithParam<int> {};
 
 // The gradient of every parameter tensor, projected on a random direction, against the
@@ -106,13 +149,14 @@ TEST_P(ModelGrad, MatchesFiniteDifferencesOfTheLoss) {
   const int variant = GetParam();
   const TransformerConfig cfg = variant == 0   ? tiny(false)
                                 : variant == 1 ? tiny(false, MlpKind::swiglu, PositionKind::rotary, NormKind::rmsnorm)
-                                               : tiny(true);
+                                : variant == 2 ? tiny(true)
+                                               : tiny_vision();
   const std::uint64_t seed = test::fresh_seed();
   ModelOptions opt;
   opt.aux_loss_coef = 0.1f;
   Rig r(cfg, seed, opt);
   const std::int64_t B = 2;
-  Batch x = r.batch(B, seed, 1, 0, 1.0f / static_cast<float>(B * cfg.seq_len));
+  Batch x = r.batch(B, seed, 1, 0, 1.0f / static_cast<float>(cfg.vision.enabled ? B : B * cfg.seq_len));
   r.model->zero_grad();
   Forwarded f = r.model->forward(x, {0, 0, 1});
   r.model->backward_input(*f.saved, Tensor());
@@ -166,8 +210,8 @@ TEST_P(ModelGrad, MatchesFiniteDifferencesOfTheLoss) {
   }
   EXPECT_LE(unjudged, 1) << "routing flipped within every step for " << unjudged << " parameters (seed " << seed << ")";
 }
-INSTANTIATE_TEST_SUITE_P(Variants, ModelGrad, ::testing::Values(0, 1, 2), [](const auto& p) {
-  return std::string(p.param == 0 ? "gpt_dense" : p.param == 1 ? "llama_dense" : "gpt_moe");
+INSTANTIATE_TEST_SUITE_P(Variants, ModelGrad, ::testing::Values(0, 1, 2, 3), [](const auto& p) {
+  return std::string(p.param == 0 ? "gpt_dense" : p.param == 1 ? "llama_dense" : p.param == 2 ? "gpt_moe" : "vision_moe");
 });
 
 double max_rel_diff(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
