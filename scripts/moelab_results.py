@@ -563,6 +563,7 @@ def check_summary(s, path):
                 c.fail(f"{w}.layers", f'expected "A:B" or null, got {_kind(lay)}')
             c.string(r, "parallel", w, required=False, null=True)
             c.obj(r, "override", w, required=False, null=True)
+            c.integer(r, "micro_batch", w, required=False, minimum=1)
     for i, r in enumerate(c.array(s, "claims")):
         w = f"claims[{i}]"
         for k in ("id", "text", "source", "verdict"):
@@ -688,6 +689,7 @@ def _check_models(c, r, w):
         c.name(spec, "file", f)
         c.name(spec, "model", f, required=False)
         c.obj(spec, "override", f, required=False)
+        c.integer(spec, "micro_batch", f, required=False, minimum=1)
         lay = c.string(spec, "layers", f, required=False)
         if lay is not None and layers_of(lay) is None:
             c.fail(f"{f}.layers", f'expected "A:B" with A < B (moelab run --layers), got {_kind(lay)}')

@@ -232,6 +232,7 @@ def model_jobs(suite, r, clusters, ranks, impls):
                                      "model_run": {"file": e["file"], "path": path, "missing": missing,
                                                    "model": e["model"], "override": e.get("override"),
                                                    "layers": e.get("layers"),
+                                                   "micro_batch": e.get("micro_batch"),
                                                    "parallel": (e.get("parallel") or {}).get(cl),
                                                    "run_mode": mode, "label": r.get("label") or label},
                                      "steps": r.get("steps"), "warmup": r.get("warmup"),
@@ -431,6 +432,8 @@ def command(job, machine, wl_path, dest):
             cmd += ["--model-override", json.dumps(mrun["override"], separators=(",", ":"))]
         if mrun["layers"]:
             cmd += ["--layers", mrun["layers"]]
+        if mrun.get("micro_batch"):
+            cmd += ["--micro-batch", str(mrun["micro_batch"])]
         if mrun["parallel"]:
             cmd += ["--parallel", mrun["parallel"]]
         if job.get("warmup") is not None:
@@ -612,6 +615,8 @@ def summarize(suite, jobs, subset, host_seconds):
         if mrun:
             row.update(model=mrun["model"], model_file=mrun["file"], layers=mrun["layers"], label=mrun["label"],
                        run_mode=mrun["run_mode"], parallel=mrun["parallel"], override=mrun["override"])
+            if mrun.get("micro_batch"):
+                row["micro_batch"] = mrun["micro_batch"]
         if res is not None:
             row.update(mode=res["mode"], device=res["device"], calibration=res["calibration"],
                        world_size=res["world_size"], file=j["file"],
