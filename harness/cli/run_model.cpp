@@ -529,7 +529,10 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       return false;
     });
     RankFigures local;
-    add_timeline_figures(local, ops, steps, kModelPhases);
+    // A vision model's patch merging is a phase of its own; the others have none.
+    std::vector<std::string> phases = kModelPhases;
+    if (!cfg.vision.enabled) std::erase(phases, std::string("merge"));
+    add_timeline_figures(local, ops, steps, phases);
     add_memory_figures(local, b);
     local.device = b.device_name();
     local.step_s = step_s;
