@@ -95,12 +95,10 @@ void read_scmoe(const Fields& f, const json& sc, const json* moe, TransformerCon
 // layers), which the file may not give.
 void read_vision(const Fields& f, const json& v, TransformerConfig& t) {
   const std::string& origin = t.origin;
-  for (const char* k : {"num_heads", "num_kv_heads", "num_layers", "seq_len", "vocab_size", "moe_layers", "positions",
-                        "rope_theta", "tie_embeddings"})
+  for (const char* k : {"moe_layers", "rope_theta"})
     if (const json* given = f.find(k))
-      fail(origin, std::string(k) + " = " + show(*given) + " is given, but a vision model (\"vision\") sets it: num_layers "
-                   "is the stages' depths summed, seq_len (image_size / patch_size)², vocab_size num_classes, num_heads "
-                   "stage 0's, the MoE layers the stages' moe_blocks; positions none, embeddings untied (remove the field)");
+      fail(origin, std::string(k) + " = " + show(*given) + " is given, but a vision model (\"vision\") has no such field: "
+                   "its MoE layers are the stages' moe_blocks, its positions none (remove the field)");
   if (!v.is_object()) f.wrong_type("vision", v, "an object");
   Fields vf(v, origin, "vision.", {"image_size", "patch_size", "in_channels", "num_classes", "window", "stages"});
   VisionConfig& c = t.vision;
@@ -171,6 +169,17 @@ void read_vision(const Fields& f, const json& v, TransformerConfig& t) {
   t.num_heads = t.num_kv_heads = c.stages[0].num_heads;
   t.positions = PositionKind::none;
   t.tie_embeddings = false;
+  // The fields a vision model derives may be written out (a result's "model" has them), but
+  // only as derived.
+  const std::pair<const char*, json> derived[] = {
+      {"num_layers", t.num_layers}, {"seq_len", t.seq_len},         {"vocab_size", t.vocab_size},
+      {"num_heads", t.num_heads},   {"num_kv_heads", t.num_kv_heads}, {"positions", "none"},
+      {"tie_embeddings", false}};
+  for (const auto& [k, want] : derived)
+    if (const json* given = f.find(k); given && *given != want)
+      fail(origin, std::string(k) + " = " + show(*given) + ", but a vision model (\"vision\") derives " + show(want) +
+                       " (num_layers: the stages' depths summed; seq_len: (image_size / patch_size)²; vocab_size: "
+                       "num_classes; num_heads: stage 0's; positions none; embeddings untied): remove the field");
   const bool any_moe = std::find(t.moe_mask.begin(), t.moe_mask.end(), 1) != t.moe_mask.end();
   t.moe_layers = any_moe ? MoELayers::listed : MoELayers::none;
   if (!any_moe) t.moe_mask.clear();
@@ -556,9 +565,7 @@ json to_json(const TransformerConfig& t) {
     j["moe"] = moe;
   }
   if (t.vision.enabled) {
-    for (const char* k : {"num_heads", "num_kv_heads", "num_layers", "seq_len", "vocab_size", "moe_layers", "positions",
-                          "tie_embeddings"})
-      j.erase(k);
+    j.erase("moe_layers");  // the stages' moe_blocks; the other derived fields stay, as derived
     const VisionConfig& v = t.vision;
     json stages = json::array();
     for (const auto& s : v.stages) stages.push_back({{"depth", s.depth}, {"num_heads", s.num_heads}, {"moe_blocks", s.moe_blocks}});

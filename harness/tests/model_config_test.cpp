@@ -165,6 +165,20 @@ TEST(Vision, SwinV2MoeSDerivesItsFieldsAndStages) {
   EXPECT_EQ(sc.parameter_counts().total, p.total + extra);
 }
 
+TEST(Vision, DerivedFieldsMayBeWrittenAsDerived) {
+  std::ifstream in(model_path("tiny-swin-moe"));
+  json j = json::parse(in);
+  j["num_layers"] = 4;
+  j["seq_len"] = 64;
+  j["vocab_size"] = 10;
+  j["num_heads"] = 2;
+  j["positions"] = "none";
+  const TransformerConfig t = parse_transformer(j, "<test>");
+  EXPECT_EQ(t.num_layers, 4);
+  EXPECT_EQ(to_json(t)["num_layers"], 4);  // a result's "model" names them
+  EXPECT_FALSE(to_json(t).contains("moe_layers"));
+}
+
 TEST(Vision, ActivationSizesTakeEachStagesLargest) {
   const TransformerConfig t = load_transformer(model_path("swinv2-moe-s"));
   const ActivationSizes a = t.activation_sizes(2);
@@ -184,8 +198,9 @@ TEST_P(BadVisionModel, IsRejectedNamingFieldAndValue) {
 }
 
 const BadCase kBadVisionCases[] = {
-    {"GivesNumLayers", [](json& j) { j["num_layers"] = 4; }, {"num_layers = 4 is given, but a vision model", "sets it"}},
-    {"GivesSeqLen", [](json& j) { j["seq_len"] = 64; }, {"seq_len = 64 is given"}},
+    {"GivesOtherNumLayers", [](json& j) { j["num_layers"] = 5; }, {"num_layers = 5, but a vision model (\"vision\") derives 4"}},
+    {"GivesOtherSeqLen", [](json& j) { j["seq_len"] = 63; }, {"seq_len = 63, but a vision model", "derives 64"}},
+    {"GivesMoeLayers", [](json& j) { j["moe_layers"] = "all"; }, {"moe_layers = \"all\" is given, but a vision model", "moe_blocks"}},
     {"Causal", [](json& j) { j["attention"] = "causal"; }, {"attention = \"causal\"", "attend both ways"}},
     {"PatchDoesNotDivide", [](json& j) { j["vision"]["patch_size"] = 3; }, {"vision.patch_size = 3 does not divide image_size = 16"}},
     {"WindowDoesNotDivide", [](json& j) { j["vision"]["window"] = 3; }, {"vision.window = 3 does not divide stage 0's feature map side 8"}},
