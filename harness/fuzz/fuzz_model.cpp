@@ -19,6 +19,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const TransformerConfig t = json_fields::reading(
         origin, [&] { return parse_transformer(json_fields::parse_text(file, origin), origin, overrides); });
     (void)t.parameter_counts();
+    // Every layer's configuration (a vision model's stages; the first layers of a deep model).
+    for (int l = 0; l < t.num_layers && l < 64; ++l) (void)t.layer_config(l).head_dim();
     for (std::int64_t batch : {1, 8, 1 << 20}) fuzz::expect_input_errors([&] { (void)t.activation_sizes(batch); });
     (void)to_json(t).dump();
   });

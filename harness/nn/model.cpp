@@ -77,7 +77,7 @@ Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const M
     if (span > 0 && l + span - 1 < last_ && cfg.is_moe(l + span - 1)) {
       if (!shortcut_pair_factory())
         throw ConfigError(cfg.origin + ": \"scmoe\" needs ScMoE's block pair, which this binary does not have");
-      if (!channels_) channels_ = std::make_unique<MoEChannels>(b, ep);
+      if (!channels_) channels_ = std::make_unique<MoEChannels>(b, ep, tp_.comm);
       blocks_.push_back(shortcut_pair_factory()(
           {b, s_, lc, l, make_impl(opt.impl, b, ep, lc.moe, opt.impl_options, channels_.get()), opt.aux_loss_coef}));
       routed_top_k_[static_cast<std::size_t>(l + span - 1 - first_)] =
@@ -89,7 +89,7 @@ Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const M
     if (cfg.is_moe(l)) {
       // Every MoE layer of the model issues on one set of streams and communicators: L layers
       // do not make 2L streams and 2L duplicates of the expert-parallel communicator.
-      if (!channels_) channels_ = std::make_unique<MoEChannels>(b, ep);
+      if (!channels_) channels_ = std::make_unique<MoEChannels>(b, ep, tp_.comm);
       auto impl = make_impl(opt.impl, b, ep, lc.moe, opt.impl_options, channels_.get());
       routed_top_k_[static_cast<std::size_t>(l - first_)] = impl->layer().config().top_k;  // a baseline's own k
       blocks_.push_back(std::make_unique<FfnBlock>(b, s_, lc, l, std::move(impl), opt.aux_loss_coef, tp_));
@@ -188,7 +188,7 @@ std::vector<ParamSlot> Model::param_slots() {
         // The gate sees the rank's rows under sequence parallelism; the experts see the same
         // tokens from every TP rank without it (grad_sync.hpp).
         p.tp_partial = gate && tp_.sp();
-        p.grad_copies = !gate && tp_.on() && !tp_.sp() ? tp_.size() : 1;
+        p.grad_copies = !gate && tp_.on() && !tp_.sp() && !m->tp_deduplicated() ? tp_.size() : 1;
         out.push_back({std::move(p), &value, &grad, block});
       };
       add("w_gate", v.w_gate, g.w_gate, true);

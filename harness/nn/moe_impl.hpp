@@ -28,6 +28,10 @@ class MoEImpl {
   virtual MoELayer& layer() = 0;
   // Implementation-specific facts for the result file (chosen n, strategy, ...).
   virtual nlohmann::json report() { return nlohmann::json::object(); }
+  // Whether each token reaches the experts once although every rank of a TP group holds it (a
+  // TP-deduplicated all-to-all); otherwise the experts see it once per TP rank and the model
+  // averages their gradients over those copies (harness/nn/grad_sync.hpp).
+  virtual bool tp_deduplicated() const { return false; }
 
   // ---- any number of microbatches in flight (harness/nn/saved.hpp; MoELayer documents each)
   Forwarded forward(const Tensor& x, const WorkKey& key) { return layer().forward(x, key); }  // [T,M] -> [T,M]

@@ -11,8 +11,8 @@
 
 namespace moelab {
 
-MoEChannels::MoEChannels(Backend& b, Communicator& comm)
-    : b_(b), dispatch_comm_(comm.dup()), combine_comm_(comm.dup()) {
+MoEChannels::MoEChannels(Backend& b, Communicator& comm, Communicator* tp)
+    : b_(b), tp_(tp && tp->size() > 1 ? tp : nullptr), dispatch_comm_(comm.dup()), combine_comm_(comm.dup()) {
   compute_ = &b_.default_stream();
   dispatch_ = &b_.create_stream(StreamRole::dispatch, "dispatch");
   combine_ = &b_.create_stream(StreamRole::combine, "combine");
@@ -21,6 +21,20 @@ MoEChannels::MoEChannels(Backend& b, Communicator& comm)
 Stream& MoEChannels::host_to_device() {
   if (!h2d_) h2d_ = &b_.create_stream(StreamRole::h2d, "h2d");
   return *h2d_;
+}
+
+Stream& MoEChannels::gather() {
+  MOELAB_CHECK(tp_ != nullptr, "MoEChannels::gather: the channels have no tensor-parallel group");
+  if (!gather_) gather_ = &b_.create_stream(StreamRole::aux, "tp_gather");
+  return *gather_;
+}
+
+Communicator& MoEChannels::gather_comm() {
+  MOELAB_CHECK(tp_ != nullptr, "MoEChannels::gather_comm: the channels have no tensor-parallel group");
+  // Collective over the TP group: its ranks build the same layers in the same order, and a
+  // layer that uses the lane asks for it when it is built.
+  if (!gather_comm_) gather_comm_ = tp_->dup();
+  return *gather_comm_;
 }
 
 Stream& MoEChannels::device_to_host() {
@@ -121,7 +135,7 @@ void MoELayer::route(Stream& c, MoESaved& sv) {
     b_.gemm(c, {false, false, T, E, M, x, params_.w_noise, sv.noise_raw, 1.0f, 0.0f}, "gate_noise_logits");
     sv.eps = b_.empty({T, E}, DType::f32, MemCategory::activations, c);
     if (b_.has_data()) {  // the noise is drawn on the host so that tests can replay it
-      Rng rng(Rng::mix(noise_seed_, static_cast<std::uint64_t>(comm_.rank()), work_seed(sv.key)));
+      Rng rng(Rng::mix(noise_seed_, noise_rank(), work_seed(sv.key)));
       sv.eps_host.resize(static_cast<std::size_t>(T * E));
       for (auto& v : sv.eps_host) v = static_cast<float>(rng.normal());
       b_.upload(sv.eps_host, sv.eps);

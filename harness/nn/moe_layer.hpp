@@ -61,7 +61,12 @@ class MoEChannels {
  public:
   // compute: the backend's default stream; dispatch and combine: new streams, each with its
   // own duplicate of comm (a communicator is used from one stream, communicator.hpp).
-  MoEChannels(Backend& b, Communicator& comm);
+  // tp: the tensor-parallel group of the ranks (null: none). Layers that exchange over it
+  // (the TP-deduplicated all-to-all of baselines/deepspeed_tp_ep and impls/monta) get a stream
+  // and a duplicate of it of their own: gather() and gather_comm(), made on first use (the
+  // dup is collective over the TP group: a layer asks for it when it is built, as every rank
+  // of the group does).
+  MoEChannels(Backend& b, Communicator& comm, Communicator* tp = nullptr);
   Stream& compute() { return *compute_; }
   Stream& dispatch() { return *dispatch_; }
   Stream& combine() { return *combine_; }
@@ -70,9 +75,16 @@ class MoEChannels {
   // Host copies (MPipeMoE's offloads and fetches), made on first use.
   Stream& host_to_device();
   Stream& device_to_host();
+  // The TP group (null without one) and the stream and communicator its exchanges use.
+  Communicator* tp() { return tp_; }
+  Stream& gather();
+  Communicator& gather_comm();
 
  private:
   Backend& b_;
+  Communicator* tp_ = nullptr;
+  std::unique_ptr<Communicator> gather_comm_;
+  Stream* gather_ = nullptr;
   std::unique_ptr<Communicator> dispatch_comm_, combine_comm_;
   Stream* compute_;
   Stream* dispatch_;
@@ -162,6 +174,9 @@ class MoELayer {
   MoEChannels& channels() { return *channels_; }  // to share with the model's other MoE layers
   EventPool& event_pool() { return events_; }  // the events of the layer's passes
   void set_noise_seed(std::uint64_t s) { noise_seed_ = s; }
+  // The rank the gate noise is keyed on: this rank's in the expert-parallel group, or (a layer
+  // whose TP ranks must route alike) one shared by its TP group.
+  virtual std::uint64_t noise_rank() const { return static_cast<std::uint64_t>(comm_.rank()); }
   // Whether a caller may run this layer's forward and backward as the public steps below, with
   // the plan dispatch_preprocess makes issued by the chunk issuer (ScMoE's overlap schedule,
   // impls/scmoe, does): true for the planners (FastMoE, FasterMoE, the Tutel-style baselines);

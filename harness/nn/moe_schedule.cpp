@@ -199,7 +199,10 @@ PassBuffers issue_forward(MoELayer& L, MoESaved& sv, const Tensor& t_i, ChunkHoo
   };
   if (pass.ahead()) {
     sv.t_o = b.empty({N, M}, cfg.dtype, MemCategory::activations, c);  // [N,M]
-    if (hooks) hooks->allocate();
+    if (hooks) {
+      hooks->output(sv.t_o);
+      hooks->allocate();
+    }
     for (int i = 0; i < n; ++i) {
       if (hooks) {
         at(i) = hooks->tensors(i);
@@ -267,7 +270,10 @@ PassBuffers issue_backward(MoELayer& L, MoESaved& sv, Tensor& d_t_o, bool defer,
   if (defer) sv.expert_wgrad.assign(static_cast<std::size_t>(n), {});
   if (pass.ahead()) {
     d_t_i = b.empty({N, M}, cfg.dtype, MemCategory::buffers, c);
-    if (hooks) hooks->allocate();
+    if (hooks) {
+      hooks->output(d_t_i);
+      hooks->allocate();
+    }
     for (int i = 0; i < n; ++i) {
       if (hooks) {
         at(i) = hooks->tensors(i);

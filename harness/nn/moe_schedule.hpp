@@ -124,6 +124,9 @@ class ChunkHooks {
   virtual void allocate() = 0;                  // on the compute stream, before the pipeline starts
   virtual ChunkTensors tensors(int chunk) = 0;  // views of them for a chunk
   virtual std::vector<Stream*> ready() { return {}; }  // more streams that wait for the buffers
+  // The pass's output buffer once made, before the pipeline starts: T_O forward, dT_I backward
+  // (for work a schedule adds on the rows its exchanges write there).
+  virtual void output(const Tensor&) {}
   virtual void start(const ChunkEvents&) {}            // after that, before the first step
   virtual void before(ChunkStep, int, const ChunkEvents&) {}
   virtual void after(ChunkStep, int, const ChunkEvents&) {}
