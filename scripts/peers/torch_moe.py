@@ -229,15 +229,13 @@ def measure(torch, shape, a):
     res = {"peer": "torch", "workload": workload, "floor_ms": p.time_ms(p.floor_step_fn(), a.iters, a.warmup)}
     for name, layer in (("torch_grouped_mm", p.layer_grouped), ("torch_loop", p.layer_loop)):
         try:
-            res[name + "_ms"] = p.time_ms(lambda: p.step(layer), a.iters, a.warmup)
+            res[name + "_ms"] = p.time_ms(lambda layer=layer: p.step(layer), a.iters, a.warmup)
         except (RuntimeError, NotImplementedError) as ex:  # e.g. _grouped_mm on a GPU it does not support
             res[name + "_error"] = str(ex).strip().splitlines()[0][:200]
     res.update(M=M, H=H, E=E, tokens=T, k=k, expert_tflop=expert_tflop(M, H, T, k),
                device=torch.cuda.get_device_name(), torch=torch.__version__, dtype="bf16",
                iters=a.iters, warmup=a.warmup, grad="set to None before each step", commit=a.commit,
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
-    del p
-    torch.cuda.empty_cache()
     return res
 
 
@@ -280,6 +278,7 @@ def main(argv=None):
               file=sys.stderr)
     for shape in shapes:
         line = json.dumps(measure(torch, shape, a))
+        torch.cuda.empty_cache()  # the last shape's tensors are gone: give their memory back before the next
         print(line, flush=True)
         if a.out:
             os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

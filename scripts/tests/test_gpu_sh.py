@@ -11,7 +11,6 @@ skipped, 1 on a failed or timed-out step, 2 on bad options); the time budgets st
 binary and a suites step, keeping the runs that finished; unpack puts the cuda results back.
 """
 import os
-import shutil
 import subprocess
 import tarfile
 import tempfile
