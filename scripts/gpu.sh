@@ -175,11 +175,12 @@ step_budget() {
 
 timed_out() { [ "$1" = 124 ] || [ "$1" = 137 ]; }  # timeout's codes: stopped, or killed after -k
 
-find_python() {
-  local p
-  for p in "${PYTHON:-}" python3 /usr/bin/python3 /opt/torch/.venv/bin/python3 /opt/torch/.venv/bin/python; do
+first_python() {  # CODE CANDIDATE...: the first candidate python that runs CODE without error
+  local code="$1" p
+  shift
+  for p in "$@"; do
     [ -n "$p" ] || continue
-    if "$p" -c 'import json, sys; sys.exit(0 if sys.version_info >= (3, 8) else 1)' >/dev/null 2>&1; then
+    if "$p" -c "$code" >/dev/null 2>&1; then
       command -v "$p"
       return 0
     fi
@@ -187,16 +188,13 @@ find_python() {
   return 1
 }
 
-find_torch_python() {  # a python3 that imports torch: $PY first
-  local p
-  for p in "$PY" "${PYTHON:-}" python3 /opt/torch/.venv/bin/python3 /usr/bin/python3; do
-    [ -n "$p" ] || continue
-    if "$p" -c 'import torch' >/dev/null 2>&1; then
-      command -v "$p"
-      return 0
-    fi
-  done
-  return 1
+find_python() {
+  first_python 'import json, sys; sys.exit(0 if sys.version_info >= (3, 8) else 1)' \
+    "${PYTHON:-}" python3 /usr/bin/python3 /opt/torch/.venv/bin/python3 /opt/torch/.venv/bin/python
+}
+
+find_torch_python() {  # a python3 that imports torch, $PY first
+  first_python 'import torch' "$PY" "${PYTHON:-}" python3 /opt/torch/.venv/bin/python3 /usr/bin/python3
 }
 
 # Folders that may hold the CUDA libraries, most likely first: the toolkit's, the system's, then
@@ -408,7 +406,9 @@ step_peers() {
     2>&1 | tee "$OUTDIR/peers.log"
   rc=${PIPESTATUS[0]}
   lines="$([ -f "$out" ] && wc -l <"$out" || echo 0)"
-  if [ "$rc" = 0 ]; then
+  if [ "$rc" = 0 ] && [ "$lines" = 0 ] && grep -q '^torch_moe.py: skipped: ' "$OUTDIR/peers.log"; then
+    record peers skipped "$(sed -n 's/^torch_moe.py: skipped: //p' "$OUTDIR/peers.log" | head -n 1)" $((SECONDS - t0))
+  elif [ "$rc" = 0 ]; then
     record peers passed "$lines shape(s) into ${out#"$OUTDIR"/} ($("$tpy" -c 'import torch; print("PyTorch", torch.__version__)' 2>&1))" $((SECONDS - t0))
   elif timed_out "$rc"; then
     record peers TIMEOUT "stopped after its $b s budget; $lines shape(s) done; log: peers.log" $((SECONDS - t0))

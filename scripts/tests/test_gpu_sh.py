@@ -159,6 +159,21 @@ class GpuSh(unittest.TestCase):
         self.assertTrue(os.path.exists(other))  # files the run did not write are left alone
         self.assertFalse(os.path.exists(os.path.join(dest, "tests")))  # logs stay in the archive
 
+    def test_peers_step_runs_the_peer_with_torch(self):
+        """A python3 that imports torch (here a stand-in whose torch sees no device) runs the peer;
+        its skip is the step's."""
+        fake = os.path.join(self.dir, "faketorch", "torch")
+        os.makedirs(fake)
+        with open(os.path.join(fake, "__init__.py"), "w") as f:
+            f.write("__version__ = '9.9'\nclass cuda:\n    @staticmethod\n    def is_available():\n"
+                    "        return False\n")
+        p = self.run_gpu("--only", "peers", FAKE_CUDA="available: Stand-in GPU 9 (1.0 GiB)",
+                         PYTHONPATH=os.path.dirname(fake))
+        self.assertEqual(p.returncode, 0, p.stdout)
+        self.assertEqual(self.row("peers")[1], "skipped")
+        self.assertIn("PyTorch 9.9 sees no CUDA device", self.summary())
+        self.assertIn("peers.log", self.archive())
+
     def test_unpack_without_cuda_results_and_bad_archives(self):
         self.assertEqual(self.run_gpu("--only", "tests").returncode, 0)
         dest = os.path.join(self.dir, "dest")
