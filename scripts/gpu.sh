@@ -160,12 +160,16 @@ wrote() {  # top-level names under OUTDIR that the run wrote
 }
 
 # Seconds the step may take: its budget, or less when the run's budget minus packing and the
-# budgets of the selected steps after it leaves less (suites, memcheck: all of that).
+# budgets of the selected steps after it that will run leaves less (suites, memcheck: all of that).
 step_budget() {
   local step="$1" later=0 s after=0 left
   for s in "${STEPS[@]}"; do
     if [ "$after" = 1 ]; then
-      case ",$ONLY," in *",$s,"*) later=$((later + BUDGET[$s])) ;; esac
+      case ",$ONLY," in *",$s,"*)
+        case "$s" in validate|peers|memcheck) [ -n "$DEVICE" ] || continue ;; esac
+        [ "$s" != peers ] || [ -n "$TORCH_PY" ] || continue
+        later=$((later + BUDGET[$s])) ;;
+      esac
     fi
     [ "$s" = "$step" ] && after=1
   done
@@ -390,8 +394,8 @@ PY
 }
 
 step_peers() {
-  local t0=$SECONDS tpy b rc out lines
-  if ! tpy="$(find_torch_python)"; then
+  local t0=$SECONDS tpy="$TORCH_PY" b rc out lines
+  if [ -z "$tpy" ]; then
     record peers skipped "no python3 here imports torch (python3 -c \"import torch\")" 0; return
   fi
   if [ -z "$DEVICE" ]; then record peers skipped "no CUDA device" 0; return; fi
@@ -521,6 +525,8 @@ run() {
   fi
   PY="$(find_python)" || { echo "gpu.sh: no python3 (3.8+) found: the validate, suites and compare steps need one"; PY=python3; }
   echo "python: $PY ($("$PY" --version 2>&1))"
+  TORCH_PY="$(find_torch_python)" || TORCH_PY=""
+  echo "torch:  ${TORCH_PY:-no python3 here imports torch (the peers step skips)}"
   export MOELAB_EXPERIMENTS="$root/experiments" PYTHONDONTWRITEBYTECODE=1
   echo "== CUDA libraries"
   find_libs
