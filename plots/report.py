@@ -10,8 +10,13 @@ provenance (measured or simulated, backends, devices and cluster models, calibra
 commit, date, the run's subset), every figure its "figures" entries name that exists under
 the figures folder (embedded with links relative to the report, each with its caption and
 whether it is measured or simulated), its runs and grid points, and the claim-versus-ours
-table; first, the claims of every suite in one table. The text depends only on its inputs
-(no date of its own), so rerunning on the same results changes nothing.
+table; first, the claims of every suite in one table. Then what was measured on GPUs, per
+device class (RESULTS/measured/cuda/<device>/, RESULTS/validation/<device>/): moelab's layer
+beside the PyTorch peer and the GEMM floor (peers/torch-moe.jsonl), the cuda runs, the MPipeMoE
+runs against their simulated counterparts (mpipemoe/comparison.json, plots/mpipemoe_gpu.py)
+and the simulator's validation on that GPU, each saying which device and commit measured it.
+The text depends only on its inputs (no date of its own), so rerunning on the same results
+changes nothing.
 
 A suite without a summary is an error naming the file (exit code 2): run the suite first or
 leave it out with --suite. Standard library only; the figures are made by plots/figures.py.
@@ -202,7 +207,266 @@ def suite_section(suite, summary, summary_file, results, figures_dir, report_dir
     return out
 
 
-def build(suites, results, figures_dir, report_path):
+# ---- measured on GPUs -----------------------------------------------------------------------
+
+def read_jsonl(path):
+    """The JSON objects of a .jsonl file, one a line (blank lines skipped)."""
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except ValueError as e:
+                    raise mr.SchemaError(f"{path}: line {i}: malformed JSON: {e}")
+    return out
+
+
+def cuda_results(device_dir):
+    """Every measured cuda result under a device folder, by path relative to it."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(device_dir, "**", "*.json"), recursive=True)):
+        if path.endswith(".trace.json") or os.path.basename(path) == "comparison.json":
+            continue
+        r = mr.load_result(path)
+        if r["mode"] == "measured" and r["backend"] == "cuda":
+            out[os.path.relpath(path, device_dir)] = r
+    return out
+
+
+def shape_of(r):
+    m = r["workload"]["model"]
+    return (m["d_model"], m["d_hidden"], m["num_experts"], r["workload"]["tokens_per_rank"], m["top_k"])
+
+
+def joined(values):
+    return ", ".join(sorted({v for v in values if v})) or "unknown"
+
+
+def ratio_range(vals):
+    lo, hi = min(vals), max(vals)
+    return f"{lo:.2f}x" if abs(hi - lo) < 0.005 else f"{lo:.2f}x to {hi:.2f}x"
+
+
+def tflops(v):
+    return "-" if v is None else f"{v:.0f}"
+
+
+def times(v):
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def expected_cuda_files(experiments, device_slug):
+    """Result paths (relative to the device folder) of every suite's single-rank cuda runs."""
+    out = []
+    for p in mr.registered_suites(experiments):
+        s = mr.load_suite(p, experiments)
+        for r in s.get("runs", []):
+            if r["backend"] != "cuda" or "workloads" not in r:
+                continue
+            for w in r["workloads"]:
+                for label in mr.run_labels(r):
+                    for n in r["ranks"]:
+                        if n == "hostfile":
+                            continue
+                        rel = r["path"].format(device=device_slug, workload=w, impl=label, ranks=n) + ".json"
+                        prefix = f"measured/cuda/{device_slug}/"
+                        if rel.startswith(prefix):
+                            out.append((s["name"], r["id"], rel[len(prefix):]))
+    return out
+
+
+def peer_table(peers, runs, device_dir, report_dir):
+    """moelab (FastMoE, bf16, one rank) beside the PyTorch peer and the GEMM floor, shape by shape."""
+    moelab = {}
+    for rel, r in runs.items():
+        if r["impl"] == "fastmoe" and r["world_size"] == 1 and mr.dtype_label(r) == "bf16":
+            moelab.setdefault(shape_of(r), (rel, r))
+    out = ["| d_model / FFN / experts / tokens (top-k) | moelab FastMoE (ms) | PyTorch grouped (ms) | PyTorch loop (ms) "
+           "| GEMM floor (ms) | moelab / PyTorch grouped | moelab / floor | PyTorch grouped / floor |",
+           "|---|---|---|---|---|---|---|---|"]
+    slower, faster, commits = [], [], set()
+    f = lambda v: "-" if v is None else f"{v:.2f}"
+    x = lambda a, b: "-" if a is None or not b else f"{a / b:.2f}x"
+    for p in peers:
+        shape = (p["M"], p["H"], p["E"], p["tokens"], p["k"])
+        rel, r = moelab.get(shape, (None, None))
+        m = r["metrics"]["step_time_s"]["median"] * 1e3 if r else None
+        g, loop, floor = p.get("torch_grouped_mm_ms"), p.get("torch_loop_ms"), p.get("floor_ms")
+        if r:
+            commits.add(r["commit"])
+            if g:
+                (slower if m > g else faster).append(m / g)
+        cell = (f"{m:.2f} ({link(os.path.join(device_dir, rel), report_dir, 'json')})" if r
+                else "not run (no moelab workload of this shape)")
+        out.append(f"| {p['M']} / {p['H']} / {p['E']} / {p['tokens']} ({p['k']}) | {cell} | "
+                   f"{f(g) if g else p.get('torch_grouped_mm_error', '-')} | {f(loop) if loop else p.get('torch_loop_error', '-')} "
+                   f"| {f(floor)} | {x(m, g)} | {x(m, floor)} | {x(g, floor)} |")
+    return out, slower, faster, commits
+
+
+def gpu_device_section(results, experiments, device_dir, report_dir):
+    slug = os.path.basename(device_dir)
+    runs = cuda_results(device_dir)
+    vdir = os.path.join(results, "validation", slug)
+    vcomp = os.path.join(vdir, "comparison.json")
+    validation = mr.load_json(vcomp) if os.path.exists(vcomp) else None
+    devices = {mr.device_class(r["device"]) for r in runs.values()}
+    if validation:
+        devices.add(mr.device_class(validation["device"]))
+    commits = joined([r["commit"] for r in runs.values()] + ([validation["commit"]] if validation else []))
+    dates = sorted({r["date"][:10] for r in runs.values()} | ({validation["date"][:10]} if validation else set()))
+    where = f"one {joined(devices)}"
+    out = [f"### {joined(devices)}", "",
+           f"Measured on {where} at commit {commits} ({', '.join(dates) or 'no date'}) with `scripts/gpu.sh run` "
+           "(docs/GPU.md). The suite sections below list these cuda runs as not run: their summaries were written "
+           "on a machine without a GPU.", ""]
+
+    peers_file = os.path.join(device_dir, "peers", "torch-moe.jsonl")
+    if os.path.exists(peers_file):
+        peers = read_jsonl(peers_file)
+        table, slower, faster, mcommits = peer_table(peers, runs, device_dir, report_dir)
+        torch_v = joined(p.get("torch") for p in peers)
+        pcommits = {p["commit"] for p in peers if p.get("commit")}
+        out += ["#### moelab against PyTorch and the GEMM floor", "",
+                f"The whole MoE layer, forward + backward, bf16, every expert on the one GPU, measured on {where}: "
+                f"moelab's FastMoE layer at commit {joined(mcommits)} (the cuda runs below), a plain PyTorch "
+                f"{torch_v} layer with the same routing (softmax top-k, no capacity limit) using `torch._grouped_mm`, "
+                "the same with a Python loop over the experts, and the GEMM floor: the experts' forward and backward "
+                "FLOPs as perfectly balanced batched GEMMs (`torch.bmm`), nothing else "
+                f"({link(peers_file, report_dir, 'peers/torch-moe.jsonl')}, "
+                f"{link(os.path.join(device_dir, 'peers', 'README.md'), report_dir, 'how it was measured')}; "
+                "`scripts/peers/torch_moe.py`" + (f", peer commit {joined(pcommits)}" if pcommits else
+                                                  ", measured beside the moelab runs") + ").", ""]
+        out += table + [""]
+        said = []
+        if slower:
+            said.append(f"**moelab is slower than PyTorch's grouped layer** on {len(slower)} of "
+                        f"{len(slower) + len(faster)} shapes measured by both ({ratio_range(slower)} PyTorch's time)")
+        if faster:
+            said.append(("faster" if slower else "moelab is faster than PyTorch's grouped layer") +
+                        f" on {len(faster)}" + ("" if slower else f" of {len(faster)} shapes measured by both") +
+                        f" ({ratio_range(faster)} PyTorch's time)")
+        if said:
+            out += ["; ".join(said) + ". The floor is what no layer can beat with these libraries on this GPU.", ""]
+        if any(p.get("peer") != "torch" for p in peers):
+            out += ["Lines without `\"peer\": \"torch\"` were measured before `scripts/peers/torch_moe.py`: they "
+                    "accumulate weight gradients across steps, and their loop variant indexes one stacked weight tensor "
+                    "per expert, whose backward produces a gradient of the whole stack for every expert (the loop "
+                    "figures at 64 experts are mostly that).", ""]
+
+    if runs:
+        top = {rel: r for rel, r in runs.items() if os.sep not in rel}
+        nested = sorted({os.path.dirname(rel) for rel in runs if os.sep in rel})
+        out += ["#### The cuda runs", ""]
+        if top:
+            out += ["| result | workload | implementation | dtype | step (ms) | expert GEMMs (TFLOP/s) | "
+                    "expert GEMMs / the same GEMMs alone in cuBLAS | peak memory (MiB) | commit |",
+                    "|---|---|---|---|---|---|---|---|---|"]
+            for rel, r in top.items():
+                m = r["metrics"]
+                out.append(f"| {link(os.path.join(device_dir, rel), report_dir, rel)} | {r['workload']['name']} | "
+                           f"{r['impl']} | {mr.dtype_label(r)} | {ms(m['step_time_s']['median'])} | "
+                           f"{tflops(m.get('expert_gemm_tflops'))} | {times(m.get('expert_vs_bare_ratio'))} | "
+                           f"{mib(m['peak_memory_bytes']['device_total'])} | {r['commit']} |")
+            out.append("")
+        for d in nested:
+            n = sum(1 for rel in runs if os.path.dirname(rel) == d)
+            out.append(f"`{d}/`: {n} runs, in the comparison with their simulated counterparts below.")
+        all_expected = expected_cuda_files(experiments, slug)
+        missing = [(suite, rid, rel) for suite, rid, rel in all_expected if rel not in runs]
+        out += ["" if nested else None,
+                f"{len(all_expected) - len(missing)} of the {len(all_expected)} single-GPU cuda runs of the suites "
+                "measured" + ("; not measured: " + ", ".join(f"{suite} `{rid}` {os.path.basename(rel)[:-5]}"
+                                                             for suite, rid, rel in missing) if missing else "") + ".",
+                ""]
+        out = [l for l in out if l is not None]
+
+    comp_file = os.path.join(device_dir, "mpipemoe", "comparison.json")
+    if os.path.exists(comp_file):
+        c = mr.load_json(comp_file)
+        sr = c.get("step_ratio") or {}
+        out += ["#### MPipeMoE's single-GPU runs against their simulated counterparts", "",
+                f"{c['pairs']} runs measured on {where} (commit {joined(c['measured_commits'])}) beside the same runs "
+                f"simulated on one GPU of the {c['cluster_model']} model ({joined(c.get('calibration') or [])} "
+                f"calibration, commit {joined(c['simulated_commits'])}): step time measured / simulated median "
+                + (f"{sr['median']:.2f}, range {sr['min']:.2f}-{sr['max']:.2f}" if sr else "-")
+                + f" (> 1: the simulator is optimistic). {link(comp_file, report_dir, 'comparison.json')}, "
+                "`plots/mpipemoe_gpu.py`.", ""]
+        extra = {}
+        for es in c.get("restore_costs", {}).values():
+            for e in es:
+                rt = (e.get("extra_step_s") or {}).get("ratio")
+                if rt is not None and e["impl"] == f"n4-{e['strategy']}":
+                    extra.setdefault(e["strategy"], []).append(rt)
+        if extra:
+            out += ["What each restore strategy adds to the step at n = 4 (step - step of n4 without reuse), "
+                    "measured / simulated: " + ", ".join(f"{st} {ratio_range(v)}" for st, v in sorted(extra.items()))
+                    + ".", ""]
+        picks = []
+        for wl, e in c.get("eq10", {}).items():
+            singles = sorted(x["strategy"] for x in c.get("restore_costs", {}).get(wl, [])
+                             if x["impl"] in ("n4-S1", "n4-S2", "n4-S3", "n4-S4"))
+            picks.append(f"{wl}: " + (f"Eq. 10 picks {e['measured_pick']}" if "measured_pick" in e
+                                      else "Eq. 10's pick not measured")
+                         + f", fastest measured {e.get('fastest_measured', '-')} (of {', '.join(singles) or '-'})")
+        if picks:
+            out += ["Restore strategies at n = 4 (Eq. 10's pick against the fastest single strategy measured): "
+                    + "; ".join(picks) + ".", ""]
+        out += ["<details><summary>every pair: step, peak memory, expert GEMM rate, host copy time</summary>", "",
+                "| workload | impl | n | strategy | step ms measured | simulated | measured / simulated | peak GiB measured "
+                "| simulated | GEMM TFLOP/s measured | simulated | expert GEMMs / cuBLAS alone | host copy ms measured "
+                "| simulated |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        g = lambda v: "-" if v is None else f"{v / 2**30:.2f}"
+        for r in c["rows"]:
+            m = runs.get(os.path.join("mpipemoe", os.path.basename(r["files"]["measured"])))
+            bare = m["metrics"].get("expert_vs_bare_ratio") if m else None
+            out.append(f"| {r['workload']} | {r['impl']} | {r['partitions']} | {r['strategy']} | "
+                       f"{ms(r['step_s']['measured'])} | {ms(r['step_s']['simulated'])} | "
+                       f"{times(r['step_s']['ratio'])} | {g(r['peak_memory_bytes']['measured'])} | "
+                       f"{g(r['peak_memory_bytes']['simulated'])} | {tflops(r['expert_gemm_tflops']['measured'])} | "
+                       f"{tflops(r['expert_gemm_tflops']['simulated'])} | {times(bare)} | "
+                       f"{ms(r['host_copy_s']['measured'])} | {ms(r['host_copy_s']['simulated'])} |")
+        out += ["", "</details>", ""]
+
+    if validation:
+        v = validation
+        out += ["#### The simulator on this GPU", "",
+                f"`scripts/validate_sim.sh --backend cuda`: this GPU calibrated into a profile "
+                f"({link(os.path.join(vdir, 'profile.json'), report_dir, 'profile.json')}, calibration "
+                f"`{v['calibration']}`), then {len(v['configurations'])} single-GPU layer configurations measured "
+                f"on {where} at commit {v['commit']} and simulated on the {v['cluster_model']} model with that "
+                f"profile: **median step-time error {100 * v['median_step_error']:.1f}%, worst "
+                f"{100 * v['worst_step_error']:.1f}%** ({link(vcomp, report_dir, 'comparison.json')}).", "",
+                "| configuration | measured (ms) | simulated (ms) | step error | experts error | dispatch error |",
+                "|---|---|---|---|---|---|"]
+        pct = lambda e: "-" if e is None else f"{100 * e:.1f}%"
+        for cf in v["configurations"]:
+            out.append(f"| {cf['workload']} | {ms(cf['measured_step_s'])} | {ms(cf['simulated_step_s'])} | "
+                       f"{pct(cf['step_error'])} | {pct(cf['phases']['experts']['error'])} | "
+                       f"{pct(cf['phases']['dispatch']['error'])} |")
+        out.append("")
+    return out
+
+
+def gpu_section(results, experiments, report_dir):
+    """Everything measured on GPUs, one subsection per device class; nothing when there is none."""
+    slugs = sorted({os.path.basename(os.path.dirname(p)) for p in glob.glob(os.path.join(results, "measured", "cuda", "*", ""))}
+                   | {os.path.basename(os.path.dirname(p))
+                      for p in glob.glob(os.path.join(results, "validation", "*", "comparison.json"))
+                      if mr.load_json(p).get("backend") == "cuda"})
+    if not slugs:
+        return []
+    out = ["## Measured on GPUs", "",
+           "Real measurements of the cuda backend, per device class; each table names the device and the commit "
+           "it measured.", ""]
+    for slug in slugs:
+        out += gpu_device_section(results, experiments, os.path.join(results, "measured", "cuda", slug), report_dir)
+    return out
+
+
+def build(suites, results, figures_dir, report_path, experiments=mr.EXPERIMENTS):
     report_dir = os.path.dirname(os.path.abspath(report_path))
     summaries = []
     for s in suites:
@@ -223,12 +487,17 @@ def build(suites, results, figures_dir, report_path):
         out.append(f"| [{s['name']}](#suite-{s['name']}) | {summ['subset']} | {mode_line(summ)} | "
                    f"{summ.get('commit') or 'unknown'} | {summ['date']} |")
     out.append("")
+    gpu = gpu_section(results, experiments, report_dir)
+    if gpu:
+        out += ["Measured on real GPUs, beside a PyTorch peer and the simulator's prediction: "
+                "[Measured on GPUs](#measured-on-gpus).", ""]
     rows = [r for _, summ, _ in summaries for r in mr.claim_rows(summ)]
     out += ["## Paper claims against ours", ""]
     if rows:
         out += claims_table(rows, True) + [""]
     else:
         out += ["No suite in this report states a paper claim.", ""]
+    out += gpu
     for s, summ, path in summaries:
         out += suite_section(s, summ, path, results, figures_dir, report_dir)
     return "\n".join(out).rstrip() + "\n"
@@ -248,7 +517,8 @@ def main():
         suites = [mr.load_suite(s, a.experiments) for s in (a.suite or mr.registered_suites(a.experiments))]
         if not suites:
             raise mr.SchemaError(f"{a.experiments}: no suites (experiments/<name>/suite.json)")
-        text = build(suites, results, os.path.abspath(a.figures or os.path.join(results, "figures")), a.out)
+        text = build(suites, results, os.path.abspath(a.figures or os.path.join(results, "figures")), a.out,
+                     a.experiments)
     except mr.SchemaError as e:
         print(f"report.py: {e}", file=sys.stderr)
         return 2

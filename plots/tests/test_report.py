@@ -2,7 +2,9 @@
 
     /usr/bin/python3 -m unittest -v test_report      (from plots/tests)
 """
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -91,6 +93,68 @@ class Report(unittest.TestCase):
                       "simulated | yes | yes |", text)
         self.assertIn("| 70% to 100% | not run |", text)
         self.assertIn("a claim on runs lists the runs it used", text)
+
+    def gpu_fixture(self, step, grouped):
+        """A measured cuda result of the fixture suite's "gpu" run (tiny, Base, one rank), a peer
+        line of its shape and one of a shape no workload has, and a validation comparison."""
+        dev = os.path.join(self.results, "measured", "cuda", "nvidia-h100-80gb-hbm3")
+        r = fixtures.result("measured", step=step, device="NVIDIA H100 80GB HBM3 (79.2 GiB)")
+        r.update(backend="cuda", impl="fastmoe", world_size=1, commit="e25e2a0bc39d")
+        r["workload"]["model"].update(dtype="bf16", capacity_factor=0, top_k=1)
+        mr.write_json(os.path.join(dev, "tiny-Base-np1.json"), r)
+        line = {"floor_ms": 1.0, "torch_grouped_mm_ms": grouped, "torch_loop_ms": 9.0, "M": 64, "H": 256, "E": 8,
+                "tokens": 512, "k": 1, "expert_tflop": 1e-4, "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0"}
+        other = dict(line, M=32, torch_grouped_mm_ms=None, torch_grouped_mm_error="no sm_90 kernel")
+        del other["torch_grouped_mm_ms"]
+        os.makedirs(os.path.join(dev, "peers"))
+        with open(os.path.join(dev, "peers", "torch-moe.jsonl"), "w") as f:
+            f.write(json.dumps(line) + "\n" + json.dumps(dict(other, peer="torch", commit="abc")) + "\n")
+        conf = {"workload": "c1", "measured_step_s": 0.002, "simulated_step_s": 0.0025, "step_error": 0.25,
+                "phases": {p: {"measured_s": 1e-3, "simulated_s": 1e-3, "error": 0.1}
+                           for p in ("gate", "dispatch", "experts", "combine")}}
+        mr.write_json(os.path.join(self.results, "validation", "nvidia-h100-80gb-hbm3", "comparison.json"),
+                      {"schema": "moelab.sim-validation/1", "mode": "comparison of measured and simulated",
+                       "device": "NVIDIA H100 80GB HBM3 (79.2 GiB)", "backend": "cuda", "commit": "e25e2a0bc39d",
+                       "date": "2026-11-22T20:06:49Z", "cluster_model": "h100x1", "calibration": "cuda-vm",
+                       "median_step_error": 0.225, "worst_step_error": 0.397, "configurations": [conf]})
+
+    def test_gpu_measurements(self):
+        self.gpu_fixture(step=0.003, grouped=2.0)
+        p = self.report()
+        self.assertEqual(p.returncode, 0, p.stderr)
+        with open(self.out) as f:
+            text = f.read()
+        self.assertIn("[Measured on GPUs](#measured-on-gpus)", text)
+        self.assertIn("### NVIDIA H100 80GB HBM3", text)
+        self.assertIn("Measured on one NVIDIA H100 80GB HBM3 at commit e25e2a0bc39d (2026-11-22)", text)
+        # moelab, PyTorch grouped, PyTorch loop, floor, and the ratios; the shape without a workload
+        self.assertIn("| 64 / 256 / 8 / 512 (1) | 3.00 ([json](../results/measured/cuda/nvidia-h100-80gb-hbm3/"
+                      "tiny-Base-np1.json)) | 2.00 | 9.00 | 1.00 | 1.50x | 3.00x | 2.00x |", text)
+        self.assertIn("| 32 / 256 / 8 / 512 (1) | not run (no moelab workload of this shape) | no sm_90 kernel |", text)
+        self.assertIn("**moelab is slower than PyTorch's grouped layer** on 1 of 1 shapes measured by both "
+                      "(1.50x PyTorch's time)", text)
+        self.assertIn("PyTorch 2.11.0 layer", text)
+        self.assertIn("Lines without `\"peer\": \"torch\"`", text)
+        # the runs, which suite runs were measured, the validation
+        self.assertIn("| [tiny-Base-np1.json](../results/measured/cuda/nvidia-h100-80gb-hbm3/tiny-Base-np1.json) | "
+                      "tiny | fastmoe | bf16 | 3.000 | 13 | 1.11x |", text)
+        self.assertIn("1 of the 1 single-GPU cuda runs of the suites measured.", text)
+        self.assertIn("**median step-time error 22.5%, worst 39.7%**", text)
+        self.assertIn("| c1 | 2.000 | 2.500 | 25.0% | 10.0% | 10.0% |", text)
+
+    def test_gpu_measurements_faster_and_absent(self):
+        self.gpu_fixture(step=0.001, grouped=2.0)
+        self.assertEqual(self.report().returncode, 0)
+        with open(self.out) as f:
+            text = f.read()
+        self.assertNotIn("moelab is slower", text)
+        self.assertIn("moelab is faster than PyTorch's grouped layer on 1 of 1 shapes measured by both "
+                      "(0.50x PyTorch's time)", text)
+        shutil.rmtree(os.path.join(self.results, "measured", "cuda"))
+        shutil.rmtree(os.path.join(self.results, "validation"))
+        self.assertEqual(self.report().returncode, 0)
+        with open(self.out) as f:
+            self.assertNotIn("Measured on GPUs", f.read())
 
     def test_missing_figure_is_named(self):
         os.unlink(os.path.join(self.results, "figures", "fake-bars.png"))
