@@ -195,8 +195,14 @@ Forwarded CapacityTpLayer::forward(const Tensor& x, const WorkKey& key) {
   // match: the largest of theirs (ranks with more tokens have more; DeepSpeed's ranks all have
   // the same, and so the same capacity). The gate's own capacity still decides what is kept.
   const auto padded_to = static_cast<std::int64_t>(comm_.all_reduce_max(static_cast<double>(routing_.capacity)));
+  int chunks = how_.chunks;
+  if (how_.choose) {
+    last_choice_ = nlohmann::json::object();
+    // Every rank of the EP group must cut its exchanges alike: the largest pick.
+    chunks = static_cast<int>(comm_.all_reduce_max(static_cast<double>(how_.choose(padded_to, last_choice_))));
+  }
   sv.geo = CapacityGeometry::make(cfg_.num_experts, padded_to, dedup ? tp_->size() : 1, dedup ? tp_->rank() : 0,
-                                  how_.chunks);
+                                  chunks);
   last_geometry_ = sv.geo;
   const Tensor t_i = dispatch_preprocess(c, sv);  // [N,M] the kept rows, expert-major; the plan
   // Drop: this TP rank's slice of the padded capacity, zero where no token is (the experts
@@ -267,7 +273,7 @@ namespace {
 class DeepSpeedTp final : public LayerBackedImpl<CapacityTpLayer> {
  public:
   DeepSpeedTp(Backend& b, Communicator& c, const ModelConfig& m, MoEChannels* channels, bool drop)
-      : LayerBackedImpl(b, c, m, channels, TpDispatch{drop, 1}), drop_(drop) {}
+      : LayerBackedImpl(b, c, m, channels, TpDispatch{drop, 1, {}}), drop_(drop) {}
   std::string name() const override { return drop_ ? "deepspeed-drop" : "deepspeed-tp"; }
   std::vector<GemmProblem> expert_gemms() override { return layer_.expert_gemm_problems(false); }
   bool tp_deduplicated() const override { return drop_; }

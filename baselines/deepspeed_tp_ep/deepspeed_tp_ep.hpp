@@ -37,6 +37,7 @@
 //   ctest --test-dir build -R "monta|deepspeed"
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,9 @@ namespace moelab {
 struct TpDispatch {
   bool dedup = false;  // drop to this TP rank's slice before the all-to-all
   int chunks = 1;      // pieces along the capacity (MoNTA); 1: unchunked
+  // Chooses the chunk count of a forward from the capacity it pads to (MoNTA's "auto"), and
+  // says why (logged in the report); null: `chunks`.
+  std::function<int(std::int64_t capacity, nlohmann::json& why)> choose;
 };
 
 // The geometry of one forward: C the capacity padded to (the largest gate capacity of the EP
@@ -76,9 +80,13 @@ class CapacityTpLayer : public MoELayer {
   std::uint64_t noise_rank() const override;
   bool steps_drivable() const override { return false; }  // its own pass (slice, pass, gather)
   const TpDispatch& dispatch_mode() const { return how_; }
+  void set_dispatch_mode(TpDispatch how) { how_ = std::move(how); }
   int tp_size() const { return tp_ ? tp_->size() : 1; }
-  // Of the last forward.
+  // Of the last forward: its geometry, and why its chunk count (with a chooser).
   const CapacityGeometry& geometry() const { return last_geometry_; }
+  const nlohmann::json& chunk_choice() const { return last_choice_; }
+  std::vector<int> ep_world_ranks() const { return comm_.world_ranks(); }
+  int ep_world_rank() const { return comm_.world_ranks()[static_cast<std::size_t>(comm_.rank())]; }
 
  protected:
   Tensor backward_pass(MoESaved& sv, const Tensor& dy, float grad_aux, bool defer) override;
@@ -86,6 +94,7 @@ class CapacityTpLayer : public MoELayer {
   Communicator* tp_ = nullptr;  // the TP group (null: none)
   TpDispatch how_;
   CapacityGeometry last_geometry_;
+  nlohmann::json last_choice_ = nlohmann::json::object();
 };
 
 // The options of deepspeed-tp / deepspeed-drop (none) and of monta ({"chunks": n}), checked

@@ -114,6 +114,13 @@ struct MachineRates {
   double sigma = 0, mu = 0, eta = 0;  // interference: rate kept by compute / network / host copies
   double device_memory_bytes = 0;     // capacity of one device
   double host_memory_bytes = 0;       // host memory per rank (the node's / its GPUs)
+  // The links, for a topology-aware model (impls/monta/strategy.hpp); 0 where the backend does
+  // not know them (the sim backend takes them from its cluster model).
+  int gpus_per_node = 0, nics_per_node = 0;
+  bool intra_pcie = false;                   // the node's GPUs talk over PCIe, not NVLink
+  double intra_bw = 0, intra_latency = 0;    // one GPU's intra-node link, per direction
+  double nic_bw = 0, nic_latency = 0;        // one NIC per direction; per message, fabric included
+  double launch_latency = 0;                 // s per kernel / library call
   std::string source;
 };
 

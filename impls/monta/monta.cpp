@@ -3,10 +3,13 @@
 //   ctest --test-dir build -R monta
 #include "impls/monta/monta.hpp"
 
+#include <algorithm>
+
 #include "baselines/deepspeed_tp_ep/deepspeed_tp_ep.hpp"
 #include "harness/config/json_fields.hpp"
 #include "harness/nn/moe_impl.hpp"
 #include "harness/runtime/error.hpp"
+#include "impls/monta/strategy.hpp"
 
 namespace moelab {
 namespace {
@@ -14,18 +17,77 @@ namespace {
 // The authors' code (a change to DeepSpeed's sharded_moe.py) fixes the chunk count at 4.
 constexpr int kDefaultChunks = 4;
 constexpr int kMaxChunks = 64;
+constexpr int kMaxAutoChunks = 16;  // "auto" tries 1, 2, 4, 8, 16
 
+// {"chunks": n | "auto"}: n, or 0 for "auto".
 int parse_chunks(const nlohmann::json& options) {
+  if (options.is_object() && options.contains("chunks") && options["chunks"] == "auto") {
+    nlohmann::json rest = options;
+    rest.erase("chunks");
+    (void)json_fields::Options(rest, "monta", {"chunks"});
+    return 0;
+  }
   const json_fields::Options o(options, "monta", {"chunks"});
   return static_cast<int>(o.positive_int("chunks", kDefaultChunks, kMaxChunks));
+}
+
+// The machine's links as the volume and time model needs them, from the backend (the sim
+// backend's cluster model; unknown elsewhere).
+monta::Links links_of(Backend& b, const ModelConfig& m, std::int64_t rows_per_expert) {
+  const MachineRates r = b.machine_rates(std::max<std::int64_t>(rows_per_expert, 1), m.d_hidden, m.d_model, m.dtype);
+  monta::Links k;
+  k.gpus_per_node = r.gpus_per_node;
+  k.intra_is_pcie = r.intra_pcie;
+  k.intra_bw = r.intra_bw;
+  k.intra_latency = r.intra_latency;
+  k.nic_bw = r.nic_bw;
+  k.nic_latency = r.nic_latency;
+  k.nics = r.nics_per_node;
+  k.gemm_flops = r.gemm_flops;
+  k.launch = r.launch_latency;
+  return k;
+}
+
+// "auto": the chunk count the model predicts fastest for this capacity on this machine, every
+// candidate logged; the authors' 4 where the machine's links are unknown (cpu, cuda).
+TpDispatch dispatch_of(int chunks) {
+  TpDispatch d{true, chunks == 0 ? kDefaultChunks : chunks, {}};
+  return d;
 }
 
 class Monta final : public LayerBackedImpl<CapacityTpLayer> {
  public:
   Monta(Backend& b, Communicator& c, const ModelConfig& m, MoEChannels* channels, int chunks)
-      : LayerBackedImpl(b, c, m, channels, TpDispatch{true, chunks}) {}
+      : LayerBackedImpl(b, c, m, channels, dispatch_of(chunks)), auto_(chunks == 0) {
+    if (!auto_) return;
+    CapacityTpLayer& L = layer_;
+    TpDispatch d = L.dispatch_mode();
+    d.choose = [&L](std::int64_t capacity, nlohmann::json& why) {
+      const ModelConfig& cfg = L.config();
+      monta::Layer l;
+      l.E = cfg.num_experts;
+      l.C = capacity;
+      l.M = cfg.d_model;
+      l.H = cfg.d_hidden;
+      l.bytes = static_cast<int>(dtype_size(cfg.dtype));
+      l.t = L.tp_size();
+      l.ep_ranks = L.ep_world_ranks();
+      l.rank = l.ep_ranks.front();  // the same pick on every rank of the group
+      const monta::Links k = links_of(L.backend(), cfg, capacity);
+      if (!k.known()) {
+        why = {{"source", "default: the machine's link rates are unknown to this backend (the authors' 4)"}};
+        return kDefaultChunks;
+      }
+      nlohmann::json cands = nlohmann::json::array();
+      for (const auto& p : monta::candidates(l, k, kMaxAutoChunks)) cands.push_back(p.to_json());
+      const int n = monta::best_chunks(l, k, kMaxAutoChunks);
+      why = {{"source", "volume and time model (impls/monta/strategy.hpp)"}, {"chunks", n}, {"candidates", cands}};
+      return n;
+    };
+    L.set_dispatch_mode(std::move(d));
+  }
   std::string name() const override { return "monta"; }
-  std::vector<GemmProblem> expert_gemms() override { return layer_.expert_gemm_problems(layer_.dispatch_mode().chunks > 1); }
+  std::vector<GemmProblem> expert_gemms() override { return layer_.expert_gemm_problems(layer_.geometry().n > 1); }
   bool tp_deduplicated() const override { return true; }
   nlohmann::json report() override {
     const CapacityGeometry& g = layer_.geometry();
@@ -34,8 +96,12 @@ class Monta final : public LayerBackedImpl<CapacityTpLayer> {
             {"tp", layer_.tp_size()},
             {"capacity", g.C},
             {"padded_capacity", g.Cp},
-            {"chunks", layer_.dispatch_mode().chunks}};
+            {"chunks", g.n},
+            {"chunks_choice", auto_ ? layer_.chunk_choice() : nlohmann::json("given")}};
   }
+
+ private:
+  bool auto_;
 };
 
 }  // namespace

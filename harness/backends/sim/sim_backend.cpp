@@ -419,6 +419,14 @@ class SimBackendImpl final : public Backend {
     r.eta = cm.interference.eta;
     r.device_memory_bytes = cm.gpu.memory_bytes;
     r.host_memory_bytes = nd.host_memory_bytes / nd.gpus;
+    r.gpus_per_node = nd.gpus;
+    r.nics_per_node = nd.nics;
+    r.intra_pcie = pcie;
+    r.intra_bw = link;
+    r.intra_latency = pcie ? nd.pcie_latency : nd.nvlink_latency;
+    r.nic_bw = nd.nic_bw;
+    r.nic_latency = nd.nic_latency + cm.fabric_latency;
+    r.launch_latency = prof && prof->launch_latency > 0 ? prof->launch_latency : cm.efficiency.launch_latency;
     r.source = "cluster model " + cm.name + " (" + (prof ? "profile " + prof->name : std::string("datasheet")) +
                ", " + std::to_string(c_.n) + " ranks)";
     return r;
