@@ -4,7 +4,8 @@
 // input and gate gradients of every rank equal the float64 reference on its TP group's tokens;
 // the experts' gradients equal the reference's over the tokens that reach them, once per token
 // with deduplication and once per TP rank without; the strategies agree with each other row for
-// row; TP ranks draw the same gate noise; every microbatch's memory is returned.
+// row; TP ranks draw the same gate noise; the bytes the communicators moved are the volume
+// model's (impls/monta/strategy.hpp).
 //   mpirun --oversubscribe -np 4 build/impls/monta_mpi_test
 // Layouts on 4 ranks: expert parallelism over all 4 (each TP group inside the EP group) and
 // over 2, EP groups being the TP groups.
@@ -17,6 +18,7 @@
 #include "harness/nn/moe_impl.hpp"
 #include "harness/tests/moe_reference.hpp"
 #include "harness/tests/test_util.hpp"
+#include "impls/monta/strategy.hpp"
 
 namespace moelab {
 namespace {
@@ -122,10 +124,20 @@ TEST_P(TpDispatchMpi, MatchesTheFloat64ReferenceOnEachTpGroupsTokens) {
   b->upload(x_of(seed, g, M), x);
   b->upload(dy_of(seed, g, M), dy);
   const float ga = 0.25f;
+  b->synchronize();
+  b->clear_timeline();
   Tensor y = impl->forward(x);
   const float aux = impl->aux_loss();
   Tensor dx = impl->backward(dy, ga);
   b->synchronize();
+  // The bytes the communicators moved (the cpu backend records every collective's bytes to
+  // other ranks) against the volume model: four all-to-alls (dispatch, combine and their
+  // mirrors) and, deduplicated, two all-gathers over the TP group.
+  double a2a_bytes = 0, gather_bytes = 0;
+  for (const OpRecord& op : b->timeline()) {
+    if (op.name == "all_to_all_v") a2a_bytes += op.cost.comm_bytes;
+    if (op.name == "all_gather") gather_bytes += op.cost.comm_bytes;
+  }
   if (noisy) {
     EXPECT_EQ(test::to_double(impl->layer().last_noise()), noise_of(seed, g, cfg));
   }
@@ -167,6 +179,21 @@ TEST_P(TpDispatchMpi, MatchesTheFloat64ReferenceOnEachTpGroupsTokens) {
   EXPECT_GE(geo.Cp, geo.C);
   EXPECT_LT(geo.Cp - geo.C, static_cast<std::int64_t>(geo.t) * geo.n);
   EXPECT_EQ(geo.t, tc.dedup ? t : 1);
+  monta::Layer l;
+  l.E = cfg.num_experts;
+  l.C = largest;
+  l.M = M;
+  l.bytes = static_cast<int>(dtype_size(cfg.dtype));
+  l.t = t;
+  l.ep_ranks = ep_comm->world_ranks();
+  l.rank = rank;
+  monta::Links one_node;  // every rank on one host: all intra-node
+  one_node.gpus_per_node = size;
+  const monta::Strategy st = tc.dedup ? monta::Strategy::dedup : monta::Strategy::flat;
+  const monta::Volume a = monta::all_to_all_volume(l, one_node, st, geo.n), gv = monta::all_gather_volume(l, one_node, st, geo.n);
+  EXPECT_EQ(a.nic + gv.nic, 0.0);
+  EXPECT_DOUBLE_EQ(a2a_bytes, 4 * a.intra);
+  EXPECT_DOUBLE_EQ(gather_bytes, 2 * gv.intra);
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, TpDispatchMpi,
