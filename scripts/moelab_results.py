@@ -690,6 +690,7 @@ def _check_models(c, r, w):
         c.name(spec, "model", f, required=False)
         c.obj(spec, "override", f, required=False)
         c.integer(spec, "micro_batch", f, required=False, minimum=1)
+        c.boolean(spec, "sequence_parallel", f, required=False)
         lay = c.string(spec, "layers", f, required=False)
         if lay is not None and layers_of(lay) is None:
             c.fail(f"{f}.layers", f'expected "A:B" with A < B (moelab run --layers), got {_kind(lay)}')
@@ -749,7 +750,7 @@ def _check_run(c, r, w, labels, models, has_grid):
     _check_path_template(c, f"{w}.path", c.string(r, "path", w))
 
 
-PAIR_METRICS = ("speedup", "memory_saving")  # a system against a baseline
+PAIR_METRICS = ("speedup", "memory_saving", "exchange_speedup")  # a system against a baseline
 RUN_METRICS = PAIR_METRICS + ("overlap_ratio", "all_to_all_share", "all_to_all_overlap")  # the last three: one system's
 STATS = ("max", "mean", "min")
 
@@ -956,7 +957,7 @@ def summary_path(suite, results):
 # ---- claims, as tables print them ----------------------------------------------------------
 
 def fmt_claim(metric, v):
-    return f"{v:.2f}x" if metric == "speedup" else f"{100 * v:.0f}%"
+    return f"{v:.2f}x" if metric in ("speedup", "exchange_speedup") else f"{100 * v:.0f}%"
 
 
 def selection_text(sel):
@@ -1107,7 +1108,9 @@ def run_comparisons(runs, systems, versus, metric, sel=None):
                 continue
             v = (b["results"]["step_time_s"] / f["step_time_s"] if metric == "speedup" and f["step_time_s"] > 0
                  else 1.0 - f["peak_memory_bytes"] / b["results"]["peak_memory_bytes"]
-                 if metric == "memory_saving" and b["results"]["peak_memory_bytes"] > 0 else None)
+                 if metric == "memory_saving" and b["results"]["peak_memory_bytes"] > 0
+                 else b["results"]["exchange_s"] / f["exchange_s"]
+                 if metric == "exchange_speedup" and f.get("exchange_s") and b["results"].get("exchange_s") else None)
         else:
             v = f.get(metric)
         if v is not None:

@@ -233,6 +233,7 @@ def model_jobs(suite, r, clusters, ranks, impls):
                                                    "model": e["model"], "override": e.get("override"),
                                                    "layers": e.get("layers"),
                                                    "micro_batch": e.get("micro_batch"),
+                                                   "sequence_parallel": bool(e.get("sequence_parallel")),
                                                    "parallel": (e.get("parallel") or {}).get(cl),
                                                    "run_mode": mode, "label": r.get("label") or label},
                                      "steps": r.get("steps"), "warmup": r.get("warmup"),
@@ -434,6 +435,8 @@ def command(job, machine, wl_path, dest):
             cmd += ["--layers", mrun["layers"]]
         if mrun.get("micro_batch"):
             cmd += ["--micro-batch", str(mrun["micro_batch"])]
+        if mrun.get("sequence_parallel"):
+            cmd += ["--sequence-parallel"]
         if mrun["parallel"]:
             cmd += ["--parallel", mrun["parallel"]]
         if job.get("warmup") is not None:
@@ -486,6 +489,13 @@ def model_figures(res, a2a_overlap=None):
     adds: the all-to-all's share of the MoE phases' op time and, from the run's trace, the
     all-to-all's own overlap ratio (docs/RESULTS-SCHEMA.md)."""
     out = figures(res)
+    # The MoE layers' exchanges: the all-to-alls' streams and the TP all-gathers' lane, busy time
+    # summed (what they would take one after the other).
+    busy = res["metrics"].get("stream_busy_s") or {}
+    out["exchange_s"] = sum(busy.get(k, 0.0) for k in ("dispatch", "combine", "tp_gather"))
+    rep = res.get("impl_report") or {}
+    if isinstance(rep.get("chunks"), int):
+        out["chunks"] = rep["chunks"]
     share = mr.all_to_all_share(res["metrics"]["phases_s"])
     if share is not None:
         out["all_to_all_share"] = share
@@ -518,7 +528,7 @@ def judge(metric, v, paper, tol, paper_range=None):
     ratio = v / paper
     if metric not in mr.PAIR_METRICS:
         return None, size, ("agrees in size" if size else f"ours is {ratio:.2f}x the paper's figure")
-    up = v > 1.0 if metric == "speedup" else v > 0.0
+    up = v > 1.0 if metric in ("speedup", "exchange_speedup") else v > 0.0
     verdict = ("agrees in direction and size" if size and up else
                f"agrees in direction, ours is {ratio:.2f}x the paper's figure" if up else
                "disagrees in direction")
@@ -617,6 +627,8 @@ def summarize(suite, jobs, subset, host_seconds):
                        run_mode=mrun["run_mode"], parallel=mrun["parallel"], override=mrun["override"])
             if mrun.get("micro_batch"):
                 row["micro_batch"] = mrun["micro_batch"]
+            if mrun.get("sequence_parallel"):
+                row["sequence_parallel"] = True
         if res is not None:
             row.update(mode=res["mode"], device=res["device"], calibration=res["calibration"],
                        world_size=res["world_size"], file=j["file"],
