@@ -741,7 +741,7 @@ def print_tables(suite, summary):
         print("\nclaims (paper vs ours):")
         for r in s["claims"]:
             o = r["ours"][r["compared_on"]]
-            fmtv = (lambda v: f"{v:.2f}x") if r["metric"] == "speedup" else (lambda v: f"{100 * v:.0f}%")
+            fmtv = (lambda v: f"{v:.2f}x") if r["metric"] in ("speedup", "exchange_speedup") else (lambda v: f"{100 * v:.0f}%")
             ours = fmtv(o["value"]) if o["points"] else "-"
             print(f"  {r['text'][:60]:60} {fmtv(r['paper']):>7} {ours:>7} {o['points']:>4}  {r['verdict']}")
             for u in o.get("used", []) if o["points"] else []:

@@ -44,6 +44,10 @@ monta::Links links_of(Backend& b, const ModelConfig& m, std::int64_t rows_per_ex
   k.nic_latency = r.nic_latency;
   k.nics = r.nics_per_node;
   k.gemm_flops = r.gemm_flops;
+  // The experts' GEMMs at a chunk's rows per expert, from the same machine model.
+  k.gemm_flops_at = [&b, m](std::int64_t rows) {
+    return b.machine_rates(std::max<std::int64_t>(rows, 1), m.d_hidden, m.d_model, m.dtype).gemm_flops;
+  };
   k.launch = r.launch_latency;
   return k;
 }

@@ -106,7 +106,9 @@ Prediction predict(const Layer& l, const Links& k, Strategy s, int chunks) {
   // (El experts, P sources, each the rows per expert a source sends), plus their launches.
   const double P = static_cast<double>(l.ep_ranks.size()), El = static_cast<double>(l.E) / P;
   const double rows = El * P * rows_per_expert(l, s, n) / pieces;
-  const double x = 2.0 * 2.0 * rows * static_cast<double>(l.M) * static_cast<double>(l.H) / k.gemm_flops + 2 * El * k.launch;
+  const double rate = k.gemm_flops_at ? k.gemm_flops_at(static_cast<std::int64_t>(P * rows_per_expert(l, s, n) / pieces))
+                                      : k.gemm_flops;
+  const double x = 2.0 * 2.0 * rows * static_cast<double>(l.M) * static_cast<double>(l.H) / rate + 2 * El * k.launch;
   p.all_to_all_s = a * pieces;
   p.all_gather_s = g * pieces;
   p.experts_s = x * pieces;

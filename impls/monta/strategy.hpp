@@ -20,6 +20,7 @@
 // another node over the NICs (both on a PCIe machine); a self exchange moves nothing.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -45,8 +46,11 @@ struct Links {
   double nic_bw = 0, nic_latency = 0;      // one NIC per direction; s per message (NIC + fabric)
   int nics = 0;                            // per node (GPU i on NIC i % nics)
   double gemm_flops = 0;                   // the experts' GEMM rate (FLOP/s) at their shape
+  // The rate at a given number of rows per expert (a chunk's: small chunks run GEMMs below the
+  // device's best); null: gemm_flops at every size.
+  std::function<double(std::int64_t rows)> gemm_flops_at;
   double launch = 0;                       // s per kernel launch / library call
-  bool known() const { return intra_bw > 0 && (nic_bw > 0 || nics == 0) && gemm_flops > 0; }
+  bool known() const { return intra_bw > 0 && (nic_bw > 0 || nics == 0) && (gemm_flops > 0 || gemm_flops_at); }
 };
 
 // One MoE layer on one rank.
