@@ -750,7 +750,7 @@ def _check_run(c, r, w, labels, models, has_grid):
     _check_path_template(c, f"{w}.path", c.string(r, "path", w))
 
 
-PAIR_METRICS = ("speedup", "memory_saving", "exchange_speedup")  # a system against a baseline
+PAIR_METRICS = ("speedup", "memory_saving", "exchange_speedup", "all_to_all_speedup")  # a system against a baseline
 RUN_METRICS = PAIR_METRICS + ("overlap_ratio", "all_to_all_share", "all_to_all_overlap")  # the last three: one system's
 STATS = ("max", "mean", "min")
 
@@ -957,7 +957,7 @@ def summary_path(suite, results):
 # ---- claims, as tables print them ----------------------------------------------------------
 
 def fmt_claim(metric, v):
-    return f"{v:.2f}x" if metric in ("speedup", "exchange_speedup") else f"{100 * v:.0f}%"
+    return f"{v:.2f}x" if metric in ("speedup", "exchange_speedup", "all_to_all_speedup") else f"{100 * v:.0f}%"
 
 
 def selection_text(sel):
@@ -1110,7 +1110,9 @@ def run_comparisons(runs, systems, versus, metric, sel=None):
                  else 1.0 - f["peak_memory_bytes"] / b["results"]["peak_memory_bytes"]
                  if metric == "memory_saving" and b["results"]["peak_memory_bytes"] > 0
                  else b["results"]["exchange_s"] / f["exchange_s"]
-                 if metric == "exchange_speedup" and f.get("exchange_s") and b["results"].get("exchange_s") else None)
+                 if metric == "exchange_speedup" and f.get("exchange_s") and b["results"].get("exchange_s")
+                 else b["results"]["all_to_all_s"] / f["all_to_all_s"]
+                 if metric == "all_to_all_speedup" and f.get("all_to_all_s") and b["results"].get("all_to_all_s") else None)
         else:
             v = f.get(metric)
         if v is not None:

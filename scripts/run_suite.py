@@ -493,6 +493,7 @@ def model_figures(res, a2a_overlap=None):
     # summed (what they would take one after the other).
     busy = res["metrics"].get("stream_busy_s") or {}
     out["exchange_s"] = sum(busy.get(k, 0.0) for k in ("dispatch", "combine", "tp_gather"))
+    out["all_to_all_s"] = sum(busy.get(k, 0.0) for k in ("dispatch", "combine"))
     rep = res.get("impl_report") or {}
     if isinstance(rep.get("chunks"), int):
         out["chunks"] = rep["chunks"]
@@ -528,7 +529,7 @@ def judge(metric, v, paper, tol, paper_range=None):
     ratio = v / paper
     if metric not in mr.PAIR_METRICS:
         return None, size, ("agrees in size" if size else f"ours is {ratio:.2f}x the paper's figure")
-    up = v > 1.0 if metric in ("speedup", "exchange_speedup") else v > 0.0
+    up = v > 1.0 if metric in ("speedup", "exchange_speedup", "all_to_all_speedup") else v > 0.0
     verdict = ("agrees in direction and size" if size and up else
                f"agrees in direction, ours is {ratio:.2f}x the paper's figure" if up else
                "disagrees in direction")
@@ -741,7 +742,7 @@ def print_tables(suite, summary):
         print("\nclaims (paper vs ours):")
         for r in s["claims"]:
             o = r["ours"][r["compared_on"]]
-            fmtv = (lambda v: f"{v:.2f}x") if r["metric"] in ("speedup", "exchange_speedup") else (lambda v: f"{100 * v:.0f}%")
+            fmtv = (lambda v: f"{v:.2f}x") if r["metric"] in ("speedup", "exchange_speedup", "all_to_all_speedup") else (lambda v: f"{100 * v:.0f}%")
             ours = fmtv(o["value"]) if o["points"] else "-"
             print(f"  {r['text'][:60]:60} {fmtv(r['paper']):>7} {ours:>7} {o['points']:>4}  {r['verdict']}")
             for u in o.get("used", []) if o["points"] else []:
