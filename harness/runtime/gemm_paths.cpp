@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <tuple>
+#include <utility>
 
 namespace moelab {
 
@@ -227,13 +229,19 @@ const GemmPathTable& default_gemm_path_table() {
   return t;
 }
 
-double gemm_path_tflops(const GemmPathTable& t, GemmPath path, const std::string& precision, GemmOp op,
-                        std::int64_t width, std::int64_t experts, std::int64_t rows, std::string* note) {
+namespace {
+
+// The figures of one path for one (precision, op, width, experts), as (log rows, TFLOP/s) in
+// increasing rows: the narrowing gemm_path_tflops documents.
+using Curve = std::vector<std::pair<double, double>>;
+
+Curve path_curve(const GemmPathTable& t, GemmPath path, const std::string& precision, GemmOp op, std::int64_t width,
+                 std::int64_t experts, std::string* note) {
   const auto at = static_cast<std::size_t>(path);
   std::vector<const GemmPathPoint*> pts;
   for (const auto& p : t.points)
     if (p.tflops[at] > 0) pts.push_back(&p);
-  if (pts.empty()) return 0.0;
+  if (pts.empty()) return {};
   auto narrow = [&](auto pred, const std::string& missing) {
     std::vector<const GemmPathPoint*> kept;
     for (const auto* p : pts)
@@ -249,18 +257,28 @@ double gemm_path_tflops(const GemmPathTable& t, GemmPath path, const std::string
   narrow([&](const GemmPathPoint& p) { return p.op == op; }, std::string("no ") + gemm_op_name(op) + " figures");
   keep_nearest(pts, static_cast<double>(width), [](const GemmPathPoint& p) { return p.d_model * p.d_hidden; });
   keep_nearest(pts, static_cast<double>(experts), [](const GemmPathPoint& p) { return p.experts; });
-  std::sort(pts.begin(), pts.end(), [](const auto* a, const auto* b) { return a->rows < b->rows; });
+  Curve c;
+  for (const auto* p : pts) c.push_back({std::log(static_cast<double>(std::max<std::int64_t>(p->rows, 1))), p->tflops[at]});
+  std::stable_sort(c.begin(), c.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  return c;
+}
+
+double on_curve(const Curve& c, std::int64_t rows) {
+  if (c.empty()) return 0.0;
   const double r = std::log(static_cast<double>(std::max<std::int64_t>(rows, 1)));
-  const auto lr = [](const GemmPathPoint* p) { return std::log(static_cast<double>(std::max<std::int64_t>(p->rows, 1))); };
-  if (r <= lr(pts.front())) return pts.front()->tflops[at];
-  if (r >= lr(pts.back())) return pts.back()->tflops[at];
-  for (std::size_t i = 1; i < pts.size(); ++i)
-    if (r <= lr(pts[i])) {
-      const double x0 = lr(pts[i - 1]), x1 = lr(pts[i]);
-      const double y0 = pts[i - 1]->tflops[at], y1 = pts[i]->tflops[at];
-      return x1 > x0 ? y0 + (y1 - y0) * (r - x0) / (x1 - x0) : y1;
-    }
-  return pts.back()->tflops[at];
+  if (r <= c.front().first) return c.front().second;
+  if (r >= c.back().first) return c.back().second;
+  const auto hi = std::lower_bound(c.begin(), c.end(), r, [](const auto& p, double x) { return p.first < x; });
+  const auto lo = hi - 1;
+  return hi->first > lo->first ? lo->second + (hi->second - lo->second) * (r - lo->first) / (hi->first - lo->first)
+                               : hi->second;
+}
+
+}  // namespace
+
+double gemm_path_tflops(const GemmPathTable& t, GemmPath path, const std::string& precision, GemmOp op,
+                        std::int64_t width, std::int64_t experts, std::int64_t rows, std::string* note) {
+  return on_curve(path_curve(t, path, precision, op, width, experts, note), rows);
 }
 
 GemmPathChoice choose_gemm_path(const GemmCall& call, const GemmPathTable& table) {
@@ -273,11 +291,19 @@ GemmPathChoice choose_gemm_path(const GemmCall& call, const GemmPathTable& table
   }
   const auto E = static_cast<std::int64_t>(ps.size());
   std::string notes;
-  // Each problem at the rate the table gives a call of E problems of its rows.
+  // Each problem at the rate the table gives a call of E problems of its rows; one curve per
+  // (path, op, width) of the call.
+  std::vector<std::tuple<GemmPath, GemmOp, std::int64_t, Curve>> curves;
+  auto rate = [&](GemmPath path, const GemmShape& p, std::int64_t rows) {
+    for (const auto& [cp, co, cw, curve] : curves)
+      if (cp == path && co == p.op() && cw == p.width()) return on_curve(curve, rows);
+    curves.emplace_back(path, p.op(), p.width(), path_curve(table, path, call.precision, p.op(), p.width(), E, &notes));
+    return on_curve(std::get<3>(curves.back()), rows);
+  };
   auto sum_over_problems = [&](GemmPath path) {
     double s = 0;
     for (const auto& p : ps) {
-      const double r = gemm_path_tflops(table, path, call.precision, p.op(), p.width(), E, p.rows(), &notes);
+      const double r = rate(path, p, p.rows());
       if (!(r > 0)) return kInf;
       s += p.flops() / (r * 1e12);
     }
@@ -325,8 +351,7 @@ GemmPathChoice choose_gemm_path(const GemmCall& call, const GemmPathTable& table
   }
   if (c.strided_rows > 0) {
     const GemmShape s = with_rows(ps.front(), c.strided_rows);
-    const double r = gemm_path_tflops(table, GemmPath::strided_batched, call.precision, s.op(), s.width(), E,
-                                      c.strided_rows, &notes);
+    const double r = rate(GemmPath::strided_batched, s, c.strided_rows);
     if (r > 0) c.seconds[static_cast<std::size_t>(GemmPath::strided_batched)] = static_cast<double>(E) * s.flops() / (r * 1e12);
   }
 
