@@ -8,6 +8,8 @@
 #include <tuple>
 #include <utility>
 
+#include "harness/runtime/backend.hpp"
+
 namespace moelab {
 
 const char* gemm_path_name(GemmPath p) {
@@ -19,15 +21,6 @@ const char* gemm_path_name(GemmPath p) {
   return "?";
 }
 
-bool parse_gemm_path(const std::string& s, GemmPath& out) {
-  for (GemmPath p : {GemmPath::loop, GemmPath::strided_batched, GemmPath::grouped})
-    if (s == gemm_path_name(p)) {
-      out = p;
-      return true;
-    }
-  return false;
-}
-
 const char* gemm_op_name(GemmOp o) {
   switch (o) {
     case GemmOp::fwd: return "fwd";
@@ -37,13 +30,27 @@ const char* gemm_op_name(GemmOp o) {
   return "?";
 }
 
-bool parse_gemm_op(const std::string& s, GemmOp& out) {
-  for (GemmOp o : {GemmOp::fwd, GemmOp::dgrad, GemmOp::wgrad})
-    if (s == gemm_op_name(o)) {
-      out = o;
+namespace {
+// The value among `all` whose name is s.
+template <class E, std::size_t N>
+bool parse_named(const std::string& s, const E (&all)[N], const char* (*name)(E), E& out) {
+  for (E v : all)
+    if (s == name(v)) {
+      out = v;
       return true;
     }
   return false;
+}
+}  // namespace
+
+bool parse_gemm_path(const std::string& s, GemmPath& out) {
+  constexpr GemmPath all[] = {GemmPath::loop, GemmPath::strided_batched, GemmPath::grouped};
+  return parse_named(s, all, gemm_path_name, out);
+}
+
+bool parse_gemm_op(const std::string& s, GemmOp& out) {
+  constexpr GemmOp all[] = {GemmOp::fwd, GemmOp::dgrad, GemmOp::wgrad};
+  return parse_named(s, all, gemm_op_name, out);
 }
 
 GemmOp GemmShape::op() const {
@@ -431,6 +438,19 @@ std::vector<StridedRun> strided_runs(std::span<const GemmOperands> ps) {
     i = r.end;
   }
   return runs;
+}
+
+GemmOperands gemm_operands(const GemmProblem& p) {
+  GemmOperands o;
+  o.shape = {p.trans_a, p.trans_b, p.m, p.n, p.k};
+  o.alpha = p.alpha;
+  o.beta = p.beta;
+  o.ab = p.a.defined() ? p.a.dtype() : DType::f32;
+  o.c_type = p.c.defined() ? p.c.dtype() : DType::f32;
+  o.a = reinterpret_cast<std::uintptr_t>(p.a.raw());
+  o.b = reinterpret_cast<std::uintptr_t>(p.b.raw());
+  o.c = reinterpret_cast<std::uintptr_t>(p.c.raw());
+  return o;
 }
 
 }  // namespace moelab

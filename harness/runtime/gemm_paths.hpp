@@ -137,4 +137,8 @@ struct StridedRun {
 // neighbours is a run of one.
 std::vector<StridedRun> strided_runs(std::span<const GemmOperands> problems);
 
+struct GemmProblem;  // harness/runtime/backend.hpp
+// A problem's shape, scalars, types and operand addresses (Tensor::raw()).
+GemmOperands gemm_operands(const GemmProblem& p);
+
 }  // namespace moelab

@@ -304,30 +304,45 @@ INSTANTIATE_TEST_SUITE_P(Backends, PermuteRoundTrip, ::testing::Values("cpu", "c
 namespace moelab {
 namespace {
 
-// backward() accumulates into the gradients (as autograd does): two identical steps give
-// twice the gradients of one; zero_grad() starts again from zero.
-TEST(MoELayer, GradientsAccumulateAcrossBackwardCalls) {
-  auto b = make_backend("cpu");
-  auto comm = make_self_communicator(*b);
-  ModelConfig cfg;
-  cfg.d_model = 8;
-  cfg.d_hidden = 12;
-  cfg.num_experts = 4;
-  cfg.top_k = 2;
-  cfg.noisy_gate = false;
-  const std::uint64_t seed = test::fresh_seed();
-  MoELayer layer(*b, *comm, cfg);
-  layer.init_parameters(seed);
-  Stream& s = layer.compute_stream();
-  Tensor x = b->empty({17, 8}, DType::f32, MemCategory::activations, s);
-  Tensor dy = b->empty({17, 8}, DType::f32, MemCategory::activations, s);
-  b->upload(test::uniform(17 * 8, Rng::mix(seed, 1)), x);
-  b->upload(test::uniform(17 * 8, Rng::mix(seed, 2)), dy);
-  auto step = [&] {
+// A small cpu layer (M 8, H 12, 4 experts, top-2, no capacity limit) and 17 tokens of input
+// and output gradient on fresh seeds.
+struct SmallLayer {
+  std::unique_ptr<Backend> b = make_backend("cpu");
+  std::unique_ptr<Communicator> comm = make_self_communicator(*b);
+  ModelConfig cfg = [] {
+    ModelConfig c;
+    c.d_model = 8;
+    c.d_hidden = 12;
+    c.num_experts = 4;
+    c.top_k = 2;
+    c.noisy_gate = false;
+    return c;
+  }();
+  std::uint64_t seed = test::fresh_seed();
+  MoELayer layer{*b, *comm, cfg};
+  Tensor x, dy;  // [17, 8]
+  SmallLayer() {
+    layer.init_parameters(seed);
+    Stream& s = layer.compute_stream();
+    x = b->empty({17, 8}, DType::f32, MemCategory::activations, s);
+    dy = b->empty({17, 8}, DType::f32, MemCategory::activations, s);
+    b->upload(test::uniform(17 * 8, Rng::mix(seed, 1)), x);
+    b->upload(test::uniform(17 * 8, Rng::mix(seed, 2)), dy);
+  }
+  void step() {
     layer.forward(x);
     layer.backward(dy, 0.1f);
     b->synchronize();
-  };
+  }
+};
+
+// backward() accumulates into the gradients (as autograd does): two identical steps give
+// twice the gradients of one; zero_grad() starts again from zero.
+TEST(MoELayer, GradientsAccumulateAcrossBackwardCalls) {
+  SmallLayer t;
+  auto& b = t.b;
+  auto& layer = t.layer;
+  auto step = [&] { t.step(); };
   step();
   std::vector<std::vector<float>> once;
   for (Tensor* g : {&layer.grads().w_gate, &layer.grads().w1, &layer.grads().w2}) once.push_back(b->download(*g));
@@ -349,25 +364,10 @@ TEST(MoELayer, GradientsAccumulateAcrossBackwardCalls) {
 // strided batch per weight GEMM), with the layer's FLOPs up to that rounding; timing it leaves
 // the gradients as they were (its weight-gradient GEMMs add products of zeros).
 TEST(MoELayer, GemmFloorIsBalancedStridedBatchesOfTheSameWork) {
-  auto b = make_backend("cpu");
-  auto comm = make_self_communicator(*b);
-  ModelConfig cfg;
-  cfg.d_model = 8;
-  cfg.d_hidden = 12;
-  cfg.num_experts = 4;
-  cfg.top_k = 2;
-  cfg.noisy_gate = false;
-  const std::uint64_t seed = test::fresh_seed();
-  MoELayer layer(*b, *comm, cfg);
-  layer.init_parameters(seed);
-  Stream& s = layer.compute_stream();
-  Tensor x = b->empty({17, 8}, DType::f32, MemCategory::activations, s);
-  Tensor dy = b->empty({17, 8}, DType::f32, MemCategory::activations, s);
-  b->upload(test::uniform(17 * 8, Rng::mix(seed, 1)), x);
-  b->upload(test::uniform(17 * 8, Rng::mix(seed, 2)), dy);
-  layer.forward(x);
-  layer.backward(dy, 0.1f);
-  b->synchronize();
+  SmallLayer sl;
+  auto& b = sl.b;
+  auto& layer = sl.layer;
+  sl.step();
   std::int64_t R = 0;
   for (std::int64_t r : layer.routing().recv_per_local) R += r;
   ASSERT_EQ(R, 17 * 2);  // no capacity limit: every token-slot
@@ -378,17 +378,8 @@ TEST(MoELayer, GemmFloorIsBalancedStridedBatchesOfTheSameWork) {
   EXPECT_DOUBLE_EQ(cost_grouped_gemm(floor).flops, cost_grouped_gemm(layer.expert_gemm_problems()).flops + extra);
   std::vector<GemmOperands> ops;
   for (const auto& p : floor) {
-    GemmOperands o;
-    o.shape = {p.trans_a, p.trans_b, p.m, p.n, p.k};
-    o.alpha = p.alpha;
-    o.beta = p.beta;
-    o.ab = p.a.dtype();
-    o.c_type = p.c.dtype();
-    o.a = reinterpret_cast<std::uintptr_t>(p.a.raw());
-    o.b = reinterpret_cast<std::uintptr_t>(p.b.raw());
-    o.c = reinterpret_cast<std::uintptr_t>(p.c.raw());
-    ops.push_back(o);
-    EXPECT_EQ(o.shape.rows(), t);
+    ops.push_back(gemm_operands(p));
+    EXPECT_EQ(ops.back().shape.rows(), t);
   }
   const auto runs = strided_runs(ops);
   ASSERT_EQ(runs.size(), 6u);

@@ -918,23 +918,10 @@ void check_problem(const GemmProblem& p) {
                    std::to_string(p.k) + "x" + std::to_string(p.n) + "]: " + p.a.describe() + ", " + p.b.describe());
 }
 
-// What choose_gemm_path and strided_runs are told about the problems: shapes, scalars,
-// types and the operands' addresses.
 std::vector<GemmOperands> operands_of(std::span<const GemmProblem* const> list) {
   std::vector<GemmOperands> ops;
   ops.reserve(list.size());
-  for (const auto* p : list) {
-    GemmOperands o;
-    o.shape = {p->trans_a, p->trans_b, p->m, p->n, p->k};
-    o.alpha = p->alpha;
-    o.beta = p->beta;
-    o.ab = p->a.dtype();
-    o.c_type = p->c.dtype();
-    o.a = reinterpret_cast<std::uintptr_t>(p->a.raw());
-    o.b = reinterpret_cast<std::uintptr_t>(p->b.raw());
-    o.c = reinterpret_cast<std::uintptr_t>(p->c.raw());
-    ops.push_back(o);
-  }
+  for (const auto* p : list) ops.push_back(gemm_operands(*p));
   return ops;
 }
 
