@@ -999,9 +999,13 @@ void CudaBackend::grouped_gemm(Stream& s, std::span<const GemmProblem> problems,
     GemmPath ran = choice.path;
     if (ran == GemmPath::strided_batched) {
       const cublasStatus_t status = gemm_strided(h, list, runs.front());
-      if (status == CUBLAS_STATUS_NOT_SUPPORTED) {  // no strided kernel for these types: remember, loop
-        std::lock_guard lock(mu_);
-        strided_unsupported_.insert(types);
+      if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE) {
+        // As for the grouped call below: the loop, and a type combination without a strided
+        // kernel remembered.
+        if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
+          std::lock_guard lock(mu_);
+          strided_unsupported_.insert(types);
+        }
         ran = GemmPath::loop;
       } else {
         cublas_check(status, "cublasGemmStridedBatchedEx");
@@ -1457,7 +1461,7 @@ double CudaBackend::time_batched_gemms(std::span<const GemmProblem> problems, in
       const std::span<const GemmProblem* const> run(live.data() + r.begin, r.size());
       if (r.size() > 1) {
         const cublasStatus_t status = gemm_strided(bare_blas_, run, r);
-        if (status != CUBLAS_STATUS_NOT_SUPPORTED) {
+        if (status != CUBLAS_STATUS_NOT_SUPPORTED && status != CUBLAS_STATUS_INVALID_VALUE) {
           cublas_check(status, "cublasGemmStridedBatchedEx");
           continue;
         }
