@@ -996,35 +996,24 @@ void CudaBackend::grouped_gemm(Stream& s, std::span<const GemmProblem> problems,
         choice.why = std::string(gemm_path_name(choice.path)) + " (forced); the table's choice: " + choice.why;
       }
     }
+    // Not every type combination has a grouped or strided kernel (bf16 inputs with an fp32 C,
+    // say): a refusal runs the loop instead (cublasGemmEx rejects loudly whatever is really
+    // invalid), and a type combination refused as unsupported is not tried again.
     GemmPath ran = choice.path;
-    if (ran == GemmPath::strided_batched) {
-      const cublasStatus_t status = gemm_strided(h, list, runs.front());
-      if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE) {
-        // As for the grouped call below: the loop, and a type combination without a strided
-        // kernel remembered.
-        if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
-          std::lock_guard lock(mu_);
-          strided_unsupported_.insert(types);
-        }
-        ran = GemmPath::loop;
-      } else {
-        cublas_check(status, "cublasGemmStridedBatchedEx");
+    const auto refused = [&](cublasStatus_t status, std::set<std::pair<int, int>>& unsupported, const char* api) {
+      if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
+        std::lock_guard lock(mu_);
+        unsupported.insert(types);
       }
-    } else if (ran == GemmPath::grouped) {
-      const cublasStatus_t status = gemm_grouped(h, st, list);
-      if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE) {
-        // Not every type combination has a grouped kernel (bf16 inputs with an fp32 C, say):
-        // the loop (cublasGemmEx rejects loudly whatever is really invalid), and a refused
-        // type combination is remembered.
-        if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
-          std::lock_guard lock(mu_);
-          grouped_unsupported_.insert(types);
-        }
-        ran = GemmPath::loop;
-      } else {
-        cublas_check(status, "cublasGemmGroupedBatchedEx");
-      }
-    }
+      if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE) return true;
+      cublas_check(status, api);
+      return false;
+    };
+    if (ran == GemmPath::strided_batched &&
+        refused(gemm_strided(h, list, runs.front()), strided_unsupported_, "cublasGemmStridedBatchedEx"))
+      ran = GemmPath::loop;
+    if (ran == GemmPath::grouped && refused(gemm_grouped(h, st, list), grouped_unsupported_, "cublasGemmGroupedBatchedEx"))
+      ran = GemmPath::loop;
     if (ran == GemmPath::loop)
       for (const auto* p : list) gemm_one(h, *p);
     std::string why = ran == choice.path ? choice.why
