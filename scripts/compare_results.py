@@ -105,6 +105,9 @@ def fmt_diff(d):
 # ---- files ----------------------------------------------------------------------------------
 
 IDENTITY = ("schema", "mode", "backend", "impl", "device", "world_size", "calibration", "routing_model")
+# Metrics recorded since a later binary (optional in the schema): a result written before them
+# still compares on everything else; once both results have one, it is compared like the rest.
+ADDED_METRICS = ("floor_gemm_s", "floor_gemm_library", "moe_layer_s", "expert_vs_floor_ratio", "layer_vs_floor_ratio")
 
 
 def diff_results(old, new, tol):
@@ -119,7 +122,10 @@ def diff_results(old, new, tol):
     if "impl_options" in old and "impl_options" in new:
         diff_values(old["impl_options"], new["impl_options"], "impl_options", 0.0, out)
     diff_values(old.get("impl_report"), new.get("impl_report"), "impl_report", tol, out)
-    diff_values(old.get("metrics"), new.get("metrics"), "metrics", tol, out)
+    om, nm = old.get("metrics"), new.get("metrics")
+    if isinstance(om, dict) and isinstance(nm, dict):
+        nm = {k: v for k, v in nm.items() if k in om or k not in ADDED_METRICS}
+    diff_values(om, nm, "metrics", tol, out)
     return out
 
 

@@ -397,6 +397,13 @@ def check_result(res, path):
         c.number(m, k, "metrics")
     c.number(m, "overlap_ratio", "metrics", minimum=0)
     c.string(m, "bare_gemm_library", "metrics")
+    # The GEMM floor and the ratios to it: absent in results made before they were recorded;
+    # the ratios null where no expert had a row.
+    for k in ("floor_gemm_s", "moe_layer_s"):
+        c.number(m, k, "metrics", required=False, minimum=0)
+    c.string(m, "floor_gemm_library", "metrics", required=False)
+    for k in ("expert_vs_floor_ratio", "layer_vs_floor_ratio"):
+        c.number(m, k, "metrics", required=False, minimum=0, null=True)
     c.numbers_map(m, "phases_s", "metrics")
     c.numbers_map(m, "stream_busy_s", "metrics")
     pk = c.obj(m, "peak_memory_bytes", "metrics")

@@ -323,6 +323,18 @@ std::string gemm_library(const Backend& b) {
   return b.name() + " GEMM";
 }
 
+std::string floor_gemm_library(const Backend& b) {
+  if (b.name() == "cuda") return "cublasGemmStridedBatchedEx";
+  return gemm_library(b) + ", one by one";
+}
+
+double floor_gemm_seconds(Backend& b, MoELayer& layer, double layer_flops, int reps) {
+  const std::vector<GemmProblem> floor = layer.expert_floor_problems();
+  const double floor_flops = cost_grouped_gemm(floor).flops;
+  if (!(floor_flops > 0)) return 0.0;
+  return b.time_batched_gemms(floor, reps) * layer_flops / floor_flops;
+}
+
 int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const WorkloadConfig& w, const Platform& platform,
                 RunOutputs* outputs, bool preflight = false);
 
@@ -454,7 +466,13 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
     local.capacity = routing.capacity;
     local.recv_per_local = routing.recv_per_local;
     local.routed = routed;
-    local.bare_gemm_s = backend->time_bare_gemms(impl->expert_gemms(), 5);
+    double layer_flops = 0;
+    {  // the bare GEMMs' scratch goes before the floor's is made
+      const std::vector<GemmProblem> gemms = impl->expert_gemms();
+      layer_flops = cost_grouped_gemm(gemms).flops;
+      local.bare_gemm_s = backend->time_bare_gemms(gemms, 5);
+    }
+    local.floor_gemm_s = floor_gemm_seconds(*backend, impl->layer(), layer_flops, 5);
 
     std::vector<RankFigures> ranks;
     for (const auto& s : comm->all_gather_strings(local.encode())) ranks.push_back(RankFigures::decode(s));
@@ -478,7 +496,8 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
     if (rank != 0) return 0;
 
     // ---- the run's figures: the slowest rank's step, the highest rank's memory -----------------
-    const RunFigures fig = aggregate(ranks);
+    RunFigures fig = aggregate(ranks);
+    set_layer_time(fig, fig.step_median);  // the step is the layer's forward and backward
     const double step_med = fig.step_median;
     const double global_tokens = static_cast<double>(w.tokens_per_rank) * world;
     const double tokens_per_s = step_med > 0 ? global_tokens / step_med : 0.0;
@@ -521,6 +540,10 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
     std::printf("(summed op time per phase over all streams; overlapping phases can exceed 100%%)\n\n");
     std::printf("experts: %.3f ms of GEMMs vs bare %s %.3f ms for the same GEMMs (ratio %.2f)\n",
                 fig.expert_gemm_s * 1e3, library.c_str(), fig.bare_gemm_s * 1e3, fig.expert_vs_bare);
+    if (fig.floor_gemm_s > 0)
+      std::printf("floor:   %.3f ms, the same FLOPs as balanced batched GEMMs (%s): experts at %.2fx, the layer at "
+                  "%.2fx of it\n",
+                  fig.floor_gemm_s * 1e3, floor_gemm_library(*backend).c_str(), fig.expert_vs_floor, fig.layer_vs_floor);
     std::printf("expert TFLOP/s  %.3f per device over the experts phase, %.3f over its GEMMs\n", fig.expert_tflops,
                 fig.expert_gemm_tflops);
     std::printf("communication   %.3f ms/step, %.1f%% hidden behind compute; exposed %.3f ms (step - compute busy "
@@ -543,7 +566,7 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
                              : "no capacity limit");
 
     // ---- the record ------------------------------------------------------------------------
-    json metrics = metrics_json(fig, ranks, tokens_per_s, library);
+    json metrics = metrics_json(fig, ranks, tokens_per_s, library, floor_gemm_library(*backend));
 
     json result;
     result["schema"] = "moelab.result/1";

@@ -19,6 +19,10 @@
 #include "harness/runtime/error.hpp"
 #include "harness/sim/cluster.hpp"
 
+namespace moelab {
+class MoELayer;
+}
+
 namespace moelab::cli {
 
 constexpr double kMiB = 1024.0 * 1024.0;
@@ -73,6 +77,11 @@ void check_impl_name(const std::string& name);
 std::string strf(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 std::string category_list(const CategoryBytes& b);  // "activations 12.0, buffers 3.5" (MiB)
 std::string gemm_library(const Backend& b);
+std::string floor_gemm_library(const Backend& b);  // what Backend::time_batched_gemms issues
+// The GEMM floor of one MoE layer's last forward+backward (MoELayer::expert_floor_problems,
+// timed by Backend::time_batched_gemms), scaled to `layer_flops`, the FLOPs of its
+// expert_gemm_problems: the floor's time for exactly the layer's expert FLOPs. 0 without rows.
+double floor_gemm_seconds(Backend& b, MoELayer& layer, double layer_flops, int reps);
 // A user's value (a path, a flag's text) as one short line for a message.
 std::string shown(const std::string& value);
 

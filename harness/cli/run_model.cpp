@@ -536,15 +536,25 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     add_memory_figures(local, b);
     local.device = b.device_name();
     local.step_s = step_s;
+    // The yardsticks time each MoE layer's GEMMs of the last microbatch: a step runs
+    // `microbatches` of them.
     std::vector<GemmProblem> gemms;
+    std::vector<double> layer_flops;
     for (MoEImpl* m : model.moe_layers()) {
       const RoutingStats& r = m->routing();
       local.dropped += r.dropped;
       if (local.capacity == 0) local.capacity = r.capacity;
       local.recv_per_local.insert(local.recv_per_local.end(), r.recv_per_local.begin(), r.recv_per_local.end());
-      for (auto& g : m->expert_gemms()) gemms.push_back(std::move(g));
+      std::vector<GemmProblem> g = m->expert_gemms();
+      layer_flops.push_back(cost_grouped_gemm(g).flops);
+      for (auto& p : g) gemms.push_back(std::move(p));
     }
-    local.bare_gemm_s = gemms.empty() ? 0.0 : b.time_bare_gemms(gemms, 3);
+    const double per_step = static_cast<double>(opt.microbatches);
+    local.bare_gemm_s = gemms.empty() ? 0.0 : b.time_bare_gemms(gemms, 3) * per_step;
+    gemms.clear();  // their scratch goes before each layer's floor is made
+    const std::vector<MoEImpl*> moe = model.moe_layers();
+    for (std::size_t i = 0; i < moe.size(); ++i)
+      local.floor_gemm_s += floor_gemm_seconds(b, moe[i]->layer(), layer_flops[i], 3) * per_step;
     std::vector<double> rank_losses = loss_curve;
     std::vector<RankFigures> ranks;
     for (const auto& s : c.all_gather_strings(local.encode())) ranks.push_back(RankFigures::decode(s));
@@ -599,7 +609,13 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     if (rank != 0) return 0;
 
     // ---- the run's figures -------------------------------------------------------------------
-    const RunFigures fig = aggregate(ranks);
+    RunFigures fig = aggregate(ranks);
+    {  // the MoE layers' own time: their phases' summed op time (host gaps left out)
+      double layer = 0;
+      for (const char* p : {"gate", "dispatch", "migrate", "experts", "combine", "offload", "fetch"})
+        if (const auto it = fig.phases_s.find(p); it != fig.phases_s.end()) layer += it->second;
+      set_layer_time(fig, layer);
+    }
     const double step_med = fig.step_median;
     const double tokens = static_cast<double>(T) * opt.microbatches * replicas;
     const double tokens_per_s = step_med > 0 ? tokens / step_med : 0.0;
@@ -663,6 +679,10 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
                 " experts and combine, its norm and residual under moe)\n\n");
     std::printf("communication   %.3f ms/step, %.1f%% hidden behind compute; exposed %.3f ms\n", fig.comm_s * 1e3,
                 100.0 * fig.overlap_ratio, fig.exposed_comm_s * 1e3);
+    if (fig.floor_gemm_s > 0)
+      std::printf("expert floor    %.3f ms, the experts' FLOPs as balanced batched GEMMs (%s): expert GEMMs at %.2fx, "
+                  "the MoE layers' ops at %.2fx of it\n",
+                  fig.floor_gemm_s * 1e3, floor_gemm_library(b).c_str(), fig.expert_vs_floor, fig.layer_vs_floor);
     std::printf("peak memory     %.1f MiB%s: %s MiB\n", static_cast<double>(pk.peak_device) / kMiB,
                 world > 1 ? strf(" (rank %zu, the highest)", fig.peak_rank).c_str() : "",
                 category_list(pk.at_peak).c_str());
@@ -679,7 +699,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       print_pipeline(parallel, steps);
     }
 
-    json metrics = metrics_json(fig, ranks, tokens_per_s, library);
+    json metrics = metrics_json(fig, ranks, tokens_per_s, library, floor_gemm_library(b));
     metrics["model_flops_per_step"] = model_flops;
     metrics["model_tflops_per_device"] = model_tflops;
     metrics["mfu"] = mfu > 0 ? json(mfu) : json(nullptr);

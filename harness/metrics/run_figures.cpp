@@ -59,6 +59,7 @@ std::string RankFigures::encode() const {
   j["pool"] = pool_json(pool);
   j["routing"] = {{"dropped", dropped}, {"capacity", capacity}, {"recv_per_local", recv_per_local}, {"routed", routed}};
   j["bare_gemm_s"] = bare_gemm_s;
+  j["floor_gemm_s"] = floor_gemm_s;
   return j.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
@@ -88,6 +89,7 @@ RankFigures RankFigures::decode(const std::string& s) {
   f.recv_per_local = r.at("recv_per_local").get<std::vector<std::int64_t>>();
   f.routed = r.at("routed").get<std::vector<std::vector<std::int64_t>>>();
   f.bare_gemm_s = j.at("bare_gemm_s").get<double>();
+  f.floor_gemm_s = j.at("floor_gemm_s").get<double>();
   return f;
 }
 
@@ -170,9 +172,11 @@ RunFigures aggregate(const std::vector<RankFigures>& ranks) {
     if (tg > 0) a.expert_gemm_tflops += r.expert_flops / tg / 1e12 / w;
     a.expert_gemm_s = std::max(a.expert_gemm_s, r.expert_gemm_s);
     a.bare_gemm_s = std::max(a.bare_gemm_s, r.bare_gemm_s);
+    a.floor_gemm_s = std::max(a.floor_gemm_s, r.floor_gemm_s);
     a.flops_per_rank_max = std::max(a.flops_per_rank_max, r.flops);
   }
   a.expert_vs_bare = a.bare_gemm_s > 0 ? a.expert_gemm_s / a.bare_gemm_s : 0.0;
+  a.expert_vs_floor = a.floor_gemm_s > 0 ? a.expert_gemm_s / a.floor_gemm_s : 0.0;
 
   // Overlap: summed over ranks for the ratio; the slowest rank's for times.
   double comm_sum = 0, hidden_sum = 0, compute_busy_min = 1e300, compute_busy_max = 0;
@@ -209,8 +213,13 @@ RunFigures aggregate(const std::vector<RankFigures>& ranks) {
   return a;
 }
 
+void set_layer_time(RunFigures& f, double layer_s) {
+  f.layer_s = layer_s;
+  f.layer_vs_floor = f.floor_gemm_s > 0 ? layer_s / f.floor_gemm_s : 0.0;
+}
+
 json metrics_json(const RunFigures& f, const std::vector<RankFigures>& ranks, double tokens_per_s,
-                  const std::string& gemm_library) {
+                  const std::string& gemm_library, const std::string& floor_library) {
   const RankFigures& pk = ranks[f.peak_rank];
   json m;
   m["step_time_s"] = {{"median", f.step_median}, {"mean", f.step_mean}, {"min", f.step_min}, {"max", f.step_max},
@@ -230,6 +239,13 @@ json metrics_json(const RunFigures& f, const std::vector<RankFigures>& ranks, do
   m["bare_gemm_s"] = f.bare_gemm_s;
   m["bare_gemm_library"] = gemm_library;
   m["expert_vs_bare_ratio"] = f.expert_vs_bare;
+  // The floor and the ratios to it; null where no expert had a row (no floor to compare with).
+  const bool floor = f.floor_gemm_s > 0;
+  m["floor_gemm_s"] = f.floor_gemm_s;
+  m["floor_gemm_library"] = floor_library;
+  m["moe_layer_s"] = f.layer_s;
+  m["expert_vs_floor_ratio"] = floor ? json(f.expert_vs_floor) : json(nullptr);
+  m["layer_vs_floor_ratio"] = floor ? json(f.layer_vs_floor) : json(nullptr);
   m["peak_memory_bytes"] = {{"device_total", pk.peak_device},
                             {"rank", f.peak_rank},
                             {"by_category_at_peak", category_json(pk.at_peak)},

@@ -35,7 +35,8 @@ struct RankFigures {
   std::int64_t dropped = 0, capacity = 0;
   std::vector<std::int64_t> recv_per_local;
   std::vector<std::vector<std::int64_t>> routed;  // every gate call (--record-routing)
-  double bare_gemm_s = 0;                          // the experts' GEMMs issued bare
+  double bare_gemm_s = 0;                          // the experts' GEMMs issued bare (one library call each)
+  double floor_gemm_s = 0;                         // the same FLOPs as balanced batched GEMMs (the floor)
 
   std::string encode() const;
   static RankFigures decode(const std::string& s);
@@ -53,6 +54,10 @@ struct RunFigures {
   std::map<std::string, double> phases_s, stream_busy_s;  // the highest rank's
   double expert_tflops = 0, expert_gemm_tflops = 0;       // averaged over ranks
   double expert_gemm_s = 0, bare_gemm_s = 0, expert_vs_bare = 0;
+  double floor_gemm_s = 0, expert_vs_floor = 0;  // the slowest rank's floor; expert_gemm_s over it
+  // The MoE layer's own time per step, set by the caller (a layer run: its step; a model run:
+  // the layers' phases), and its ratio to the floor (0 when there is no floor).
+  double layer_s = 0, layer_vs_floor = 0;
   double comm_s = 0, compute_busy_s = 0, exposed_comm_s = 0, overlap_ratio = 1, overlap_limit_s = 0, copy_s = 0;
   double flops_per_rank_max = 0;
   std::size_t peak_rank = 0;           // the rank with the highest device peak
@@ -64,10 +69,13 @@ struct RunFigures {
 };
 
 RunFigures aggregate(const std::vector<RankFigures>& ranks);
+// Sets f.layer_s and f.layer_vs_floor.
+void set_layer_time(RunFigures& f, double layer_s);
 
-// The record's "metrics" object for these figures (docs/RESULTS-SCHEMA.md).
+// The record's "metrics" object for these figures (docs/RESULTS-SCHEMA.md). gemm_library
+// names what timed bare_gemm_s, floor_library what timed floor_gemm_s.
 nlohmann::json metrics_json(const RunFigures& f, const std::vector<RankFigures>& ranks, double tokens_per_s,
-                            const std::string& gemm_library);
+                            const std::string& gemm_library, const std::string& floor_library);
 nlohmann::json category_json(const CategoryBytes& b);
 
 double median(std::vector<double> v);

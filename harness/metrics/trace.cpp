@@ -34,6 +34,7 @@ json chrome_trace(const std::vector<OpRecord>& ops, const std::vector<MemSample>
                  {"bytes", op.cost.bytes_read + op.cost.bytes_written}};
     if (op.cost.comm_bytes > 0) args["comm_bytes"] = op.cost.comm_bytes;
     if (!op.node.empty()) args["node"] = op.node;
+    if (!op.detail.empty()) args["detail"] = op.detail;
     events.push_back({{"name", op.name},
                       {"cat", op.phase},
                       {"ph", "X"},

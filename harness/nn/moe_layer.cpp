@@ -575,15 +575,21 @@ float MoELayer::aux_loss() {
 
 std::vector<float> MoELayer::last_noise() { return last_eps_; }
 
+namespace {
+// A zero-filled [r, cols] buffer for a yardstick's GEMMs: defined values, so no NaN or
+// denormal slow paths in the timing.
+Tensor yardstick_scratch(Backend& b, Stream& c, DType dt, std::int64_t r, std::int64_t cols) {
+  Tensor t = b.empty({r, cols}, dt, MemCategory::buffers, c);
+  b.fill_zero(c, t);
+  return t;
+}
+}  // namespace
+
 std::vector<GemmProblem> MoELayer::expert_gemm_problems(bool per_chunk) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
   Stream& c = *compute_;
   std::vector<GemmProblem> ps;
-  auto scratch = [&](std::int64_t r, std::int64_t cols) {
-    Tensor t = b_.empty({r, cols}, cfg_.dtype, MemCategory::buffers, c);
-    b_.fill_zero(c, t);  // defined values: no NaN or denormal slow paths in the timing
-    return t;
-  };
+  auto scratch = [&](std::int64_t r, std::int64_t cols) { return yardstick_scratch(b_, c, cfg_.dtype, r, cols); };
   const auto rows_sets = per_chunk ? last_chunk_rows_ : std::vector<std::vector<std::int64_t>>{routing_.recv_per_local};
   // Inference (the gradients released): the forward GEMMs only. Offloaded experts: device
   // weights of their shape, as the forward's resident copies are (the yardstick is the GEMM
@@ -607,6 +613,46 @@ std::vector<GemmProblem> MoELayer::expert_gemm_problems(bool per_chunk) {
       ps.push_back({true, false, M, H, r, t_di, t_m, grads_.w1.select(li), 1, 1});          // fc1 wgrad
       ps.push_back({false, true, r, M, H, t_m, params_.w1.select(li), scratch(r, M), 1, 0});  // fc1 dgrad
     }
+  return ps;
+}
+
+std::vector<GemmProblem> MoELayer::expert_floor_problems() {
+  const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden, El = local_experts_;
+  std::int64_t R = 0;
+  for (std::int64_t r : routing_.recv_per_local) R += r;
+  if (R == 0 || El == 0) return {};
+  const std::int64_t t = (R + El - 1) / El;
+  Stream& c = *compute_;
+  auto scratch = [&](std::int64_t r, std::int64_t cols) { return yardstick_scratch(b_, c, cfg_.dtype, r, cols); };
+  const bool training = grads_.w1.defined();
+  // Offloaded experts: one device weight of each shape for every expert, as in
+  // expert_gemm_problems (stride 0: the batch reads it El times).
+  const bool offloaded = offload_ != ExpertOffload::none;
+  const Tensor w1s = offloaded ? scratch(M, H) : Tensor(), w2s = offloaded ? scratch(H, M) : Tensor();
+  const auto w1 = [&](std::int64_t l) { return offloaded ? w1s : params_.w1.select(l); };
+  const auto w2 = [&](std::int64_t l) { return offloaded ? w2s : params_.w2.select(l); };
+  // [El·t, ·]: expert l's rows are [l·t, (l+1)·t).
+  const Tensor x = scratch(El * t, M), h = scratch(El * t, H), y = scratch(El * t, M);
+  const Tensor dh = training ? scratch(El * t, H) : Tensor(), dx = training ? scratch(El * t, M) : Tensor();
+  std::vector<GemmProblem> ps;
+  const auto batch = [&](auto make) {
+    for (std::int64_t l = 0; l < El; ++l) ps.push_back(make(l, l * t));
+  };
+  batch([&](std::int64_t l, std::int64_t o) { return GemmProblem{false, false, t, H, M, x.rows(o, t), w1(l), h.rows(o, t), 1, 0}; });
+  batch([&](std::int64_t l, std::int64_t o) { return GemmProblem{false, false, t, M, H, h.rows(o, t), w2(l), y.rows(o, t), 1, 0}; });
+  if (!training) return ps;
+  batch([&](std::int64_t l, std::int64_t o) {  // fc2 dgrad
+    return GemmProblem{false, true, t, H, M, y.rows(o, t), params_.w2.select(l), dh.rows(o, t), 1, 0};
+  });
+  batch([&](std::int64_t l, std::int64_t o) {  // fc2 wgrad
+    return GemmProblem{true, false, H, M, t, h.rows(o, t), y.rows(o, t), grads_.w2.select(l), 1, 1};
+  });
+  batch([&](std::int64_t l, std::int64_t o) {  // fc1 wgrad
+    return GemmProblem{true, false, M, H, t, x.rows(o, t), h.rows(o, t), grads_.w1.select(l), 1, 1};
+  });
+  batch([&](std::int64_t l, std::int64_t o) {  // fc1 dgrad
+    return GemmProblem{false, true, t, M, H, h.rows(o, t), params_.w1.select(l), dx.rows(o, t), 1, 0};
+  });
   return ps;
 }
 

@@ -162,6 +162,13 @@ class MoELayer {
   // tensors: the yardstick that `moelab run` times with Backend::time_bare_gemms.
   // per_chunk: the six per local expert and chunk of the last forward's plan, with its rows.
   std::vector<GemmProblem> expert_gemm_problems(bool per_chunk = false);
+  // The GEMM floor of the same work: each of those GEMMs (forward only in inference) as one
+  // balanced batch over the local experts, t = ceil(R / El) rows each (R the rows the last
+  // forward brought to this rank's experts), every operand one tensor of El equal blocks
+  // (the weights as they are) so that Backend::time_batched_gemms issues one strided-batched
+  // call per weight GEMM, as a PyTorch torch.bmm floor does. Its FLOPs exceed the layer's by
+  // the rounding of R up to El·t; empty when R = 0.
+  std::vector<GemmProblem> expert_floor_problems();
   const RoutingStats& routing() const { return routing_; }
   std::vector<float> last_noise();       // eps of the last forward (noisy gate), host copy
 

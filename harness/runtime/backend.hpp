@@ -294,6 +294,13 @@ class Backend {
   // issued one by one with nothing of moelab around them: the yardstick for the experts'
   // time (cpu: cblas_sgemm; cuda: cublasGemmEx). Synchronises the device.
   virtual double time_bare_gemms(std::span<const GemmProblem> problems, int reps) = 0;
+  // The same, but each run of equal problems whose operands sit at fixed strides
+  // (strided_runs, harness/runtime/gemm_paths.hpp) issued as one batched library call: the
+  // GEMM floor's yardstick (cuda: cublasGemmStridedBatchedEx). A backend without a batched
+  // path times them one by one, as time_bare_gemms does (cpu: cblas_sgemm; sim: its cost model).
+  virtual double time_batched_gemms(std::span<const GemmProblem> problems, int reps) {
+    return time_bare_gemms(problems, reps);
+  }
 
   // The machine's rates (see MachineRates); gemm_flops for an [m,k]x[k,n] GEMM in dtype t.
   virtual MachineRates machine_rates(std::int64_t m, std::int64_t n, std::int64_t k, DType t) const {

@@ -17,6 +17,7 @@ struct OpRecord {
   std::string name;   // "fc1", "dispatch_a2a", ...
   std::string phase;  // "gate", "dispatch", "experts", "combine", ... (see PhaseScope)
   std::string node;   // the pipeline schedule node it belongs to ("F3.1"; see NodeScope), or ""
+  std::string detail; // how the backend ran it, where it chose (cuda GEMMs: the path and why), or ""
   OpCost cost;
   double start = 0;   // seconds on the backend clock
   double end = 0;

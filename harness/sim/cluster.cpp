@@ -405,7 +405,7 @@ Profile parse_profile(const json& j, const std::string& path) {
   if (!j.is_object()) fail(path, "expected a JSON object at the top level, got " + show(j));
   Fields f(j, path, "",
            {"schema", "name", "mode", "backend", "device", "date", "commit", "gemm", "h2d_bw", "d2h_bw", "d2d_bw",
-            "elementwise_bw", "launch_latency", "collectives"});
+            "elementwise_bw", "launch_latency", "collectives", "gemm_paths"});
   check_schema(f, kProfileSchema, true);
   Profile p;
   p.origin = path;
@@ -462,10 +462,71 @@ Profile parse_profile(const json& j, const std::string& path) {
   p.d2d_bw = measured_bandwidth_or_zero(f, "d2d_bw");
   p.elementwise_bw = measured_bandwidth_or_zero(f, "elementwise_bw");
   p.launch_latency = latency_or(f, "launch_latency", 0.0);
+  if (const json* g = f.find("gemm_paths")) p.gemm_paths = gemm_path_table_from_json(*g, path);
   return p;
 }
 
 }  // namespace
+
+GemmPathTable gemm_path_table_from_json(const json& j, const std::string& origin, const std::string& prefix) {
+  const std::string where = prefix.empty() ? std::string("the table") : prefix.substr(0, prefix.size() - 1);
+  if (!j.is_object()) fail(origin, where + ": expected an object {source, max_padding_waste, tie_tolerance, points}, got " + show(j));
+  Fields f(j, origin, prefix, {"source", "max_padding_waste", "tie_tolerance", "points"});
+  GemmPathTable t;
+  t.source = f.string_or("source", "");
+  if (f.find("max_padding_waste")) t.max_padding_waste = in_range(f, "max_padding_waste", Sign::non_negative, 0.0, 1.0, "(a share)");
+  if (f.find("tie_tolerance")) t.tie_tolerance = in_range(f, "tie_tolerance", Sign::non_negative, 0.0, 1.0, "(relative)");
+  const json& pts = f.require("points");
+  if (!pts.is_array()) f.wrong_type("points", pts, "an array of {precision, op, d_model, d_hidden, experts, rows, tflops}");
+  for (std::size_t i = 0; i < pts.size(); ++i) {
+    const json& e = pts[i];
+    const std::string pp = prefix + "points[" + std::to_string(i) + "].";
+    if (!e.is_object()) fail(origin, pp.substr(0, pp.size() - 1) + ": expected an object, got " + show(e));
+    Fields pf(e, origin, pp, {"precision", "op", "d_model", "d_hidden", "experts", "rows", "tflops"});
+    GemmPathPoint pt;
+    (void)pf.require("precision");
+    pt.precision = pf.choice_or("precision", "bf16", {"bf16", "fp32", "tf32"});
+    (void)pf.require("op");
+    (void)parse_gemm_op(pf.choice_or("op", "fwd", {"fwd", "dgrad", "wgrad"}), pt.op);
+    pt.d_model = pf.integer("d_model", 1, limits::kMaxDModel);
+    pt.d_hidden = pf.integer("d_hidden", 1, limits::kMaxHidden);
+    pt.experts = pf.integer("experts", 1, limits::kMaxExperts);
+    pt.rows = pf.integer("rows", 1, limits::kMaxTokensPerRank);
+    const json& tf = pf.require("tflops");
+    if (!tf.is_object()) pf.wrong_type("tflops", tf, "an object {loop, strided_batched, grouped} of TFLOP/s");
+    Fields ff(tf, origin, pp + "tflops.", {"loop", "strided_batched", "grouped"});
+    bool any = false;
+    for (GemmPath path : {GemmPath::loop, GemmPath::strided_batched, GemmPath::grouped}) {
+      const char* key = gemm_path_name(path);
+      if (!ff.find(key)) continue;
+      // TFLOP/s; the FLOP/s range of every other rate (limits.hpp).
+      pt.tflops[static_cast<std::size_t>(path)] =
+          in_range(ff, key, Sign::positive, limits::kMinFlops / 1e12, limits::kMaxFlops / 1e12, "TFLOP/s");
+      any = true;
+    }
+    if (!any) fail(origin, pp + "tflops: expected at least one of loop, strided_batched, grouped");
+    t.points.push_back(std::move(pt));
+  }
+  return t;
+}
+
+json to_json(const GemmPathTable& t) {
+  json pts = json::array();
+  for (const auto& p : t.points) {
+    json tf = json::object();
+    for (GemmPath path : {GemmPath::loop, GemmPath::strided_batched, GemmPath::grouped})
+      if (p.tflops[static_cast<std::size_t>(path)] > 0) tf[gemm_path_name(path)] = p.tflops[static_cast<std::size_t>(path)];
+    pts.push_back({{"precision", p.precision},
+                   {"op", gemm_op_name(p.op)},
+                   {"d_model", p.d_model},
+                   {"d_hidden", p.d_hidden},
+                   {"experts", p.experts},
+                   {"rows", p.rows},
+                   {"tflops", tf}});
+  }
+  return {{"source", t.source}, {"max_padding_waste", t.max_padding_waste}, {"tie_tolerance", t.tie_tolerance},
+          {"points", pts}};
+}
 
 Profile load_profile(const std::string& path) {
   return json_fields::reading(path, [&] { return parse_profile(json_fields::read_file(path, "calibration profile"), path); });
@@ -475,7 +536,7 @@ nlohmann::json to_json(const Profile& p) {
   json gemm = json::array();
   for (const auto& s : p.gemm)
     gemm.push_back({{"m", s.m}, {"n", s.n}, {"k", s.k}, {"dtype", dtype_name(s.dtype)}, {"seconds", s.seconds}});
-  return {{"schema", kProfileSchema},
+  json j = {{"schema", kProfileSchema},
           {"name", p.name},
           {"device", p.device},
           {"date", p.date},
@@ -486,6 +547,8 @@ nlohmann::json to_json(const Profile& p) {
           {"d2d_bw", p.d2d_bw},
           {"elementwise_bw", p.elementwise_bw},
           {"launch_latency", p.launch_latency}};
+  if (p.gemm_paths) j["gemm_paths"] = to_json(*p.gemm_paths);
+  return j;
 }
 
 // ---- Topology ----------------------------------------------------------------------------

@@ -14,7 +14,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <optional>
+
 #include "harness/runtime/dtype.hpp"
+#include "harness/runtime/gemm_paths.hpp"
 #include "harness/sim/engine.hpp"
 
 namespace moelab::sim {
@@ -101,9 +104,19 @@ struct Profile {
   double d2d_bw = 0;              // device copy, bytes read + written per second
   double elementwise_bw = 0;      // bytes/s reached by elementwise kernels
   double launch_latency = 0;      // s
+  // The cuda backend's GEMM-path crossovers measured on this device (harness/runtime/
+  // gemm_paths.hpp; docs/GPU.md, "Expert GEMM paths"): for cuda_set_gemm_path_table. The
+  // sim's time model does not use them.
+  std::optional<GemmPathTable> gemm_paths;
 };
 Profile load_profile(const std::string& path);  // ConfigError on bad files
 nlohmann::json to_json(const Profile& p);
+// A profile's "gemm_paths" object: {"source", "max_padding_waste", "tie_tolerance", "points":
+// [{"precision", "op", "d_model", "d_hidden", "experts", "rows", "tflops": {"loop",
+// "strided_batched", "grouped"}}]}. ConfigError naming the field (origin: the file).
+GemmPathTable gemm_path_table_from_json(const nlohmann::json& j, const std::string& origin,
+                                        const std::string& prefix = "gemm_paths.");
+nlohmann::json to_json(const GemmPathTable& t);
 
 // The kinds of link a transfer can cross, for accounting: NVLink (through the node's
 // NVSwitch), PCIe (a GPU's link to its switch, or a switch's uplink) and the NICs between

@@ -12,6 +12,7 @@
 #include <limits>
 #include <numbers>
 #include <numeric>
+#include <optional>
 #include <ostream>
 #include <tuple>
 
@@ -231,18 +232,51 @@ class CudaGemmTest : public CudaTest, public ::testing::WithParamInterface<GemmC
     return std::max(1.0, mx * my * static_cast<double>(h.k));
   }
 
-  void run(const std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, float, float, bool>>& shapes) {
+  // The problems' host values as stored, for problem i of a call seeded by `seed`.
+  Host host_values(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, float beta, bool nan_c,
+                   std::uint64_t seed, std::uint64_t i) const {
+    const GemmCase gc = GetParam();
+    Host h{m, n, k, alpha, beta, {}, {}, {}};
+    h.a = stored(uniform(static_cast<std::size_t>(m * k), Rng::mix(seed, i, 1)), gc.ab);
+    h.b = stored(uniform(static_cast<std::size_t>(k * n), Rng::mix(seed, i, 2)), gc.ab);
+    h.c0 = nan_c ? std::vector<float>(static_cast<std::size_t>(m * n), std::numeric_limits<float>::quiet_NaN())
+                 : stored(uniform(static_cast<std::size_t>(m * n), Rng::mix(seed, i, 3)), gc.c);
+    return h;
+  }
+
+  // Runs the problems as one grouped call (on `path` where it can run) and checks every C.
+  void run_and_check(std::vector<GemmProblem>& problems, const std::vector<Host>& hosts,
+                     std::optional<GemmPath> path) {
+    const GemmCase gc = GetParam();
+    cuda_force_gemm_path(*b, path);
+    b->grouped_gemm(*s, problems, "gemm_test");
+    b->synchronize();
+    cuda_force_gemm_path(*b, std::nullopt);
+    for (std::size_t q = 0; q < problems.size(); ++q) {
+      const auto got = b->download(problems[q].c);
+      const auto ref = reference(hosts[q], gc.ta, gc.tb);
+      const double scale = magnitude(hosts[q]);
+      const double rt = gc.c == DType::bf16 ? tol(DType::bf16) : (gc.ab == DType::bf16 ? 1e-5 : tol(DType::f32));
+      for (std::size_t e = 0; e < got.size(); ++e) {
+        const double err = std::abs(static_cast<double>(got[e]) - ref[e]);
+        ASSERT_LE(err, rt * (scale + std::abs(ref[e])))
+            << "problem " << q << " (m=" << hosts[q].m << " n=" << hosts[q].n << " k=" << hosts[q].k
+            << ") element " << e << ": " << got[e] << " vs " << ref[e]
+            << (path ? std::string(" on path ") + gemm_path_name(*path) : std::string());
+      }
+    }
+  }
+
+  // Problems in tensors of their own.
+  void run(const std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, float, float, bool>>& shapes,
+           std::optional<GemmPath> path = std::nullopt) {
     const GemmCase gc = GetParam();
     const std::uint64_t seed = fresh_seed();
     std::vector<Host> hosts;
     std::vector<GemmProblem> problems;
     std::uint64_t i = 0;
     for (const auto& [m, n, k, alpha, beta, nan_c] : shapes) {
-      Host h{m, n, k, alpha, beta, {}, {}, {}};
-      h.a = stored(uniform(static_cast<std::size_t>(m * k), Rng::mix(seed, i, 1)), gc.ab);
-      h.b = stored(uniform(static_cast<std::size_t>(k * n), Rng::mix(seed, i, 2)), gc.ab);
-      h.c0 = nan_c ? std::vector<float>(static_cast<std::size_t>(m * n), std::numeric_limits<float>::quiet_NaN())
-                   : stored(uniform(static_cast<std::size_t>(m * n), Rng::mix(seed, i, 3)), gc.c);
+      Host h = host_values(m, n, k, alpha, beta, nan_c, seed, i++);
       GemmProblem p;
       p.trans_a = gc.ta;
       p.trans_b = gc.tb;
@@ -256,22 +290,31 @@ class CudaGemmTest : public CudaTest, public ::testing::WithParamInterface<GemmC
       p.c = make({m, n}, gc.c, h.c0);
       problems.push_back(p);
       hosts.push_back(std::move(h));
-      ++i;
     }
-    b->grouped_gemm(*s, problems, "gemm_test");
-    b->synchronize();
-    for (std::size_t q = 0; q < problems.size(); ++q) {
-      const auto got = b->download(problems[q].c);
-      const auto ref = reference(hosts[q], gc.ta, gc.tb);
-      const double scale = magnitude(hosts[q]);
-      const double rt = gc.c == DType::bf16 ? tol(DType::bf16) : (gc.ab == DType::bf16 ? 1e-5 : tol(DType::f32));
-      for (std::size_t e = 0; e < got.size(); ++e) {
-        const double err = std::abs(static_cast<double>(got[e]) - ref[e]);
-        ASSERT_LE(err, rt * (scale + std::abs(ref[e])))
-            << "problem " << q << " (m=" << hosts[q].m << " n=" << hosts[q].n << " k=" << hosts[q].k
-            << ") element " << e << ": " << got[e] << " vs " << ref[e];
-      }
+    run_and_check(problems, hosts, path);
+  }
+
+  // E equal problems laid out as the MoE layer lays out equal experts: each operand the
+  // E blocks of one tensor (A [E*m,k], B [E*k,n], C [E*m,n]; transposed blocks when asked),
+  // so that one strided batch covers them.
+  void run_equally_strided(int E, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, float beta,
+                           std::optional<GemmPath> path) {
+    const GemmCase gc = GetParam();
+    const std::uint64_t seed = fresh_seed();
+    std::vector<Host> hosts;
+    std::vector<float> a, bv, c;
+    for (int e = 0; e < E; ++e) {
+      hosts.push_back(host_values(m, n, k, alpha, beta, false, seed, static_cast<std::uint64_t>(e)));
+      a.insert(a.end(), hosts.back().a.begin(), hosts.back().a.end());
+      bv.insert(bv.end(), hosts.back().b.begin(), hosts.back().b.end());
+      c.insert(c.end(), hosts.back().c0.begin(), hosts.back().c0.end());
     }
+    const std::int64_t ar = gc.ta ? k : m, ac = gc.ta ? m : k, br = gc.tb ? n : k, bc = gc.tb ? k : n;
+    Tensor A = make({E * ar, ac}, gc.ab, a), B = make({E * br, bc}, gc.ab, bv), C = make({E * m, n}, gc.c, c);
+    std::vector<GemmProblem> problems;
+    for (int e = 0; e < E; ++e)
+      problems.push_back({gc.ta, gc.tb, m, n, k, A.rows(e * ar, ar), B.rows(e * br, br), C.rows(e * m, m), alpha, beta});
+    run_and_check(problems, hosts, path);
   }
 };
 
@@ -292,6 +335,37 @@ TEST_P(CudaGemmTest, Grouped) {
        {37, 33, 19, 1.0f, 1.0f, false}});
 }
 
+// The same awkward call on every path: forced where the path can run, the choice elsewhere.
+TEST_P(CudaGemmTest, GroupedOnEveryPath) {
+  for (GemmPath path : {GemmPath::loop, GemmPath::strided_batched, GemmPath::grouped})
+    run({{37, 33, 19, 1.0f, 0.0f, false},
+         {0, 33, 19, 1.0f, 0.0f, false},
+         {37, 33, 19, 1.0f, 1.0f, false},
+         {5, 33, 19, 0.5f, 1.0f, false},
+         {8, 33, 0, 1.0f, 0.5f, false}},
+        path);
+}
+
+// Equal experts in one tensor per operand: one strided batch covers them, on every path
+// (beta = 1 is the weight gradient's accumulation).
+TEST_P(CudaGemmTest, EquallyStridedExpertsOnEveryPath) {
+  for (std::optional<GemmPath> path : {std::optional<GemmPath>{}, std::optional<GemmPath>{GemmPath::loop},
+                                       std::optional<GemmPath>{GemmPath::strided_batched},
+                                       std::optional<GemmPath>{GemmPath::grouped}}) {
+    run_equally_strided(5, 37, 33, 19, 1.0f, 0.0f, path);
+    run_equally_strided(3, 16, 24, 40, 1.0f, 1.0f, path);
+  }
+  // The forced strided path really ran strided-batched (cuBLAS has the kernel at least where
+  // A, B and C share a type; elsewhere it may fall back to the loop).
+  bool strided = false;
+  for (const auto& u : cuda_gemm_path_uses(*b))
+    if (u.op == "gemm_test" && u.path == GemmPath::strided_batched) strided = true;
+  const GemmCase gc = GetParam();
+  if (gc.ab == gc.c) {
+    EXPECT_TRUE(strided);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Types, CudaGemmTest,
     ::testing::Values(GemmCase{DType::f32, DType::f32, false, false}, GemmCase{DType::f32, DType::f32, true, false},
@@ -304,6 +378,17 @@ INSTANTIATE_TEST_SUITE_P(
       const GemmCase& g = tpi.param;
       return std::string(dtype_name(g.ab)) + "_c" + dtype_name(g.c) + (g.ta ? "_At" : "_An") + (g.tb ? "Bt" : "Bn");
     });
+
+// The floor's timing: equal problems in one tensor per operand, one strided batch.
+TEST_F(CudaTest, BatchedGemmTiming) {
+  Tensor A = zeros({4 * 256, 64}, DType::bf16), B = zeros({4 * 64, 128}, DType::bf16), C = zeros({4 * 256, 128}, DType::bf16);
+  std::vector<GemmProblem> ps;
+  for (int e = 0; e < 4; ++e)
+    ps.push_back({false, false, 256, 128, 64, A.rows(e * 256, 256), B.rows(e * 64, 64), C.rows(e * 256, 256), 1.0f, 0.0f});
+  const double t = b->time_batched_gemms(ps, 5);
+  EXPECT_GT(t, 0.0);
+  EXPECT_LT(t, 1.0);
+}
 
 TEST_F(CudaTest, BareGemmTiming) {
   GemmProblem p;

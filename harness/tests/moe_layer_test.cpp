@@ -11,6 +11,7 @@
 #include "harness/comm/communicator.hpp"
 #include "harness/nn/moe_impl.hpp"
 #include "harness/nn/moe_layer.hpp"
+#include "harness/runtime/gemm_paths.hpp"
 #include "harness/tests/moe_reference.hpp"
 #include "harness/tests/test_util.hpp"
 
@@ -303,30 +304,45 @@ INSTANTIATE_TEST_SUITE_P(Backends, PermuteRoundTrip, ::testing::Values("cpu", "c
 namespace moelab {
 namespace {
 
-// backward() accumulates into the gradients (as autograd does): two identical steps give
-// twice the gradients of one; zero_grad() starts again from zero.
-TEST(MoELayer, GradientsAccumulateAcrossBackwardCalls) {
-  auto b = make_backend("cpu");
-  auto comm = make_self_communicator(*b);
-  ModelConfig cfg;
-  cfg.d_model = 8;
-  cfg.d_hidden = 12;
-  cfg.num_experts = 4;
-  cfg.top_k = 2;
-  cfg.noisy_gate = false;
-  const std::uint64_t seed = test::fresh_seed();
-  MoELayer layer(*b, *comm, cfg);
-  layer.init_parameters(seed);
-  Stream& s = layer.compute_stream();
-  Tensor x = b->empty({17, 8}, DType::f32, MemCategory::activations, s);
-  Tensor dy = b->empty({17, 8}, DType::f32, MemCategory::activations, s);
-  b->upload(test::uniform(17 * 8, Rng::mix(seed, 1)), x);
-  b->upload(test::uniform(17 * 8, Rng::mix(seed, 2)), dy);
-  auto step = [&] {
+// A small cpu layer (M 8, H 12, 4 experts, top-2, no capacity limit) and 17 tokens of input
+// and output gradient on fresh seeds.
+struct SmallLayer {
+  std::unique_ptr<Backend> b = make_backend("cpu");
+  std::unique_ptr<Communicator> comm = make_self_communicator(*b);
+  ModelConfig cfg = [] {
+    ModelConfig c;
+    c.d_model = 8;
+    c.d_hidden = 12;
+    c.num_experts = 4;
+    c.top_k = 2;
+    c.noisy_gate = false;
+    return c;
+  }();
+  std::uint64_t seed = test::fresh_seed();
+  MoELayer layer{*b, *comm, cfg};
+  Tensor x, dy;  // [17, 8]
+  SmallLayer() {
+    layer.init_parameters(seed);
+    Stream& s = layer.compute_stream();
+    x = b->empty({17, 8}, DType::f32, MemCategory::activations, s);
+    dy = b->empty({17, 8}, DType::f32, MemCategory::activations, s);
+    b->upload(test::uniform(17 * 8, Rng::mix(seed, 1)), x);
+    b->upload(test::uniform(17 * 8, Rng::mix(seed, 2)), dy);
+  }
+  void step() {
     layer.forward(x);
     layer.backward(dy, 0.1f);
     b->synchronize();
-  };
+  }
+};
+
+// backward() accumulates into the gradients (as autograd does): two identical steps give
+// twice the gradients of one; zero_grad() starts again from zero.
+TEST(MoELayer, GradientsAccumulateAcrossBackwardCalls) {
+  SmallLayer t;
+  auto& b = t.b;
+  auto& layer = t.layer;
+  auto step = [&] { t.step(); };
   step();
   std::vector<std::vector<float>> once;
   for (Tensor* g : {&layer.grads().w_gate, &layer.grads().w1, &layer.grads().w2}) once.push_back(b->download(*g));
@@ -341,6 +357,37 @@ TEST(MoELayer, GradientsAccumulateAcrossBackwardCalls) {
   layer.zero_grad();
   step();
   EXPECT_TRUE(test::all_close("after zero_grad", b->download(layer.grads().w1), test::to_double(once[1]), 1e-5));
+}
+
+// The GEMM floor (MoELayer::expert_floor_problems): the six expert GEMMs of the last step, each
+// one balanced batch of ceil(R/El) rows per expert whose operands are at fixed strides (one
+// strided batch per weight GEMM), with the layer's FLOPs up to that rounding; timing it leaves
+// the gradients as they were (its weight-gradient GEMMs add products of zeros).
+TEST(MoELayer, GemmFloorIsBalancedStridedBatchesOfTheSameWork) {
+  SmallLayer sl;
+  auto& b = sl.b;
+  auto& layer = sl.layer;
+  sl.step();
+  std::int64_t R = 0;
+  for (std::int64_t r : layer.routing().recv_per_local) R += r;
+  ASSERT_EQ(R, 17 * 2);  // no capacity limit: every token-slot
+  const std::int64_t El = 4, t = (R + El - 1) / El, M = 8, H = 12;
+  const auto floor = layer.expert_floor_problems();
+  ASSERT_EQ(floor.size(), 6u * El);
+  const double extra = 6.0 * 2.0 * static_cast<double>(M * H * (El * t - R));
+  EXPECT_DOUBLE_EQ(cost_grouped_gemm(floor).flops, cost_grouped_gemm(layer.expert_gemm_problems()).flops + extra);
+  std::vector<GemmOperands> ops;
+  for (const auto& p : floor) {
+    ops.push_back(gemm_operands(p));
+    EXPECT_EQ(ops.back().shape.rows(), t);
+  }
+  const auto runs = strided_runs(ops);
+  ASSERT_EQ(runs.size(), 6u);
+  for (const auto& r : runs) EXPECT_EQ(r.size(), static_cast<std::size_t>(El));
+  const auto w1 = b->download(layer.grads().w1), w2 = b->download(layer.grads().w2);
+  EXPECT_GT(b->time_batched_gemms(floor, 1), 0.0);
+  EXPECT_EQ(b->download(layer.grads().w1), w1);
+  EXPECT_EQ(b->download(layer.grads().w2), w2);
 }
 
 }  // namespace

@@ -520,5 +520,67 @@ TEST_F(ClusterTest, BadProfileFiles) {
   EXPECT_HAS(bad([](json& j) { j["mode"] = "simulated"; }), "p.json: mode = \"simulated\" is not one of measured");
 }
 
+// A profile may carry the cuda backend's GEMM-path crossovers (harness/runtime/gemm_paths.hpp):
+// read, written back unchanged, every bad field named.
+TEST_F(ClusterTest, ProfileGemmPaths) {
+  json good = {{"schema", "moelab.profile/1"},
+               {"device", "H100"},
+               {"gemm_paths",
+                {{"source", "a test"},
+                 {"max_padding_waste", 0.2},
+                 {"points",
+                  {{{"precision", "bf16"}, {"op", "fwd"}, {"d_model", 768}, {"d_hidden", 3072}, {"experts", 8},
+                    {"rows", 64}, {"tflops", {{"loop", 35.0}, {"strided_batched", 116.7}, {"grouped", 98.9}}}},
+                   {{"precision", "tf32"}, {"op", "wgrad"}, {"d_model", 768}, {"d_hidden", 3072}, {"experts", 8},
+                    {"rows", 8192}, {"tflops", {{"loop", 300.0}}}}}}}}};
+  const Profile p = load_profile(write("paths.json", good));
+  ASSERT_TRUE(p.gemm_paths.has_value());
+  EXPECT_EQ(p.gemm_paths->source, "a test");
+  EXPECT_DOUBLE_EQ(p.gemm_paths->max_padding_waste, 0.2);
+  EXPECT_DOUBLE_EQ(p.gemm_paths->tie_tolerance, GemmPathTable{}.tie_tolerance);  // the default
+  ASSERT_EQ(p.gemm_paths->points.size(), 2u);
+  const GemmPathPoint& w = p.gemm_paths->points[1];
+  EXPECT_EQ(w.precision, "tf32");
+  EXPECT_EQ(w.op, GemmOp::wgrad);
+  EXPECT_EQ(w.rows, 8192);
+  EXPECT_DOUBLE_EQ(w.tflops[static_cast<std::size_t>(GemmPath::loop)], 300.0);
+  EXPECT_EQ(w.tflops[static_cast<std::size_t>(GemmPath::grouped)], 0.0);  // not measured
+  EXPECT_EQ(to_json(p)["gemm_paths"], to_json(*p.gemm_paths));
+  EXPECT_EQ(to_json(gemm_path_table_from_json(to_json(*p.gemm_paths), "again")), to_json(*p.gemm_paths));
+  EXPECT_FALSE(load_profile(write("none.json", json{{"schema", "moelab.profile/1"}, {"device", "H100"}})).gemm_paths);
+  // The H100 table survives the round trip.
+  const GemmPathTable& h100 = default_gemm_path_table();
+  const GemmPathTable back = gemm_path_table_from_json(to_json(h100), "h100");
+  ASSERT_EQ(back.points.size(), h100.points.size());
+  EXPECT_EQ(back.points[17].tflops, h100.points[17].tflops);
+
+  const auto bad = [&](const std::function<void(json&)>& edit) {
+    json j = good;
+    edit(j);
+    return error_of([&] { (void)load_profile(write("p.json", j)); });
+  };
+  EXPECT_HAS(bad([](json& j) { j["gemm_paths"] = 1; }), "p.json: gemm_paths: expected an object");
+  EXPECT_HAS(bad([](json& j) { j["gemm_paths"].erase("points"); }), "p.json: missing field \"gemm_paths.points\"");
+  EXPECT_HAS(bad([](json& j) { j["gemm_paths"]["max_padding_waste"] = 1.5; }),
+             "p.json: gemm_paths.max_padding_waste = 1.5 is outside [0, 1]");
+  EXPECT_HAS(bad([](json& j) { j["gemm_paths"]["tie_tolerance"] = -0.1; }),
+             "p.json: gemm_paths.tie_tolerance = -0.1 must be >= 0");
+  EXPECT_HAS(bad([](json& j) { j["gemm_paths"]["points"][0]["op"] = "bwd"; }),
+             "p.json: gemm_paths.points[0].op = \"bwd\" is not one of fwd, dgrad, wgrad");
+  EXPECT_HAS(bad([](json& j) { j["gemm_paths"]["points"][0]["precision"] = "fp16"; }),
+             "p.json: gemm_paths.points[0].precision = \"fp16\" is not one of bf16, fp32, tf32");
+  EXPECT_HAS(bad([](json& j) { j["gemm_paths"]["points"][0]["rows"] = 0; }),
+             "p.json: gemm_paths.points[0].rows: expected a positive integer, got 0");
+  EXPECT_HAS(bad([](json& j) { j["gemm_paths"]["points"][0]["tflops"]["loop"] = -3; }),
+             "p.json: gemm_paths.points[0].tflops.loop = -3 must be > 0");
+  EXPECT_HAS(bad([](json& j) { j["gemm_paths"]["points"][0]["tflops"]["batched"] = 3; }),
+             "p.json: unknown field \"gemm_paths.points[0].tflops.batched\"");
+  EXPECT_HAS(bad([](json& j) { j["gemm_paths"]["points"][1]["tflops"] = json::object(); }),
+             "p.json: gemm_paths.points[1].tflops: expected at least one of loop, strided_batched, grouped");
+  EXPECT_HAS(bad([](json& j) { j["gemm_paths"]["points"][0].erase("experts"); }),
+             "p.json: missing field \"gemm_paths.points[0].experts\"");
+  EXPECT_HAS(bad([](json& j) { j["gemm_paths"]["point"] = 1; }), "p.json: unknown field \"gemm_paths.point\"");
+}
+
 }  // namespace
 }  // namespace moelab::sim

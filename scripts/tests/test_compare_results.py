@@ -76,6 +76,21 @@ class Trees(unittest.TestCase):
         self.assertIn('impl_report.last_strategy: "S3" -> "S4"', text)
         self.assertIn("trials (length): 2 -> 1", text)
 
+    def test_metrics_added_later_compare_once_both_have_them(self):
+        floor = {"floor_gemm_s": 0.002, "floor_gemm_library": "GEMM (cost model), one by one", "moe_layer_s": 0.005,
+                 "expert_vs_floor_ratio": 1.95, "layer_vs_floor_ratio": 2.5}
+        self.edit(SIM, lambda r: r["metrics"].update(floor))  # a newer binary against an older result
+        n, text = self.compare()
+        self.assertEqual(n, 0, text)
+        self.edit(SIM, lambda r: r["metrics"].update(floor), tree=self.base)
+        self.edit(SIM, lambda r: r["metrics"].update(layer_vs_floor_ratio=2.6))
+        n, text = self.compare()
+        self.assertEqual(n, 1, text)
+        self.assertIn("metrics.layer_vs_floor_ratio: 2.5 -> 2.6", text)
+        self.edit(SIM, lambda r: r["metrics"].pop("floor_gemm_s"))  # ... and dropping one is a difference
+        n, text = self.compare()
+        self.assertIn("metrics.floor_gemm_s: 0.002 -> (absent)", text)
+
     def test_measured_results_are_informational(self):
         self.edit(MEASURED, lambda r: r["metrics"]["step_time_s"].update(median=0.5))
         n, text = self.compare()

@@ -82,6 +82,23 @@ class ResultSchema(unittest.TestCase):
         del r["metrics"]["peak_memory_bytes"]["device_pool"]["used_high"]
         self.rejected(r, 'field "metrics.peak_memory_bytes.device_pool.used_high": missing')
 
+    def test_gemm_floor_is_optional_and_checked(self):
+        r = fixtures.result("measured")
+        r["metrics"].update({"floor_gemm_s": 0.0021, "floor_gemm_library": "cublasGemmStridedBatchedEx",
+                             "moe_layer_s": 0.0052, "expert_vs_floor_ratio": 1.86, "layer_vs_floor_ratio": 2.48})
+        self.assertEqual(mr.load_result(self.write(r)), r)
+        # No expert had a row: no floor, the ratios null.
+        r["metrics"].update({"floor_gemm_s": 0.0, "expert_vs_floor_ratio": None, "layer_vs_floor_ratio": None})
+        self.assertEqual(mr.load_result(self.write(r)), r)
+        r["metrics"]["layer_vs_floor_ratio"] = "fast"
+        self.rejected(r, 'field "metrics.layer_vs_floor_ratio"', "expected a number")
+        r["metrics"]["layer_vs_floor_ratio"] = None
+        r["metrics"]["floor_gemm_s"] = -1.0
+        self.rejected(r, 'field "metrics.floor_gemm_s"', "expected a number >= 0")
+        r["metrics"]["floor_gemm_s"] = 0.0
+        r["metrics"]["floor_gemm_library"] = 7
+        self.rejected(r, 'field "metrics.floor_gemm_library"')
+
     def test_unknown_schema(self):
         r = fixtures.result()
         r["schema"] = "moelab.result/9"

@@ -1,6 +1,8 @@
 // harness/backends/cuda/cuda_backend.cpp — CudaBackend: streams, events, the stream-ordered
-// allocator and the pinned host pool, cuBLAS grouped GEMM, copies, the timeline of timed
-// ops, and the launch of the hand-written kernels (kernels.cu: gate, row movers,
+// allocator and the pinned host pool, cuBLAS GEMMs (each grouped call on the path
+// choose_gemm_path picks: a loop of cublasGemmEx, cublasGemmStridedBatchedEx or
+// cublasGemmGroupedBatchedEx; docs/GPU.md, "Expert GEMM paths"), copies, the timeline of
+// timed ops, and the launch of the hand-written kernels (kernels.cu: gate, row movers,
 // activations; block_kernels.cu: the transformer-block ops).
 //
 // Host code only (compiled by the host compiler); the device code lives in the .cu files.
@@ -577,6 +579,23 @@ class CudaBackend final : public Backend {
   void optimizer_step(Stream& s, const OptimizerStep& o) override;
 
   double time_bare_gemms(std::span<const GemmProblem> problems, int reps) override;
+  double time_batched_gemms(std::span<const GemmProblem> problems, int reps) override;
+
+  // ---- GEMM paths (cuda_backend.hpp) -------------------------------------------------
+  void set_gemm_path_table(GemmPathTable t) {
+    std::lock_guard lock(mu_);
+    gemm_paths_ = std::move(t);
+  }
+  void force_gemm_path(std::optional<GemmPath> p) {
+    std::lock_guard lock(mu_);
+    forced_path_ = p;
+  }
+  std::vector<CudaGemmPathUse> gemm_path_uses() const {
+    std::lock_guard lock(mu_);
+    std::vector<CudaGemmPathUse> out;
+    for (const auto& [key, use] : path_uses_) out.push_back(use);
+    return out;
+  }
 
   // ---- timeline --------------------------------------------------------------------
   std::vector<OpRecord> timeline() override {
@@ -828,12 +847,17 @@ class CudaBackend final : public Backend {
     return (ab == DType::f32 && (opt_.allow_tf32 || allow_tf32_)) ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   }
   void gemm_one(cublasHandle_t h, const GemmProblem& p);
+  cublasStatus_t gemm_strided(cublasHandle_t h, std::span<const GemmProblem* const> run, const StridedRun& r);
+  cublasStatus_t gemm_grouped(cublasHandle_t h, cudaStream_t st, std::span<const GemmProblem* const> list);
+  void note_path(const std::string& op, GemmPath path, const std::string& why);
+  template <class F>
+  double time_on_bare_stream(int reps, F&& run_all);
 
   CudaOptions opt_;
   std::chrono::steady_clock::time_point t0_;
   std::string device_name_;
   double device_memory_bytes_ = 0;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::vector<std::unique_ptr<CudaStream>> streams_;
   cudaStream_t clock_stream_ = nullptr;
   std::shared_ptr<ClockAnchor> anchor_;
@@ -842,6 +866,10 @@ class CudaBackend final : public Backend {
   std::vector<OpRecord> done_;
   std::unique_ptr<PinnedStaging> staging_ = std::make_unique<PinnedStaging>();
   std::set<std::pair<int, int>> grouped_unsupported_;  // (A/B type, C type) the grouped API refused
+  std::set<std::pair<int, int>> strided_unsupported_;  // ... and the strided-batched one
+  GemmPathTable gemm_paths_ = default_gemm_path_table();
+  std::optional<GemmPath> forced_path_;
+  std::map<std::pair<std::string, int>, CudaGemmPathUse> path_uses_;  // (op name, path)
   cudaStream_t bare_stream_ = nullptr;
   cublasHandle_t bare_blas_ = nullptr;
   std::vector<cudaEvent_t> marker_events_;  // idle completion markers of the host pool
@@ -890,6 +918,19 @@ void check_problem(const GemmProblem& p) {
                    std::to_string(p.k) + "x" + std::to_string(p.n) + "]: " + p.a.describe() + ", " + p.b.describe());
 }
 
+std::vector<GemmOperands> operands_of(std::span<const GemmProblem* const> list) {
+  std::vector<GemmOperands> ops;
+  ops.reserve(list.size());
+  for (const auto* p : list) ops.push_back(gemm_operands(*p));
+  return ops;
+}
+
+// The crossover table's precision of a GEMM with A/B in `ab`.
+std::string gemm_precision(DType ab, bool tf32) {
+  if (ab == DType::bf16) return "bf16";
+  return tf32 ? "tf32" : "fp32";
+}
+
 }  // namespace
 
 void CudaBackend::gemm_one(cublasHandle_t h, const GemmProblem& p) {
@@ -923,93 +964,147 @@ void CudaBackend::grouped_gemm(Stream& s, std::span<const GemmProblem> problems,
     }
   }
   if (live.empty()) return;
-  if (live.size() == 1) {
-    gemm_one(h, *live.front());
-    return;
-  }
 
-  // One grouped call per (A/B type, C type); within it, one group per distinct shape and
-  // scalars, so that equal-sized experts share a group.
+  // One choice per (A/B type, C type): the grouped and strided-batched calls take one type
+  // combination each.
   std::map<std::pair<int, int>, std::vector<const GemmProblem*>> by_type;
   for (const auto* p : live) by_type[{static_cast<int>(p->a.dtype()), static_cast<int>(p->c.dtype())}].push_back(p);
-
+  std::string detail;
+  const std::string op_name = name ? name : "gemm";
   for (auto& [types, list] : by_type) {
-    bool refused;
-    {
-      std::lock_guard lock(mu_);
-      refused = grouped_unsupported_.count(types) > 0;
-    }
-    if (list.size() == 1 || refused) {
-      for (const auto* p : list) gemm_one(h, *p);
+    if (list.size() == 1) {  // the chooser's answer, without its work (every dense GEMM comes here)
+      gemm_one(h, *list.front());
+      note_path(op_name, GemmPath::loop, "one problem: one cublasGemmEx");
       continue;
     }
-    using Key = std::tuple<int, int, int, int, int, float, float>;
-    std::map<Key, std::vector<const GemmProblem*>> groups;
-    for (const auto* p : list) {
-      const ColMajor c = col_major(*p);
-      groups[Key{c.op_first, c.op_second, c.m, c.n, c.k, p->alpha, p->beta}].push_back(p);
-    }
-    const std::size_t G = groups.size(), P = list.size();
-    std::vector<cublasOperation_t> op_first, op_second;
-    std::vector<int> m, n, k, ld_first, ld_second, ldc, group_size;
-    std::vector<float> alpha, beta;
-    std::vector<const void*> first_ptrs, second_ptrs;
-    std::vector<void*> c_ptrs;
-    for (auto& [key, ps] : groups) {
-      const ColMajor c = col_major(*ps.front());
-      op_first.push_back(c.op_first);
-      op_second.push_back(c.op_second);
-      m.push_back(c.m);
-      n.push_back(c.n);
-      k.push_back(c.k);
-      ld_first.push_back(c.ld_first);
-      ld_second.push_back(c.ld_second);
-      ldc.push_back(c.ldc);
-      alpha.push_back(ps.front()->alpha);
-      beta.push_back(ps.front()->beta);
-      group_size.push_back(static_cast<int>(ps.size()));
-      for (const auto* p : ps) {
-        first_ptrs.push_back(p->b.raw());
-        second_ptrs.push_back(p->a.raw());
-        c_ptrs.push_back(p->c.raw());
-      }
-    }
-    // The three pointer arrays must be in device memory (the scalars and shapes stay on the
-    // host): stage them through pinned memory and a stream-ordered allocation.
-    const std::size_t bytes = 3 * P * sizeof(void*);
-    void* dev = nullptr;
-    cuda_check(cudaMallocAsync(&dev, bytes, st), "cudaMallocAsync (gemm pointers)");
+    const DType ab = static_cast<DType>(types.first);
+    GemmCall call;
+    for (const auto* p : list) call.problems.push_back({p->trans_a, p->trans_b, p->m, p->n, p->k});
+    call.precision = gemm_precision(ab, ab == DType::f32 && (opt_.allow_tf32 || allow_tf32_));
+    const std::vector<StridedRun> runs = strided_runs(operands_of(list));
+    GemmPathChoice choice;
     {
       std::lock_guard lock(mu_);
-      const std::size_t chunk = staging_->acquire(bytes);
-      auto* host = static_cast<const void**>(staging_->ptr(chunk));
-      std::copy(first_ptrs.begin(), first_ptrs.end(), host);
-      std::copy(second_ptrs.begin(), second_ptrs.end(), host + P);
-      std::copy(c_ptrs.begin(), c_ptrs.end(), host + 2 * P);
-      cuda_check(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, st), "cudaMemcpyAsync (gemm pointers)");
-      staging_->release(chunk, st);
+      call.strided = runs.size() == 1 && list.size() > 1 && strided_unsupported_.count(types) == 0;
+      call.grouped_available = grouped_unsupported_.count(types) == 0;
+      choice = choose_gemm_path(call, gemm_paths_);
+      const bool can = !forced_path_ || (*forced_path_ == GemmPath::loop) ||
+                       (*forced_path_ == GemmPath::strided_batched && call.strided) ||
+                       (*forced_path_ == GemmPath::grouped && call.grouped_available && list.size() > 1);
+      if (forced_path_ && can && *forced_path_ != choice.path) {
+        choice.path = *forced_path_;
+        choice.why = std::string(gemm_path_name(choice.path)) + " (forced); the table's choice: " + choice.why;
+      }
     }
-    auto** dptr = static_cast<void**>(dev);
-    const DType ab = static_cast<DType>(types.first), ct = static_cast<DType>(types.second);
-    const cublasStatus_t status = cublasGemmGroupedBatchedEx(
-        h, op_first.data(), op_second.data(), m.data(), n.data(), k.data(), alpha.data(),
-        const_cast<const void* const*>(dptr), cuda_type(ab), ld_first.data(),
-        const_cast<const void* const*>(dptr + P), cuda_type(ab), ld_second.data(), beta.data(), dptr + 2 * P,
-        cuda_type(ct), ldc.data(), static_cast<int>(G), group_size.data(), compute_type(ab));
-    cuda_check(cudaFreeAsync(dev, st), "cudaFreeAsync (gemm pointers)");
-    if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE) {
-      // Not every type combination has a grouped kernel (bf16 inputs with an fp32 C, say):
-      // fall back to one cublasGemmEx per problem (which rejects loudly whatever is really
-      // invalid), and remember a refused type combination.
+    // Not every type combination has a grouped or strided kernel (bf16 inputs with an fp32 C,
+    // say): a refusal runs the loop instead (cublasGemmEx rejects loudly whatever is really
+    // invalid), and a type combination refused as unsupported is not tried again.
+    GemmPath ran = choice.path;
+    const auto refused = [&](cublasStatus_t status, std::set<std::pair<int, int>>& unsupported, const char* api) {
       if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
         std::lock_guard lock(mu_);
-        grouped_unsupported_.insert(types);
+        unsupported.insert(types);
       }
+      if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE) return true;
+      cublas_check(status, api);
+      return false;
+    };
+    if (ran == GemmPath::strided_batched &&
+        refused(gemm_strided(h, list, runs.front()), strided_unsupported_, "cublasGemmStridedBatchedEx"))
+      ran = GemmPath::loop;
+    if (ran == GemmPath::grouped && refused(gemm_grouped(h, st, list), grouped_unsupported_, "cublasGemmGroupedBatchedEx"))
+      ran = GemmPath::loop;
+    if (ran == GemmPath::loop)
       for (const auto* p : list) gemm_one(h, *p);
-      continue;
-    }
-    cublas_check(status, "cublasGemmGroupedBatchedEx");
+    std::string why = ran == choice.path ? choice.why
+                                         : std::string(gemm_path_name(ran)) + " (the library refused " +
+                                               gemm_path_name(choice.path) + "); " + choice.why;
+    note_path(op_name, ran, why);
+    detail += (detail.empty() ? "" : " | ") + why;
   }
+  if (!detail.empty()) op.set_detail(std::move(detail));
+}
+
+void CudaBackend::note_path(const std::string& op, GemmPath path, const std::string& why) {
+  std::lock_guard lock(mu_);
+  CudaGemmPathUse& u = path_uses_[{op, static_cast<int>(path)}];
+  u.op = op;
+  u.path = path;
+  ++u.calls;
+  u.last_why = why;
+}
+
+// The run of equal problems as one cublasGemmStridedBatchedEx: the first problem's operands
+// and the run's strides (B is cuBLAS's first operand, see col_major).
+cublasStatus_t CudaBackend::gemm_strided(cublasHandle_t h, std::span<const GemmProblem* const> run, const StridedRun& r) {
+  const GemmProblem& p = *run.front();
+  const ColMajor c = col_major(p);
+  return cublasGemmStridedBatchedEx(h, c.op_first, c.op_second, c.m, c.n, c.k, &p.alpha, p.b.raw(),
+                                    cuda_type(p.b.dtype()), c.ld_first, r.stride_b, p.a.raw(), cuda_type(p.a.dtype()),
+                                    c.ld_second, r.stride_a, &p.beta, p.c.raw(), cuda_type(p.c.dtype()), c.ldc,
+                                    r.stride_c, to_int(static_cast<std::int64_t>(run.size()), "gemm batch"),
+                                    compute_type(p.a.dtype()), CUBLAS_GEMM_DEFAULT);
+}
+
+// The problems (one type combination) as one cublasGemmGroupedBatchedEx, one group per
+// distinct shape and scalars, so that equal-sized experts share a group.
+cublasStatus_t CudaBackend::gemm_grouped(cublasHandle_t h, cudaStream_t st, std::span<const GemmProblem* const> list) {
+  using Key = std::tuple<int, int, int, int, int, float, float>;
+  std::map<Key, std::vector<const GemmProblem*>> groups;
+  for (const auto* p : list) {
+    const ColMajor c = col_major(*p);
+    groups[Key{c.op_first, c.op_second, c.m, c.n, c.k, p->alpha, p->beta}].push_back(p);
+  }
+  const std::size_t G = groups.size(), P = list.size();
+  std::vector<cublasOperation_t> op_first, op_second;
+  std::vector<int> m, n, k, ld_first, ld_second, ldc, group_size;
+  std::vector<float> alpha, beta;
+  std::vector<const void*> first_ptrs, second_ptrs;
+  std::vector<void*> c_ptrs;
+  for (auto& [key, ps] : groups) {
+    const ColMajor c = col_major(*ps.front());
+    op_first.push_back(c.op_first);
+    op_second.push_back(c.op_second);
+    m.push_back(c.m);
+    n.push_back(c.n);
+    k.push_back(c.k);
+    ld_first.push_back(c.ld_first);
+    ld_second.push_back(c.ld_second);
+    ldc.push_back(c.ldc);
+    alpha.push_back(ps.front()->alpha);
+    beta.push_back(ps.front()->beta);
+    group_size.push_back(static_cast<int>(ps.size()));
+    for (const auto* p : ps) {
+      first_ptrs.push_back(p->b.raw());
+      second_ptrs.push_back(p->a.raw());
+      c_ptrs.push_back(p->c.raw());
+    }
+  }
+  // The three pointer arrays must be in device memory (the scalars and shapes stay on the
+  // host): stage them through pinned memory and a stream-ordered allocation.
+  const std::size_t bytes = 3 * P * sizeof(void*);
+  void* dev = nullptr;
+  cuda_check(cudaMallocAsync(&dev, bytes, st), "cudaMallocAsync (gemm pointers)");
+  {
+    std::lock_guard lock(mu_);
+    const std::size_t chunk = staging_->acquire(bytes);
+    auto* host = static_cast<const void**>(staging_->ptr(chunk));
+    std::copy(first_ptrs.begin(), first_ptrs.end(), host);
+    std::copy(second_ptrs.begin(), second_ptrs.end(), host + P);
+    std::copy(c_ptrs.begin(), c_ptrs.end(), host + 2 * P);
+    cuda_check(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, st), "cudaMemcpyAsync (gemm pointers)");
+    staging_->release(chunk, st);
+  }
+  auto** dptr = static_cast<void**>(dev);
+  const GemmProblem& f = *list.front();
+  const DType ab = f.a.dtype(), ct = f.c.dtype();
+  const cublasStatus_t status = cublasGemmGroupedBatchedEx(
+      h, op_first.data(), op_second.data(), m.data(), n.data(), k.data(), alpha.data(),
+      const_cast<const void* const*>(dptr), cuda_type(ab), ld_first.data(),
+      const_cast<const void* const*>(dptr + P), cuda_type(ab), ld_second.data(), beta.data(), dptr + 2 * P,
+      cuda_type(ct), ldc.data(), static_cast<int>(G), group_size.data(), compute_type(ab));
+  cuda_check(cudaFreeAsync(dev, st), "cudaFreeAsync (gemm pointers)");
+  return status;
 }
 
 // ---- transformer-block ops -----------------------------------------------------------
@@ -1296,8 +1391,10 @@ void CudaBackend::optimizer_step(Stream& s, const OptimizerStep& o) {
   cuda_kernels::optimizer_step(native(s), k);
 }
 
-double CudaBackend::time_bare_gemms(std::span<const GemmProblem> problems, int reps) {
-  for (const auto& p : problems) check_problem(p);
+// Median seconds of `run_all` (issued on the bare stream with its own cuBLAS handle) over
+// `reps` repetitions after one warm-up, in which cuBLAS picks and loads its kernels.
+template <class F>
+double CudaBackend::time_on_bare_stream(int reps, F&& run_all) {
   reps = std::max(reps, 1);
   synchronize();
   set_device();
@@ -1306,16 +1403,12 @@ double CudaBackend::time_bare_gemms(std::span<const GemmProblem> problems, int r
     cublas_check(cublasCreate(&bare_blas_), "cublasCreate");
     cublas_check(cublasSetStream(bare_blas_, bare_stream_), "cublasSetStream");
   }
-  auto run_all = [&] {
-    for (const auto& p : problems)
-      if (p.m > 0 && p.n > 0 && p.k > 0) gemm_one(bare_blas_, p);
-  };
   cudaEvent_t a, b;
   cuda_check(cudaEventCreate(&a), "cudaEventCreate");
   cuda_check(cudaEventCreate(&b), "cudaEventCreate");
   std::vector<double> t;
   try {
-    run_all();  // warm-up: cuBLAS picks and loads its kernels here
+    run_all();
     for (int r = 0; r < reps; ++r) {
       cuda_check(cudaEventRecord(a, bare_stream_), "cudaEventRecord");
       run_all();
@@ -1334,6 +1427,37 @@ double CudaBackend::time_bare_gemms(std::span<const GemmProblem> problems, int r
   cudaEventDestroy(b);
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];  // the cpu backend's median convention
+}
+
+double CudaBackend::time_bare_gemms(std::span<const GemmProblem> problems, int reps) {
+  for (const auto& p : problems) check_problem(p);
+  return time_on_bare_stream(reps, [&] {
+    for (const auto& p : problems)
+      if (p.m > 0 && p.n > 0 && p.k > 0) gemm_one(bare_blas_, p);
+  });
+}
+
+// The floor: each strided run as one cublasGemmStridedBatchedEx (a run of one, or a type
+// combination without a strided kernel, as cublasGemmEx).
+double CudaBackend::time_batched_gemms(std::span<const GemmProblem> problems, int reps) {
+  for (const auto& p : problems) check_problem(p);
+  std::vector<const GemmProblem*> live;
+  for (const auto& p : problems)
+    if (p.m > 0 && p.n > 0 && p.k > 0) live.push_back(&p);
+  const std::vector<StridedRun> runs = strided_runs(operands_of(live));
+  return time_on_bare_stream(reps, [&] {
+    for (const StridedRun& r : runs) {
+      const std::span<const GemmProblem* const> run(live.data() + r.begin, r.size());
+      if (r.size() > 1) {
+        const cublasStatus_t status = gemm_strided(bare_blas_, run, r);
+        if (status != CUBLAS_STATUS_NOT_SUPPORTED && status != CUBLAS_STATUS_INVALID_VALUE) {
+          cublas_check(status, "cublasGemmStridedBatchedEx");
+          continue;
+        }
+      }
+      for (const auto* p : run) gemm_one(bare_blas_, *p);
+    }
+  });
 }
 
 // ---- public functions ----------------------------------------------------------------
@@ -1402,5 +1526,27 @@ CudaOpScope::CudaOpScope(Backend& cuda_backend, Stream& s, std::string name, con
 }
 
 CudaOpScope::~CudaOpScope() { static_cast<CudaBackend&>(backend_).end_op(std::move(ticket_)); }
+
+void CudaOpScope::set_detail(std::string detail) {
+  if (ticket_) ticket_->rec.detail = std::move(detail);
+}
+
+namespace {
+CudaBackend& cuda_of(Backend& b) {
+  auto* cb = dynamic_cast<CudaBackend*>(&b);
+  if (!cb) throw std::invalid_argument("not a cuda backend: " + b.name());
+  return *cb;
+}
+}  // namespace
+
+void cuda_set_gemm_path_table(Backend& b, GemmPathTable table) { cuda_of(b).set_gemm_path_table(std::move(table)); }
+
+void cuda_force_gemm_path(Backend& b, std::optional<GemmPath> path) { cuda_of(b).force_gemm_path(path); }
+
+std::vector<CudaGemmPathUse> cuda_gemm_path_uses(const Backend& b) {
+  auto* cb = dynamic_cast<const CudaBackend*>(&b);
+  if (!cb) throw std::invalid_argument("not a cuda backend: " + b.name());
+  return cb->gemm_path_uses();
+}
 
 }  // namespace moelab

@@ -8,10 +8,14 @@
 #pragma once
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "harness/runtime/backend.hpp"
+#include "harness/runtime/gemm_paths.hpp"
 #include "harness/runtime/host_pool.hpp"
 
 namespace moelab {
@@ -45,6 +49,26 @@ HostPool::Stats cuda_host_pool_stats(const Backend& b);
 // Returns the idle cached blocks to the driver (cudaFreeHost).
 void cuda_host_pool_empty_cache(Backend& b);
 
+// ---- the GEMM paths of grouped_gemm (harness/runtime/gemm_paths.hpp, docs/GPU.md) ---------------
+// Each grouped_gemm call runs its problems as a loop of cublasGemmEx, one
+// cublasGemmStridedBatchedEx (equal, equally strided problems) or one
+// cublasGemmGroupedBatchedEx, as choose_gemm_path decides from the backend's crossover table
+// (default_gemm_path_table() until one is set, e.g. from a calibration profile's
+// "gemm_paths"). All three throw std::invalid_argument if not a cuda backend.
+void cuda_set_gemm_path_table(Backend& b, GemmPathTable table);
+// Every call on that path where the path can run (strided: one strided batch covers the
+// problems; grouped: the library has the kernel), the choice elsewhere; nullopt: choose.
+// For tests and measurements of one path.
+void cuda_force_gemm_path(Backend& b, std::optional<GemmPath> path);
+// The paths taken so far, per op name and path: calls, and the last decision's reason.
+struct CudaGemmPathUse {
+  std::string op;
+  GemmPath path = GemmPath::loop;
+  std::int64_t calls = 0;
+  std::string last_why;
+};
+std::vector<CudaGemmPathUse> cuda_gemm_path_uses(const Backend& b);
+
 struct CudaOpTicket;
 
 // Times the work issued on `s` during its lifetime as one op of the backend's timeline:
@@ -55,6 +79,7 @@ class CudaOpScope {
  public:
   CudaOpScope(Backend& cuda_backend, Stream& s, std::string name, const OpCost& cost);
   ~CudaOpScope();
+  void set_detail(std::string detail);  // OpRecord::detail of this op
   CudaOpScope(const CudaOpScope&) = delete;
   CudaOpScope& operator=(const CudaOpScope&) = delete;
 
