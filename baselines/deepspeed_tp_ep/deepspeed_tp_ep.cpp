@@ -145,6 +145,66 @@ CapacityTpLayer::CapacityTpLayer(Backend& b, Communicator& ep, const ModelConfig
                       "capacity factor > 0");
   tp_ = channels_->tp();
   if (tp_ && how.dedup) (void)channels_->gather_comm();  // collective over the TP group: now, on every rank
+  if (how.two_level) {
+    // Nodes of the EP group: the machine's GPUs per node (the sim's cluster model), else one node
+    // (cpu and cuda runs on one host). The group must fill whole nodes in rank order.
+    const int P = comm_.size();
+    const int g = std::min(P, std::max(1, b.machine_rates(1, 1, 1, cfg.dtype).gpus_per_node));
+    const auto ranks = comm_.world_ranks();
+    for (int q = 0; q < P; ++q)
+      if (P % g != 0 || ranks[static_cast<std::size_t>(q)] / g != ranks[0] / g + q / g)
+        throw ConfigError("the two-level all-to-all needs the expert-parallel group to fill whole nodes of " +
+                          std::to_string(g) + " GPUs in rank order (EP = " + std::to_string(P) + ")");
+    gpus_per_node_ = g;
+    const int me = comm_.rank();
+    for (auto [lane, levels] : {std::pair{dispatch_comm_, &dispatch_levels_}, {combine_comm_, &combine_levels_}}) {
+      levels->node = lane->split(me / g, me);
+      levels->rail = lane->split(me % g, me);
+    }
+  }
+}
+
+// The two-level exchange of a chunk of the padded layout (every segment Cs rows). Forward
+// (src at the send segments, dst at the receive ones): step 1 inside the node, each segment for
+// peer p = (node b, local j) to local rank j, which stages it at ((b·g + i)·El + l) for source
+// i, expert l; step 2 over the rail, the staged block of node b to rail peer b, which places its
+// (i, l) segments where the one-step exchange would have. The reverse runs the steps backwards.
+void CapacityTpLayer::exchange(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& src, Tensor& dst, bool reverse) {
+  if (!how_.two_level) {
+    MoELayer::exchange(s, comm, ch, src, dst, reverse);
+    return;
+  }
+  Levels& lv = &comm == dispatch_comm_ ? dispatch_levels_ : combine_levels_;
+  MOELAB_CHECK(&comm == dispatch_comm_ || &comm == combine_comm_, "two-level exchange: not one of the layer's lanes");
+  const int g = gpus_per_node_, P = comm_.size(), nodes = P / g;
+  const std::int64_t El = local_experts_;
+  MOELAB_CHECK(!ch.sends.empty() && ch.sends.size() == static_cast<std::size_t>(P * El) && ch.recvs.size() == ch.sends.size(),
+               "two-level exchange: a chunk of the padded layout has El segments per peer");
+  const std::int64_t n = ch.sends.front().count;
+  for (const Segment& sg : ch.sends) MOELAB_CHECK(sg.count == n, "two-level exchange: segments must be equal");
+  Tensor staging = b_.empty({static_cast<std::int64_t>(P) * El * n / cfg_.d_model, cfg_.d_model}, cfg_.dtype,
+                            MemCategory::buffers, s);
+  // Step 1's segments: to/from local rank j, node b, expert l.
+  std::vector<Segment> node_flat, node_staged, rail_block, rail_flat;
+  for (std::size_t k = 0; k < ch.sends.size(); ++k) {  // p-major, then l
+    const int p = ch.sends[k].peer;
+    node_flat.push_back({p % g, ch.sends[k].offset, n});
+  }
+  for (int i = 0; i < g; ++i)
+    for (int b = 0; b < nodes; ++b)
+      for (std::int64_t l = 0; l < El; ++l) node_staged.push_back({i, ((b * g + i) * El + l) * n, n});
+  // Node b's staged block, contiguous, as the pieces the receiver places one by one (the same
+  // bytes in the same order: one message per rail peer).
+  for (int b = 0; b < nodes; ++b)
+    for (std::int64_t k = 0; k < g * El; ++k) rail_block.push_back({b, (b * g * El + k) * n, n});
+  for (const Segment& sg : ch.recvs) rail_flat.push_back({sg.peer / g, sg.offset, n});  // q-major (i within node b), then l
+  if (!reverse) {
+    lv.node->all_to_all_v(s, src, node_flat, staging, node_staged);
+    lv.rail->all_to_all_v(s, staging, rail_block, dst, rail_flat);
+  } else {
+    lv.rail->all_to_all_v(s, src, rail_flat, staging, rail_block);
+    lv.node->all_to_all_v(s, staging, node_staged, dst, node_flat);
+  }
 }
 
 std::uint64_t CapacityTpLayer::noise_rank() const {
@@ -273,7 +333,7 @@ namespace {
 class DeepSpeedTp final : public LayerBackedImpl<CapacityTpLayer> {
  public:
   DeepSpeedTp(Backend& b, Communicator& c, const ModelConfig& m, MoEChannels* channels, bool drop)
-      : LayerBackedImpl(b, c, m, channels, TpDispatch{drop, 1, {}}), drop_(drop) {}
+      : LayerBackedImpl(b, c, m, channels, TpDispatch{drop, 1, {}, false}), drop_(drop) {}
   std::string name() const override { return drop_ ? "deepspeed-drop" : "deepspeed-tp"; }
   std::vector<GemmProblem> expert_gemms() override { return layer_.expert_gemm_problems(false); }
   bool tp_deduplicated() const override { return drop_; }
@@ -309,9 +369,39 @@ void register_one(bool drop) {
 
 }  // namespace
 
+// The padded layout's exchange in two levels (no deduplication): the flat all-to-all's NIC
+// bytes in g times fewer messages (impls/monta/strategy.hpp, Strategy::hierarchical).
+class TwoLevel final : public LayerBackedImpl<CapacityTpLayer> {
+ public:
+  TwoLevel(Backend& b, Communicator& c, const ModelConfig& m, MoEChannels* channels)
+      : LayerBackedImpl(b, c, m, channels, TpDispatch{false, 1, {}, true}) {}
+  std::string name() const override { return "hierarchical"; }
+  std::vector<GemmProblem> expert_gemms() override { return layer_.expert_gemm_problems(false); }
+  nlohmann::json report() override {
+    const CapacityGeometry& g = layer_.geometry();
+    return {{"schedule", "the padded capacity tensor of every TP rank in a two-level all-to-all: inside the node, then "
+                         "over the rails (Tutel's 2DH)"},
+            {"tp", layer_.tp_size()},
+            {"capacity", g.C},
+            {"chunks", 1}};
+  }
+};
+
 void register_deepspeed_tp_ep() {
   register_one(false);
   register_one(true);
+  register_impl(
+      "hierarchical",
+      [](Backend& b, Communicator& c, const ModelConfig& m, const nlohmann::json& options, MoEChannels* channels) {
+        if (!options.is_null() && !(options.is_object() && options.empty()))
+          throw ConfigError("hierarchical takes no options, got " + json_fields::show(options));
+        return std::unique_ptr<MoEImpl>(std::make_unique<TwoLevel>(b, c, m, channels));
+      },
+      [](const nlohmann::json& options, const ImplCheckContext& run) {
+        if (!options.is_null() && !(options.is_object() && options.empty()))
+          throw ConfigError("hierarchical takes no options, got " + json_fields::show(options));
+        check_capacity_model("hierarchical", run.model);
+      });
 }
 
 }  // namespace moelab

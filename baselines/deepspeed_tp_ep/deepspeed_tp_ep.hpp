@@ -53,6 +53,11 @@ struct TpDispatch {
   // Chooses the chunk count of a forward from the capacity it pads to (MoNTA's "auto"), and
   // says why (logged in the report); null: `chunks`.
   std::function<int(std::int64_t capacity, nlohmann::json& why)> choose;
+  // Each exchange in two steps (the two-level, "2DH" all-to-all of Tutel, Hwang et al., MLSys
+  // 2023, §3.4): inside the node to the peer with the destination's local index, then between
+  // nodes among the ranks of that index (the rails), so that each pair of nodes exchanges one
+  // aggregated message per rail instead of one per GPU pair.
+  bool two_level = false;
 };
 
 // The geometry of one forward: C the capacity padded to (the largest gate capacity of the EP
@@ -91,6 +96,14 @@ class CapacityTpLayer : public MoELayer {
  protected:
   Tensor backward_pass(MoESaved& sv, const Tensor& dy, float grad_aux, bool defer) override;
   ChunkPlan plan_chunks(MoESaved& sv) override;
+  void exchange(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& src, Tensor& dst, bool reverse) override;
+  // The two-level exchange's groups per lane: this rank's node (g ranks) and its rail (one rank
+  // of each node, the same local index).
+  struct Levels {
+    std::unique_ptr<Communicator> node, rail;
+  };
+  Levels dispatch_levels_, combine_levels_;
+  int gpus_per_node_ = 0;
   Communicator* tp_ = nullptr;  // the TP group (null: none)
   TpDispatch how_;
   CapacityGeometry last_geometry_;

@@ -215,9 +215,16 @@ ChunkPlan MoELayer::plan_chunks(MoESaved& sv) {
   return plan;
 }
 
+void MoELayer::exchange(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& src, Tensor& dst, bool reverse) {
+  if (reverse)
+    comm.all_to_all_v(s, src, ch.recvs, dst, ch.sends);
+  else
+    comm.all_to_all_v(s, src, ch.sends, dst, ch.recvs);
+}
+
 void MoELayer::dispatch(Stream& s, Communicator& comm, const Tensor& t_i, const Chunk& ch, Tensor& t_di) {
   PhaseScope ph(b_, "dispatch");
-  comm.all_to_all_v(s, t_i, ch.sends, t_di, ch.recvs);
+  exchange(s, comm, ch, t_i, t_di, false);
 }
 
 // ---- experts, forward: per local expert l, rows [off_l, off_l + r_l) ------------------------
@@ -244,7 +251,7 @@ void MoELayer::expert_fc1(Stream& c, const Chunk& ch, const Tensor& t_di, Tensor
 
 void MoELayer::combine(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& t_do, Tensor& t_o) {
   PhaseScope ph(b_, "combine");
-  comm.all_to_all_v(s, t_do, ch.recvs, t_o, ch.sends);
+  exchange(s, comm, ch, t_do, t_o, true);
 }
 
 void MoELayer::combine_postprocess(Stream& c, const MoESaved& sv, Tensor& y) {
@@ -333,7 +340,7 @@ void MoELayer::combine_postprocess_backward(Stream& c, const MoESaved& sv, const
 
 void MoELayer::combine_backward(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& d_t_o, Tensor& d_t_do) {
   PhaseScope ph(b_, "combine");
-  comm.all_to_all_v(s, d_t_o, ch.sends, d_t_do, ch.recvs);
+  exchange(s, comm, ch, d_t_o, d_t_do, false);
 }
 
 // ---- experts, backward: the mirror of experts(), A recomputed from T_M ----------------------
@@ -386,7 +393,7 @@ void MoELayer::fc1_wgrad(Stream& c, const Chunk& ch, const Tensor& t_di, const T
 
 void MoELayer::dispatch_backward(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& d_t_di, Tensor& d_t_i) {
   PhaseScope ph(b_, "dispatch");
-  comm.all_to_all_v(s, d_t_di, ch.recvs, d_t_i, ch.sends);
+  exchange(s, comm, ch, d_t_di, d_t_i, true);
 }
 
 void MoELayer::dispatch_preprocess_backward(Stream& c, const MoESaved& sv, const Tensor& d_t_i, Tensor& dx) {

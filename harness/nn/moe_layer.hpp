@@ -248,6 +248,11 @@ class MoELayer {
  protected:
   // The whole backward of a forward (input and, unless defer, weight gradients).
   virtual Tensor backward_pass(MoESaved& sv, const Tensor& dy, float grad_aux, bool defer);
+  // One exchange of a chunk: src rows at the chunk's send segments to dst rows at its receive
+  // segments (dispatch, combine backward), or the reverse (combine, dispatch backward). The
+  // layer's is one all-to-all-v on `comm`; a schedule may route it otherwise (a two-level
+  // exchange over the nodes: baselines/deepspeed_tp_ep).
+  virtual void exchange(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& src, Tensor& dst, bool reverse);
   // Whether backward_input may leave the weight gradients to backward_weight.
   virtual bool defers_weight_gradients() const { return true; }
   void fc2_wgrad(Stream& c, const Chunk& ch, const Tensor& a, const Tensor& d_t_do);     // dW2 += A^T·dT_DO

@@ -55,7 +55,7 @@ monta::Links links_of(Backend& b, const ModelConfig& m, std::int64_t rows_per_ex
 // "auto": the chunk count the model predicts fastest for this capacity on this machine, every
 // candidate logged; the authors' 4 where the machine's links are unknown (cpu, cuda).
 TpDispatch dispatch_of(int chunks) {
-  TpDispatch d{true, chunks == 0 ? kDefaultChunks : chunks, {}};
+  TpDispatch d{true, chunks == 0 ? kDefaultChunks : chunks, {}, false};
   return d;
 }
 

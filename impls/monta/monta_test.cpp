@@ -133,7 +133,8 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(Strat{"deepspeed-tp", nlohmann::json::object(), monta::Strategy::flat, 1},
                                          Strat{"deepspeed-drop", nlohmann::json::object(), monta::Strategy::dedup, 1},
                                          Strat{"monta", {{"chunks", 2}}, monta::Strategy::dedup, 2},
-                                         Strat{"monta", {{"chunks", 3}}, monta::Strategy::dedup, 3})),
+                                         Strat{"monta", {{"chunks", 3}}, monta::Strategy::dedup, 3},
+                                         Strat{"hierarchical", nlohmann::json::object(), monta::Strategy::hierarchical, 1})),
     [](const auto& p) {
       const Layout l = std::get<0>(p.param);
       const Strat& s = std::get<1>(p.param);
