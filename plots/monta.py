@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import moelab_results as mr  # noqa: E402
 
-COLOURS = {"deepspeed-tp": "#7f7f7f", "deepspeed-drop": "#1f77b4", "megatron-sp": "#2ca02c", "monta": "#d62728",
+COLOURS = {"deepspeed-tp": "#7f7f7f", "hierarchical": "#bcbd22", "deepspeed-drop": "#1f77b4", "megatron-sp": "#2ca02c", "monta": "#d62728",
            "monta-auto": "#9467bd", "monta-c2": "#ff9896", "monta-c8": "#e377c2", "monta-c16": "#8c564b"}
 CLUSTERS = ["a800x2", "a800x2-nic4", "a800x2-nic1"]
 NICS = {"a800x2": 8, "a800x2-nic4": 4, "a800x2-nic1": 1}
@@ -65,7 +65,7 @@ def figure_exchange(summary, plt):
     runs = done(summary, "layer") + done(summary, "layer-megatron")
     fig, axes = plt.subplots(1, len(CLUSTERS), figsize=(5.2 * len(CLUSTERS), 4.2), sharey=False)
     for ax, cl in zip(axes, CLUSTERS):
-        for label in ["deepspeed-tp", "deepspeed-drop", "monta", "monta-auto", "megatron-sp"]:
+        for label in ["deepspeed-tp", "hierarchical", "deepspeed-drop", "monta", "monta-auto", "megatron-sp"]:
             pts = sorted((tp_of(r["model"]), r["results"].get("exchange_s"), r["results"].get("all_to_all_s"))
                          for r in runs if r["cluster"] == cl and r["label"] == label and tp_of(r["model"]))
             pts = [p for p in pts if p[1] is not None]
@@ -90,7 +90,7 @@ def figure_exchange(summary, plt):
 
 def figure_breakdown(summary, plt):
     runs = done(summary, "e2e") + done(summary, "e2e-megatron")
-    labels = ["deepspeed-tp", "deepspeed-drop", "monta", "monta-auto", "megatron-sp"]
+    labels = ["deepspeed-tp", "hierarchical", "deepspeed-drop", "monta", "monta-auto", "megatron-sp"]
     fig, ax = plt.subplots(figsize=(11, 4.8))
     cmap = plt.get_cmap("tab20")
     x, ticks, names = 0, [], []
