@@ -149,6 +149,24 @@ def figure_selection(summary, plt):
         print(f"{cl:12} {tp:3}  " + "  ".join(f"{1e3 * sweep.get(n, float('nan')):5.1f}" for n in sorted(SWEEP.values()))
               + f"  n={an:<3} n={bn:<3} {100 * miss:+.1f}%")
     print(f"auto picked the sweep's best in {len(rows) - misses} of {len(rows)} points")
+    # The layouts (TP degree at EP 16) the model ranks against the simulated GPU time per token
+    # of the two-block step (step time · TP / 8192 tokens per TP group).
+    for cl in CLUSTERS:
+        runs = [r for r in done(summary, "layer") if r["cluster"] == cl and r["label"] == "monta-auto" and tp_of(r["model"])
+                and r["model"].endswith(f"tp{tp_of(r['model'])}")]
+        sim = {tp_of(r["model"]): r["results"]["step_time_s"] * tp_of(r["model"]) / 8192 for r in runs}
+        pred = {}
+        for r in runs:
+            lay = (r["results"].get("layouts") or {}).get("ranked") or []
+            for p in lay:
+                if p["ep"] == 16 and p["tp"] in sim:
+                    pred[p["tp"]] = p["seconds_per_token"]
+        if len(sim) < 2 or len(pred) < 2:
+            continue
+        best_sim, best_pred = min(sim, key=sim.get), min(pred, key=pred.get)
+        print(f"{cl}: TP at EP 16, model's order {sorted(pred, key=pred.get)}, simulated order {sorted(sim, key=sim.get)}"
+              f" (step GPU-time per token); pick TP {best_pred}, "
+              f"{'the simulated best' if best_pred == best_sim else f'{100 * (sim[best_pred] / sim[best_sim] - 1):+.1f}% against TP {best_sim}'}")
     fig, ax = plt.subplots(figsize=(10, 4.2))
     for k, (cl, tp, sweep, an, at, bn, bt) in enumerate(rows):
         ns = sorted(sweep)

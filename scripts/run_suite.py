@@ -497,6 +497,9 @@ def model_figures(res, a2a_overlap=None):
     rep = res.get("impl_report") or {}
     if isinstance(rep.get("chunks"), int):
         out["chunks"] = rep["chunks"]
+    choice = rep.get("chunks_choice")
+    if isinstance(choice, dict) and isinstance(choice.get("layouts"), dict):
+        out["layouts"] = choice["layouts"]
     share = mr.all_to_all_share(res["metrics"]["phases_s"])
     if share is not None:
         out["all_to_all_share"] = share

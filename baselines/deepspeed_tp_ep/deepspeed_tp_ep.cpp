@@ -259,7 +259,7 @@ Forwarded CapacityTpLayer::forward(const Tensor& x, const WorkKey& key) {
   if (how_.choose) {
     last_choice_ = nlohmann::json::object();
     // Every rank of the EP group must cut its exchanges alike: the largest pick.
-    chunks = static_cast<int>(comm_.all_reduce_max(static_cast<double>(how_.choose(padded_to, last_choice_))));
+    chunks = static_cast<int>(comm_.all_reduce_max(static_cast<double>(how_.choose(padded_to, T, last_choice_))));
   }
   sv.geo = CapacityGeometry::make(cfg_.num_experts, padded_to, dedup ? tp_->size() : 1, dedup ? tp_->rank() : 0,
                                   chunks);

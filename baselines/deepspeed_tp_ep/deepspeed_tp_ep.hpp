@@ -50,9 +50,9 @@ namespace moelab {
 struct TpDispatch {
   bool dedup = false;  // drop to this TP rank's slice before the all-to-all
   int chunks = 1;      // pieces along the capacity (MoNTA); 1: unchunked
-  // Chooses the chunk count of a forward from the capacity it pads to (MoNTA's "auto"), and
-  // says why (logged in the report); null: `chunks`.
-  std::function<int(std::int64_t capacity, nlohmann::json& why)> choose;
+  // Chooses the chunk count of a forward from the capacity it pads to and the tokens it routes
+  // (MoNTA's "auto"), and says why (logged in the report); null: `chunks`.
+  std::function<int(std::int64_t capacity, std::int64_t tokens, nlohmann::json& why)> choose;
   // Each exchange in two steps (the two-level, "2DH" all-to-all of Tutel, Hwang et al., MLSys
   // 2023, §3.4): inside the node to the peer with the destination's local index, then between
   // nodes among the ranks of that index (the rails), so that each pair of nodes exchanges one

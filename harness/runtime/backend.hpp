@@ -121,6 +121,7 @@ struct MachineRates {
   double intra_bw = 0, intra_latency = 0;    // one GPU's intra-node link, per direction
   double nic_bw = 0, nic_latency = 0;        // one NIC per direction; per message, fabric included
   double launch_latency = 0;                 // s per kernel / library call
+  int world = 0;                             // ranks of the machine the rates describe (0: unknown)
   std::string source;
 };
 

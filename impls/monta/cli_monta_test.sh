@@ -37,7 +37,7 @@ fi
 # 2. two MoE blocks of MoNTA-2x70B at TP 8, EP 16 on 16 simulated A800s
 for impl in deepspeed-tp monta; do
   "$moelab" run --model "$models/monta-2x70b.json" --model-override '{"num_layers": 2}' --impl "$impl" \
-    --impl-options "$([ "$impl" = monta ] && echo '{"chunks": "auto"}' || echo '{}')" --backend sim --cluster a800x2 \
+    --impl-options "$([ "$impl" = monta ] && echo '{"chunks": "auto", "layouts": true}' || echo '{}')" --backend sim --cluster a800x2 \
     --parallel tp=8,ep=16 --steps 1 --warmup 0 --out "$work/sim-$impl.json" >"$work/sim-$impl.log" 2>&1 ||
     { bad "$impl on sim"; cat "$work/sim-$impl.log"; }
 done
@@ -45,10 +45,12 @@ if "$py" -c "
 import json, sys
 m, d = (json.load(open(f'$work/sim-{i}.json')) for i in ('monta', 'deepspeed-tp'))
 c = m['impl_report']['chunks_choice']
+lay = c['layouts']
 ok = (c['chunks'] == m['impl_report']['chunks'] and len(c['candidates']) >= 5
-      and m['metrics']['step_time_s']['median'] < d['metrics']['step_time_s']['median'])
+      and m['metrics']['step_time_s']['median'] < d['metrics']['step_time_s']['median']
+      and lay['world'] == 16 and lay['this'] == {'tp': 8, 'ep': 16} and len(lay['ranked']) == 20)
 sys.exit(0 if ok else 1)"; then
-  ok "MoNTA-2x70B blocks on sim: auto picked $(jget "$work/sim-monta.json" "['impl_report']['chunks']") chunks, faster than deepspeed-tp"
+  ok "MoNTA-2x70B blocks on sim: auto picked $(jget "$work/sim-monta.json" "['impl_report']['chunks']") chunks, faster than deepspeed-tp; 20 layouts ranked"
 else bad "MoNTA on sim"; fi
 
 # 3. bad input: exit 2, a message naming it, no result file
@@ -63,6 +65,7 @@ expect_2() {
 expect_2 chunks_zero "chunks" --model "$models/tiny-moe.json" --impl monta --impl-options '{"chunks": 0}' --backend cpu
 expect_2 chunks_word "chunks" --model "$models/tiny-moe.json" --impl monta --impl-options '{"chunks": "sometimes"}' --backend cpu
 expect_2 monta_typo "chunk" --model "$models/tiny-moe.json" --impl monta --impl-options '{"chunk": 2}' --backend cpu
+expect_2 layouts_without_auto "give both" --model "$models/tiny-moe.json" --impl monta --impl-options '{"chunks": 2, "layouts": true}' --backend cpu
 expect_2 deepspeed_options "takes no options" --model "$models/tiny-moe.json" --impl deepspeed-tp --impl-options '{"chunks": 2}' --backend cpu
 expect_2 no_capacity "capacity_factor" --model "$models/tiny-moe.json" --model-override '{"moe": {"capacity_factor": 0}}' \
   --impl deepspeed-drop --backend cpu

@@ -19,16 +19,27 @@ constexpr int kDefaultChunks = 4;
 constexpr int kMaxChunks = 64;
 constexpr int kMaxAutoChunks = 16;  // "auto" tries 1, 2, 4, 8, 16
 
-// {"chunks": n | "auto"}: n, or 0 for "auto".
+// {"chunks": n | "auto", "layouts": bool}: n, or 0 for "auto".
 int parse_chunks(const nlohmann::json& options) {
   if (options.is_object() && options.contains("chunks") && options["chunks"] == "auto") {
     nlohmann::json rest = options;
     rest.erase("chunks");
-    (void)json_fields::Options(rest, "monta", {"chunks"});
+    (void)json_fields::Options(rest, "monta", {"chunks", "layouts"});
     return 0;
   }
-  const json_fields::Options o(options, "monta", {"chunks"});
+  const json_fields::Options o(options, "monta", {"chunks", "layouts"});
   return static_cast<int>(o.positive_int("chunks", kDefaultChunks, kMaxChunks));
+}
+
+// {"layouts": true}: rank the TP and EP degrees too (with "auto"; monta::rank_layouts).
+bool parse_layouts(const nlohmann::json& options) {
+  if (!options.is_object() || !options.contains("layouts")) return false;
+  const nlohmann::json& v = options["layouts"];
+  if (!v.is_boolean()) throw ConfigError("monta: layouts = " + json_fields::show(v) + ": expected true or false");
+  if (v.get<bool>() && !(options.contains("chunks") && options["chunks"] == "auto"))
+    throw ConfigError("monta: layouts = true ranks the parallel layouts with the model that \"chunks\": \"auto\" uses: "
+                      "give both");
+  return v.get<bool>();
 }
 
 // The machine's links as the volume and time model needs them, from the backend (the sim
@@ -61,12 +72,12 @@ TpDispatch dispatch_of(int chunks) {
 
 class Monta final : public LayerBackedImpl<CapacityTpLayer> {
  public:
-  Monta(Backend& b, Communicator& c, const ModelConfig& m, MoEChannels* channels, int chunks)
+  Monta(Backend& b, Communicator& c, const ModelConfig& m, MoEChannels* channels, int chunks, bool layouts)
       : LayerBackedImpl(b, c, m, channels, dispatch_of(chunks)), auto_(chunks == 0) {
     if (!auto_) return;
     CapacityTpLayer& L = layer_;
     TpDispatch d = L.dispatch_mode();
-    d.choose = [&L](std::int64_t capacity, nlohmann::json& why) {
+    d.choose = [&L, layouts](std::int64_t capacity, std::int64_t tokens, nlohmann::json& why) {
       const ModelConfig& cfg = L.config();
       monta::Layer l;
       l.E = cfg.num_experts;
@@ -86,6 +97,25 @@ class Monta final : public LayerBackedImpl<CapacityTpLayer> {
       for (const auto& p : monta::candidates(l, k, kMaxAutoChunks)) cands.push_back(p.to_json());
       const int n = monta::best_chunks(l, k, kMaxAutoChunks);
       why = {{"source", "volume and time model (impls/monta/strategy.hpp)"}, {"chunks", n}, {"candidates", cands}};
+      const MachineRates r = L.backend().machine_rates(1, 1, 1, cfg.dtype);
+      if (layouts && r.world > 0) {
+        monta::LayoutQuery q;
+        q.world = r.world;
+        q.heads = q.kv_heads = 0;  // attention's heads are the model's, not known to the layer: not checked
+        q.E = cfg.num_experts;
+        q.M = cfg.d_model;
+        q.H = cfg.d_hidden;
+        q.tokens = tokens;
+        q.top_k = cfg.top_k;
+        q.capacity_factor = cfg.capacity_factor;
+        q.bytes = l.bytes;
+        q.device_memory = r.device_memory_bytes;  // one MoE layer's (the layer does not know the model's count)
+        q.max_chunks = kMaxAutoChunks;
+        nlohmann::json ranked = nlohmann::json::array();
+        for (const auto& p : monta::rank_layouts(q, k)) ranked.push_back(p.to_json());
+        why["layouts"] = {{"world", q.world}, {"this", {{"tp", l.t}, {"ep", static_cast<int>(l.ep_ranks.size())}}},
+                          {"ranked", ranked}};
+      }
       return n;
     };
     L.set_dispatch_mode(std::move(d));
@@ -115,10 +145,11 @@ void register_monta() {
       "monta",
       [](Backend& b, Communicator& c, const ModelConfig& m, const nlohmann::json& options, MoEChannels* channels) {
         const int chunks = parse_chunks(options);
-        return std::unique_ptr<MoEImpl>(std::make_unique<Monta>(b, c, m, channels, chunks));
+        return std::unique_ptr<MoEImpl>(std::make_unique<Monta>(b, c, m, channels, chunks, parse_layouts(options)));
       },
       [](const nlohmann::json& options, const ImplCheckContext& run) {
         (void)parse_chunks(options);
+        (void)parse_layouts(options);
         check_capacity_model("monta", run.model);
       });
 }

@@ -203,5 +203,41 @@ TEST(TimeModel, CandidatesAndTheAutomaticChunks) {
   EXPECT_FALSE(none.known());
 }
 
+// The layouts "where asked": every TP degree of a node and EP degree of the world, ranked by
+// the MoE layer's GPU time per token; with TP > 1 deduplication wins; a device too small for
+// the experts' states fits nothing.
+TEST(TimeModel, LayoutsRankedWithinMemory) {
+  monta::LayoutQuery q;
+  q.world = 16;
+  q.heads = q.kv_heads = 8;
+  q.E = 16;
+  q.M = 8192;
+  q.H = 5376;
+  q.tokens = 8192;
+  q.top_k = 2;
+  q.capacity_factor = 1.0;
+  q.device_memory = 80.0 * (1 << 30);
+  q.moe_layers = 24;  // MoNTA-2x70B at the suite's 24 layers
+  const auto r = monta::rank_layouts(q, a800x2_links());
+  ASSERT_EQ(r.size(), 4u * 5u);  // tp 1, 2, 4, 8 × ep 1, 2, 4, 8, 16
+  for (std::size_t i = 1; i < r.size(); ++i)
+    if (r[i - 1].fits == r[i].fits) {
+      EXPECT_LE(r[i - 1].seconds_per_token, r[i].seconds_per_token);
+    }
+  for (const auto& p : r) {
+    if (p.tp > 1) {
+      EXPECT_EQ(p.best.strategy, monta::Strategy::dedup) << p.tp << " " << p.ep;
+    }
+    // Fewer EP ranks hold more experts: ep 1 holds all 16 of 24 layers with their Adam states
+    // (1.41e9 parameters a layer × 16 bytes × 24 = 541 GB).
+    if (p.ep == 1) {
+      EXPECT_FALSE(p.fits);
+    }
+  }
+  EXPECT_TRUE(r.front().fits);
+  q.device_memory = 1e9;
+  for (const auto& p : monta::rank_layouts(q, a800x2_links())) EXPECT_FALSE(p.fits);
+}
+
 }  // namespace
 }  // namespace moelab

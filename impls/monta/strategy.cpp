@@ -157,6 +157,50 @@ int best_chunks(const Layer& l, const Links& k, int max_chunks) {
   return best;
 }
 
+std::vector<LayoutPrediction> rank_layouts(const LayoutQuery& q, const Links& k) {
+  MOELAB_CHECK(q.world >= 1 && q.E >= 1 && q.tokens >= 1 && q.top_k >= 1, "monta::rank_layouts: an empty query");
+  std::vector<LayoutPrediction> out;
+  const int g = std::min(std::max(k.gpus_per_node, 1), q.world);
+  for (int tp = 1; tp <= g; ++tp) {
+    if (g % tp || q.world % tp || (q.heads > 0 && q.heads % tp) || (q.kv_heads > 0 && q.kv_heads % tp)) continue;
+    for (int ep = 1; ep <= q.world; ++ep) {
+      if (q.world % ep || q.E % ep) continue;
+      Layer l;
+      l.E = q.E;
+      const double c = q.capacity_factor * q.top_k * static_cast<double>(q.tokens) / static_cast<double>(q.E);
+      l.C = std::max<std::int64_t>(1, static_cast<std::int64_t>(std::ceil(c - 1e-9)));
+      l.M = q.M;
+      l.H = q.H;
+      l.bytes = q.bytes;
+      l.t = tp;
+      for (int p = 0; p < ep; ++p) l.ep_ranks.push_back(p);
+      l.rank = 0;
+      LayoutPrediction p;
+      p.tp = tp;
+      p.ep = ep;
+      p.best = candidates(l, k, q.max_chunks).front();
+      p.seconds_per_token = p.best.seconds * tp / static_cast<double>(q.tokens);
+      // Its experts (weights and gradients in the model's dtype, Adam's fp32 master, m, v) and
+      // the padded buffers of one pass (the slice or whole tensor, the all-gather, T_DI and T_M).
+      const double experts = static_cast<double>(q.E / ep) * 2.0 * static_cast<double>(q.M) * static_cast<double>(q.H);
+      const double rows = static_cast<double>(padded_capacity(l, p.best.strategy, p.best.chunks)) * static_cast<double>(q.E);
+      p.memory_bytes = q.moe_layers * experts * (2.0 * q.bytes + 12.0) + rows * static_cast<double>(q.M) * q.bytes * 3.0 +
+                       rows / (p.best.strategy == Strategy::dedup ? tp : 1) * static_cast<double>(q.H) * q.bytes;
+      p.fits = q.device_memory <= 0 || p.memory_bytes <= q.device_memory;
+      out.push_back(std::move(p));
+    }
+  }
+  std::stable_sort(out.begin(), out.end(), [](const LayoutPrediction& a, const LayoutPrediction& b) {
+    return a.fits != b.fits ? a.fits : a.seconds_per_token < b.seconds_per_token;
+  });
+  return out;
+}
+
+nlohmann::json LayoutPrediction::to_json() const {
+  return {{"tp", tp}, {"ep", ep}, {"impl", best.impl}, {"chunks", best.chunks}, {"seconds", best.seconds},
+          {"seconds_per_token", seconds_per_token}, {"memory_bytes", memory_bytes}, {"fits", fits}};
+}
+
 nlohmann::json Prediction::to_json() const {
   return {{"impl", impl},           {"strategy", strategy_name(strategy)}, {"chunks", chunks},
           {"seconds", seconds},     {"all_to_all_s", all_to_all_s},        {"all_gather_s", all_gather_s},

@@ -91,4 +91,31 @@ std::vector<Prediction> candidates(const Layer& l, const Links& k, int max_chunk
 // The fastest deduplicated chunk count (MoNTA's "auto"), among 1, 2, 4, ..., max_chunks.
 int best_chunks(const Layer& l, const Links& k, int max_chunks = 16);
 
+// MoNTA's choice of the parallel strategy itself (§4), where asked: every TP degree (dividing
+// the GPUs of a node and the heads) and EP degree (dividing the world and the experts) of a
+// world, each with its best strategy and chunk count, ranked by the GPU time of the MoE layer
+// per token (the cluster's t-rank TP groups each route `tokens` tokens, so a step moves
+// tokens · world / t of them: seconds · t / tokens). A layout whose MoE layers do not fit the
+// device (their experts' weights, gradients and Adam states, and one pass's padded buffers)
+// is listed as not fitting. The MoE layers only: attention's own TP costs and memory are not in it.
+struct LayoutQuery {
+  int world = 0, heads = 0, kv_heads = 0;  // heads: TP must divide them (0: not checked)
+  std::int64_t E = 0, M = 0, H = 0, tokens = 0;  // tokens: the MoE layer's input rows per TP group
+  int top_k = 1;
+  double capacity_factor = 1.0;
+  int bytes = 2;
+  double device_memory = 0;  // bytes; 0: not checked
+  int moe_layers = 1;        // the model's MoE layers: the memory check is theirs together
+  int max_chunks = 16;
+};
+struct LayoutPrediction {
+  int tp = 1, ep = 1;
+  Prediction best;
+  double seconds_per_token = 0;  // GPU-seconds of the MoE layer per token
+  double memory_bytes = 0;       // the MoE layer's on one GPU
+  bool fits = true;
+  nlohmann::json to_json() const;
+};
+std::vector<LayoutPrediction> rank_layouts(const LayoutQuery& q, const Links& k);
+
 }  // namespace moelab::monta

@@ -427,6 +427,7 @@ class SimBackendImpl final : public Backend {
     r.nic_bw = nd.nic_bw;
     r.nic_latency = nd.nic_latency + cm.fabric_latency;
     r.launch_latency = prof && prof->launch_latency > 0 ? prof->launch_latency : cm.efficiency.launch_latency;
+    r.world = c_.n;
     r.source = "cluster model " + cm.name + " (" + (prof ? "profile " + prof->name : std::string("datasheet")) +
                ", " + std::to_string(c_.n) + " ranks)";
     return r;
