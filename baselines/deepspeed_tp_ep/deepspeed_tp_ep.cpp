@@ -330,78 +330,57 @@ void check_capacity_model(const std::string& impl, const ModelConfig& m) {
 
 namespace {
 
+// The baselines on the padded layout: one class, the variant as data.
+struct Variant {
+  std::string name;
+  std::string schedule;  // for the report
+  TpDispatch how;
+};
+
 class DeepSpeedTp final : public LayerBackedImpl<CapacityTpLayer> {
  public:
-  DeepSpeedTp(Backend& b, Communicator& c, const ModelConfig& m, MoEChannels* channels, bool drop)
-      : LayerBackedImpl(b, c, m, channels, TpDispatch{drop, 1, {}, false}), drop_(drop) {}
-  std::string name() const override { return drop_ ? "deepspeed-drop" : "deepspeed-tp"; }
+  DeepSpeedTp(Backend& b, Communicator& c, const ModelConfig& m, MoEChannels* channels, const Variant& v)
+      : LayerBackedImpl(b, c, m, channels, v.how), v_(v) {}
+  std::string name() const override { return v_.name; }
   std::vector<GemmProblem> expert_gemms() override { return layer_.expert_gemm_problems(false); }
-  bool tp_deduplicated() const override { return drop_; }
+  bool tp_deduplicated() const override { return v_.how.dedup; }
   nlohmann::json report() override {
     const CapacityGeometry& g = layer_.geometry();
-    return {{"schedule", drop_ ? "DeepSpeed-MoE, TP-deduplicated: drop, all-to-all, all-gather over TP (unchunked)"
-                               : "DeepSpeed-MoE under TP: every TP rank sends the whole padded capacity tensor"},
-            {"tp", layer_.tp_size()},
-            {"capacity", g.C},
-            {"padded_capacity", g.Cp},
-            {"chunks", 1}};
+    return {{"schedule", v_.schedule}, {"tp", layer_.tp_size()}, {"capacity", g.C}, {"padded_capacity", g.Cp}, {"chunks", 1}};
   }
 
  private:
-  bool drop_;
+  Variant v_;
 };
 
-void register_one(bool drop) {
-  const std::string name = drop ? "deepspeed-drop" : "deepspeed-tp";
-  register_impl(
-      name,
-      [drop, name](Backend& b, Communicator& c, const ModelConfig& m, const nlohmann::json& options, MoEChannels* channels) {
-        if (!options.is_null() && !(options.is_object() && options.empty()))
-          throw ConfigError(name + " takes no options, got " + json_fields::show(options));
-        return std::unique_ptr<MoEImpl>(std::make_unique<DeepSpeedTp>(b, c, m, channels, drop));
-      },
-      [name](const nlohmann::json& options, const ImplCheckContext& run) {
-        if (!options.is_null() && !(options.is_object() && options.empty()))
-          throw ConfigError(name + " takes no options, got " + json_fields::show(options));
-        check_capacity_model(name, run.model);
-      });
+void check_no_options(const std::string& name, const nlohmann::json& options) {
+  if (!options.is_null() && !(options.is_object() && options.empty()))
+    throw ConfigError(name + " takes no options, got " + json_fields::show(options));
 }
 
 }  // namespace
 
-// The padded layout's exchange in two levels (no deduplication): the flat all-to-all's NIC
-// bytes in g times fewer messages (impls/monta/strategy.hpp, Strategy::hierarchical).
-class TwoLevel final : public LayerBackedImpl<CapacityTpLayer> {
- public:
-  TwoLevel(Backend& b, Communicator& c, const ModelConfig& m, MoEChannels* channels)
-      : LayerBackedImpl(b, c, m, channels, TpDispatch{false, 1, {}, true}) {}
-  std::string name() const override { return "hierarchical"; }
-  std::vector<GemmProblem> expert_gemms() override { return layer_.expert_gemm_problems(false); }
-  nlohmann::json report() override {
-    const CapacityGeometry& g = layer_.geometry();
-    return {{"schedule", "the padded capacity tensor of every TP rank in a two-level all-to-all: inside the node, then "
-                         "over the rails (Tutel's 2DH)"},
-            {"tp", layer_.tp_size()},
-            {"capacity", g.C},
-            {"chunks", 1}};
-  }
-};
-
 void register_deepspeed_tp_ep() {
-  register_one(false);
-  register_one(true);
-  register_impl(
-      "hierarchical",
-      [](Backend& b, Communicator& c, const ModelConfig& m, const nlohmann::json& options, MoEChannels* channels) {
-        if (!options.is_null() && !(options.is_object() && options.empty()))
-          throw ConfigError("hierarchical takes no options, got " + json_fields::show(options));
-        return std::unique_ptr<MoEImpl>(std::make_unique<TwoLevel>(b, c, m, channels));
-      },
-      [](const nlohmann::json& options, const ImplCheckContext& run) {
-        if (!options.is_null() && !(options.is_object() && options.empty()))
-          throw ConfigError("hierarchical takes no options, got " + json_fields::show(options));
-        check_capacity_model("hierarchical", run.model);
-      });
+  const Variant variants[] = {
+      {"deepspeed-tp", "DeepSpeed-MoE under TP: every TP rank sends the whole padded capacity tensor", TpDispatch{false, 1, {}, false}},
+      {"deepspeed-drop", "DeepSpeed-MoE, TP-deduplicated: drop, all-to-all, all-gather over TP (unchunked)",
+       TpDispatch{true, 1, {}, false}},
+      // The flat all-to-all's NIC bytes in g times fewer messages (impls/monta/strategy.hpp,
+      // Strategy::hierarchical).
+      {"hierarchical", "the padded capacity tensor of every TP rank in a two-level all-to-all: inside the node, then over "
+                       "the rails (Tutel's 2DH)", TpDispatch{false, 1, {}, true}},
+  };
+  for (const Variant& v : variants)
+    register_impl(
+        v.name,
+        [v](Backend& b, Communicator& c, const ModelConfig& m, const nlohmann::json& options, MoEChannels* channels) {
+          check_no_options(v.name, options);
+          return std::unique_ptr<MoEImpl>(std::make_unique<DeepSpeedTp>(b, c, m, channels, v));
+        },
+        [v](const nlohmann::json& options, const ImplCheckContext& run) {
+          check_no_options(v.name, options);
+          check_capacity_model(v.name, run.model);
+        });
 }
 
 }  // namespace moelab

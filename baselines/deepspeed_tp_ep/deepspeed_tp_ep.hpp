@@ -91,7 +91,6 @@ class CapacityTpLayer : public MoELayer {
   const CapacityGeometry& geometry() const { return last_geometry_; }
   const nlohmann::json& chunk_choice() const { return last_choice_; }
   std::vector<int> ep_world_ranks() const { return comm_.world_ranks(); }
-  int ep_world_rank() const { return comm_.world_ranks()[static_cast<std::size_t>(comm_.rank())]; }
 
  protected:
   Tensor backward_pass(MoESaved& sv, const Tensor& dy, float grad_aux, bool defer) override;

@@ -52,19 +52,18 @@ namespace {
 constexpr double kInitStd = 0.02;
 std::uint64_t tag(int layer, int what) { return static_cast<std::uint64_t>(layer) * 64 + static_cast<std::uint64_t>(what); }
 
-// C = A·B (beta 0) or C += A^T·B style problems, spelled once.
-GemmProblem mm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, const Tensor& a, const Tensor& b,
-               const Tensor& c, float beta) {
+}  // namespace
+
+GemmProblem block_gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, const Tensor& a, const Tensor& b,
+                       const Tensor& c, float beta) {
   return GemmProblem{ta, tb, m, n, k, a, b, c, 1.0f, beta};
 }
 
-void require_rows(const Tensor& x, std::int64_t width, DType dtype, const char* who) {
+void require_rows(const Tensor& x, std::int64_t width, DType dtype, const std::string& who) {
   if (x.ndim() != 2 || x.dim(1) != width || x.dtype() != dtype)
-    throw ConfigError(std::string(who) + ": input " + x.describe() + " does not match width " + std::to_string(width) +
-                      ", dtype " + dtype_name(dtype));
+    throw ConfigError(who + ": input " + x.describe() + " does not match width " + std::to_string(width) + ", dtype " +
+                      dtype_name(dtype));
 }
-
-}  // namespace
 
 // ---- Norm ----------------------------------------------------------------------------------
 
@@ -136,14 +135,14 @@ Tensor FeedForward::forward(const Tensor& in_mine, State& st) {
   const Tensor in = tp_.enter(b_, s_, in_mine);  // [T,M]: all TP ranks' rows under SP
   const std::int64_t T = in.dim(0), M = in.dim(1), F = width_, F1 = w1_.value.dim(1);
   st.h = b_.empty({T, F1}, in.dtype(), MemCategory::activations, s_);  // [T,F/t] or [T,2F/t]
-  b_.gemm(s_, mm(false, false, T, F1, M, in, w1_.value, st.h, 0), "mlp_fc1");
+  b_.gemm(s_, block_gemm(false, false, T, F1, M, in, w1_.value, st.h, 0), "mlp_fc1");
   Tensor g = b_.empty({T, F}, in.dtype(), MemCategory::buffers, s_);   // [T,F], recomputed in backward
   if (kind_ == MlpKind::swiglu)
     b_.swiglu_forward(s_, st.h, g);
   else
     b_.activation_forward(s_, Activation::gelu, st.h, g);
   Tensor m = b_.empty({T, M}, in.dtype(), MemCategory::buffers, s_);   // [T,M], a partial sum under TP
-  b_.gemm(s_, mm(false, false, T, M, F, g, w2_.value, m, 0), "mlp_fc2");
+  b_.gemm(s_, block_gemm(false, false, T, M, F, g, w2_.value, m, 0), "mlp_fc2");
   return tp_.leave(b_, s_, std::move(m));
 }
 
@@ -157,14 +156,14 @@ Tensor FeedForward::backward_input(State& st, const Tensor& d_m_mine) {
   else
     b_.activation_forward(s_, Activation::gelu, st.h, st.g);
   Tensor d_g = b_.empty({T, F}, dt, MemCategory::buffers, s_);  // dg = dm · W2^T
-  b_.gemm(s_, mm(false, true, T, F, M, d_m, w2_.value, d_g, 0), "mlp_fc2_dgrad");
+  b_.gemm(s_, block_gemm(false, true, T, F, M, d_m, w2_.value, d_g, 0), "mlp_fc2_dgrad");
   st.d_h = b_.empty({T, F1}, dt, MemCategory::buffers, s_);
   if (kind_ == MlpKind::swiglu)
     b_.swiglu_backward(s_, st.h, d_g, st.d_h);
   else
     b_.activation_backward(s_, Activation::gelu, st.h, d_g, st.d_h);
   Tensor d_in = b_.empty({T, M}, dt, MemCategory::buffers, s_);  // d_in = dh · W1^T, a partial sum under TP
-  b_.gemm(s_, mm(false, true, T, M, F1, st.d_h, w1_.value, d_in, 0), "mlp_fc1_dgrad");
+  b_.gemm(s_, block_gemm(false, true, T, M, F1, st.d_h, w1_.value, d_in, 0), "mlp_fc1_dgrad");
   st.d_m = d_m;
   st.h = Tensor();
   return tp_.enter_backward(b_, s_, std::move(d_in));
@@ -172,9 +171,9 @@ Tensor FeedForward::backward_input(State& st, const Tensor& d_m_mine) {
 
 void FeedForward::backward_weight(State& st) {
   const std::int64_t T = st.d_m.dim(0), M = st.d_m.dim(1), F = width_, F1 = w1_.value.dim(1);
-  b_.gemm(s_, mm(true, false, F, M, T, st.g, st.d_m, w2_.grad, 1), "mlp_fc2_wgrad");  // dW2 += g^T · dm
+  b_.gemm(s_, block_gemm(true, false, F, M, T, st.g, st.d_m, w2_.grad, 1), "mlp_fc2_wgrad");  // dW2 += g^T · dm
   const Tensor in = tp_.enter(b_, s_, st.in);  // gathered again under SP
-  b_.gemm(s_, mm(true, false, M, F1, T, in, st.d_h, w1_.grad, 1), "mlp_fc1_wgrad");  // dW1 += in^T · dh
+  b_.gemm(s_, block_gemm(true, false, M, F1, T, in, st.d_h, w1_.grad, 1), "mlp_fc1_wgrad");  // dW1 += in^T · dh
   st = State{};
 }
 
@@ -327,14 +326,14 @@ Forwarded AttentionBlock::forward(const Tensor& x, const WorkKey& key) {
   }
   const Tensor a_all = tp_.enter(b_, s_, sv->a);                         // [T,M]
   sv->qkv = b_.empty({T, Q}, cfg_.dtype, MemCategory::activations, s_);  // [T,Q/t]
-  b_.gemm(s_, mm(false, false, T, Q, M, a_all, wqkv_.value, sv->qkv, 0), "qkv");
+  b_.gemm(s_, block_gemm(false, false, T, Q, M, a_all, wqkv_.value, sv->qkv, 0), "qkv");
   if (recompute_norm_) sv->a = Tensor();  // W makes it again from the norm's input
   if (cfg_.positions == PositionKind::rotary) b_.rope(s_, a, cfg_.rope_theta, false, sv->qkv);
   sv->o = b_.empty({T, HD}, cfg_.dtype, MemCategory::activations, s_);                         // [T,Hq·D/t]
   sv->lse = b_.empty({a.batch, a.heads, a.seq}, DType::f32, MemCategory::activations, s_);     // [B,Hq/t,S]
   b_.attention_forward(s_, a, sv->qkv, sv->o, sv->lse);
   Tensor p = b_.empty({T, M}, cfg_.dtype, MemCategory::buffers, s_);  // [T,M], a partial sum under TP
-  b_.gemm(s_, mm(false, false, T, M, HD, sv->o, wo_.value, p, 0), "attn_out");
+  b_.gemm(s_, block_gemm(false, false, T, M, HD, sv->o, wo_.value, p, 0), "attn_out");
   if (win) {  // back to the image's row order
     Tensor p_rows = b_.empty({T, M}, cfg_.dtype, MemCategory::buffers, s_);
     b_.permute_backward(s_, p, *win, p_rows);
@@ -361,13 +360,13 @@ Tensor AttentionBlock::backward_input(Saved& saved, const Tensor& dy_mine) {
   MicrobatchScope mb(b_, sv.key.microbatch);
   PhaseScope ph(b_, kind());
   Tensor d_o = b_.empty({T, HD}, cfg_.dtype, MemCategory::buffers, s_);  // dO = dy · Wo^T
-  b_.gemm(s_, mm(false, true, T, HD, M, dy, wo_.value, d_o, 0), "attn_out_dgrad");
+  b_.gemm(s_, block_gemm(false, true, T, HD, M, dy, wo_.value, d_o, 0), "attn_out_dgrad");
   sv.d_qkv = b_.empty({T, Q}, cfg_.dtype, MemCategory::buffers, s_);
   b_.attention_backward(s_, a, sv.qkv, sv.o, sv.lse, d_o, sv.d_qkv);
   // The rotation is orthogonal: its gradient is the inverse rotation.
   if (cfg_.positions == PositionKind::rotary) b_.rope(s_, a, cfg_.rope_theta, true, sv.d_qkv);
   Tensor d_a = b_.empty({T, M}, cfg_.dtype, MemCategory::buffers, s_);  // da = dqkv · Wqkv^T, a partial sum under TP
-  b_.gemm(s_, mm(false, true, T, M, Q, sv.d_qkv, wqkv_.value, d_a, 0), "qkv_dgrad");
+  b_.gemm(s_, block_gemm(false, true, T, M, Q, sv.d_qkv, wqkv_.value, d_a, 0), "qkv_dgrad");
   if (win) {
     Tensor d_a_rows = b_.empty({T, M}, cfg_.dtype, MemCategory::buffers, s_);
     b_.permute_backward(s_, d_a, *win, d_a_rows);
@@ -388,7 +387,7 @@ void AttentionBlock::backward_weight(Saved& saved) {
   const std::int64_t T = sv.dy.dim(0), M = cfg_.d_model, Q = sv.d_qkv.dim(1), HD = sv.o.dim(1);
   MicrobatchScope mb(b_, sv.key.microbatch);
   PhaseScope ph(b_, kind());
-  b_.gemm(s_, mm(true, false, HD, M, T, sv.o, sv.dy, wo_.grad, 1), "attn_out_wgrad");  // dWo += O^T · dy
+  b_.gemm(s_, block_gemm(true, false, HD, M, T, sv.o, sv.dy, wo_.grad, 1), "attn_out_wgrad");  // dWo += O^T · dy
   if (!sv.a.defined()) {  // selective recomputation: the normed input again, from the norm's input
     Norm::State again;
     sv.a = norm_.forward(sv.norm.x, again);
@@ -400,7 +399,7 @@ void AttentionBlock::backward_weight(Saved& saved) {
     }
   }
   const Tensor a_all = tp_.enter(b_, s_, sv.a);                                         // gathered again under SP
-  b_.gemm(s_, mm(true, false, M, Q, T, a_all, sv.d_qkv, wqkv_.grad, 1), "qkv_wgrad");  // dWqkv += a^T · dqkv
+  b_.gemm(s_, block_gemm(true, false, M, Q, T, a_all, sv.d_qkv, wqkv_.grad, 1), "qkv_wgrad");  // dWqkv += a^T · dqkv
   sv.a = sv.o = sv.dy = sv.d_qkv = Tensor();
   sv.weight_done = true;
 }
@@ -566,9 +565,9 @@ Forwarded Head::forward(const Tensor& x, const WorkKey& key) {
   const Tensor h = tp_.enter(b_, s_, sv->h);                                  // [T,M]
   sv->logits = b_.empty({T, V}, cfg_.dtype, MemCategory::activations, s_);  // [T,V/t]
   if (tied_)
-    b_.gemm(s_, mm(false, true, T, V, M, h, tied_->value, sv->logits, 0), "lm_head");
+    b_.gemm(s_, block_gemm(false, true, T, V, M, h, tied_->value, sv->logits, 0), "lm_head");
   else
-    b_.gemm(s_, mm(false, false, T, V, M, h, own_w_.value, sv->logits, 0), "lm_head");
+    b_.gemm(s_, block_gemm(false, false, T, V, M, h, own_w_.value, sv->logits, 0), "lm_head");
   sv->losses = b_.empty({T}, DType::f32, MemCategory::activations, s_);
   sv->lse = b_.empty({T}, DType::f32, MemCategory::activations, s_);
   sv->targets = targets_;
@@ -600,9 +599,9 @@ Tensor Head::backward_input(Saved& saved, const Tensor&) {
   sv.logits = Tensor();
   Tensor d_h = b_.empty({T, M}, cfg_.dtype, MemCategory::buffers, s_);  // dh = dlogits · W^T, a partial sum under TP
   if (tied_)
-    b_.gemm(s_, mm(false, false, T, M, V, sv.d_logits, tied_->value, d_h, 0), "lm_head_dgrad");
+    b_.gemm(s_, block_gemm(false, false, T, M, V, sv.d_logits, tied_->value, d_h, 0), "lm_head_dgrad");
   else
-    b_.gemm(s_, mm(false, true, T, M, V, sv.d_logits, own_w_.value, d_h, 0), "lm_head_dgrad");
+    b_.gemm(s_, block_gemm(false, true, T, M, V, sv.d_logits, own_w_.value, d_h, 0), "lm_head_dgrad");
   d_h = tp_.enter_backward(b_, s_, std::move(d_h));  // summed over the vocabulary's shards: [T,M] or [T/t,M]
   Tensor dx = norm_.backward(sv.norm, d_h);
   sv.norm = Norm::State{};
@@ -617,9 +616,9 @@ void Head::backward_weight(Saved& saved) {
   PhaseScope ph(b_, kind());
   const Tensor h = tp_.enter(b_, s_, sv.h);  // [T,M], gathered again under SP
   if (tied_)  // dWte += dlogits^T · h
-    b_.gemm(s_, mm(true, false, V, M, T, sv.d_logits, h, tied_->grad, 1), "lm_head_wgrad");
+    b_.gemm(s_, block_gemm(true, false, V, M, T, sv.d_logits, h, tied_->grad, 1), "lm_head_wgrad");
   else  // dW += h^T · dlogits
-    b_.gemm(s_, mm(true, false, M, V, T, h, sv.d_logits, own_w_.grad, 1), "lm_head_wgrad");
+    b_.gemm(s_, block_gemm(true, false, M, V, T, h, sv.d_logits, own_w_.grad, 1), "lm_head_wgrad");
   sv.d_logits = sv.h = Tensor();
   sv.weight_done = true;
 }

@@ -76,6 +76,13 @@ class Block {
 
 // ---- shared pieces -------------------------------------------------------------------------
 
+// C = op(A)·op(B) (beta 0) or C += op(A)·op(B) (beta 1) on [in, out] row-major operands: the
+// one spelling of the blocks' GEMMs (blocks.cpp, vision.cpp, ScMoE's pair).
+GemmProblem block_gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, const Tensor& a, const Tensor& b,
+                       const Tensor& c, float beta);
+// ConfigError unless x is [T, width] of `dtype`, naming `who`.
+void require_rows(const Tensor& x, std::int64_t width, DType dtype, const std::string& who);
+
 // Parameters are made in the model dtype under `weights`, their gradients under `gradients`.
 Param make_param(Backend& b, Stream& s, std::string name, std::vector<std::int64_t> shape, DType dtype,
                  bool replicated = true);

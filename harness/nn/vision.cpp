@@ -16,17 +16,6 @@ constexpr double kInitStd = 0.02;  // Swin's trunc_normal_(std=.02) for linear l
 // Initialisation tags of these blocks: layer 0's range, beside the LM's embedding (1, 2) and head (3).
 constexpr std::uint64_t kTagPatchEmbed = 4, kTagClassifier = 5, kTagMergeBase = 8;
 
-GemmProblem mm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, const Tensor& a, const Tensor& b,
-               const Tensor& c, float beta) {
-  return GemmProblem{ta, tb, m, n, k, a, b, c, 1.0f, beta};
-}
-
-void require_rows(const Tensor& x, std::int64_t width, DType dtype, const std::string& who) {
-  if (x.ndim() != 2 || x.dim(1) != width || x.dtype() != dtype)
-    throw ConfigError(who + ": input " + x.describe() + " does not match width " + std::to_string(width) + ", dtype " +
-                      dtype_name(dtype));
-}
-
 // A configuration whose norms are `width` wide (a Norm reads its width from d_model).
 TransformerConfig with_width(TransformerConfig c, std::int64_t width) {
   c.d_model = width;
@@ -100,7 +89,7 @@ Forwarded PatchEmbed::forward(const Tensor& pixels, const WorkKey& key) {
   const std::int64_t T = pixels.dim(0);
   sv->pixels = pixels;
   Tensor h = b_.empty({T, C}, cfg_.dtype, MemCategory::activations, s_);  // [T,C], the norm's saved input
-  b_.gemm(s_, mm(false, false, T, C, P, pixels, w_.value, h, 0), "patch_embed");
+  b_.gemm(s_, block_gemm(false, false, T, C, P, pixels, w_.value, h, 0), "patch_embed");
   Tensor y = norm_.forward(h, sv->norm);
   return {y, std::move(sv)};
 }
@@ -120,7 +109,7 @@ void PatchEmbed::backward_weight(Saved& saved) {
   MicrobatchScope mb(b_, sv.key.microbatch);
   PhaseScope ph(b_, kind());
   const std::int64_t T = sv.pixels.dim(0), P = sv.pixels.dim(1), C = cfg_.d_model;
-  b_.gemm(s_, mm(true, false, P, C, T, sv.pixels, sv.d_h, w_.grad, 1), "patch_embed_wgrad");  // dW += X^T · dh
+  b_.gemm(s_, block_gemm(true, false, P, C, T, sv.pixels, sv.d_h, w_.grad, 1), "patch_embed_wgrad");  // dW += X^T · dh
   sv.pixels = sv.d_h = Tensor();
   sv.weight_done = true;
 }
@@ -168,7 +157,7 @@ Forwarded PatchMerging::forward(const Tensor& x, const WorkKey& key) {
   b_.permute(s_, x, slot, grouped);
   sv->hn = norm_.forward(grouped.reshape({T / 4, 4 * C}), sv->norm);            // [T/4,4C]
   Tensor y = b_.empty({T / 4, 2 * C}, cfg_.dtype, MemCategory::activations, s_);
-  b_.gemm(s_, mm(false, false, T / 4, 2 * C, 4 * C, sv->hn, w_.value, y, 0), "merge");
+  b_.gemm(s_, block_gemm(false, false, T / 4, 2 * C, 4 * C, sv->hn, w_.value, y, 0), "merge");
   return {y, std::move(sv)};
 }
 
@@ -178,7 +167,7 @@ Tensor PatchMerging::backward_input(Saved& saved, const Tensor& dy) {
   MicrobatchScope mb(b_, sv.key.microbatch);
   PhaseScope ph(b_, kind());
   Tensor d_hn = b_.empty({R, 4 * C}, cfg_.dtype, MemCategory::buffers, s_);  // dhn = dy · W^T
-  b_.gemm(s_, mm(false, true, R, 4 * C, 2 * C, dy, w_.value, d_hn, 0), "merge_dgrad");
+  b_.gemm(s_, block_gemm(false, true, R, 4 * C, 2 * C, dy, w_.value, d_hn, 0), "merge_dgrad");
   const Tensor d_grouped = norm_.backward(sv.norm, d_hn);                     // [T/4,4C]
   Tensor dx = b_.empty({T, C}, cfg_.dtype, MemCategory::buffers, s_);
   b_.permute_backward(s_, d_grouped.reshape({T, C}), slots_.get(T, T, 1, [&] { return merge_slots(T / (cfg_.grid * cfg_.grid), cfg_.grid); }), dx);
@@ -193,7 +182,7 @@ void PatchMerging::backward_weight(Saved& saved) {
   MicrobatchScope mb(b_, sv.key.microbatch);
   PhaseScope ph(b_, kind());
   const std::int64_t R = sv.dy.dim(0), C = cfg_.d_model;
-  b_.gemm(s_, mm(true, false, 4 * C, 2 * C, R, sv.hn, sv.dy, w_.grad, 1), "merge_wgrad");  // dW += hn^T · dy
+  b_.gemm(s_, block_gemm(true, false, 4 * C, 2 * C, R, sv.hn, sv.dy, w_.grad, 1), "merge_wgrad");  // dW += hn^T · dy
   sv.hn = sv.dy = Tensor();
   sv.weight_done = true;
 }
@@ -255,7 +244,7 @@ Forwarded ClassifierHead::forward(const Tensor& x, const WorkKey& key) {
   sv->pooled = b_.empty({B, C}, cfg_.dtype, MemCategory::activations, s_);
   b_.unpermute(s_, sv->hn, slot, it->second, sv->pooled);
   sv->logits = b_.empty({B, K}, cfg_.dtype, MemCategory::activations, s_);
-  b_.gemm(s_, mm(false, false, B, K, C, sv->pooled, w_.value, sv->logits, 0), "classifier");
+  b_.gemm(s_, block_gemm(false, false, B, K, C, sv->pooled, w_.value, sv->logits, 0), "classifier");
   sv->losses = b_.empty({B}, DType::f32, MemCategory::activations, s_);
   sv->lse = b_.empty({B}, DType::f32, MemCategory::activations, s_);
   sv->targets = targets_;
@@ -274,7 +263,7 @@ Tensor ClassifierHead::backward_input(Saved& saved, const Tensor&) {
   b_.cross_entropy_backward(s_, sv.logits, sv.targets, sv.lse, sv.scale, sv.d_logits);
   sv.logits = Tensor();
   Tensor d_pooled = b_.empty({B, C}, cfg_.dtype, MemCategory::buffers, s_);  // dpooled = dlogits · W^T
-  b_.gemm(s_, mm(false, true, B, C, K, sv.d_logits, w_.value, d_pooled, 0), "classifier_dgrad");
+  b_.gemm(s_, block_gemm(false, true, B, C, K, sv.d_logits, w_.value, d_pooled, 0), "classifier_dgrad");
   Tensor d_hn = b_.empty({T, C}, cfg_.dtype, MemCategory::buffers, s_);
   Tensor d_mean = b_.empty({B, N}, DType::f32, MemCategory::buffers, s_);  // the weights' gradient, unused
   b_.unpermute_backward(s_, d_pooled, sv.hn, slots_.get(B, B, N, [&] { return std::vector<std::int32_t>(); }),
@@ -291,7 +280,7 @@ void ClassifierHead::backward_weight(Saved& saved) {
   MicrobatchScope mb(b_, sv.key.microbatch);
   PhaseScope ph(b_, kind());
   const std::int64_t B = sv.pooled.dim(0), C = cfg_.d_model, K = cfg_.vision.num_classes;
-  b_.gemm(s_, mm(true, false, C, K, B, sv.pooled, sv.d_logits, w_.grad, 1), "classifier_wgrad");  // dW += pooled^T · dlogits
+  b_.gemm(s_, block_gemm(true, false, C, K, B, sv.pooled, sv.d_logits, w_.grad, 1), "classifier_wgrad");  // dW += pooled^T · dlogits
   sv.pooled = sv.d_logits = Tensor();
   sv.weight_done = true;
 }

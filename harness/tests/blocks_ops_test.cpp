@@ -52,31 +52,7 @@ Ids random_ids(std::size_t n, std::uint64_t seed, std::uint64_t key, std::int32_
   return v;
 }
 
-// The cpu backend with helpers to move host vectors in and out of tensors.
-struct Cpu {
-  std::unique_ptr<Backend> b = make_backend("cpu");
-  Stream& s = b->default_stream();
-
-  Tensor f32(std::vector<std::int64_t> shape, const std::vector<float>& v) {
-    Tensor t = b->empty(std::move(shape), DType::f32, MemCategory::activations, s);
-    b->upload(v, t);
-    return t;
-  }
-  Tensor zeros(std::vector<std::int64_t> shape) {
-    std::int64_t n = 1;
-    for (auto d : shape) n *= d;
-    return f32(std::move(shape), std::vector<float>(static_cast<std::size_t>(n), 0.0f));
-  }
-  Tensor i32(const Ids& v) {
-    Tensor t = b->empty({static_cast<std::int64_t>(v.size())}, DType::i32, MemCategory::activations, s);
-    b->upload_i32(v, t);
-    return t;
-  }
-  std::vector<float> get(const Tensor& t) {
-    b->synchronize();
-    return b->download(t);
-  }
-};
+using Cpu = test::Cpu;
 
 // Central differences of a scalar function at up to `samples` entries of x, against `grad`.
 ::testing::AssertionResult matches_finite_differences(const std::string& what,

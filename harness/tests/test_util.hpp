@@ -1,5 +1,6 @@
-// harness/tests/test_util.hpp — shared helpers: fresh seeds, closeness against a float64
-// reference, and the float64 reference's parameters read back from a layer.
+// harness/tests/test_util.hpp — shared helpers: the cpu backend with host-vector I/O, fresh
+// seeds, closeness against a float64 reference, and the float64 reference's parameters read
+// back from a layer.
 #pragma once
 #include <gtest/gtest.h>
 
@@ -13,10 +14,37 @@
 
 #include "harness/comm/communicator.hpp"
 #include "harness/nn/moe_layer.hpp"
+#include "harness/runtime/backend.hpp"
 #include "harness/runtime/random.hpp"
 #include "harness/tests/moe_reference.hpp"
 
 namespace moelab::test {
+
+// The cpu backend with helpers to move host vectors in and out of tensors.
+struct Cpu {
+  std::unique_ptr<Backend> b = make_backend("cpu");
+  Stream& s = b->default_stream();
+
+  Tensor f32(std::vector<std::int64_t> shape, const std::vector<float>& v) {
+    Tensor t = b->empty(std::move(shape), DType::f32, MemCategory::activations, s);
+    b->upload(v, t);
+    return t;
+  }
+  Tensor zeros(std::vector<std::int64_t> shape) {
+    std::int64_t n = 1;
+    for (auto d : shape) n *= d;
+    return f32(std::move(shape), std::vector<float>(static_cast<std::size_t>(n), 0.0f));
+  }
+  Tensor i32(const std::vector<std::int32_t>& v) {
+    Tensor t = b->empty({static_cast<std::int64_t>(v.size())}, DType::i32, MemCategory::activations, s);
+    b->upload_i32(v, t);
+    return t;
+  }
+  std::vector<float> get(const Tensor& t) {
+    b->synchronize();
+    return b->download(t);
+  }
+};
 
 // Fresh random inputs every run; MOELAB_TEST_SEED=<n> replays a failure.
 inline std::uint64_t fresh_seed() {

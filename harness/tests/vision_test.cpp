@@ -30,19 +30,7 @@ using test::to_double;
 
 constexpr double kTol = 1e-5, kNormDxTol = 2e-5;
 
-struct Cpu {
-  std::unique_ptr<Backend> b = make_backend("cpu");
-  Stream& s = b->default_stream();
-  Tensor f32(std::vector<std::int64_t> shape, const std::vector<float>& v) {
-    Tensor t = b->empty(std::move(shape), DType::f32, MemCategory::activations, s);
-    b->upload(v, t);
-    return t;
-  }
-  std::vector<float> get(const Tensor& t) {
-    b->synchronize();
-    return b->download(t);
-  }
-};
+using test::Cpu;
 
 // A stage's configuration as TransformerConfig::layer_config makes it, written out.
 TransformerConfig stage_cfg(std::int64_t width, int heads, std::int64_t grid, std::int64_t window, std::int64_t classes = 7) {

@@ -4,6 +4,8 @@
 #include "impls/monta/monta.hpp"
 
 #include <algorithm>
+#include <map>
+#include <memory>
 
 #include "baselines/deepspeed_tp_ep/deepspeed_tp_ep.hpp"
 #include "harness/config/json_fields.hpp"
@@ -63,11 +65,55 @@ monta::Links links_of(Backend& b, const ModelConfig& m, std::int64_t rows_per_ex
   return k;
 }
 
-// "auto": the chunk count the model predicts fastest for this capacity on this machine, every
-// candidate logged; the authors' 4 where the machine's links are unknown (cpu, cuda).
+// chunks 0 ("auto"): the model's pick at each forward (Monta); the authors' 4 until then.
 TpDispatch dispatch_of(int chunks) {
   TpDispatch d{true, chunks == 0 ? kDefaultChunks : chunks, {}, false};
   return d;
+}
+
+// "auto": the chunk count the model predicts fastest for a forward of `tokens` rows padded to
+// `capacity` on this machine, every candidate logged (and, asked, the layouts ranked); the
+// authors' 4 where the machine's links are unknown (cpu, cuda).
+int choose(CapacityTpLayer& L, bool layouts, std::int64_t capacity, std::int64_t tokens, nlohmann::json& why) {
+  const ModelConfig& cfg = L.config();
+  monta::Layer l;
+  l.E = cfg.num_experts;
+  l.C = capacity;
+  l.M = cfg.d_model;
+  l.H = cfg.d_hidden;
+  l.bytes = static_cast<int>(dtype_size(cfg.dtype));
+  l.t = L.tp_size();
+  l.ep_ranks = L.ep_world_ranks();
+  l.rank = l.ep_ranks.front();  // the same pick on every rank of the group
+  const monta::Links k = links_of(L.backend(), cfg, capacity);
+  if (!k.known()) {
+    why = {{"source", "default: the machine's link rates are unknown to this backend (the authors' 4)"}};
+    return kDefaultChunks;
+  }
+  nlohmann::json cands = nlohmann::json::array();
+  for (const auto& p : monta::candidates(l, k, kMaxAutoChunks)) cands.push_back(p.to_json());
+  const int n = monta::best_chunks(l, k, kMaxAutoChunks);
+  why = {{"source", "volume and time model (impls/monta/strategy.hpp)"}, {"chunks", n}, {"candidates", cands}};
+  const MachineRates r = L.backend().machine_rates(1, 1, 1, cfg.dtype);
+  if (layouts && r.world > 0) {
+    monta::LayoutQuery q;
+    q.world = r.world;
+    q.heads = q.kv_heads = 0;  // attention's heads are the model's, not known to the layer: not checked
+    q.E = cfg.num_experts;
+    q.M = cfg.d_model;
+    q.H = cfg.d_hidden;
+    q.tokens = tokens;
+    q.top_k = cfg.top_k;
+    q.capacity_factor = cfg.capacity_factor;
+    q.bytes = l.bytes;
+    q.device_memory = r.device_memory_bytes;  // one MoE layer's (the layer does not know the model's count)
+    q.max_chunks = kMaxAutoChunks;
+    nlohmann::json ranked = nlohmann::json::array();
+    for (const auto& p : monta::rank_layouts(q, k)) ranked.push_back(p.to_json());
+    why["layouts"] = {{"world", q.world}, {"this", {{"tp", l.t}, {"ep", static_cast<int>(l.ep_ranks.size())}}},
+                      {"ranked", ranked}};
+  }
+  return n;
 }
 
 class Monta final : public LayerBackedImpl<CapacityTpLayer> {
@@ -77,45 +123,16 @@ class Monta final : public LayerBackedImpl<CapacityTpLayer> {
     if (!auto_) return;
     CapacityTpLayer& L = layer_;
     TpDispatch d = L.dispatch_mode();
-    d.choose = [&L, layouts](std::int64_t capacity, std::int64_t tokens, nlohmann::json& why) {
-      const ModelConfig& cfg = L.config();
-      monta::Layer l;
-      l.E = cfg.num_experts;
-      l.C = capacity;
-      l.M = cfg.d_model;
-      l.H = cfg.d_hidden;
-      l.bytes = static_cast<int>(dtype_size(cfg.dtype));
-      l.t = L.tp_size();
-      l.ep_ranks = L.ep_world_ranks();
-      l.rank = l.ep_ranks.front();  // the same pick on every rank of the group
-      const monta::Links k = links_of(L.backend(), cfg, capacity);
-      if (!k.known()) {
-        why = {{"source", "default: the machine's link rates are unknown to this backend (the authors' 4)"}};
-        return kDefaultChunks;
+    // The model is evaluated once per (capacity, tokens): a training run sees the same shapes
+    // every step, and each evaluation asks the machine model for dozens of GEMM rates.
+    auto memo = std::make_shared<std::map<std::pair<std::int64_t, std::int64_t>, std::pair<int, nlohmann::json>>>();
+    d.choose = [&L, layouts, memo](std::int64_t capacity, std::int64_t tokens, nlohmann::json& why) {
+      if (auto it = memo->find({capacity, tokens}); it != memo->end()) {
+        why = it->second.second;
+        return it->second.first;
       }
-      nlohmann::json cands = nlohmann::json::array();
-      for (const auto& p : monta::candidates(l, k, kMaxAutoChunks)) cands.push_back(p.to_json());
-      const int n = monta::best_chunks(l, k, kMaxAutoChunks);
-      why = {{"source", "volume and time model (impls/monta/strategy.hpp)"}, {"chunks", n}, {"candidates", cands}};
-      const MachineRates r = L.backend().machine_rates(1, 1, 1, cfg.dtype);
-      if (layouts && r.world > 0) {
-        monta::LayoutQuery q;
-        q.world = r.world;
-        q.heads = q.kv_heads = 0;  // attention's heads are the model's, not known to the layer: not checked
-        q.E = cfg.num_experts;
-        q.M = cfg.d_model;
-        q.H = cfg.d_hidden;
-        q.tokens = tokens;
-        q.top_k = cfg.top_k;
-        q.capacity_factor = cfg.capacity_factor;
-        q.bytes = l.bytes;
-        q.device_memory = r.device_memory_bytes;  // one MoE layer's (the layer does not know the model's count)
-        q.max_chunks = kMaxAutoChunks;
-        nlohmann::json ranked = nlohmann::json::array();
-        for (const auto& p : monta::rank_layouts(q, k)) ranked.push_back(p.to_json());
-        why["layouts"] = {{"world", q.world}, {"this", {{"tp", l.t}, {"ep", static_cast<int>(l.ep_ranks.size())}}},
-                          {"ranked", ranked}};
-      }
+      const int n = choose(L, layouts, capacity, tokens, why);
+      memo->emplace(std::make_pair(capacity, tokens), std::make_pair(n, why));
       return n;
     };
     L.set_dispatch_mode(std::move(d));

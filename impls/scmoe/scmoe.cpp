@@ -47,12 +47,6 @@ constexpr double kChunkOverhead = 10e-6;
 // Where a backend knows no all-to-all rate (cpu, cuda): assumed, and the report says so.
 constexpr double kAssumedA2aBytesPerS = 10e9;
 
-// GEMM C = op(A)·op(B) with C of the given dtype, spelled once.
-GemmProblem mm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, const Tensor& a, const Tensor& b,
-               const Tensor& c, float beta) {
-  return GemmProblem{ta, tb, m, n, k, a, b, c, 1.0f, beta};
-}
-
 // The routed MoE's implementation as the model sees it: everything is the implementation's,
 // except that its report says how the pair scheduled it.
 class ScheduledMoE final : public MoEImpl {
@@ -276,7 +270,7 @@ double ScMoEPair::gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k) {
     Tensor c = b_.empty({rows, H}, cfg_.dtype, MemCategory::buffers, s_);
     b_.fill_zero(s_, a);
     b_.fill_zero(s_, w);
-    const GemmProblem p = mm(false, false, rows, H, M, a, w, c, 0);
+    const GemmProblem p = block_gemm(false, false, rows, H, M, a, w, c, 0);
     const double secs = b_.time_bare_gemms(std::span<const GemmProblem>(&p, 1), 3);
     measured_flops_ = secs > 0 ? 2.0 * static_cast<double>(rows * M * H) / secs : 1e12;
   }
@@ -479,7 +473,7 @@ Forwarded ScMoEPair::forward(const Tensor& x, const WorkKey& key) {
   } else {
     const std::int64_t G = sc_.gate_width();
     sv->z = b_.empty({T, G}, DType::f32, MemCategory::activations, s_);  // [T,G] fp32
-    b_.gemm(s_, mm(false, false, T, G, M, sv->n_se, w_cg_.value, sv->z, 0), "scmoe_gate");
+    b_.gemm(s_, block_gemm(false, false, T, G, M, sv->n_se, w_cg_.value, sv->z, 0), "scmoe_gate");
     b_.gated_combine_forward(s_, sv->z, sv->s, sv->r, out);
     if (G == 1) sv->r = Tensor();  // CG-1's backward reads SE's output only
   }
@@ -540,7 +534,7 @@ Tensor ScMoEPair::backward_input(Saved& saved, const Tensor& dy) {
         b_.copy(c, dz, sv.dz);
       }
       d_n_se_gate = b_.empty({T, M}, cfg_.dtype, MemCategory::buffers, c);  // dz · W_cg^T
-      b_.gemm(c, mm(false, true, T, M, G, sv.dz, w_cg_.value, d_n_se_gate, 0), "scmoe_gate_dgrad");
+      b_.gemm(c, block_gemm(false, true, T, M, G, sv.dz, w_cg_.value, d_n_se_gate, 0), "scmoe_gate_dgrad");
       sv.s = sv.r = sv.z = Tensor();
     }
   }
@@ -600,7 +594,7 @@ void ScMoEPair::backward_weight(Saved& saved) {
     se_.backward_weight(sv.se);
     if (sv.dz.defined()) {  // dW_cg += n_se^T · dz     [M,T]x[T,G]
       const std::int64_t T = sv.n_se.dim(0), M = cfg_.d_model, G = sc_.gate_width();
-      b_.gemm(s_, mm(true, false, M, G, T, sv.n_se, sv.dz, w_cg_.grad, 1), "scmoe_gate_wgrad");
+      b_.gemm(s_, block_gemm(true, false, M, G, T, sv.n_se, sv.dz, w_cg_.grad, 1), "scmoe_gate_wgrad");
     }
   }
   impl_->backward_weight(*sv.moe);
