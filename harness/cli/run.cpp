@@ -79,8 +79,15 @@ void print_run_help(std::FILE* to) {
       "                    --optimizer adam|sgd|none, --lr X, --model-override JSON, and:\n"
       "  --parallel SPEC   the ranks' layout, e.g. tp=1,pp=2,dp=2,ep=2 (dp inferred when left out);\n"
       "                    runs the model as a pipeline of pp stages on the layout's process groups\n"
-      "  --schedule NAME   pipeline schedule: gpipe, 1f1b (default), interleaved, zb-h1, zb-v\n"
+      "  --schedule NAME   pipeline schedule: gpipe, 1f1b (default), interleaved, zb-h1, zb-v,\n"
+      "                    group-interleaved (PipeOffload's)\n"
       "  --chunks V        model chunks per stage for interleaved (default 2)\n"
+      "  --group G         group-interleaved's group size, ceil(pp/2) (default) .. pp\n"
+      "  --offload-chunks K  offload the saved activations of chunks < K to pinned host memory\n"
+      "                    (PipeOffload; \"all\": full offload); transfers that save nothing at a\n"
+      "                    stage's peak are skipped unless --offload-all-lifespans\n"
+      "  --pad-layers      split layers unevenly when pp x chunks does not divide them (one fewer\n"
+      "                    on the last and first virtual stages, PipeOffload's Megatron fork)\n"
       "  --recompute MODE  activation recomputation: none (default), selective (norms) or full\n"
       "  --sequence-parallel  with tp > 1: norms, residuals and MoE layers on T/tp tokens per rank\n"
       "  --zero1           shard Adam's states over the data-parallel groups (ZeRO stage 1)\n"
@@ -215,6 +222,15 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       o.schedule = take();
     else if (flag == "--chunks")
       o.chunks = static_cast<int>(integer_flag(flag, take(), 1, 64));
+    else if (flag == "--group")
+      o.group = static_cast<int>(integer_flag(flag, take(), 1, 4096));
+    else if (flag == "--offload-chunks") {
+      const std::string v = take();
+      o.offload_chunks = v == "all" ? -1 : static_cast<int>(integer_flag(flag, v, 1, 64));
+    } else if (flag == "--offload-all-lifespans")
+      o.offload_lifespan = false;
+    else if (flag == "--pad-layers")
+      o.pad_layers = true;
     else if (flag == "--recompute") {
       o.recompute = take();
       if (o.recompute != "none" && o.recompute != "full" && o.recompute != "selective")
@@ -258,12 +274,12 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
                           o.pipelined() || o.inference || !o.data.empty() || o.eval_every != 0;
   if (!o.workload.empty() && model_only)
     throw ConfigError("--model-override, --layers, --micro-batch, --microbatches, --warmup, --seed, --optimizer, --lr, "
-                      "--parallel, --schedule, --chunks, --recompute, --sequence-parallel, --zero1, --grad-bucket, "
-                      "--inference, --data and --eval-every apply to --model runs (a workload file sets its own)");
+                      "--parallel, --schedule, --chunks, --group, --offload-chunks, --pad-layers, --recompute, "
+                      "--sequence-parallel, --zero1, --grad-bucket, --inference, --data and --eval-every apply to --model runs (a workload file sets its own)");
   if (o.inference && o.pipelined())
     throw ConfigError("--inference runs the forward pass of the whole model on every rank (--parallel may place the ranks as "
-                      "dp x ep replicas); --schedule, --chunks, --recompute, --sequence-parallel, --zero1 and "
-                      "--grad-bucket are for training");
+                      "dp x ep replicas); --schedule, --chunks, --group, --offload-chunks, --pad-layers, --recompute, "
+                      "--sequence-parallel, --zero1 and --grad-bucket are for training");
   if (o.inference && (o.optimizer != "adam" || o.lr != 1e-3))
     throw ConfigError("--inference has no optimizer: leave out --optimizer and --lr");
   if (o.eval_every != 0 && (o.data.empty() || o.inference || o.pipelined()))

@@ -48,6 +48,10 @@ struct RunOptions {
   std::string schedule;                                        // --schedule (default 1f1b)
   int chunks = 0;                                              // --chunks v (interleaved)
   std::string recompute;                                       // --recompute none|full
+  int group = 0;                                               // --group g (group-interleaved; 0: ceil(pp/2))
+  int offload_chunks = 0;                                      // --offload-chunks k (PipeOffload; -1: all)
+  bool offload_lifespan = true;                                // --offload-all-lifespans turns the peak rule off
+  bool pad_layers = false;                                     // --pad-layers: the uneven split
   bool sequence_parallel = false;                              // --sequence-parallel (with tp > 1)
   bool zero1 = false;                                          // --zero1: Adam's states sharded over DP
   std::int64_t grad_bucket = 0;                                // --grad-bucket N elements (0: 40M)
@@ -60,7 +64,8 @@ struct RunOptions {
   // (data × expert parallel replicas of the whole model; run_model.cpp).
   bool pipelined() const {
     return (!parallel.empty() && !inference) || !schedule.empty() || chunks != 0 || !recompute.empty() ||
-           sequence_parallel || zero1 || grad_bucket != 0;
+           sequence_parallel || zero1 || grad_bucket != 0 || group != 0 || offload_chunks != 0 || pad_layers ||
+           !offload_lifespan;
   }
   bool help = false;
 };

@@ -65,6 +65,8 @@ struct PipelinePlan {
   GroupLayout layout;
   pipeline::Schedule schedule;
   pipeline::Recompute recompute = pipeline::Recompute::none;
+  bool pad_layers = false;
+  pipeline::OffloadOptions offload;  // chunks 0: no offloading; the copy times are set per machine
   bool sequence_parallel = false;
   GradSyncOptions sync;  // the bucketed gradient synchroniser (harness/nn/grad_sync.hpp)
 };
@@ -75,8 +77,23 @@ PipelinePlan plan_pipeline(const RunOptions& opt, const TransformerConfig& cfg, 
   PipelinePlan p;
   p.layout = check_layout(ParallelLayout::parse(opt.parallel), world, gpus_per_node, cfg);
   p.recompute = pipeline::parse_recompute(opt.recompute.empty() ? "none" : opt.recompute);
-  p.schedule = pipeline::make_schedule(opt.schedule.empty() ? "1f1b" : opt.schedule, p.layout.pp, opt.microbatches, opt.chunks);
-  pipeline::check_pipeline(cfg, p.schedule);
+  p.schedule = pipeline::make_schedule(opt.schedule.empty() ? "1f1b" : opt.schedule, p.layout.pp, opt.microbatches,
+                                       opt.chunks, opt.group);
+  p.pad_layers = opt.pad_layers;
+  pipeline::check_pipeline(cfg, p.schedule, p.pad_layers);
+  if (opt.offload_chunks != 0) {
+    p.offload.chunks = opt.offload_chunks < 0 ? p.schedule.chunks : opt.offload_chunks;
+    if (p.offload.chunks > p.schedule.chunks)
+      throw ConfigError("--offload-chunks " + std::to_string(p.offload.chunks) + " exceeds the " +
+                        std::to_string(p.schedule.chunks) + " model chunks per stage of schedule " + p.schedule.name +
+                        " (\"all\" offloads every chunk)");
+    if (p.recompute == pipeline::Recompute::full)
+      throw ConfigError("--offload-chunks with --recompute full: full recomputation keeps only each chunk's input; "
+                        "offload or recompute, not both");
+    p.offload.lifespan = opt.offload_lifespan;
+    pipeline::Schedule dry = p.schedule;  // the pass's own checks, before any work
+    pipeline::add_offload(dry, p.offload);
+  }
   // The process groups have an expert-TP communicator, but no MoE implementation splits its
   // experts over it yet: refuse rather than train replicas that nothing keeps equal.
   if (p.layout.etp > 1)
@@ -260,12 +277,23 @@ json pipeline_json(const PipelinePlan& plan, const json& parts) {
                       {"link_bytes_by_collective", sim_links ? to_json(links_by) : json(nullptr)}});
   }
   const pipeline::Schedule& s = plan.schedule;
+  // The closed form of each stage's peak activation memory, in units of M_a (docs/pipeline-memory.md).
+  json expected = nullptr;
+  try {
+    expected = pipeline::expected_peak_activation(s, plan.offload.chunks);
+  } catch (const ConfigError&) {
+    // no closed form for this schedule and offload (the doc says which)
+  }
+  for (std::size_t st = 0; st < stages.size(); ++st)
+    stages[st]["expected_peak_activation_ma"] = expected.is_null() ? json(nullptr) : expected[st];
   return {{"layout", plan.layout.to_json()},
           {"spec", plan.layout.to_string()},
           {"schedule", {{"name", s.name},
                         {"stages", s.stages},
                         {"microbatches", s.microbatches},
                         {"chunks", s.chunks},
+                        {"group", s.group},
+                        {"pad_layers", plan.pad_layers},
                         {"placement", pipeline::placement_name(s.placement)},
                         {"recompute", pipeline::recompute_name(plan.recompute)}}},
           {"sequence_parallel", plan.sequence_parallel},
@@ -276,6 +304,73 @@ json pipeline_json(const PipelinePlan& plan, const json& parts) {
           {"stages", stages},
           {"link_bytes", sim_links ? total.to_json() : json(nullptr)},
           {"link_bytes_by_collective", sim_links ? to_json(total_by) : json(nullptr)}};
+}
+
+// The result's "parallel"."offload" object: what was planned and moved, the cost condition k
+// (the paper's estimate, and ours from the bytes our layers really saved and this run's
+// compute), and the overhead the schedule's estimate predicts with our k.
+json offload_json(const PipelinePlan& plan, const pipeline::OffloadPlan& op, const json& parts, const OffloadModel& om,
+                  const json& par, const TransformerConfig& cfg, int microbatches, std::int64_t tokens) {
+  json stages = json::array();
+  double bytes_per_layer = 0, work_per_layer = 0;
+  for (std::size_t st = 0; st < op.kept.size(); ++st) {
+    json ranks_bytes = 0, peak_host = 0, transfers = 0;
+    for (const auto& x : parts) {
+      if (x["stage"].get<std::size_t>() != st) continue;
+      const json& o = x["offload"];
+      transfers = o["transfers"];
+      ranks_bytes = o["bytes"];
+      peak_host = std::max(peak_host.get<std::size_t>(), o["peak_host_bytes"].get<std::size_t>());
+      // Bytes per layer from the chunks holding transformer layers only.
+      for (std::size_t c = 0; c < o["chunk_bytes"].size(); ++c) {
+        const double b = o["chunk_bytes"][c].get<double>(), l = o["chunk_layers"][c].get<double>();
+        if (b > 0 && l > 0) bytes_per_layer = std::max(bytes_per_layer, b / l);
+      }
+    }
+    stages.push_back({{"stage", st},
+                      {"planned", op.planned[st]},
+                      {"kept", op.kept[st]},
+                      {"skipped_gap", op.skipped_gap[st]},
+                      {"skipped_peak", op.skipped_peak[st]},
+                      {"plan_peak_resident", op.peak_resident[st]},
+                      {"plan_peak_host", op.peak_host[st]},
+                      {"transfers_per_step", transfers},
+                      {"bytes_per_step", ranks_bytes},
+                      {"peak_host_bytes", peak_host}});
+  }
+  // This run's compute per layer: a stage's F + B + W work per step over its microbatches'
+  // layers (the busiest stage; stages with the embedding or head alone do little).
+  for (const auto& st : par["stages"]) {
+    int layers = 0;
+    for (const auto& x : parts)
+      if (x["stage"] == st["stage"]) {
+        layers = 0;
+        for (const auto& l : x["offload"]["chunk_layers"]) layers += l.get<int>();
+      }
+    if (layers > 0) work_per_layer = std::max(work_per_layer, st["work_s"].get<double>() / (layers * microbatches));
+  }
+  const double k = om.bo > 0 && work_per_layer > 0 && bytes_per_layer > 0 ? bytes_per_layer / om.bo / work_per_layer : 0;
+  // The overhead the schedule's own estimate predicts with this k (F, B, W one unit each).
+  pipeline::Schedule with = plan.schedule;
+  pipeline::OffloadOptions oo = plan.offload;
+  oo.d2h = oo.h2d = 3.0 * (k > 0 ? k : om.k_paper);
+  pipeline::add_offload(with, oo);
+  pipeline::NodeCosts costs;
+  costs.offload = costs.reload = oo.d2h;
+  const double base = pipeline::estimate(plan.schedule, costs).makespan, off = pipeline::estimate(with, costs).makespan;
+  const double paper_activation_bytes = 20.0 * 2.0 * static_cast<double>(tokens) * static_cast<double>(cfg.d_model);
+  return {{"chunks", plan.offload.chunks},
+          {"full", plan.offload.chunks >= plan.schedule.chunks},
+          {"lifespan_rule", plan.offload.lifespan},
+          {"gemm_flops", om.bc > 0 ? json(om.bc) : json(nullptr)},
+          {"host_copy_bytes_per_s", om.bo > 0 ? json(om.bo) : json(nullptr)},
+          {"k_paper", om.k_paper > 0 ? json(om.k_paper) : json(nullptr)},
+          {"k", k > 0 ? json(k) : json(nullptr)},
+          {"saved_bytes_per_layer", bytes_per_layer},
+          {"paper_saved_bytes_per_layer", paper_activation_bytes},
+          {"compute_per_layer_s", work_per_layer},
+          {"predicted_overhead", base > 0 ? off / base - 1.0 : 0.0},
+          {"stages", stages}};
 }
 
 void print_pipeline(const json& par, int steps) {
@@ -293,12 +388,51 @@ void print_pipeline(const json& par, int steps) {
                 static_cast<double>(st["peak_device_bytes"].get<std::size_t>()) / kMiB,
                 st["microbatches_in_flight"].get<int>());
   }
+  if (par.contains("offload")) {
+    const json& o = par["offload"];
+    int kept = 0, planned = 0;
+    double moved = 0, host = 0;
+    for (const auto& st : o["stages"]) {
+      kept += st["kept"].get<int>();
+      planned += st["planned"].get<int>();
+      moved += st["bytes_per_step"].get<double>();
+      host = std::max(host, st["peak_host_bytes"].get<double>());
+    }
+    std::printf("offload         chunks < %d: %d of %d planned transfers kept; %.1f MiB moved per step, peak host %.1f "
+                "MiB/rank\n",
+                o["chunks"].get<int>(), kept, planned, moved / kMiB, host / kMiB);
+    std::printf("                k = %s (our saved bytes %.1f MiB/layer), paper's estimate %s; predicted overhead %.1f%%\n",
+                o["k"].is_null() ? "unknown" : strf("%.3f", o["k"].get<double>()).c_str(),
+                o["saved_bytes_per_layer"].get<double>() / kMiB,
+                o["k_paper"].is_null() ? "unknown" : strf("%.3f", o["k_paper"].get<double>()).c_str(),
+                100.0 * o["predicted_overhead"].get<double>());
+  }
   if (!par["link_bytes"].is_null()) {
     const json& l = par["link_bytes"];
     std::printf("links           per step, all ranks: NVLink %.1f MiB, PCIe %.1f MiB, NIC %.1f MiB\n",
                 l["nvlink"].get<double>() / kMiB / steps, l["pcie"].get<double>() / kMiB / steps,
                 l["nic"].get<double>() / kMiB / steps);
   }
+}
+
+// PipeOffload's cost condition (Wan et al. 2025, §3): k = the time to move one transformer
+// layer's saved activations over the host link / that layer's forward + backward compute.
+// Their estimate for the placement (the authors' zbpp_utils.get_offload_time, which their
+// --auto-offload-time uses): about 20 values per token and hidden unit saved, 16-bit, so
+// k = 10 / (3·(6h + s)) · B_c / B_o, B_c the GEMM rate, B_o the host link's. Here B_c is the
+// backend's rate for a [T,h]x[h,h] GEMM and B_o its pinned copy rate (sim: the cluster model
+// and calibration); unknown (cpu): 0, and the pass places the copies as if free.
+struct OffloadModel {
+  double bc = 0, bo = 0, k_paper = 0;
+};
+OffloadModel offload_model(Backend& b, const TransformerConfig& cfg, std::int64_t tokens) {
+  OffloadModel m;
+  const MachineRates r = b.machine_rates(tokens, cfg.d_model, cfg.d_model, cfg.dtype);
+  m.bc = r.gemm_flops;
+  m.bo = r.host_copy_bytes;
+  if (m.bc > 0 && m.bo > 0)
+    m.k_paper = 10.0 / (3.0 * (6.0 * static_cast<double>(cfg.d_model) + static_cast<double>(cfg.seq_len))) * m.bc / m.bo;
+  return m;
 }
 
 // plan: the checked layout and schedule of a --parallel run (null: every rank holds the model).
@@ -318,6 +452,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
   const std::int64_t S = cfg.seq_len, T = opt.micro_batch * S, M = cfg.d_model;
   try {
     Trainee model;
+    pipeline::OffloadPlan offload_plan;
     // Ranks that read different tokens (data parallelism), and whose tokens this rank reads.
     int replicas = world, data_rank = rank;
     if (plan) {
@@ -328,9 +463,17 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       po.model = mo;
       po.tokens = T;
       po.recompute = plan->recompute;
+      po.pad_layers = plan->pad_layers;
       po.model.sequence_parallel = plan->sequence_parallel;
-      model.stage = std::make_unique<pipeline::PipelineStage>(b, cfg, plan->schedule, model.groups->pp(),
-                                                              model.groups->ep(), po);
+      // The offload pass, its copies timed by this machine's k (the same on every rank): a
+      // chunk's F + B + W is 3 units (B and W one F each), one way of its copy k·3.
+      pipeline::Schedule sched = plan->schedule;
+      if (plan->offload.chunks > 0) {
+        pipeline::OffloadOptions oo = plan->offload;
+        oo.d2h = oo.h2d = 3.0 * offload_model(b, cfg, T).k_paper;
+        offload_plan = pipeline::add_offload(sched, oo);
+      }
+      model.stage = std::make_unique<pipeline::PipelineStage>(b, cfg, sched, model.groups->pp(), model.groups->ep(), po);
       model.stage->set_gradient_sync(&model.groups->dp(), &model.groups->edp());
       replicas = plan->layout.dp;
       data_rank = model.groups->coords().dp;
@@ -580,6 +723,16 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
                    {"peak_buffers", per[static_cast<std::size_t>(MemCategory::buffers)]},
                    {"peak_device", b.memory().peak_device()},
                    {"in_flight", model.stage->analysis().peak_in_flight[static_cast<std::size_t>(model.stage->stage())]}};
+      const pipeline::OffloadStats& os = model.stage->offload_stats();
+      json layers = json::array();
+      for (Model* m : model.stage->chunks()) layers.push_back(m->last_layer() - m->first_layer());
+      part["offload"] = {{"transfers", os.transfers},
+                         {"bytes", os.bytes},
+                         {"peak_host_bytes", os.peak_host_bytes},
+                         {"chunk_bytes", os.chunk_bytes},
+                         {"chunk_layers", layers},
+                         {"peak_resident", model.stage->analysis().peak_resident[static_cast<std::size_t>(model.stage->stage())]},
+                         {"peak_host", model.stage->analysis().peak_host[static_cast<std::size_t>(model.stage->stage())]}};
       part["link_bytes"] = b.name() == "sim" ? sim_link_bytes(b).to_json() : json(nullptr);
       json by = json::object();
       if (b.name() == "sim")
@@ -696,6 +849,8 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     json parallel;
     if (plan) {
       parallel = pipeline_json(*plan, stage_parts);
+      if (plan->offload.chunks > 0) parallel["offload"] = offload_json(*plan, offload_plan, stage_parts, offload_model(b, cfg, T),
+                                                                       parallel, cfg, opt.microbatches, T);
       print_pipeline(parallel, steps);
     }
 

@@ -34,7 +34,10 @@ Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const M
     : b_(b), ep_(ep), cfg_(cfg), opt_(opt), tp_{opt.tp, opt.sequence_parallel}, s_(b.default_stream()) {
   first_ = opt.first_layer;
   last_ = opt.last_layer < 0 ? cfg.num_layers : opt.last_layer;
-  if (first_ < 0 || first_ >= last_ || last_ > cfg.num_layers)
+  // An empty range only for a pipeline chunk that holds the embedding or the head alone (the
+  // uneven split, harness/pipeline/executor.hpp).
+  const bool empty_ok = opt.allow_empty_range && first_ == last_ && (first_ == 0 || last_ == cfg.num_layers);
+  if (first_ < 0 || (first_ >= last_ && !empty_ok) || last_ > cfg.num_layers)
     throw ConfigError("--layers " + std::to_string(first_) + ":" + std::to_string(last_) + " is not a range of the " +
                       std::to_string(cfg.num_layers) + " layers of " + cfg.name);
   b.set_allow_tf32(cfg.allow_tf32);

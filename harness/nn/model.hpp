@@ -58,6 +58,9 @@ struct ModelOptions {
   // (Megatron's embedding group; harness/pipeline/executor.hpp). Without it such a range is a
   // ConfigError.
   bool tied_embedding_copy = false;
+  // An empty layer range [0, 0) or [L, L): a pipeline chunk holding only the embedding or only
+  // the final norm and head (the uneven split of PipelineOptions::pad_layers).
+  bool allow_empty_range = false;
 };
 
 // One microbatch's input: token ids [T] int32 (a stage with the embedding) or activations

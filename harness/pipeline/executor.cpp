@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdio>
 #include <limits>
 #include <stdexcept>
 
@@ -28,16 +29,35 @@ const char* recompute_name(Recompute r) {
   return "?";
 }
 
-LayerRange virtual_stage_layers(const TransformerConfig& cfg, int virtual_stages, int vstage) {
-  if (virtual_stages < 1 || cfg.num_layers % virtual_stages != 0)
-    throw ConfigError(cfg.origin + ": num_layers = " + std::to_string(cfg.num_layers) + " is not divisible by the " +
-                      std::to_string(virtual_stages) +
-                      " virtual stages (pp x chunks): every virtual stage holds as many layers (Megatron's rule)");
-  const int per = cfg.num_layers / virtual_stages;
-  return {vstage * per, (vstage + 1) * per};
+LayerRange virtual_stage_layers(const TransformerConfig& cfg, int virtual_stages, int vstage, bool pad) {
+  const int L = cfg.num_layers, V = virtual_stages;
+  if (V < 1 || (!pad && L % V != 0))
+    throw ConfigError(cfg.origin + ": num_layers = " + std::to_string(L) + " is not divisible by the " +
+                      std::to_string(V) +
+                      " virtual stages (pp x chunks): every virtual stage holds as many layers (Megatron's rule; "
+                      "--pad-layers splits unevenly)");
+  const int per = (L + V - 1) / V, short_by = per * V - L;
+  // One layer fewer on the virtual stages V-1, 0, 1, ..., short_by-2 (the authors' get_offset).
+  auto size = [&](int v) {
+    const bool fewer = short_by > 0 && (v == V - 1 || v < short_by - 1);
+    return per - (fewer ? 1 : 0);
+  };
+  if (short_by > V)
+    throw ConfigError(cfg.origin + ": num_layers = " + std::to_string(L) + " is too few for " + std::to_string(V) +
+                      " virtual stages (pp x chunks), even split unevenly");
+  int first = 0;
+  for (int v = 0; v < vstage; ++v) first += size(v);
+  const LayerRange r{first, first + size(vstage)};
+  if (r.first == r.last && vstage != 0 && vstage != V - 1)
+    throw ConfigError(cfg.origin + ": num_layers = " + std::to_string(L) + " split unevenly over " + std::to_string(V) +
+                      " virtual stages (pp x chunks) leaves virtual stage " + std::to_string(vstage) +
+                      " with no layer and neither the embedding nor the head");
+  return r;
 }
 
-void check_pipeline(const TransformerConfig& cfg, const Schedule& s) { virtual_stage_layers(cfg, s.virtual_stages(), 0); }
+void check_pipeline(const TransformerConfig& cfg, const Schedule& s, bool pad) {
+  for (int v = 0; v < s.virtual_stages(); ++v) virtual_stage_layers(cfg, s.virtual_stages(), v, pad);
+}
 
 std::string node_label(const Node& n) {
   static const char* kShort[] = {"F", "B", "W", "SA", "RA", "SG", "RG", "OFF", "RL", "OPT"};
@@ -60,6 +80,13 @@ struct PipelineStage::Slot {
   Tensor dy;               // [T,M] received output gradient
   Event* dy_ready = nullptr;
   Tensor dx;               // [T,M] B's input gradient until sent or handed over
+  // Offloading: what the forward allocated (weakly), what is on the host, and the copies' events.
+  std::vector<std::weak_ptr<Storage>> made;
+  std::weak_ptr<Storage> input_storage;  // the received or handed-over input, saved by the first block
+  std::vector<std::shared_ptr<Storage>> away;
+  std::size_t away_bytes = 0;
+  Event* offloaded = nullptr;
+  Event* reloaded = nullptr;
 };
 
 namespace {
@@ -79,10 +106,24 @@ PipelineStage::PipelineStage(Backend& b, const TransformerConfig& cfg, const Sch
                       std::to_string(pp.size()) + " ranks");
   if (opt.tokens < 1) throw ConfigError("pipeline: tokens per microbatch = " + std::to_string(opt.tokens) + " must be positive");
   analysis_ = validate(s);
-  check_pipeline(cfg, s);
+  check_pipeline(cfg, s, opt.pad_layers);
+  offloaded_.assign(static_cast<std::size_t>(s.microbatches * s.chunks), 0);
+  for (const Node& n : s.nodes[static_cast<std::size_t>(stage_)])
+    if (n.kind == NodeKind::offload) offloaded_[static_cast<std::size_t>(n.microbatch * s.chunks + n.chunk)] = 1;
+  const bool offloads = std::any_of(offloaded_.begin(), offloaded_.end(), [](char c) { return c != 0; });
+  if (offloads && opt.recompute == Recompute::full)
+    throw ConfigError("schedule " + s.name + ": activation offloading with --recompute full (full recomputation keeps "
+                      "only each chunk's input; offload what it would recompute, or recompute, not both)");
+  if (offloads) {
+    d2h_ = &b.create_stream(StreamRole::d2h, "offload_d2h");
+    h2d_ = &b.create_stream(StreamRole::h2d, "offload_h2d");
+  }
+  host_capacity_ = opt.host_capacity_bytes > 0 ? opt.host_capacity_bytes
+                                                : b.machine_rates(1, 1, 1, cfg.dtype).host_memory_bytes;
   for (int c = 0; c < s.chunks; ++c) {
-    const LayerRange r = virtual_stage_layers(cfg, s.virtual_stages(), s.virtual_stage(stage_, c));
+    const LayerRange r = virtual_stage_layers(cfg, s.virtual_stages(), s.virtual_stage(stage_, c), opt.pad_layers);
     ModelOptions mo = opt.model;
+    mo.allow_empty_range = opt.pad_layers;
     mo.first_layer = r.first;
     mo.last_layer = r.last;
     mo.tied_embedding_copy = true;
@@ -236,6 +277,9 @@ void PipelineStage::step(const std::vector<Batch>& data, std::uint64_t step) {
   events_.reset();
   losses_.assign(has_head() ? static_cast<std::size_t>(s_.microbatches) : 0, Tensor());
   for (auto& sl : slots_) sl = std::make_unique<Slot>();
+  offload_stats_ = OffloadStats{};
+  offload_stats_.chunk_bytes.assign(static_cast<std::size_t>(s_.chunks), 0);
+  host_bytes_ = 0;
   const auto& nodes = s_.nodes[static_cast<std::size_t>(stage_)];
   for (int pos = 0; pos < static_cast<int>(nodes.size()); ++pos) {
     run_node(pos, nodes[static_cast<std::size_t>(pos)], data, step);
@@ -315,7 +359,18 @@ void PipelineStage::run_node(int pos, const Node& n, const std::vector<Batch>& d
       } else {
         events_.after(compute, x.input_ready);
       }
-      x.fw = model.forward(batch_for(x.input), {0, mb, step});
+      const bool offload = offloaded_[static_cast<std::size_t>(mb * s_.chunks + n.chunk)] != 0;
+      if (offload) {
+        if (vs > 0) x.input_storage = x.input.storage();
+        b_.start_capture();
+      }
+      try {
+        x.fw = model.forward(batch_for(x.input), {0, mb, step});
+      } catch (...) {
+        if (offload) b_.stop_capture();
+        throw;
+      }
+      if (offload) x.made = b_.stop_capture();
       if (model.has_head()) losses_[static_cast<std::size_t>(mb)] = x.fw.y;
       else x.out = x.fw.y;
       x.fw.y = Tensor();
@@ -337,6 +392,7 @@ void PipelineStage::run_node(int pos, const Node& n, const std::vector<Batch>& d
           x.dy = Tensor();
         }
       }
+      if (x.reloaded) events_.after(compute, x.reloaded);  // the saved activations are back
       if (!x.fw.saved) {  // recompute the forward
         NodeScope r(b_, "R" + std::to_string(mb) + "." + std::to_string(n.chunk));
         Forwarded f = model.forward(batch_for(x.input), {0, mb, step});
@@ -352,14 +408,74 @@ void PipelineStage::run_node(int pos, const Node& n, const std::vector<Batch>& d
       model.backward_weight(*x.fw.saved);
       x.fw.saved.reset();
       break;
-    case NodeKind::offload:
-      if (opt_.on_offload && x.fw.saved) opt_.on_offload(n, model, *x.fw.saved);
-      break;
-    case NodeKind::reload:
-      if (opt_.on_reload && x.fw.saved) opt_.on_reload(n, model, *x.fw.saved);
-      break;
+    case NodeKind::offload: offload(n, x); break;
+    case NodeKind::reload: reload(n, x); break;
     case NodeKind::optimizer: break;
   }
+}
+
+// ---- activation offloading ----------------------------------------------------------------
+
+void PipelineStage::offload(const Node& n, Slot& x) {
+  // What the forward left alive for its backward: its own activations (not the output being
+  // sent, not the loss) and the input it keeps.
+  const Storage* out = x.out.defined() ? x.out.storage().get() : nullptr;
+  const Storage* loss = n.microbatch < static_cast<int>(losses_.size()) && losses_[static_cast<std::size_t>(n.microbatch)].defined()
+                            ? losses_[static_cast<std::size_t>(n.microbatch)].storage().get()
+                            : nullptr;
+  std::vector<std::weak_ptr<Storage>> found = std::move(x.made);
+  found.push_back(x.input_storage);
+  x.made.clear();
+  x.input_storage.reset();
+  std::size_t bytes = 0;
+  for (auto& w : found) {
+    std::shared_ptr<Storage> st = w.lock();
+    if (!st || st.get() == out || st.get() == loss || st->space != MemSpace::device ||
+        st->category != MemCategory::activations || st->microbatch != n.microbatch || st->bytes == 0)
+      continue;
+    if (std::find(x.away.begin(), x.away.end(), st) != x.away.end()) continue;
+    bytes += st->bytes;
+    x.away.push_back(std::move(st));
+  }
+  if (x.away.empty()) return;
+  if (host_capacity_ > 0 && static_cast<double>(host_bytes_ + bytes) > host_capacity_) {
+    char msg[400];
+    std::snprintf(msg, sizeof msg,
+                  "pipeline stage %d (rank %d): offloading %s's saved activations (%.3f GiB) would hold %.3f GiB of "
+                  "pinned host memory, more than the %.3f GiB this GPU's share of its node's host memory allows: "
+                  "offload fewer chunks (--offload-chunks) or use more pipeline stages",
+                  stage_, b_.rank(), node_label({NodeKind::forward, n.microbatch, n.chunk}).c_str(),
+                  static_cast<double>(bytes) / (1 << 30), static_cast<double>(host_bytes_ + bytes) / (1 << 30),
+                  host_capacity_ / (1 << 30));
+    throw OutOfMemory(msg);
+  }
+  events_.order(stream(), *d2h_);  // after the forward that wrote them
+  for (auto& st : x.away) b_.relocate(st, MemSpace::host_pinned, MemCategory::host_pinned, *d2h_, *d2h_);
+  x.offloaded = events_.mark(*d2h_);
+  x.away_bytes = bytes;
+  host_bytes_ += bytes;
+  offload_stats_.transfers += 1;
+  offload_stats_.bytes += bytes;
+  offload_stats_.peak_host_bytes = std::max(offload_stats_.peak_host_bytes, host_bytes_);
+  auto& per_chunk = offload_stats_.chunk_bytes[static_cast<std::size_t>(n.chunk)];
+  per_chunk = std::max(per_chunk, bytes);
+}
+
+void PipelineStage::reload(const Node& n, Slot& x) {
+  (void)n;
+  if (x.away.empty()) return;
+  events_.after(*h2d_, x.offloaded);  // the host copy is complete
+  for (auto& st : x.away) {
+    // Allocated in stream order on the copy stream, charged to the microbatch's activations;
+    // then owned by the compute stream, which waits for this copy before its B and frees the
+    // bytes after its W.
+    b_.relocate(st, MemSpace::device, MemCategory::activations, *h2d_, *h2d_);
+    st->stream = &stream();
+  }
+  x.reloaded = events_.mark(*h2d_);
+  host_bytes_ -= x.away_bytes;
+  x.away.clear();
+  x.away_bytes = 0;
 }
 
 // ---- figures from the timeline -------------------------------------------------------------

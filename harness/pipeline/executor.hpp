@@ -39,9 +39,20 @@
 // again for their weight gradients (ModelOptions::recompute_norms), one [T,M] less per block
 // in flight; every block already recomputes its activation function's output in backward.
 //
+// Activation offloading (PipeOffload, Wan et al. 2025, arXiv 2503.01328 §3): at an offload
+// node (schedule.hpp's add_offload puts one right after an F) every tensor that F left alive
+// for its backward (found by a storage capture around the forward, Backend::start_capture,
+// plus the chunk's received input) moves to pinned host memory on the stage's device-to-host
+// copy stream, its device bytes freed there after the copy; at the reload node it comes back
+// on the host-to-device stream into device memory charged to its microbatch, and the B waits
+// for that copy only. The chunk's output (being sent) and losses stay. A stage whose offloads
+// would hold more pinned host memory than its share of the node's (host_capacity_bytes) stops
+// with OutOfMemory naming the stage and the bytes, at the first offload that would not fit.
+//
 // Every op issued for a node carries its label in the timeline (Backend::NodeScope):
 // "F3.1" forward of microbatch 3 chunk 1, "B", "W", "R" (recompute), "SA"/"RA" activation
-// send/receive, "SG"/"RG" gradient send/receive, "OPT" gradient sync and optimizer step.
+// send/receive, "SG"/"RG" gradient send/receive, "OFF"/"RL" offload/reload copies, "OPT"
+// gradient sync and optimizer step.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -64,9 +75,17 @@ const char* recompute_name(Recompute r);
 struct LayerRange {
   int first = 0, last = 0;
 };
-LayerRange virtual_stage_layers(const TransformerConfig& cfg, int virtual_stages, int vstage);
-// ConfigError when the schedule's virtual stages do not divide the model's layers.
-void check_pipeline(const TransformerConfig& cfg, const Schedule& s);
+// With `pad` (the authors' --allow-padding-num-layers of PipeOffload's Megatron fork,
+// megatron/legacy/model/transformer.py get_offset): when the virtual stages do not divide L,
+// each holds ceil(L / (p·v)) layers but the last, then the first, second, ... hold one fewer,
+// one for each layer short, so the stages holding the embedding and the head do less
+// transformer work (with L = 3p - 2 and one layer per virtual stage: the embedding and the
+// head get a virtual stage of their own). A virtual stage left with no layers must hold the
+// embedding or the head.
+LayerRange virtual_stage_layers(const TransformerConfig& cfg, int virtual_stages, int vstage, bool pad = false);
+// ConfigError when the schedule's virtual stages do not divide the model's layers (with
+// `pad`: when the padded split leaves a virtual stage with nothing).
+void check_pipeline(const TransformerConfig& cfg, const Schedule& s, bool pad = false);
 
 // The timeline label of a node ("F3.1", "OPT") and its kind back from a label ("F").
 std::string node_label(const Node& n);
@@ -76,8 +95,18 @@ struct PipelineOptions {
   ModelOptions model;         // every chunk's (impl, impl_options, aux loss, tp); layers set per chunk
   std::int64_t tokens = 0;    // T: rows of one microbatch's activations [T,M]
   Recompute recompute = Recompute::none;
-  // PipeOffload's hooks at offload / reload nodes (the chunk and its saved state); none: no-op.
-  std::function<void(const Node&, Model&, Saved&)> on_offload, on_reload;
+  bool pad_layers = false;    // the uneven split (virtual_stage_layers)
+  // Pinned host memory this rank may hold in offloaded activations; 0: the backend's
+  // MachineRates::host_memory_bytes (sim: the node's memory over its GPUs), unknown = no limit.
+  double host_capacity_bytes = 0;
+};
+
+// What the offload and reload nodes of one step moved on this stage.
+struct OffloadStats {
+  int transfers = 0;                  // (microbatch, chunk) activations offloaded
+  std::size_t bytes = 0;              // device -> host (the same come back)
+  std::size_t peak_host_bytes = 0;    // most held on the host at once
+  std::vector<std::size_t> chunk_bytes;  // per chunk: the bytes one microbatch's offload moved (0: none)
 };
 
 class PipelineStage {
@@ -119,6 +148,7 @@ class PipelineStage {
   int stage() const { return stage_; }
   const Schedule& schedule() const { return s_; }
   const ScheduleAnalysis& analysis() const { return analysis_; }
+  const OffloadStats& offload_stats() const { return offload_stats_; }
   std::vector<Param> parameters();  // every chunk's, chunk order (tied copies included)
   std::vector<Model*> chunks();
   Model& chunk(int c) { return *chunks_[static_cast<std::size_t>(c)]; }
@@ -141,6 +171,8 @@ class PipelineStage {
   void sync_tied(bool values);
   void sync_gradients();
   void run_node(int pos, const Node& n, const std::vector<Batch>& data, std::uint64_t step);
+  void offload(const Node& n, Slot& x);
+  void reload(const Node& n, Slot& x);
 
   Backend& b_;
   TransformerConfig cfg_;
@@ -167,6 +199,13 @@ class PipelineStage {
   };
   std::map<int, PendingSend> pending_;  // by the send's position
   std::vector<Tensor> losses_;
+  // Activation offloading (the schedule's offload / reload nodes; PipeOffload, Wan et al. 2025).
+  std::vector<char> offloaded_;       // [mb * chunks + chunk]: the schedule offloads it on this stage
+  Stream* d2h_ = nullptr;
+  Stream* h2d_ = nullptr;
+  double host_capacity_ = 0;
+  std::size_t host_bytes_ = 0;
+  OffloadStats offload_stats_;
 };
 
 // Per timed step, what one rank's timeline says about its pipeline work: the union of the

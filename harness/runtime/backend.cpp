@@ -2,6 +2,8 @@
 // allocation, names, and the default stream.
 #include "harness/runtime/backend.hpp"
 
+#include <utility>
+
 #include "harness/runtime/error.hpp"
 
 namespace moelab {
@@ -111,11 +113,52 @@ Tensor Backend::empty(std::vector<std::int64_t> shape, DType dtype, MemCategory 
   st->microbatch = microbatch_;
   st->ptr = bytes ? raw_alloc(bytes, space, s) : nullptr;
   memory_.on_alloc(category, bytes, now(), microbatch_);
+  if (capturing_) captured_.push_back(st);
   st->release = [this](Storage& x) {
     memory_.on_free(x.category, x.bytes, now(), x.microbatch);
     if (x.ptr) raw_free(x.ptr, x.bytes, x.space, *x.stream);
   };
   return Tensor(std::move(st), std::move(shape), dtype);
+}
+
+void Backend::start_capture() {
+  MOELAB_CHECK(!capturing_, "Backend::start_capture while a capture is running");
+  capturing_ = true;
+  captured_.clear();
+}
+
+std::vector<std::weak_ptr<Storage>> Backend::stop_capture() {
+  MOELAB_CHECK(capturing_, "Backend::stop_capture without start_capture");
+  capturing_ = false;
+  return std::exchange(captured_, {});
+}
+
+void Backend::relocate(const std::shared_ptr<Storage>& st, MemSpace space, MemCategory category, Stream& alloc_on,
+                       Stream& copy_on) {
+  MOELAB_CHECK(st && st->space != space, "Backend::relocate: the storage is already there");
+  if (st->bytes == 0) {
+    st->space = space;
+    return;
+  }
+  // A flat view in a type whose size divides the bytes; a same-type copy moves bytes unchanged.
+  const DType view = st->bytes % 4 == 0 ? DType::f32 : DType::bf16;
+  MOELAB_CHECK(st->bytes % dtype_size(view) == 0, "Backend::relocate: " + std::to_string(st->bytes) + " bytes");
+  const auto n = static_cast<std::int64_t>(st->bytes / dtype_size(view));
+  Tensor dst;
+  {
+    MicrobatchScope m(*this, st->microbatch);
+    dst = empty({n}, view, category, alloc_on, space);
+  }
+  copy(copy_on, Tensor(st, {n}, view), dst);
+  // Swap locations: `st` (shared by every handle) takes the new bytes, `dst`'s storage the old,
+  // freed when dst goes, ordered after the copy that reads them.
+  Storage& now_new = *st;
+  Storage& now_old = *dst.storage();
+  std::swap(now_new.ptr, now_old.ptr);
+  std::swap(now_new.space, now_old.space);
+  std::swap(now_new.category, now_old.category);
+  std::swap(now_new.stream, now_old.stream);
+  now_old.stream = &copy_on;
 }
 
 }  // namespace moelab

@@ -314,6 +314,23 @@ class Backend {
   virtual void set_allow_tf32(bool on) { allow_tf32_ = on; }
   bool allow_tf32() const { return allow_tf32_; }
 
+  // ---- moving saved activations between device and pinned host memory ------------------
+  // (PipeOffload, Wan et al. 2025: a pipeline stage offloads what a forward saved for its
+  // backward and reloads it before the backward; harness/pipeline/executor.cpp.)
+  // While a capture is started, every storage Backend::empty makes is recorded (weakly), so a
+  // caller can find what a forward left alive without the layers listing their saved tensors.
+  // Captures do not nest: start_capture throws while one is running.
+  void start_capture();
+  std::vector<std::weak_ptr<Storage>> stop_capture();
+  // Moves the bytes of `st` to `space` (device <-> host_pinned), charged to `category` and to
+  // the storage's own microbatch: the new bytes are allocated ordered on `alloc_on`, copied on
+  // `copy_on` (which the caller has ordered after every op that wrote them), and every handle
+  // of the storage (views included) then refers to the new bytes; the old bytes are freed
+  // ordered on `copy_on`, after the copy. Bit for bit: the copy reinterprets nothing. The caller
+  // orders every later use of the storage after `copy_on`'s copy (an event).
+  void relocate(const std::shared_ptr<Storage>& st, MemSpace space, MemCategory category, Stream& alloc_on,
+                Stream& copy_on);
+
   // ---- timeline ------------------------------------------------------------------------
   // Ops issued while a PhaseScope is alive carry its label in the timeline.
   void set_phase(std::string phase) { phase_ = std::move(phase); }
@@ -344,6 +361,8 @@ class Backend {
   int rank_ = 0;
   bool allow_tf32_ = false;
   Stream* default_stream_ = nullptr;
+  bool capturing_ = false;
+  std::vector<std::weak_ptr<Storage>> captured_;
 };
 
 class PhaseScope {
