@@ -26,6 +26,17 @@ std::string rejection(const Schedule& s) {
   return "";
 }
 
+// The ConfigError message `f` throws, or "".
+template <class F>
+std::string config_error(F f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
 int count(const Schedule& s, int stage, NodeKind k) {
   const auto& l = s.nodes[static_cast<std::size_t>(stage)];
   return static_cast<int>(std::count_if(l.begin(), l.end(), [&](const Node& n) { return n.kind == k; }));
@@ -151,20 +162,12 @@ TEST(PipelineSchedule, SendsAreKnownDoneByALaterReceive) {
 }
 
 TEST(PipelineSchedule, BadNamesAndSizesAreConfigErrors) {
-  auto msg = [](auto f) {
-    try {
-      f();
-    } catch (const ConfigError& e) {
-      return std::string(e.what());
-    }
-    return std::string();
-  };
-  EXPECT_NE(msg([] { make_schedule("1fb1", 2, 4); }).find("did you mean \"1f1b\""), std::string::npos);
-  EXPECT_NE(msg([] { make_schedule("interleaved", 4, 6, 2); }).find("multiple of pp = 4"), std::string::npos);
-  EXPECT_NE(msg([] { make_schedule("1f1b", 2, 4, 2); }).find("--chunks = 2"), std::string::npos);
-  EXPECT_NE(msg([] { make_schedule("zb-v", 2, 4, 3); }).find("2 chunks"), std::string::npos);
-  EXPECT_NE(msg([] { make_schedule("gpipe", 2, 0); }).find("--microbatches = 0"), std::string::npos);
-  EXPECT_NE(msg([] { make_schedule("interleaved", 2, 4, 1); }).find("--chunks = 1"), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("1fb1", 2, 4); }).find("did you mean \"1f1b\""), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("interleaved", 4, 6, 2); }).find("multiple of pp = 4"), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("1f1b", 2, 4, 2); }).find("--chunks = 2"), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("zb-v", 2, 4, 3); }).find("2 chunks"), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("gpipe", 2, 0); }).find("--microbatches = 0"), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("interleaved", 2, 4, 1); }).find("--chunks = 1"), std::string::npos);
 }
 
 // ---- the validator's rejections, one class each --------------------------------------------
@@ -406,19 +409,11 @@ TEST(GroupInterleaved, SplittingTheBackwardShortensTheSameOrder) {
 }
 
 TEST(GroupInterleaved, BadGroupsAndChunksAreConfigErrors) {
-  auto msg = [](auto f) {
-    try {
-      f();
-    } catch (const ConfigError& e) {
-      return std::string(e.what());
-    }
-    return std::string();
-  };
-  EXPECT_NE(msg([] { make_schedule("group-interleaved", 8, 16, 2, 3); }).find("--group = 3 must be from 4 to 8"), std::string::npos);
-  EXPECT_NE(msg([] { make_schedule("group-interleaved", 8, 16, 2, 9); }).find("--group = 9"), std::string::npos);
-  EXPECT_NE(msg([] { make_schedule("interleaved", 4, 8, 2, 2); }).find("--group = 2 applies to group-interleaved"), std::string::npos);
-  EXPECT_NE(msg([] { make_schedule("group-interleaved", 4, 8, 1); }).find("--chunks = 1"), std::string::npos);
-  EXPECT_NE(msg([] { make_schedule("group-interleave", 4, 8); }).find("did you mean \"group-interleaved\""), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("group-interleaved", 8, 16, 2, 3); }).find("--group = 3 must be from 4 to 8"), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("group-interleaved", 8, 16, 2, 9); }).find("--group = 9"), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("interleaved", 4, 8, 2, 2); }).find("--group = 2 applies to group-interleaved"), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("group-interleaved", 4, 8, 1); }).find("--chunks = 1"), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("group-interleave", 4, 8); }).find("did you mean \"group-interleaved\""), std::string::npos);
 }
 
 // ---- the offload pass and the estimate with transfers --------------------------------------
@@ -620,22 +615,14 @@ TEST(Offload, WithoutOffloadsResidentIsInFlight) {
 }
 
 TEST(Offload, BadOptionsAreConfigErrors) {
-  auto msg = [](auto f) {
-    try {
-      f();
-    } catch (const ConfigError& e) {
-      return std::string(e.what());
-    }
-    return std::string();
-  };
   Schedule s = make_schedule("1f1b", 2, 4);
-  EXPECT_NE(msg([&] { add_offload(s, offload_options(-1, true)); }).find("--offload-chunks = -1"), std::string::npos);
-  EXPECT_NE(msg([&] { add_offload(s, [] { OffloadOptions o; o.chunks = 1; o.d2h = -1; return o; }()); }).find("--offload-time"), std::string::npos);
-  EXPECT_NE(msg([&] { add_offload(s, [] { OffloadOptions o; o.chunks = 1; o.h2d = std::nan(""); return o; }()); }).find("--reload-time"), std::string::npos);
+  EXPECT_NE(config_error([&] { add_offload(s, offload_options(-1, true)); }).find("--offload-chunks = -1"), std::string::npos);
+  EXPECT_NE(config_error([&] { add_offload(s, [] { OffloadOptions o; o.chunks = 1; o.d2h = -1; return o; }()); }).find("--offload-time"), std::string::npos);
+  EXPECT_NE(config_error([&] { add_offload(s, [] { OffloadOptions o; o.chunks = 1; o.h2d = std::nan(""); return o; }()); }).find("--reload-time"), std::string::npos);
   add_offload(s, offload_options(1, false));
-  EXPECT_NE(msg([&] { add_offload(s, offload_options(1, true)); }).find("already has offload nodes"), std::string::npos);
-  EXPECT_NE(msg([] { expected_peak_activation(make_schedule("zb-v", 2, 4), 1); }).find("--offload-chunks = 1"), std::string::npos);
-  EXPECT_NE(msg([] { expected_peak_activation(make_schedule("zb-h1", 2, 4), 1); }).find("--offload-chunks = 1"), std::string::npos);
+  EXPECT_NE(config_error([&] { add_offload(s, offload_options(1, true)); }).find("already has offload nodes"), std::string::npos);
+  EXPECT_NE(config_error([] { expected_peak_activation(make_schedule("zb-v", 2, 4), 1); }).find("--offload-chunks = 1"), std::string::npos);
+  EXPECT_NE(config_error([] { expected_peak_activation(make_schedule("zb-h1", 2, 4), 1); }).find("--offload-chunks = 1"), std::string::npos);
 }
 
 // ---- closed forms of the peak activation memory (docs/pipeline-memory.md) ------------------
