@@ -3,6 +3,7 @@
 //   moelab run --workload experiments/workloads/tiny.json --impl fastmoe --backend cpu
 //   mpirun -n 2 moelab run --workload experiments/workloads/tiny.json --impl fastmoe --backend cpu
 //   moelab list
+//   moelab schedule --schedule group-interleaved --pp 4 --microbatches 8
 //   moelab --help, moelab run --help
 //
 // Exit status: 0 success; 2 bad input (a workload file, a flag, an implementation's option, a
@@ -32,6 +33,7 @@ namespace moelab::cli {
 // harness/cli/run.cpp
 int run_command(const std::vector<std::string>& args);
 int calibrate_command(const std::vector<std::string>& args);
+int schedule_command(const std::vector<std::string>& args);  // harness/cli/schedule_cmd.cpp
 void print_run_help(std::FILE* to);
 
 namespace {
@@ -48,6 +50,8 @@ void print_help(std::FILE* to) {
       "  list   the implementations, backends, cluster models and model files (with their\n"
       "         parameter counts) this binary knows\n"
       "  calibrate  measure this device and write a profile for the sim backend\n"
+      "  schedule   a pipeline schedule as data: each stage's order, its timing estimate and\n"
+      "         activation memory, with PipeOffload's offload pass\n"
       "\n"
       "`moelab <command> --help` shows a command's options. Several ranks (expert parallelism)\n"
       "are launched with mpirun (or srun): mpirun -n 4 moelab run ...\n",
@@ -125,7 +129,8 @@ int dispatch(const std::vector<std::string>& args) {
   if (cmd == "run") return run_command(rest);
   if (cmd == "list") return list_command(rest);
   if (cmd == "calibrate") return calibrate_command(rest);
-  throw ConfigError("unknown command \"" + shown(cmd) + "\" (commands: run, list, calibrate; see moelab --help)");
+  if (cmd == "schedule") return schedule_command(rest);
+  throw ConfigError("unknown command \"" + shown(cmd) + "\" (commands: run, list, calibrate, schedule; see moelab --help)");
 }
 
 }  // namespace

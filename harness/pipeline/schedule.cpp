@@ -5,7 +5,10 @@
 
 #include <algorithm>
 #include <limits>
+#include <cmath>
 #include <map>
+#include <set>
+#include <stdexcept>
 #include <tuple>
 
 #include "harness/config/json_fields.hpp"
@@ -211,7 +214,86 @@ void greedy(Schedule& s, int limit) {
   }
 }
 
-const std::vector<std::string> kNames = {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"};
+// PipeOffload's group-interleaved 1F1B (Wan et al. 2025), built as the authors'
+// GroupBuildingBlockScheduler builds it (megatron/core/pipeline_parallel/zerobubble/scheduler/
+// group_interleaved_1f1b.py), in unit slots (F, B and W one slot each):
+//  1. the building block (get_optimal_building_block, f_offset 1 and b_offset 2; with
+//     g >= ceil(p/2) its min_k is 1): stage d runs F of (chunk c, group member i) at slot
+//     3g·c + 3i + d. The first B, of member 0's last chunk, comes (p-1-d)·(1 + 2) + 1 slots
+//     after member 0's last F: the forward's way on to the last stage, one slot a stage, and
+//     the backward's way back, B and W two slots a stage. Then B of (chunk v-1-c, member i)
+//     at first_b + 3g·c + 3i, its W in the next slot. F, B and W fall on slots d, d+1, d+2
+//     (mod 3), so the block repeats every 3gv slots without a collision.
+//  2. unrolled, each pass at its own slot (unroll_building_block), repeated ceil(m/g) times
+//     3gv slots apart with the microbatches g apart (repeat_building_block), and the
+//     microbatches past m dropped (remove_redundant_micro).
+//  3. stage d delayed by min(d, e) slots, e the least slack between a chunk's F on the first
+//     stage and the previous chunk's F on the last (shift_schedule2meet_dependency), then
+//     squeezed: slot by slot, a stage runs its next pass once the pass it depends on ran in
+//     an earlier slot (squeeze_without_change_order).
+// Step 3 fixes the slots' times, never a stage's order, which is all a Schedule keeps: here
+// it checks that slack is never negative and that the squeeze runs every pass (the order
+// cannot deadlock); timing is estimate()'s. B and W stay one backward pass (split_backward
+// false): the block's b_offset 2 is a stage's B and W before the gradient moves on.
+void group_interleaved(Schedule& s, int g) {
+  const int p = s.stages, m = s.microbatches, v = s.chunks, V = s.virtual_stages(), block = 3 * g * v;
+  const int groups = (m + g - 1) / g;
+  auto idx = [](int i) { return static_cast<std::size_t>(i); };
+  std::vector<std::map<int, Node>> slots(idx(p));  // per stage: slot -> pass
+  for (int d = 0; d < p; ++d) {
+    std::vector<std::pair<int, Node>> bb;  // the building block: (slot, pass of group member i)
+    for (int c = 0; c < v; ++c)
+      for (int i = 0; i < g; ++i) bb.push_back({3 * g * c + 3 * i + d, F(i, c)});
+    const int first_b = 3 * g * (v - 1) + d + 3 * (p - 1 - d) + 1;
+    for (int c = 0; c < v; ++c)
+      for (int i = 0; i < g; ++i) {
+        const int b = first_b + 3 * g * c + 3 * i;
+        bb.push_back({b, B(i, v - 1 - c)});
+        bb.push_back({b + 1, W(i, v - 1 - c)});
+      }
+    std::vector<bool> used(idx(block), false);
+    for (const auto& [slot, n] : bb) {
+      if (used[idx(slot % block)]) throw std::logic_error("group-interleaved: building block collides at slot " + std::to_string(slot));
+      used[idx(slot % block)] = true;
+    }
+    for (int r = 0; r < groups; ++r)
+      for (const auto& [slot, n] : bb)
+        if (n.microbatch + g * r < m) slots[idx(d)][slot + block * r] = {n.kind, n.microbatch + g * r, n.chunk};
+  }
+  // 3. The shift's slack: chunk c's F on stage 0 after chunk c-1's F on the last stage.
+  std::map<std::pair<int, int>, int> last_f;  // (mb, chunk) -> slot on stage p-1
+  for (const auto& [slot, n] : slots[idx(p - 1)])
+    if (n.kind == NodeKind::forward) last_f[{n.microbatch, n.chunk}] = slot;
+  int slack = p - 1;
+  for (const auto& [slot, n] : slots[0])
+    if (n.chunk > 0) slack = std::min(slack, slot - 1 - last_f.at({n.microbatch, n.chunk - 1}));
+  if (slack < 0) throw std::logic_error("group-interleaved: a chunk starts before the previous one ends");
+  for (int d = 0; d < p; ++d)
+    for (const auto& [slot, n] : slots[idx(d)]) s.nodes[idx(d)].push_back(n);
+  // The squeeze: a pass waits for the pass of its dependent virtual stage (F: the previous, B:
+  // the next, W: none), run in an earlier slot.
+  std::set<std::tuple<NodeKind, int, int>> ran;  // (kind, mb, virtual stage)
+  std::vector<std::size_t> next(idx(p), 0);
+  for (std::size_t left = static_cast<std::size_t>(3 * m * v * p); left > 0;) {
+    std::vector<std::tuple<NodeKind, int, int>> now;
+    for (int d = 0; d < p; ++d) {
+      const auto& l = s.nodes[idx(d)];
+      if (next[idx(d)] == l.size()) continue;
+      const Node& n = l[next[idx(d)]];
+      const int vs = s.virtual_stage(d, n.chunk);
+      const int dep = std::clamp(n.kind == NodeKind::forward ? vs - 1 : n.kind == NodeKind::backward_input ? vs + 1 : vs, 0, V - 1);
+      if (dep == vs || ran.count({n.kind, n.microbatch, dep})) {
+        now.push_back({n.kind, n.microbatch, vs});
+        ++next[idx(d)];
+      }
+    }
+    if (now.empty()) throw std::logic_error("group-interleaved: the squeeze stalls (the order deadlocks)");
+    ran.insert(now.begin(), now.end());
+    left -= now.size();
+  }
+}
+
+const std::vector<std::string> kNames = {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "group-interleaved"};
 
 [[noreturn]] void bad_schedule(const Schedule& s, int stage, int pos, const Node& n, const std::string& why) {
   throw ConfigError("schedule " + s.name + ": stage " + std::to_string(stage) + ", position " + std::to_string(pos) + " (" +
@@ -222,28 +304,34 @@ const std::vector<std::string> kNames = {"gpipe", "1f1b", "interleaved", "zb-h1"
 
 std::vector<std::string> schedule_names() { return kNames; }
 
-Schedule make_schedule(const std::string& name, int stages, int microbatches, int chunks) {
+Schedule make_schedule(const std::string& name, int stages, int microbatches, int chunks, int group) {
   if (std::find(kNames.begin(), kNames.end(), name) == kNames.end()) {
     std::string msg = "--schedule " + json_fields::quote(name) + " is not a schedule";
-    if (const std::string best = json_fields::closest(name, kNames); !best.empty())
+    if (const std::string best = json_fields::closest(name, kNames); !best.empty()) {
       msg += " (did you mean " + json_fields::quote(best) + "?)";
-    else
-      msg += " (gpipe, 1f1b, interleaved, zb-h1, zb-v)";
+    } else {
+      std::string all;
+      for (const auto& k : kNames) all += (all.empty() ? "" : ", ") + k;
+      msg += " (" + all + ")";
+    }
     throw ConfigError(msg);
   }
   if (stages < 1) throw ConfigError("schedule " + name + ": pp = " + std::to_string(stages) + " must be at least 1");
   if (microbatches < 1)
     throw ConfigError("schedule " + name + ": --microbatches = " + std::to_string(microbatches) + " must be at least 1");
+  const bool grouped = name == "group-interleaved";
+  if (group != 0 && !grouped)
+    throw ConfigError("schedule " + name + ": --group = " + std::to_string(group) + " applies to group-interleaved only");
   Schedule s;
   s.name = name;
   s.stages = stages;
   s.microbatches = microbatches;
-  if (name == "interleaved") {
+  if (name == "interleaved" || grouped) {
     s.chunks = chunks == 0 ? 2 : chunks;
     if (s.chunks < 2)
-      throw ConfigError("schedule interleaved: --chunks = " + std::to_string(s.chunks) +
+      throw ConfigError("schedule " + name + ": --chunks = " + std::to_string(s.chunks) +
                         " must be at least 2 (one chunk per stage is 1f1b)");
-    if (microbatches % stages != 0)
+    if (!grouped && microbatches % stages != 0)
       throw ConfigError("schedule interleaved: --microbatches = " + std::to_string(microbatches) +
                         " must be a multiple of pp = " + std::to_string(stages) + " (Megatron's interleaved 1F1B)");
   } else if (name == "zb-v") {
@@ -253,14 +341,24 @@ Schedule make_schedule(const std::string& name, int stages, int microbatches, in
     s.placement = Placement::vshape;
   } else if (chunks > 1) {
     throw ConfigError("schedule " + name + ": --chunks = " + std::to_string(chunks) +
-                      " applies to interleaved (and zb-v, always 2); " + name + " has one chunk per stage");
+                      " applies to interleaved, group-interleaved (and zb-v, always 2); " + name + " has one chunk per stage");
   }
+  // The authors' range: ceil(p/2) (GroupBuildingBlockScheduler's default min_group_size) to p
+  // (their README's --interleave-group-size; create_schedule caps the group at p).
+  const int least_group = (stages + 1) / 2;
+  if (grouped && group == 0) group = least_group;
+  if (grouped && (group < least_group || group > stages))
+    throw ConfigError("schedule group-interleaved: --group = " + std::to_string(group) + " must be from " +
+                      std::to_string(least_group) + " to " + std::to_string(stages) + " (ceil(pp/2) to pp = " +
+                      std::to_string(stages) + ")");
+  if (grouped) s.group = group;
   s.split_backward = name == "zb-h1" || name == "zb-v";
   s.nodes.resize(static_cast<std::size_t>(stages));
   if (name == "gpipe") gpipe(s);
   else if (name == "1f1b") one_f_one_b(s);
   else if (name == "interleaved") interleaved(s);
   else if (name == "zb-h1") zb_h1(s);
+  else if (grouped) group_interleaved(s, group);
   else greedy(s, 2 * stages);
   add_communication(s);
   validate(s);
@@ -298,16 +396,138 @@ void add_communication(Schedule& s) {
   }
 }
 
-void add_offload(Schedule& s, int chunks) {
-  for (auto& l : s.nodes) {
+// ---- PipeOffload's offload pass --------------------------------------------------------------
+
+namespace {
+
+bool is_compute(NodeKind k) {
+  return k == NodeKind::forward || k == NodeKind::backward_input || k == NodeKind::backward_weight;
+}
+
+// One (microbatch, chunk) the pass may offload, on one stage: where its F and B are, where its
+// reload would go (before the node at `reload_before`, after the offload when that is F + 1),
+// and for how long its activations would be off the device (F's end to the reload's place).
+struct Transfer {
+  int f = -1, b = -1, reload_before = -1;
+  double off_time = 0;
+};
+
+// The most activations resident on the stage's device over its list, with the given
+// transfers: F adds one, W removes one, an offload (right after its F) removes one, a
+// reload (before reload_before) adds one back.
+int peak_resident_with(const std::vector<Node>& l, const std::vector<const Transfer*>& xs) {
+  std::vector<int> before(l.size() + 1, 0), after(l.size(), 0);  // per position: reloads before it, offloads after it
+  for (const Transfer* x : xs) {
+    ++before[static_cast<std::size_t>(x->reload_before)];
+    ++after[static_cast<std::size_t>(x->f)];
+  }
+  int now = 0, peak = 0;
+  for (std::size_t i = 0; i < l.size(); ++i) {
+    now += before[i];
+    peak = std::max(peak, now);
+    if (l[i].kind == NodeKind::forward) ++now;
+    if (l[i].kind == NodeKind::backward_weight) --now;
+    peak = std::max(peak, now);
+    now -= after[i];
+  }
+  return peak;
+}
+
+}  // namespace
+
+OffloadPlan add_offload(Schedule& s, const OffloadOptions& o) {
+  if (o.chunks < 0) throw ConfigError("--offload-chunks = " + std::to_string(o.chunks) + " must be at least 0");
+  auto time_ok = [](double x) { return std::isfinite(x) && x >= 0; };
+  if (!time_ok(o.d2h)) throw ConfigError("--offload-time = " + std::to_string(o.d2h) + " must be a time of at least 0");
+  if (!time_ok(o.h2d)) throw ConfigError("--reload-time = " + std::to_string(o.h2d) + " must be a time of at least 0");
+  for (const auto& l : s.nodes)
+    for (const Node& n : l)
+      if (n.kind == NodeKind::offload || n.kind == NodeKind::reload)
+        throw ConfigError("schedule " + s.name + ": already has offload nodes (" + describe(n) + "); add_offload runs once");
+  const ScheduleEstimate e = estimate(s, o.costs);  // validates
+  auto idx = [](int i) { return static_cast<std::size_t>(i); };
+  const int p = s.stages, m = s.microbatches, v = s.chunks;
+  OffloadPlan plan;
+  for (auto* x : {&plan.planned, &plan.kept, &plan.skipped_gap, &plan.skipped_peak}) x->assign(idx(p), 0);
+  const double eps = 1e-9 * std::max({1.0, e.makespan, o.costs.backward_input});
+  for (int st = 0; st < p; ++st) {
+    auto& l = s.nodes[idx(st)];
+    const auto& t = e.times[idx(st)];
+    std::vector<std::vector<Transfer>> xs(idx(m), std::vector<Transfer>(idx(v)));
+    std::vector<const Transfer*> live;
+    for (int pos = 0; pos < static_cast<int>(l.size()); ++pos) {
+      const Node& n = l[idx(pos)];
+      if (n.chunk >= o.chunks || (n.kind != NodeKind::forward && n.kind != NodeKind::backward_input)) continue;
+      Transfer& x = xs[idx(n.microbatch)][idx(n.chunk)];
+      if (n.kind == NodeKind::forward) {
+        x.f = pos;
+        ++plan.planned[idx(st)];
+        continue;
+      }
+      x.b = pos;
+      const double f_end = t[idx(x.f)].second, b_start = t[idx(pos)].first, b_len = t[idx(pos)].second - b_start;
+      if (o.d2h + o.h2d > 0 && b_start - b_len - f_end <= 3 * (o.d2h + o.h2d) + eps) {
+        ++plan.skipped_gap[idx(st)];
+        continue;
+      }
+      // The latest compute node before B starting early enough that the copy ends one
+      // B-duration before B; the reload goes before its receives.
+      const double latest = b_start - o.costs.backward_input - o.h2d + eps;
+      int q = -1;
+      for (int i = pos - 1; i > x.f; --i)
+        if (is_compute(l[idx(i)].kind) && t[idx(i)].first <= latest) {
+          q = i;
+          break;
+        }
+      if (q < 0) {
+        x.reload_before = x.f + 1;
+      } else {
+        while (q - 1 > x.f && (l[idx(q - 1)].kind == NodeKind::recv_act || l[idx(q - 1)].kind == NodeKind::recv_grad)) --q;
+        x.reload_before = q;
+      }
+      x.off_time = t[idx(x.reload_before - 1)].second - f_end;
+      live.push_back(&x);
+    }
+    // The lifespan rule: shortest time off the device first, drop what leaves the peak as it is.
+    if (o.lifespan) {
+      std::vector<const Transfer*> order = live;
+      std::stable_sort(order.begin(), order.end(), [](const Transfer* a, const Transfer* b) { return a->off_time < b->off_time; });
+      int peak = peak_resident_with(l, live);
+      for (const Transfer* x : order) {
+        std::vector<const Transfer*> without;
+        for (const Transfer* y : live)
+          if (y != x) without.push_back(y);
+        const int p2 = peak_resident_with(l, without);
+        if (p2 <= peak) {
+          live = std::move(without);
+          peak = p2;
+          ++plan.skipped_peak[idx(st)];
+        }
+      }
+    }
+    plan.kept[idx(st)] = static_cast<int>(live.size());
+    std::vector<bool> offload_after(l.size(), false);
+    for (const Transfer* x : live) offload_after[idx(x->f)] = true;
+    // Reloads issued at one place go in the order of their B.
+    std::vector<std::vector<Node>> reloads(l.size() + 1);
+    std::vector<const Transfer*> by_b = live;
+    std::sort(by_b.begin(), by_b.end(), [](const Transfer* a, const Transfer* b) { return a->b < b->b; });
+    for (const Transfer* x : by_b) {
+      const Node& bn = l[idx(x->b)];
+      reloads[idx(x->reload_before)].push_back({NodeKind::reload, bn.microbatch, bn.chunk});
+    }
     std::vector<Node> out;
-    for (const Node& n : l) {
-      if (n.kind == NodeKind::backward_input && n.chunk < chunks) out.push_back({NodeKind::reload, n.microbatch, n.chunk});
-      out.push_back(n);
-      if (n.kind == NodeKind::forward && n.chunk < chunks) out.push_back({NodeKind::offload, n.microbatch, n.chunk});
+    for (std::size_t i = 0; i < l.size(); ++i) {
+      out.insert(out.end(), reloads[i].begin(), reloads[i].end());
+      out.push_back(l[i]);
+      if (offload_after[i]) out.push_back({NodeKind::offload, l[i].microbatch, l[i].chunk});
     }
     l = std::move(out);
   }
+  const ScheduleAnalysis a = validate(s);
+  plan.peak_resident = a.peak_resident;
+  plan.peak_host = a.peak_host;
+  return plan;
 }
 
 // ---- the validator -------------------------------------------------------------------------
@@ -336,13 +556,15 @@ ScheduleAnalysis validate(const Schedule& s) {
   ScheduleAnalysis a;
   a.send_done_at.resize(idx(p));
   a.peak_in_flight.assign(idx(p), 0);
+  a.peak_resident.assign(idx(p), 0);
+  a.peak_host.assign(idx(p), 0);
 
   // 1. Each stage on its own, in order: every value exists where it is used, nothing twice.
   for (int st = 0; st < p; ++st) {
     const auto& l = s.nodes[idx(st)];
     a.send_done_at[idx(st)].assign(l.size(), -1);
     std::vector<std::vector<Work>> work(idx(m), std::vector<Work>(idx(v)));
-    int in_flight = 0, optimizer_at = -1;
+    int in_flight = 0, resident = 0, host = 0, optimizer_at = -1;
     for (int pos = 0; pos < static_cast<int>(l.size()); ++pos) {
       const Node& n = l[idx(pos)];
       auto fail = [&](const std::string& why) { bad_schedule(s, st, pos, n, why); };
@@ -374,6 +596,7 @@ ScheduleAnalysis validate(const Schedule& s) {
                    " makes it)");
           }
           ++in_flight;
+          ++resident;
           a.peak_in_flight[idx(st)] = std::max(a.peak_in_flight[idx(st)], in_flight);
           break;
         case NodeKind::backward_input:
@@ -393,6 +616,7 @@ ScheduleAnalysis validate(const Schedule& s) {
           twice(x.w);
           if (x.b < 0) fail("W before its B");
           --in_flight;
+          --resident;
           break;
         case NodeKind::send_act:
           twice(x.send_act);
@@ -419,14 +643,20 @@ ScheduleAnalysis validate(const Schedule& s) {
         case NodeKind::offload:
           twice(x.offload);
           if (x.f < 0 || x.b >= 0) fail("offload outside its F .. B");
+          --resident;
+          ++host;
           break;
         case NodeKind::reload:
           twice(x.reload);
           if (x.offload < 0) fail("reload without an offload before it");
           if (x.b >= 0) fail("reload after its B");
+          ++resident;
+          --host;
           break;
         case NodeKind::optimizer: break;
       }
+      a.peak_resident[idx(st)] = std::max(a.peak_resident[idx(st)], resident);
+      a.peak_host[idx(st)] = std::max(a.peak_host[idx(st)], host);
     }
     // Nothing left undone.
     const int end = static_cast<int>(l.size());
@@ -559,13 +789,22 @@ double ScheduleEstimate::mean_bubble() const {
 
 ScheduleEstimate estimate(const Schedule& s, const NodeCosts& c) {
   validate(s);
-  const int p = s.stages;
+  const int p = s.stages, m = s.microbatches, v = s.chunks;
   auto idx = [](int i) { return static_cast<std::size_t>(i); };
   ScheduleEstimate e;
   e.busy.assign(idx(p), 0);
+  e.exposed.assign(idx(p), 0);
+  e.d2h_busy.assign(idx(p), 0);
+  e.h2d_busy.assign(idx(p), 0);
   e.times.resize(idx(p));
-  std::vector<double> t(idx(p), 0);
+  std::vector<double> t(idx(p), 0), d2h_free(idx(p), 0), h2d_free(idx(p), 0);
   std::vector<int> pc(idx(p), 0);
+  // Per stage and (microbatch, chunk): F's end, the offload copy's end, the reload copy's end
+  // (-1: none).
+  struct Copies {
+    double f_end = 0, offloaded = -1, reloaded = -1;
+  };
+  std::vector<std::vector<std::vector<Copies>>> copies(idx(p), std::vector<std::vector<Copies>>(idx(m), std::vector<Copies>(idx(v))));
   // arrival times of sends per (kind, from, to), in order
   std::map<std::tuple<int, int, int>, std::vector<double>> arrive;
   std::map<std::tuple<int, int, int>, std::size_t> taken;
@@ -583,6 +822,20 @@ ScheduleEstimate estimate(const Schedule& s, const NodeCosts& c) {
       while (pc[idx(st)] < static_cast<int>(l.size())) {
         const Node& n = l[idx(pc[idx(st)])];
         double start = t[idx(st)], dur = 0;
+        Copies* x = n.kind == NodeKind::optimizer ? nullptr : &copies[idx(st)][idx(n.microbatch)][idx(n.chunk)];
+        if (n.kind == NodeKind::offload || n.kind == NodeKind::reload) {
+          // A copy on its stream; the compute stream goes on.
+          const bool off = n.kind == NodeKind::offload;
+          double& stream = off ? d2h_free[idx(st)] : h2d_free[idx(st)];
+          const double begin = off ? std::max(x->f_end, stream) : std::max({start, stream, x->offloaded});
+          stream = begin + (off ? c.offload : c.reload);
+          (off ? x->offloaded : x->reloaded) = stream;
+          (off ? e.d2h_busy : e.h2d_busy)[idx(st)] += stream - begin;
+          e.times[idx(st)][idx(pc[idx(st)])] = {begin, stream};
+          ++pc[idx(st)];
+          progress = true;
+          continue;
+        }
         if (is_recv(n.kind)) {
           const auto key = std::tuple{n.kind == NodeKind::recv_act ? 0 : 1, peer_of(st, n), st};
           auto& q = arrive[key];
@@ -594,6 +847,10 @@ ScheduleEstimate estimate(const Schedule& s, const NodeCosts& c) {
           dur = c.forward;
         } else if (n.kind == NodeKind::backward_input) {
           dur = c.backward_input;
+          if (x->reloaded > start) {
+            e.exposed[idx(st)] += x->reloaded - start;
+            start = x->reloaded;
+          }
         } else if (n.kind == NodeKind::backward_weight) {
           dur = c.backward_weight;
         }
@@ -602,6 +859,7 @@ ScheduleEstimate estimate(const Schedule& s, const NodeCosts& c) {
           last = std::max(last, start + dur);
           e.busy[idx(st)] += dur;
         }
+        if (n.kind == NodeKind::forward) x->f_end = start + dur;
         e.times[idx(st)][idx(pc[idx(st)])] = {start, start + dur};
         t[idx(st)] = start + dur;
         ++pc[idx(st)];
@@ -612,6 +870,37 @@ ScheduleEstimate estimate(const Schedule& s, const NodeCosts& c) {
   e.makespan = last > first ? last - first : 0;
   for (int st = 0; st < p; ++st) e.bubble.push_back(e.makespan > 0 ? 1.0 - e.busy[idx(st)] / e.makespan : 0.0);
   return e;
+}
+
+// ---- closed forms of the peak activation memory (docs/pipeline-memory.md) -------------------
+
+std::vector<double> expected_peak_activation(const Schedule& s, int offload_chunks) {
+  const int p = s.stages, m = s.microbatches, v = s.chunks, k = std::min(offload_chunks, v), group = s.group;
+  if (k < 0) throw ConfigError("--offload-chunks = " + std::to_string(offload_chunks) + " must be at least 0");
+  const bool grouped = s.name == "group-interleaved";
+  if (grouped && (group < (p + 1) / 2 || group > p))
+    throw ConfigError("schedule group-interleaved: the closed form needs its --group (" + std::to_string(group) + ")");
+  // A split backward keeps a reloaded (microbatch, chunk) on the device until its deferred W:
+  // no form for zb-h1 and zb-v offloaded; a selective offload needs chunks.
+  if (k > 0 && (s.split_backward || (k < v && s.name != "interleaved" && !grouped)))
+    throw ConfigError("schedule " + s.name + ": --offload-chunks = " + std::to_string(k) +
+                      ": the closed form of an offload is derived for gpipe and 1f1b (full), interleaved and "
+                      "group-interleaved");
+  std::vector<double> out;
+  for (int d = 0; d < p; ++d) {
+    // Chunk-microbatches resident at the peak, each M_a/(p·v).
+    int n = 0;
+    if (k == v) n = 0;  // every activation leaves the device between its F and its reload
+    else if (s.name == "gpipe") n = m;
+    else if (s.name == "1f1b") n = std::min(p - d, m);
+    else if (s.name == "zb-h1") n = std::min(p, m);
+    else if (s.name == "zb-v") n = std::min(2 * p, 2 * m);
+    else if (s.name == "interleaved") n = std::min(p * (v - 1 - k) + (k == 0 ? 2 * (p - d) - 1 : std::min(2 * (p - d) - 1, p)), m * v);
+    else if (grouped) n = std::min(group * (v - 1 - k) + (k == 0 ? p - d : std::min(p - d, group)), m * v);
+    else throw ConfigError("schedule " + s.name + ": no closed form for its activation memory");
+    out.push_back(static_cast<double>(n) / (p * v));
+  }
+  return out;
 }
 
 }  // namespace moelab::pipeline

@@ -56,8 +56,9 @@ enum class Placement { interleaved, vshape };
 const char* placement_name(Placement p);
 
 struct Schedule {
-  std::string name;  // "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", or a user's
+  std::string name;  // "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "group-interleaved", or a user's
   int stages = 1, microbatches = 1, chunks = 1;
+  int group = 0;  // group-interleaved: microbatches per group (g)
   Placement placement = Placement::interleaved;
   // Zero-bubble schedules split the backward: B's gradient leaves before W runs. Otherwise B
   // and the W right after it are one backward pass and the gradient leaves after both.
@@ -69,10 +70,12 @@ struct Schedule {
   std::pair<int, int> place(int vstage) const;  // (stage, chunk)
 };
 
-// The schedules by name, for p stages and m microbatches (v chunks for "interleaved"; "zb-v"
-// always has 2). ConfigError (one line, naming the field and value) for an unknown name (the
-// closest known one suggested), sizes below 1, chunks given to a schedule that has one, or
-// interleaving with m not a multiple of p (Megatron's requirement).
+// The schedules by name, for p stages and m microbatches (v chunks for "interleaved" and
+// "group-interleaved"; "zb-v" always has 2; g microbatches per group for "group-interleaved").
+// ConfigError (one line, naming the field and value) for an unknown name (the closest known
+// one suggested), sizes below 1, chunks given to a schedule that has one, interleaving with m
+// not a multiple of p (Megatron's requirement), a group out of range or given to another
+// schedule.
 //   gpipe        all forwards, then all backwards (Huang et al. 2019)
 //   1f1b         PipeDream-Flush (Narayanan et al. 2021 §2.2.1): p-s-1 warm-up forwards
 //   interleaved  Megatron's interleaved 1F1B over v chunks (Narayanan et al. 2021 §2.2.2)
@@ -81,7 +84,14 @@ struct Schedule {
 //   zb-v         the V-shape over 2 chunks: 1F1B order on the virtual stages with W deferred
 //                (ZB-V's placement and memory, Qi et al. 2024 §6; built by the greedy
 //                list scheduler below, not the paper's hand-made table)
-Schedule make_schedule(const std::string& name, int stages, int microbatches, int chunks = 0);
+//   group-interleaved  PipeOffload's interleaved 1F1B in groups of g microbatches (Wan et al.
+//                2025; the authors' GroupBuildingBlockScheduler): a building block of 3·g·v
+//                unit slots per stage, repeated every g microbatches. g from ceil(p/2) (the
+//                default, the authors' smallest group) to p; any m (the last group may be
+//                partial); v >= 2 (default 2). Lower activation memory than Megatron's
+//                interleaving: g(v-1) + p - s chunk-microbatches on stage s
+//                (docs/pipeline-memory.md)
+Schedule make_schedule(const std::string& name, int stages, int microbatches, int chunks = 0, int group = 0);
 std::vector<std::string> schedule_names();
 
 // Adds send/recv nodes around the compute nodes (a receive right before the node that needs
@@ -89,9 +99,51 @@ std::vector<std::string> schedule_names();
 // the W that follows it) and an optimizer node at the end of every stage. Generators build
 // F/B/W orders and call this.
 void add_communication(Schedule& s);
-// PipeOffload's pass (placeholders only): for every F of a chunk < `chunks`, an offload right
-// after it and a reload right before its B.
-void add_offload(Schedule& s, int chunks);
+
+// A timing model: F, B and W of one chunk take the given times, a point-to-point transfer
+// `p2p`, moving one (microbatch, chunk)'s saved activations to the host `offload` and back
+// `reload`. Any unit will do (the estimate answers in the same one).
+struct NodeCosts {
+  double forward = 1, backward_input = 1, backward_weight = 1, p2p = 0;
+  double offload = 0, reload = 0;
+};
+
+// PipeOffload's pass (Wan et al. 2025; the authors' megatron/core/pipeline_parallel/
+// zerobubble/scheduler/offloading.py, add_send_recv): moves the saved activations of the
+// (microbatch, chunk) pairs of chunks c < `chunks` to host memory between their F and B.
+// Placement, on the schedule's own estimate (`estimate(s, costs)` before the pass):
+//   offload  right after its F: the device-to-host copy starts as soon as F is done.
+//   reload   before the latest compute node (F, B or W; before that node's receives) of the
+//            stage whose estimated start is <= B.start - B - h2d, B being costs.backward_input:
+//            the host-to-device copy, issued when the compute stream reaches the reload node
+//            and taking h2d, ends one B-duration before its B (the authors' "buffer for
+//            robustness"). Never before its offload: without such a node, right after it.
+// Dropped, in this order:
+//   gap rule       B.start - B - F.end <= 3·(d2h + h2d): too little time between F and B for
+//                  both copies (add_send_recv's invalid_offload_keys). Applies only when the
+//                  copies take time: with d2h = h2d = 0 nothing is too close.
+//   lifespan rule  (`lifespan`) an offload that lowers no peak: counting resident activations
+//                  over the stage's list (F adds one, offload removes one, reload adds one back,
+//                  W removes one), offloads are tried shortest off-device interval first (the
+//                  estimated time from F's end to the reload's place) and dropped when the
+//                  stage's peak without them is no higher. What is offloaded while the stage
+//                  is below its peak saves no memory and costs two copies (the paper judges
+//                  an offload strategy by the peak it leaves).
+// With d2h = h2d = 0 and lifespan false every F of a chunk < chunks is offloaded. ConfigError
+// for a negative option or a schedule that already has offload nodes; the result is validated.
+struct OffloadOptions {
+  int chunks = 0;           // offload_chunk_num: offload (mb, c) for chunks c < chunks; >= v is full offload; 0 none
+  double d2h = 0, h2d = 0;  // time to move one chunk's saved activations each way, in the units of `costs`
+  NodeCosts costs;          // durations of F, B, W (and p2p) used to place the transfers
+  bool lifespan = true;     // skip transfers that lower no stage's peak
+};
+struct OffloadPlan {  // per stage
+  std::vector<int> planned, kept;              // offloads asked for (chunk < chunks), kept after the rules
+  std::vector<int> skipped_gap, skipped_peak;  // dropped by the gap rule / the lifespan (peak) rule
+  std::vector<int> peak_resident;              // most (mb, chunk) activations on the device at once, with the offloads
+  std::vector<int> peak_host;                  // most (mb, chunk) activations on the host at once
+};
+OffloadPlan add_offload(Schedule& s, const OffloadOptions& o);
 
 struct ScheduleAnalysis {
   // For every send node (stage, position): the position on the same stage after which the
@@ -101,6 +153,10 @@ struct ScheduleAnalysis {
   std::vector<std::vector<int>> send_done_at;
   // Per stage: most (microbatch, chunk) pairs between F and the end of their W at once.
   std::vector<int> peak_in_flight;
+  // Per stage, over the list: most (microbatch, chunk) activations on the device at once (F
+  // adds one, offload removes one, reload adds one back, W removes one; equals peak_in_flight
+  // without offloads) and on the host (offload adds one, reload removes one).
+  std::vector<int> peak_resident, peak_host;
 };
 
 // Rejects, with a one-line ConfigError naming the node (stage, position, kind, microbatch,
@@ -113,18 +169,43 @@ struct ScheduleAnalysis {
 // optimizer step.
 ScheduleAnalysis validate(const Schedule& s);
 
-// A timing estimate of a valid schedule: every stage runs its nodes in order as soon as their
-// inputs have arrived; F, B and W of one chunk take the given times, a transfer `p2p`.
-struct NodeCosts {
-  double forward = 1, backward_input = 1, backward_weight = 1, p2p = 0;
-};
+// A timing estimate of a valid schedule: every stage runs its compute list in order as soon
+// as its inputs have arrived. Each stage also has one device-to-host and one host-to-device
+// copy stream, each first in, first out: an offload's copy starts at max(its F's end, the d2h
+// stream free); a reload's at max(the compute stream reaching the reload node, the h2d stream
+// free, its offload's copy done); the B of an offloaded (microbatch, chunk) starts no earlier
+// than its reload's end. With free copies (offload = reload = 0) the copies never delay
+// anything and the estimate is that of the schedule without them.
 struct ScheduleEstimate {
   double makespan = 0;               // first F to the last B or W of any stage
   std::vector<double> busy;          // per stage: F + B + W time
   std::vector<double> bubble;        // per stage: 1 - busy / makespan
-  std::vector<std::vector<std::pair<double, double>>> times;  // per stage and position: start, end
+  std::vector<double> exposed;       // per stage: compute time spent waiting for reloads
+  std::vector<double> d2h_busy, h2d_busy;  // per stage: copy stream time
+  // per stage and position: start, end (for offload and reload nodes, their copy's)
+  std::vector<std::vector<std::pair<double, double>>> times;
   double mean_bubble() const;
 };
 ScheduleEstimate estimate(const Schedule& s, const NodeCosts& c);
+
+// The closed forms of docs/pipeline-memory.md: per stage, the peak activation memory the
+// schedule's construction implies, in units of M_a (the activations one microbatch leaves in
+// the whole model; one (microbatch, chunk) holds M_a/(p·v)), counted from F to the end of W
+// as peak_in_flight does. Stage s:
+//   gpipe m/p; 1f1b (p-s)/p; zb-h1 1 (W deferred keeps p in flight on every stage); zb-v 1;
+//   interleaved (p(v-1) + 2(p-s) - 1)/(pv), on stage 0 1 + (p-1)/(pv);
+//   group-interleaved (g(v-1) + p - s)/(pv), on stage 0 (g(v-1) + p)/(pv)
+// (each at most m·v chunk-microbatches). With offload_chunks = k > 0: what stays on the
+// device, the chunks c >= k: none for k >= v (full offload); for 0 < k < v,
+//   interleaved (p(v-1-k) + min(2(p-s) - 1, p))/(pv); group-interleaved (g(v-1-k) + min(p-s, g))/(pv).
+// The copies themselves hold up to two more chunk-microbatches (one F's activations until
+// its offload, one reload waiting for its B): peak_resident of add_offload with free copies
+// and lifespan false is exactly 2/(pv) on full offload (1/(pv) on 1F1B's last stage, where a
+// B follows its F) and between the form and the form + 2/(pv) on a selective one. Exact,
+// checked by pipeline_schedule_test, for m >= p (gpipe: any m), m a multiple of p for
+// interleaved, and m >= 2p for the offloaded forms. ConfigError for an offload of zb-h1 or
+// zb-v (their deferred W keeps a reloaded microbatch on the device: ZB-H1's stage s holds
+// min(s + 2, p) on full offload) and for a selective offload of gpipe or 1f1b.
+std::vector<double> expected_peak_activation(const Schedule& s, int offload_chunks = 0);
 
 }  // namespace moelab::pipeline

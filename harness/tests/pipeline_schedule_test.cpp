@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <tuple>
 
 #include "harness/pipeline/schedule.hpp"
 #include "harness/runtime/error.hpp"
@@ -18,6 +20,17 @@ namespace {
 std::string rejection(const Schedule& s) {
   try {
     validate(s);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// The ConfigError message `f` throws, or "".
+template <class F>
+std::string config_error(F f) {
+  try {
+    f();
   } catch (const ConfigError& e) {
     return e.what();
   }
@@ -149,20 +162,12 @@ TEST(PipelineSchedule, SendsAreKnownDoneByALaterReceive) {
 }
 
 TEST(PipelineSchedule, BadNamesAndSizesAreConfigErrors) {
-  auto msg = [](auto f) {
-    try {
-      f();
-    } catch (const ConfigError& e) {
-      return std::string(e.what());
-    }
-    return std::string();
-  };
-  EXPECT_NE(msg([] { make_schedule("1fb1", 2, 4); }).find("did you mean \"1f1b\""), std::string::npos);
-  EXPECT_NE(msg([] { make_schedule("interleaved", 4, 6, 2); }).find("multiple of pp = 4"), std::string::npos);
-  EXPECT_NE(msg([] { make_schedule("1f1b", 2, 4, 2); }).find("--chunks = 2"), std::string::npos);
-  EXPECT_NE(msg([] { make_schedule("zb-v", 2, 4, 3); }).find("2 chunks"), std::string::npos);
-  EXPECT_NE(msg([] { make_schedule("gpipe", 2, 0); }).find("--microbatches = 0"), std::string::npos);
-  EXPECT_NE(msg([] { make_schedule("interleaved", 2, 4, 1); }).find("--chunks = 1"), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("1fb1", 2, 4); }).find("did you mean \"1f1b\""), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("interleaved", 4, 6, 2); }).find("multiple of pp = 4"), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("1f1b", 2, 4, 2); }).find("--chunks = 2"), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("zb-v", 2, 4, 3); }).find("2 chunks"), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("gpipe", 2, 0); }).find("--microbatches = 0"), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("interleaved", 2, 4, 1); }).find("--chunks = 1"), std::string::npos);
 }
 
 // ---- the validator's rejections, one class each --------------------------------------------
@@ -263,15 +268,420 @@ TEST(PipelineValidator, RejectsWorkTwiceOutOfRangeAndAfterTheOptimizer) {
   expect_rejected(o, {"stage 1, position 10 (W mb 1 chunk 0)", "after the optimizer step"});
 }
 
+OffloadOptions offload_options(int chunks, bool lifespan, double transfer = 0, NodeCosts costs = {}) {
+  OffloadOptions o;
+  o.chunks = chunks;
+  o.d2h = o.h2d = transfer;
+  o.costs = costs;
+  o.lifespan = lifespan;
+  return o;
+}
+
 TEST(PipelineValidator, OffloadPlaceholdersAreChecked) {
   Schedule s = make_schedule("1f1b", 3, 6);
-  add_offload(s, 1);
+  add_offload(s, offload_options(1, false));
   EXPECT_EQ(rejection(s), "");
   EXPECT_EQ(count(s, 0, NodeKind::offload), 6);
   // A reload removed: the B would use offloaded activations.
   auto& l = s.nodes[1];
   l.erase(std::find_if(l.begin(), l.end(), [](const Node& x) { return x.kind == NodeKind::reload; }));
   expect_rejected(s, {"stage 1", "(B mb 0 chunk 0)", "offloaded"});
+  // A reload before its offload.
+  Schedule r = two_stages();
+  r.nodes[0].insert(r.nodes[0].begin() + 1, n(NodeKind::reload, 0));
+  r.nodes[0].insert(r.nodes[0].begin() + 2, n(NodeKind::offload, 0));
+  expect_rejected(r, {"stage 0, position 1 (reload mb 0 chunk 0)", "without an offload"});
+}
+
+// ---- group-interleaved 1F1B (PipeOffload) --------------------------------------------------
+
+int compute_nodes(const Schedule& s, int stage) {
+  return count(s, stage, NodeKind::forward) + count(s, stage, NodeKind::backward_input) +
+         count(s, stage, NodeKind::backward_weight);
+}
+
+TEST(GroupInterleaved, IsValidForEveryGroupChunksAndMicrobatches) {
+  for (int p : {1, 2, 3, 4, 5, 6, 7, 8, 12, 16})
+    for (int v : {2, 3})
+      for (int m : {p, 2 * p, 3 * p + 1})
+        for (int g = (p + 1) / 2; g <= p; ++g) {
+          SCOPED_TRACE("p=" + std::to_string(p) + " v=" + std::to_string(v) + " m=" + std::to_string(m) + " g=" + std::to_string(g));
+          Schedule s;
+          ASSERT_NO_THROW(s = make_schedule("group-interleaved", p, m, v, g));
+          EXPECT_EQ(s.group, g);
+          EXPECT_EQ(s.chunks, v);
+          EXPECT_FALSE(s.split_backward);
+          const ScheduleAnalysis a = validate(s);
+          for (int st = 0; st < p; ++st) {
+            EXPECT_EQ(compute_nodes(s, st), 3 * m * v);
+            // The building block's warm-up: g(v-1) + p - s chunk-microbatches in flight.
+            EXPECT_EQ(a.peak_in_flight[static_cast<std::size_t>(st)], std::min(g * (v - 1) + p - st, m * v)) << "stage " << st;
+          }
+        }
+  // The default group is the authors' ceil(p/2); the default chunks 2.
+  EXPECT_EQ(make_schedule("group-interleaved", 5, 10).group, 3);
+  EXPECT_EQ(make_schedule("group-interleaved", 5, 10).chunks, 2);
+  // Fewer microbatches than a group: the last group is partial.
+  EXPECT_EQ(rejection(make_schedule("group-interleaved", 6, 1, 3, 4)), "");
+}
+
+// p = 4, v = 2, g = 2, stage 0 (slot 3g·c + 3i + d for F of chunk c, member i; the block is
+// 3gv = 12 slots): F0.0 @0, F1.0 @3, F0.1 @6, F1.1 @9. Member 0's last F is at 6; the first B
+// comes (p-1)·3 + 1 = 10 slots later, @16: B0.1 @16, B1.1 @19, B0.0 @22, B1.0 @25, each W a
+// slot after. Group r adds 12r to each slot and 2r to each microbatch; groups 0..3 for m = 8
+// sorted by slot (B.W written as a pair):
+//   0 F0.0  3 F1.0  6 F0.1  9 F1.1  12 F2.0  15 F3.0  16 B0.1  18 F2.1  19 B1.1  21 F3.1
+//   22 B0.0  24 F4.0  25 B1.0  27 F5.0  28 B2.1  30 F4.1  31 B3.1  33 F5.1  34 B2.0  36 F6.0
+//   37 B3.0  39 F7.0  40 B4.1  42 F6.1  43 B5.1  45 F7.1  46 B4.0  49 B5.0  52 B6.1  55 B7.1
+//   58 B6.0  61 B7.0  (group 4's F8.0 @48, F9.0 @51, ... are past m and dropped)
+TEST(GroupInterleaved, FirstStageFollowsTheBuildingBlock) {
+  const Schedule s = make_schedule("group-interleaved", 4, 8, 2, 2);
+  const std::string want =
+      "F0.0 F1.0 F0.1 F1.1 F2.0 F3.0 B0.1 W0.1 F2.1 B1.1 W1.1 F3.1 B0.0 W0.0 F4.0 B1.0 W1.0 F5.0 B2.1 W2.1 F4.1 "
+      "B3.1 W3.1 F5.1 B2.0 W2.0 F6.0 B3.0 W3.0 F7.0 B4.1 W4.1 F6.1 B5.1 W5.1 F7.1 B4.0 W4.0 B5.0 W5.0 B6.1 W6.1 "
+      "B7.1 W7.1 B6.0 W6.0 B7.0 W7.0";
+  std::string got;
+  for (const Node& x : s.nodes[0])
+    if (x.kind == NodeKind::forward || x.kind == NodeKind::backward_input || x.kind == NodeKind::backward_weight)
+      got += (got.empty() ? "" : " ") + std::string(node_kind_name(x.kind)) + std::to_string(x.microbatch) + "." + std::to_string(x.chunk);
+  EXPECT_EQ(got, want);
+}
+
+// With g = p the order of every stage's forwards and backwards is Megatron's (microbatch
+// groups of p, chunk by chunk), but the warm-up is p·v - s forwards, not Megatron's
+// 2(p-s-1) + (v-1)p + 1: the same peak only on the last stage, p - 1 - s fewer elsewhere
+// (stage 0: M_a, not (1 + (p-1)/(pv))·M_a). At F = 1, B + W = 2 (the block's slots) and free
+// transfers the makespan is Megatron's too; smaller groups hold less and idle more.
+TEST(GroupInterleaved, FullGroupAgainstMegatronInterleaving) {
+  for (int p : {2, 3, 4, 6, 8})
+    for (int v : {2, 3})
+      for (int m : {p, 2 * p, 4 * p}) {
+        SCOPED_TRACE("p=" + std::to_string(p) + " v=" + std::to_string(v) + " m=" + std::to_string(m));
+        const Schedule gi = make_schedule("group-interleaved", p, m, v, p), mt = make_schedule("interleaved", p, m, v);
+        const ScheduleAnalysis a = validate(gi), b = validate(mt);
+        for (int st = 0; st < p; ++st) {
+          const std::size_t i = static_cast<std::size_t>(st);
+          EXPECT_EQ(a.peak_in_flight[i], std::min(p * v - st, m * v));
+          EXPECT_EQ(b.peak_in_flight[i], std::min(p * v + p - 1 - 2 * st, m * v));
+          EXPECT_LE(a.peak_in_flight[i], b.peak_in_flight[i]);
+          if (st == p - 1) {
+            EXPECT_EQ(a.peak_in_flight[i], b.peak_in_flight[i]);
+          }
+          // Same forwards and backwards in the same order, once the warm-ups are set aside.
+          auto order = [&](const Schedule& s, NodeKind k) {
+            std::vector<Node> o;
+            for (const Node& x : s.nodes[i])
+              if (x.kind == k) o.push_back(x);
+            return o;
+          };
+          EXPECT_EQ(order(gi, NodeKind::forward), order(mt, NodeKind::forward));
+          EXPECT_EQ(order(gi, NodeKind::backward_input), order(mt, NodeKind::backward_input));
+        }
+        EXPECT_NEAR(estimate(gi, {1, 1, 1, 0}).makespan, estimate(mt, {1, 1, 1, 0}).makespan, 1e-9);
+        for (int g = (p + 1) / 2; g < p; ++g) {
+          const Schedule sg = make_schedule("group-interleaved", p, m, v, g);
+          const ScheduleAnalysis c = validate(sg);
+          for (int st = 0; st < p; ++st) EXPECT_LE(c.peak_in_flight[static_cast<std::size_t>(st)], a.peak_in_flight[static_cast<std::size_t>(st)]);
+          EXPECT_GE(estimate(sg, {1, 1, 1, 0}).makespan, estimate(gi, {1, 1, 1, 0}).makespan - 1e-9);
+        }
+      }
+}
+
+// The authors run the order with B's gradient sent before W (their zero-bubble runtime);
+// with B and W one pass, as here, every chunk boundary of the backward waits one W more. The
+// same order with the backward split idles less.
+TEST(GroupInterleaved, SplittingTheBackwardShortensTheSameOrder) {
+  for (const auto& [p, m, v, g] : std::vector<std::tuple<int, int, int, int>>{{4, 16, 2, 2}, {8, 24, 2, 4}, {8, 24, 3, 4}}) {
+    const Schedule s = make_schedule("group-interleaved", p, m, v, g);
+    Schedule t = s;
+    t.split_backward = true;
+    for (auto& l : t.nodes)
+      l.erase(std::remove_if(l.begin(), l.end(), [](const Node& x) {
+                return x.kind != NodeKind::forward && x.kind != NodeKind::backward_input && x.kind != NodeKind::backward_weight;
+              }), l.end());
+    add_communication(t);
+    const double whole = estimate(s, {1, 1, 1, 0}).makespan, split = estimate(t, {1, 1, 1, 0}).makespan;
+    const double megatron = estimate(make_schedule("interleaved", p, m, v), {1, 1, 1, 0}).makespan;
+    EXPECT_LT(split, whole) << "p=" << p << " g=" << g;
+    EXPECT_GT(whole, megatron) << "p=" << p << " g=" << g;
+    EXPECT_LE(split, megatron + 1.0 + 1e-9) << "p=" << p << " g=" << g;
+  }
+}
+
+TEST(GroupInterleaved, BadGroupsAndChunksAreConfigErrors) {
+  EXPECT_NE(config_error([] { make_schedule("group-interleaved", 8, 16, 2, 3); }).find("--group = 3 must be from 4 to 8"), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("group-interleaved", 8, 16, 2, 9); }).find("--group = 9"), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("interleaved", 4, 8, 2, 2); }).find("--group = 2 applies to group-interleaved"), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("group-interleaved", 4, 8, 1); }).find("--chunks = 1"), std::string::npos);
+  EXPECT_NE(config_error([] { make_schedule("group-interleave", 4, 8); }).find("did you mean \"group-interleaved\""), std::string::npos);
+}
+
+// ---- the offload pass and the estimate with transfers --------------------------------------
+
+// Per stage: most (microbatch, chunk) pairs of chunks >= k between their F and W at once.
+std::vector<int> peak_kept(const Schedule& s, int k) {
+  std::vector<int> out;
+  for (const auto& l : s.nodes) {
+    int now = 0, peak = 0;
+    for (const Node& x : l) {
+      if (x.chunk < k) continue;
+      if (x.kind == NodeKind::forward) ++now;
+      if (x.kind == NodeKind::backward_weight) --now;
+      peak = std::max(peak, now);
+    }
+    out.push_back(peak);
+  }
+  return out;
+}
+
+// The compute nodes' times of a stage, in order.
+std::vector<std::pair<double, double>> compute_times(const Schedule& s, const ScheduleEstimate& e, int st) {
+  std::vector<std::pair<double, double>> out;
+  const auto& l = s.nodes[static_cast<std::size_t>(st)];
+  for (std::size_t i = 0; i < l.size(); ++i)
+    if (l[i].kind == NodeKind::forward || l[i].kind == NodeKind::backward_input || l[i].kind == NodeKind::backward_weight)
+      out.push_back(e.times[static_cast<std::size_t>(st)][i]);
+  return out;
+}
+
+TEST(Offload, FreeTransfersOffloadEveryChosenChunkAndChangeNoTime) {
+  const NodeCosts c{1.0, 1.5, 0.5, 0.1};
+  for (const auto& [name, p, m, v, g] : std::vector<std::tuple<std::string, int, int, int, int>>{
+           {"1f1b", 4, 8, 0, 0}, {"interleaved", 4, 8, 2, 0}, {"group-interleaved", 4, 9, 3, 2}, {"zb-v", 3, 6, 0, 0}, {"gpipe", 2, 3, 0, 0}})
+    for (int k = 1; k <= 3; ++k) {
+      SCOPED_TRACE(name + " k=" + std::to_string(k));
+      const Schedule s0 = make_schedule(name, p, m, v, g);
+      Schedule s = s0;
+      const OffloadPlan plan = add_offload(s, offload_options(k, false, 0, c));
+      const ScheduleAnalysis a = validate(s);
+      const ScheduleEstimate e0 = estimate(s0, c), e = estimate(s, c);
+      EXPECT_NEAR(e.makespan, e0.makespan, 1e-9);
+      for (int st = 0; st < p; ++st) {
+        const std::size_t i = static_cast<std::size_t>(st);
+        const int want = m * std::min(k, s.chunks);
+        EXPECT_EQ(plan.planned[i], want);
+        EXPECT_EQ(plan.kept[i], want);
+        EXPECT_EQ(plan.skipped_gap[i] + plan.skipped_peak[i], 0);
+        EXPECT_EQ(count(s, st, NodeKind::offload), want);
+        EXPECT_EQ(count(s, st, NodeKind::reload), want);
+        EXPECT_EQ(plan.peak_resident[i], a.peak_resident[i]);
+        EXPECT_EQ(plan.peak_host[i], a.peak_host[i]);
+        EXPECT_LE(a.peak_resident[i], a.peak_in_flight[i]);
+        EXPECT_EQ(a.peak_in_flight[i], validate(s0).peak_in_flight[i]);
+        EXPECT_EQ(e.exposed[i], 0.0);
+        EXPECT_EQ(e.d2h_busy[i] + e.h2d_busy[i], 0.0);
+        EXPECT_EQ(compute_times(s, e, st), compute_times(s0, e0, st));
+        // Each offload right after its F. Each reload before the latest compute node that
+        // starts at least a B-duration before its B (and before that node's receives), or
+        // right after its offload when there is none after the F.
+        const auto& l = s.nodes[i];
+        const auto& t = e.times[i];
+        auto is_compute = [](NodeKind kind) {
+          return kind == NodeKind::forward || kind == NodeKind::backward_input || kind == NodeKind::backward_weight;
+        };
+        for (std::size_t j = 0; j < l.size(); ++j) {
+          if (l[j].kind == NodeKind::offload) {
+            ASSERT_GT(j, 0u);
+            EXPECT_EQ(l[j - 1], (Node{NodeKind::forward, l[j].microbatch, l[j].chunk}));
+          }
+          if (l[j].kind != NodeKind::reload) continue;
+          std::size_t b = j + 1, f = j;
+          while (l[b] != Node{NodeKind::backward_input, l[j].microbatch, l[j].chunk}) ++b;
+          while (l[f] != Node{NodeKind::forward, l[j].microbatch, l[j].chunk}) --f;
+          const double latest = t[b].first - c.backward_input + 1e-9;
+          std::vector<std::size_t> early;  // compute nodes between F and B starting early enough
+          for (std::size_t q = f + 1; q < b; ++q)
+            if (is_compute(l[q].kind) && t[q].first <= latest) early.push_back(q);
+          std::size_t next = j + 1;
+          while (!is_compute(l[next].kind)) ++next;
+          if (early.empty() || early.back() < j) {
+            EXPECT_TRUE(early.empty()) << describe(l[j]);
+            EXPECT_LT(j, f + 4) << describe(l[j]) << ": right after the offload";
+          } else {
+            EXPECT_EQ(next, early.back()) << describe(l[j]) << " at " << j;
+            for (std::size_t q = j + 1; q < next; ++q)
+              EXPECT_TRUE(l[q].kind == NodeKind::reload || l[q].kind == NodeKind::recv_act || l[q].kind == NodeKind::recv_grad)
+                  << describe(l[q]);
+          }
+        }
+      }
+    }
+}
+
+// The gap rule, recomputed from the schedule's estimate: B.start - B - F.end <= 3(d2h + h2d)
+// skips the pair (the authors' add_send_recv); what is left keeps its copies off the compute
+// stream when the streams keep up.
+TEST(Offload, TheGapRuleSkipsPairsTooCloseForBothCopies) {
+  const NodeCosts c{1, 1, 1, 0};
+  for (double x : {0.25, 0.5, 1.0, 2.0, 4.0})
+    for (const auto& [name, p, m, v, g] : std::vector<std::tuple<std::string, int, int, int, int>>{
+             {"1f1b", 4, 8, 0, 0}, {"interleaved", 4, 8, 2, 0}, {"group-interleaved", 4, 8, 2, 2}, {"group-interleaved", 6, 13, 3, 4}}) {
+      SCOPED_TRACE(name + " x=" + std::to_string(x));
+      const Schedule s0 = make_schedule(name, p, m, v, g);
+      const ScheduleEstimate e0 = estimate(s0, c);
+      Schedule s = s0;
+      const OffloadPlan plan = add_offload(s, offload_options(1, false, x, c));
+      for (int st = 0; st < p; ++st) {
+        const auto& l = s0.nodes[static_cast<std::size_t>(st)];
+        const auto& t = e0.times[static_cast<std::size_t>(st)];
+        std::map<int, double> f_end;
+        int close = 0;
+        for (std::size_t i = 0; i < l.size(); ++i) {
+          if (l[i].chunk != 0) continue;
+          if (l[i].kind == NodeKind::forward) f_end[l[i].microbatch] = t[i].second;
+          if (l[i].kind == NodeKind::backward_input && t[i].first - 1.0 - f_end[l[i].microbatch] <= 6 * x) ++close;
+        }
+        EXPECT_EQ(plan.skipped_gap[static_cast<std::size_t>(st)], close) << "stage " << st;
+        EXPECT_EQ(plan.kept[static_cast<std::size_t>(st)], m - close);
+        EXPECT_EQ(count(s, st, NodeKind::offload), m - close);
+      }
+      const ScheduleEstimate e = estimate(s, {1, 1, 1, 0, x, x});
+      if (x <= 1.0) {
+        for (double w : e.exposed) EXPECT_EQ(w, 0.0);
+        EXPECT_NEAR(e.makespan, e0.makespan, 1e-9);
+        // A reload's copy ends a B-duration before its B.
+        for (int st = 0; st < p; ++st) {
+          const auto& l = s.nodes[static_cast<std::size_t>(st)];
+          for (std::size_t j = 0; j < l.size(); ++j) {
+            if (l[j].kind != NodeKind::reload) continue;
+            std::size_t b = j + 1;
+            while (l[b] != Node{NodeKind::backward_input, l[j].microbatch, l[j].chunk}) ++b;
+            EXPECT_LE(e.times[static_cast<std::size_t>(st)][j].second, e.times[static_cast<std::size_t>(st)][b].first - 1.0 + 1e-9);
+          }
+        }
+      }
+    }
+}
+
+// The lifespan rule drops only offloads that leave a stage's peak as it is.
+TEST(Offload, TheLifespanRuleKeepsThePeakAndDropsTheRest) {
+  for (const auto& [name, p, m, v, g] : std::vector<std::tuple<std::string, int, int, int, int>>{
+           {"1f1b", 4, 16, 0, 0}, {"interleaved", 4, 8, 2, 0}, {"group-interleaved", 6, 12, 2, 3}, {"group-interleaved", 4, 9, 3, 4}, {"zb-v", 4, 8, 0, 0}})
+    for (int k = 1; k <= 3; ++k) {
+      SCOPED_TRACE(name + " k=" + std::to_string(k));
+      Schedule all = make_schedule(name, p, m, v, g), few = all;
+      const OffloadPlan a = add_offload(all, offload_options(k, false));
+      const OffloadPlan b = add_offload(few, offload_options(k, true));
+      for (int st = 0; st < p; ++st) {
+        const std::size_t i = static_cast<std::size_t>(st);
+        EXPECT_EQ(b.peak_resident[i], a.peak_resident[i]);
+        EXPECT_EQ(b.kept[i] + b.skipped_peak[i], a.kept[i]);
+        EXPECT_EQ(count(few, st, NodeKind::offload), b.kept[i]);
+      }
+    }
+  // 1F1B, full offload: the last two stages hold at most 2 and 1 without offloading, which
+  // free copies cannot lower; the first two keep nearly everything.
+  Schedule s = make_schedule("1f1b", 4, 16);
+  const OffloadPlan plan = add_offload(s, offload_options(1, true));
+  EXPECT_EQ(plan.kept, (std::vector<int>{15, 15, 0, 0}));
+  EXPECT_EQ(plan.skipped_peak, (std::vector<int>{1, 1, 16, 16}));
+  EXPECT_EQ(plan.peak_resident, (std::vector<int>{2, 2, 2, 1}));
+  EXPECT_EQ(plan.peak_host, (std::vector<int>{3, 2, 0, 0}));
+}
+
+// GPipe on one stage with both microbatches offloaded by hand: the d2h stream runs the two
+// offloads one after the other, the reloads wait for them, the Bs for the reloads.
+//   F0 [0,1] o0 [1,6] F1 [1,2] o1 [6,11] r1 [11,13] B1 [13,14] W1 [14,15] r0 [15,17] B0 [17,18] W0 [18,19]
+TEST(Offload, TheEstimateQueuesCopiesAndExposesTheirWait) {
+  Schedule s;
+  s.name = "hand";
+  s.microbatches = 2;
+  s.nodes = {{n(kF, 0), n(NodeKind::offload, 0), n(kF, 1), n(NodeKind::offload, 1), n(NodeKind::reload, 1), n(kB, 1),
+              n(kW, 1), n(NodeKind::reload, 0), n(kB, 0), n(kW, 0), n(kOpt, -1)}};
+  const ScheduleEstimate e = estimate(s, {1, 1, 1, 0, 5, 2});
+  using P = std::pair<double, double>;
+  EXPECT_EQ(e.times[0], (std::vector<P>{{0, 1}, {1, 6}, {1, 2}, {6, 11}, {11, 13}, {13, 14}, {14, 15}, {15, 17}, {17, 18}, {18, 19}, {19, 19}}));
+  EXPECT_DOUBLE_EQ(e.makespan, 19);
+  EXPECT_DOUBLE_EQ(e.exposed[0], 11 + 2);
+  EXPECT_DOUBLE_EQ(e.d2h_busy[0], 10);
+  EXPECT_DOUBLE_EQ(e.h2d_busy[0], 4);
+  EXPECT_DOUBLE_EQ(e.busy[0], 6);
+  const ScheduleAnalysis a = validate(s);
+  EXPECT_EQ(a.peak_in_flight[0], 2);
+  EXPECT_EQ(a.peak_resident[0], 1);
+  EXPECT_EQ(a.peak_host[0], 2);
+  // Free copies: the times of the schedule without them.
+  const ScheduleEstimate f = estimate(s, {1, 1, 1, 0});
+  EXPECT_DOUBLE_EQ(f.makespan, 6);
+  EXPECT_EQ(f.exposed[0], 0.0);
+}
+
+TEST(Offload, WithoutOffloadsResidentIsInFlight) {
+  for (const auto& name : schedule_names()) {
+    const ScheduleAnalysis a = validate(make_schedule(name, 4, 8));
+    EXPECT_EQ(a.peak_resident, a.peak_in_flight) << name;
+    EXPECT_EQ(a.peak_host, std::vector<int>(4, 0)) << name;
+  }
+}
+
+TEST(Offload, BadOptionsAreConfigErrors) {
+  Schedule s = make_schedule("1f1b", 2, 4);
+  EXPECT_NE(config_error([&] { add_offload(s, offload_options(-1, true)); }).find("--offload-chunks = -1"), std::string::npos);
+  EXPECT_NE(config_error([&] { add_offload(s, [] { OffloadOptions o; o.chunks = 1; o.d2h = -1; return o; }()); }).find("--offload-time"), std::string::npos);
+  EXPECT_NE(config_error([&] { add_offload(s, [] { OffloadOptions o; o.chunks = 1; o.h2d = std::nan(""); return o; }()); }).find("--reload-time"), std::string::npos);
+  add_offload(s, offload_options(1, false));
+  EXPECT_NE(config_error([&] { add_offload(s, offload_options(1, true)); }).find("already has offload nodes"), std::string::npos);
+  EXPECT_NE(config_error([] { expected_peak_activation(make_schedule("zb-v", 2, 4), 1); }).find("--offload-chunks = 1"), std::string::npos);
+  EXPECT_NE(config_error([] { expected_peak_activation(make_schedule("zb-h1", 2, 4), 1); }).find("--offload-chunks = 1"), std::string::npos);
+}
+
+// ---- closed forms of the peak activation memory (docs/pipeline-memory.md) ------------------
+
+TEST(PeakActivation, ClosedFormsMatchTheSchedules) {
+  int checked = 0;
+  for (const auto& name : schedule_names())
+    for (int p = 1; p <= 8; ++p)
+      for (int v : name == "interleaved" || name == "group-interleaved" ? std::vector<int>{2, 3, 4} : std::vector<int>{0})
+        for (int m : {2 * p, 3 * p, 4 * p})
+          for (int g = name == "group-interleaved" ? (p + 1) / 2 : 0; g <= (name == "group-interleaved" ? p : 0); ++g) {
+            SCOPED_TRACE(name + " p=" + std::to_string(p) + " v=" + std::to_string(v) + " m=" + std::to_string(m) + " g=" + std::to_string(g));
+            const Schedule s = make_schedule(name, p, m, v, g);
+            const ScheduleAnalysis a = validate(s);
+            const double unit = p * s.chunks;  // chunk-microbatches per M_a
+            const std::vector<double> e = expected_peak_activation(s);
+            ASSERT_EQ(e.size(), static_cast<std::size_t>(p));
+            for (int st = 0; st < p; ++st) {
+              EXPECT_NEAR(e[static_cast<std::size_t>(st)] * unit, a.peak_in_flight[static_cast<std::size_t>(st)], 1e-9) << "stage " << st;
+              ++checked;
+            }
+            // Offloaded: what stays is the form; the copies add 0 to 2 (exactly 2 on full offload,
+            // 1 on 1F1B's last stage where each B follows its F).
+            const bool selective = name == "interleaved" || name == "group-interleaved";
+            if (s.split_backward) {
+              // The deferred W keeps a reloaded microbatch on the device: ZB-H1's stage s holds
+              // its s deferred ones besides the two of the copies (no closed form for ZB-V).
+              Schedule o = s;
+              const OffloadPlan plan = add_offload(o, offload_options(1 + s.chunks, false));
+              for (int st = 0; st < p && name == "zb-h1"; ++st)
+                EXPECT_EQ(plan.peak_resident[static_cast<std::size_t>(st)], std::min(st + 2, p)) << "stage " << st;
+              continue;
+            }
+            for (int k = selective ? 1 : s.chunks; k <= s.chunks; ++k) {
+              Schedule o = s;
+              const OffloadPlan plan = add_offload(o, offload_options(k, false));
+              const std::vector<double> f = expected_peak_activation(s, k);
+              const std::vector<int> kept = peak_kept(s, k);
+              for (int st = 0; st < p; ++st) {
+                const std::size_t i = static_cast<std::size_t>(st);
+                const double stays = f[i] * unit;
+                EXPECT_NEAR(stays, kept[i], 1e-9) << "k=" << k << " stage " << st;
+                EXPECT_GE(plan.peak_resident[i], stays - 1e-9);
+                EXPECT_LE(plan.peak_resident[i], stays + 2 + 1e-9);
+                if (k == s.chunks) {
+                  EXPECT_EQ(plan.peak_resident[i], name == "1f1b" && st == p - 1 ? 1 : 2) << "stage " << st;
+                }
+                ++checked;
+              }
+            }
+          }
+  EXPECT_GT(checked, 3000);
+  // The numbers the papers quote, on stage 0 in M_a.
+  EXPECT_NEAR(expected_peak_activation(make_schedule("1f1b", 8, 16))[0], 1.0, 1e-12);
+  EXPECT_NEAR(expected_peak_activation(make_schedule("interleaved", 8, 16, 2))[0], 1.0 + 7.0 / 16, 1e-12);
+  EXPECT_NEAR(expected_peak_activation(make_schedule("group-interleaved", 8, 16, 2, 8))[0], 1.0, 1e-12);
+  EXPECT_NEAR(expected_peak_activation(make_schedule("group-interleaved", 8, 16, 2, 4))[0], 0.75, 1e-12);
+  EXPECT_NEAR(expected_peak_activation(make_schedule("group-interleaved", 8, 16, 2, 4), 1)[0], 0.25, 1e-12);
+  EXPECT_NEAR(expected_peak_activation(make_schedule("gpipe", 4, 12))[0], 3.0, 1e-12);
 }
 
 }  // namespace
