@@ -306,6 +306,26 @@ json pipeline_json(const PipelinePlan& plan, const json& parts) {
           {"link_bytes_by_collective", sim_links ? to_json(total_by) : json(nullptr)}};
 }
 
+// PipeOffload's cost condition (Wan et al. 2025, §3): k = the time to move one transformer
+// layer's saved activations over the host link / that layer's forward + backward compute.
+// Their estimate for the placement (the authors' zbpp_utils.get_offload_time, which their
+// --auto-offload-time uses): about 20 values per token and hidden unit saved, 16-bit, so
+// k = 10 / (3·(6h + s)) · B_c / B_o, B_c the GEMM rate, B_o the host link's. Here B_c is the
+// backend's rate for a [T,h]x[h,h] GEMM and B_o its pinned copy rate (sim: the cluster model
+// and calibration); unknown (cpu): 0, and the pass places the copies as if free.
+struct OffloadModel {
+  double bc = 0, bo = 0, k_paper = 0;
+};
+OffloadModel offload_model(Backend& b, const TransformerConfig& cfg, std::int64_t tokens) {
+  OffloadModel m;
+  const MachineRates r = b.machine_rates(tokens, cfg.d_model, cfg.d_model, cfg.dtype);
+  m.bc = r.gemm_flops;
+  m.bo = r.host_copy_bytes;
+  if (m.bc > 0 && m.bo > 0)
+    m.k_paper = 10.0 / (3.0 * (6.0 * static_cast<double>(cfg.d_model) + static_cast<double>(cfg.seq_len))) * m.bc / m.bo;
+  return m;
+}
+
 // The result's "parallel"."offload" object: what was planned and moved, the cost condition k
 // (the paper's estimate, and ours from the bytes our layers really saved and this run's
 // compute), and the overhead the schedule's estimate predicts with our k.
@@ -413,26 +433,6 @@ void print_pipeline(const json& par, int steps) {
                 l["nvlink"].get<double>() / kMiB / steps, l["pcie"].get<double>() / kMiB / steps,
                 l["nic"].get<double>() / kMiB / steps);
   }
-}
-
-// PipeOffload's cost condition (Wan et al. 2025, §3): k = the time to move one transformer
-// layer's saved activations over the host link / that layer's forward + backward compute.
-// Their estimate for the placement (the authors' zbpp_utils.get_offload_time, which their
-// --auto-offload-time uses): about 20 values per token and hidden unit saved, 16-bit, so
-// k = 10 / (3·(6h + s)) · B_c / B_o, B_c the GEMM rate, B_o the host link's. Here B_c is the
-// backend's rate for a [T,h]x[h,h] GEMM and B_o its pinned copy rate (sim: the cluster model
-// and calibration); unknown (cpu): 0, and the pass places the copies as if free.
-struct OffloadModel {
-  double bc = 0, bo = 0, k_paper = 0;
-};
-OffloadModel offload_model(Backend& b, const TransformerConfig& cfg, std::int64_t tokens) {
-  OffloadModel m;
-  const MachineRates r = b.machine_rates(tokens, cfg.d_model, cfg.d_model, cfg.dtype);
-  m.bc = r.gemm_flops;
-  m.bo = r.host_copy_bytes;
-  if (m.bc > 0 && m.bo > 0)
-    m.k_paper = 10.0 / (3.0 * (6.0 * static_cast<double>(cfg.d_model) + static_cast<double>(cfg.seq_len))) * m.bc / m.bo;
-  return m;
 }
 
 // plan: the checked layout and schedule of a --parallel run (null: every rank holds the model).

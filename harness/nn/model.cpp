@@ -53,7 +53,7 @@ Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const M
     auto e = std::make_unique<PatchEmbed>(b, s_, cfg);
     patch_embed_ = e.get();
     blocks_.push_back(std::move(e));
-  } else if (first_ == 0) {
+  } else if (first_ == 0 && !opt.without_embedding) {
     auto e = std::make_unique<Embedding>(b, s_, cfg, tp_);
     embedding_ = e.get();
     blocks_.push_back(std::move(e));
@@ -104,7 +104,7 @@ Model::Model(Backend& b, Communicator& ep, const TransformerConfig& cfg, const M
     auto h = std::make_unique<ClassifierHead>(b, s_, cfg.layer_config(cfg.num_layers - 1));
     classifier_ = h.get();
     blocks_.push_back(std::move(h));
-  } else if (last_ == cfg.num_layers) {
+  } else if (last_ == cfg.num_layers && !opt.without_head) {
     // Tied embeddings across stages: the head's own copy, whose gradient the pipeline sums with
     // the embedding's (Megatron's embedding group; ModelOptions::tied_embedding_copy); within
     // one stage they are one tensor.

@@ -61,6 +61,9 @@ struct ModelOptions {
   // An empty layer range [0, 0) or [L, L): a pipeline chunk holding only the embedding or only
   // the final norm and head (the uneven split of PipelineOptions::pad_layers).
   bool allow_empty_range = false;
+  // The range starts at layer 0 (ends at the last) but another chunk holds the embedding (the
+  // head): with the uneven split the embedding and the head may be chunks of their own.
+  bool without_embedding = false, without_head = false;
 };
 
 // One microbatch's input: token ids [T] int32 (a stage with the embedding) or activations

@@ -124,6 +124,9 @@ PipelineStage::PipelineStage(Backend& b, const TransformerConfig& cfg, const Sch
     const LayerRange r = virtual_stage_layers(cfg, s.virtual_stages(), s.virtual_stage(stage_, c), opt.pad_layers);
     ModelOptions mo = opt.model;
     mo.allow_empty_range = opt.pad_layers;
+    const int vs = s.virtual_stage(stage_, c);
+    mo.without_embedding = vs != 0;
+    mo.without_head = vs != s.virtual_stages() - 1;
     mo.first_layer = r.first;
     mo.last_layer = r.last;
     mo.tied_embedding_copy = true;

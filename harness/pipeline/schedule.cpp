@@ -352,7 +352,9 @@ Schedule make_schedule(const std::string& name, int stages, int microbatches, in
                       std::to_string(least_group) + " to " + std::to_string(stages) + " (ceil(pp/2) to pp = " +
                       std::to_string(stages) + ")");
   if (grouped) s.group = group;
-  s.split_backward = name == "zb-h1" || name == "zb-v";
+  // Group-interleaved runs on the authors' zero-bubble runtime, where B's gradient leaves before
+  // its W (Wan et al. 2025; sail-sg/zero-bubble-pipeline-parallelism, --enable-zb-runtime).
+  s.split_backward = name == "zb-h1" || name == "zb-v" || name == "group-interleaved";
   s.nodes.resize(static_cast<std::size_t>(stages));
   if (name == "gpipe") gpipe(s);
   else if (name == "1f1b") one_f_one_b(s);
@@ -880,9 +882,10 @@ std::vector<double> expected_peak_activation(const Schedule& s, int offload_chun
   const bool grouped = s.name == "group-interleaved";
   if (grouped && (group < (p + 1) / 2 || group > p))
     throw ConfigError("schedule group-interleaved: the closed form needs its --group (" + std::to_string(group) + ")");
-  // A split backward keeps a reloaded (microbatch, chunk) on the device until its deferred W:
+  // A deferred W keeps a reloaded (microbatch, chunk) on the device (group-interleaved runs W
+  // right after B):
   // no form for zb-h1 and zb-v offloaded; a selective offload needs chunks.
-  if (k > 0 && (s.split_backward || (k < v && s.name != "interleaved" && !grouped)))
+  if (k > 0 && ((s.split_backward && !grouped) || (k < v && s.name != "interleaved" && !grouped)))
     throw ConfigError("schedule " + s.name + ": --offload-chunks = " + std::to_string(k) +
                       ": the closed form of an offload is derived for gpipe and 1f1b (full), interleaved and "
                       "group-interleaved");

@@ -310,7 +310,7 @@ TEST(GroupInterleaved, IsValidForEveryGroupChunksAndMicrobatches) {
           ASSERT_NO_THROW(s = make_schedule("group-interleaved", p, m, v, g));
           EXPECT_EQ(s.group, g);
           EXPECT_EQ(s.chunks, v);
-          EXPECT_FALSE(s.split_backward);
+          EXPECT_TRUE(s.split_backward);  // the authors' zero-bubble runtime
           const ScheduleAnalysis a = validate(s);
           for (int st = 0; st < p; ++st) {
             EXPECT_EQ(compute_nodes(s, st), 3 * m * v);
@@ -377,7 +377,8 @@ TEST(GroupInterleaved, FullGroupAgainstMegatronInterleaving) {
           EXPECT_EQ(order(gi, NodeKind::forward), order(mt, NodeKind::forward));
           EXPECT_EQ(order(gi, NodeKind::backward_input), order(mt, NodeKind::backward_input));
         }
-        EXPECT_NEAR(estimate(gi, {1, 1, 1, 0}).makespan, estimate(mt, {1, 1, 1, 0}).makespan, 1e-9);
+        // B's gradient leaves before its W (split backward): never slower than Megatron's.
+        EXPECT_LE(estimate(gi, {1, 1, 1, 0}).makespan, estimate(mt, {1, 1, 1, 0}).makespan + 1e-9);
         for (int g = (p + 1) / 2; g < p; ++g) {
           const Schedule sg = make_schedule("group-interleaved", p, m, v, g);
           const ScheduleAnalysis c = validate(sg);
@@ -387,20 +388,21 @@ TEST(GroupInterleaved, FullGroupAgainstMegatronInterleaving) {
       }
 }
 
-// The authors run the order with B's gradient sent before W (their zero-bubble runtime);
-// with B and W one pass, as here, every chunk boundary of the backward waits one W more. The
-// same order with the backward split idles less.
+// The authors run the order with B's gradient sent before W (their zero-bubble runtime), as
+// make_schedule does; with B and W one pass every chunk boundary of the backward would wait
+// one W more: the same order joined idles more than Megatron's, split it does not.
 TEST(GroupInterleaved, SplittingTheBackwardShortensTheSameOrder) {
   for (const auto& [p, m, v, g] : std::vector<std::tuple<int, int, int, int>>{{4, 16, 2, 2}, {8, 24, 2, 4}, {8, 24, 3, 4}}) {
     const Schedule s = make_schedule("group-interleaved", p, m, v, g);
+    ASSERT_TRUE(s.split_backward);
     Schedule t = s;
-    t.split_backward = true;
+    t.split_backward = false;
     for (auto& l : t.nodes)
       l.erase(std::remove_if(l.begin(), l.end(), [](const Node& x) {
                 return x.kind != NodeKind::forward && x.kind != NodeKind::backward_input && x.kind != NodeKind::backward_weight;
               }), l.end());
     add_communication(t);
-    const double whole = estimate(s, {1, 1, 1, 0}).makespan, split = estimate(t, {1, 1, 1, 0}).makespan;
+    const double split = estimate(s, {1, 1, 1, 0}).makespan, whole = estimate(t, {1, 1, 1, 0}).makespan;
     const double megatron = estimate(make_schedule("interleaved", p, m, v), {1, 1, 1, 0}).makespan;
     EXPECT_LT(split, whole) << "p=" << p << " g=" << g;
     EXPECT_GT(whole, megatron) << "p=" << p << " g=" << g;
