@@ -426,7 +426,7 @@ def load_result(path):
     return check_result(load_json(path), path)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "group-interleaved")
 
 
 def _link_bytes(c, obj, key, where, simulated):
@@ -475,6 +475,24 @@ def _check_parallel(c, par, mode, world):
     c.integer(sch, "chunks", "parallel.schedule", minimum=1)
     c.string(sch, "placement", "parallel.schedule", choices=("interleaved", "vshape"))
     c.string(sch, "recompute", "parallel.schedule", choices=("none", "selective", "full"))
+    if "group" in sch:
+        c.integer(sch, "group", "parallel.schedule", minimum=0)
+    if "offload" in par:  # PipeOffload's transfers (docs/RESULTS-SCHEMA.md)
+        off = c.obj(par, "offload", "parallel")
+        if c.integer(off, "chunks", "parallel.offload", minimum=1) > sch["chunks"]:
+            c.fail("parallel.offload.chunks", f"{off['chunks']} of {sch['chunks']} chunks")
+        for k in ("saved_bytes_per_layer", "compute_per_layer_s"):
+            c.number(off, k, "parallel.offload", minimum=0)
+        for k in ("k", "k_paper"):
+            if off.get(k) is not None:
+                c.number(off, k, "parallel.offload", minimum=0)
+        offs = c.array(off, "stages", "parallel.offload", nonempty=True)
+        for i, st in enumerate(offs):
+            w = f"parallel.offload.stages[{i}]"
+            for k in ("planned", "kept", "skipped_gap", "skipped_peak", "bytes_per_step", "peak_host_bytes"):
+                c.integer(st, k, w, minimum=0)
+            if st["kept"] + st["skipped_gap"] + st["skipped_peak"] != st["planned"]:
+                c.fail(w, "kept + skipped is not planned")
     if not 0 <= c.number(par, "bubble", "parallel") <= 1:
         c.fail("parallel.bubble", f"expected a ratio in [0, 1], got {par['bubble']}")
     c.number(par, "pipeline_window_s", "parallel", minimum=0)

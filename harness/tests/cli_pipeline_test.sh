@@ -108,6 +108,22 @@ sys.exit(0 if l['last'] < l['first'] - 0.5 else 1)" "$work/cpu_tp.json"; then
   ok "2 cpu ranks, tp=2 with sequence parallelism: loss $(jget "$work/cpu_tp.json" "['metrics']['loss']['first']") -> $(jget "$work/cpu_tp.json" "['metrics']['loss']['last']")"
 elif [ "$have_mpi" = 1 ]; then bad "2 cpu ranks, tp=2"; cat "$work/cpu_tp.log"; fi
 
+# 4b. PipeOffload on sim: group-interleaved with every activation offloaded, the uneven split;
+#     the result records the offload plan, the bytes moved and k, and the closed forms
+#     (a wider model than tiny-dense: with k near 1 the authors' gap rule keeps no transfer at all)
+"$moelab" run --model "$models/tiny-dense.json" --impl fastmoe --backend sim --cluster dgx-a100x1 --ranks 4 \
+  --model-override '{"num_layers": 6, "d_model": 2048, "d_ffn": 8192, "seq_len": 2048}' --parallel pp=4 \
+  --schedule group-interleaved --chunks 2 --microbatches 8 \
+  --pad-layers --offload-chunks all --offload-all-lifespans --steps 1 --out "$work/offload.json" >"$work/offload.log" 2>&1
+if [ $? = 0 ] && schema_ok "$work/offload.json" &&
+   [ "$(jget "$work/offload.json" "['parallel']['offload']['chunks']")" = 2 ] &&
+   "$py" -c "import json,sys; o=json.load(open(sys.argv[1]))['parallel']; f=o['offload']
+assert sum(s['bytes_per_step'] for s in f['stages']) > 0 and f['k'] > 0 and f['k_paper'] > 0
+assert all(s['expected_peak_activation_ma'] is not None for s in o['stages'])
+assert o['schedule']['group'] == 2 and o['schedule']['pad_layers']
+assert min(s['kept'] for s in f['stages']) > 0 and 0 < f['k'] < 1" "$work/offload.json"; then ok "simulated offload"
+else bad "simulated offload"; cat "$work/offload.log"; fi
+
 # 5. bad layouts and schedules: exit 2, a message naming the field, no result file
 expect_2() {
   local name="$1" want="$2"
@@ -133,6 +149,10 @@ expect_2 schedule_microbatches "multiple of pp = 2" "${sim[@]}" --ranks 4 --mode
 expect_2 schedule_chunks "--chunks = 2" "${sim[@]}" --ranks 4 --parallel pp=2 --schedule 1f1b --chunks 2
 expect_2 recompute_value "--recompute" "${sim[@]}" --ranks 4 --parallel pp=2 --recompute some
 expect_2 layers_and_parallel "exclude each other" "${sim[@]}" --ranks 4 --parallel pp=2 --layers 0:1
+expect_2 group_other_schedule "--group = 2 applies to group-interleaved only" "${sim[@]}" --ranks 4 --parallel pp=2 --schedule 1f1b --group 2
+expect_2 offload_chunks "--offload-chunks 3 exceeds the 2 model chunks" "${sim[@]}" --ranks 4 --model-override "$four_layers" --parallel pp=2 --schedule interleaved --chunks 2 --microbatches 4 --offload-chunks 3
+expect_2 offload_recompute "--offload-chunks with --recompute full" "${sim[@]}" --ranks 4 --model-override "$four_layers" --parallel pp=2 --schedule interleaved --chunks 2 --microbatches 4 --offload-chunks all --recompute full
+expect_2 pad_layers_empty "with no layer and neither the embedding nor the head" --model "$models/tiny-dense.json" --impl fastmoe --backend sim --cluster dgx-a100x1 --ranks 4 --model-override '{"num_layers": 2}' --parallel pp=2 --schedule interleaved --chunks 4 --microbatches 4 --pad-layers
 expect_2 workload_and_parallel "apply to --model runs" --workload "$root/experiments/workloads/tiny.json" --impl fastmoe --backend cpu --parallel pp=2
 if [ "$have_mpi" = 1 ]; then
   mpirun --oversubscribe -n 2 "$moelab" run --model "$models/tiny-moe.json" --impl fastmoe --backend cpu --parallel pp=3 \

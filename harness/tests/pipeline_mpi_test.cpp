@@ -109,11 +109,15 @@ struct Case {
   int dp = 1;  // data-parallel degree beside the pipeline (pp = world / dp)
   std::int64_t bucket = 0;  // > 0: the bucketed synchroniser with buckets of this many elements
   bool zero1 = false;       // ZeRO-1 on the synchroniser (untied embeddings)
+  int group = 0;            // group-interleaved's g (0: ceil(p/2))
+  int offload = 0;          // PipeOffload: offload chunks < offload (-1: all), every transfer kept
+  bool pad = false;         // the uneven split: p·v - 2 layers, the embedding and head chunks alone
 };
 
 void PrintTo(const Case& k, std::ostream* os) {
   *os << k.schedule << " chunks " << k.chunks << " recompute " << pipeline::recompute_name(k.recompute) << " dp " << k.dp
-      << " bucket " << k.bucket << (k.zero1 ? " zero1" : "");
+      << " bucket " << k.bucket << (k.zero1 ? " zero1" : "") << " group " << k.group << " offload " << k.offload
+      << (k.pad ? " pad" : "");
 }
 
 // One pipelined step (or `steps` optimizer steps) of layout pp = world/dp against the reference.
@@ -122,17 +126,34 @@ void check(const Case& k, int steps) {
   auto world = make_world_communicator(*b);
   const int n = world->size(), w = world->rank();
   if (n % k.dp != 0) GTEST_SKIP() << "dp " << k.dp << " does not divide " << n << " ranks";
-  const TransformerConfig cfg = tiny(!k.zero1);
+  TransformerConfig cfg = tiny(!k.zero1);
   ParallelLayout spec;
   spec.pp = n / k.dp;
   spec.dp = k.dp;
   const GroupLayout l = check_layout(spec, n, n, cfg);
   ProcessGroups pg(*world, l, gather_nodes(*world));
   const int p = l.pp, m = 2 * p;
-  const pipeline::Schedule s = pipeline::make_schedule(k.schedule, p, m, k.chunks);
+  pipeline::Schedule s = pipeline::make_schedule(k.schedule, p, m, k.chunks, k.group);
+  if (k.pad) cfg.num_layers = s.virtual_stages() - 2;
+  int kept = 0;
+  if (k.offload != 0) {
+    pipeline::OffloadOptions oo;
+    oo.chunks = k.offload < 0 ? s.chunks : k.offload;
+    oo.lifespan = false;  // every transfer: the most data moved and brought back
+    const pipeline::OffloadPlan plan = pipeline::add_offload(s, oo);
+    kept = plan.kept[static_cast<std::size_t>(pg.coords().pp)];
+    // Only chunks with layers save activations (an embedding-only chunk keeps just its ids).
+    bool layers = false;
+    for (int c = 0; c < oo.chunks; ++c) {
+      const auto r = pipeline::virtual_stage_layers(cfg, s.virtual_stages(), s.virtual_stage(pg.coords().pp, c), k.pad);
+      layers = layers || r.last > r.first;
+    }
+    if (!layers) kept = 0;
+  }
   pipeline::PipelineOptions po;
   po.tokens = kSeqs * cfg.seq_len;
   po.recompute = k.recompute;
+  po.pad_layers = k.pad;
   pipeline::PipelineStage st(*b, cfg, s, pg.pp(), pg.ep(), po);
   st.init_parameters(g_seed);
   st.set_gradient_sync(&pg.dp(), &pg.edp());
@@ -169,6 +190,13 @@ void check(const Case& k, int steps) {
     }
     st.step(data, static_cast<std::uint64_t>(step_no));
     b->synchronize();
+    // The schedule's transfers ran: every kept one moved bytes there and back (the stage's
+    // embedding-only chunk saves nothing but its ids, which stay).
+    if (kept > 0) {
+      EXPECT_GT(st.offload_stats().transfers, 0) << "stage " << st.stage();
+      EXPECT_GT(st.offload_stats().bytes, 0u) << "stage " << st.stage();
+      EXPECT_LE(st.offload_stats().transfers, kept);
+    }
     const double ref_loss = ref.step(m, k.dp, static_cast<std::uint64_t>(step_no), scale);
     double loss = 0;
     for (const Tensor& t : st.losses()) {
@@ -208,7 +236,19 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"1f1b", 0, pipeline::Recompute::full}, Case{"interleaved", 2, pipeline::Recompute::full},
                       Case{"zb-v", 0, pipeline::Recompute::full}, Case{"1f1b", 0, pipeline::Recompute::selective},
                       Case{"zb-h1", 0, pipeline::Recompute::selective}, Case{"1f1b", 0, pipeline::Recompute::none, 2},
-                      Case{"zb-h1", 0, pipeline::Recompute::none, 2}),
+                      Case{"zb-h1", 0, pipeline::Recompute::none, 2},
+                      // PipeOffload: group-interleaved, offloads of every schedule, the uneven split.
+                      Case{.schedule = "group-interleaved", .chunks = 2},
+                      Case{.schedule = "group-interleaved", .chunks = 3, .pad = true},
+                      Case{.schedule = "group-interleaved", .chunks = 2, .offload = -1},
+                      Case{.schedule = "group-interleaved", .chunks = 3, .offload = 1, .pad = true},
+                      Case{.schedule = "group-interleaved", .chunks = 2, .offload = -1, .pad = true},
+                      Case{.schedule = "interleaved", .chunks = 2, .offload = -1},
+                      Case{.schedule = "interleaved", .chunks = 2, .pad = true},
+                      Case{.schedule = "1f1b", .offload = -1}, Case{.schedule = "gpipe", .offload = -1},
+                      Case{.schedule = "zb-h1", .offload = -1}, Case{.schedule = "zb-v", .offload = -1},
+                      Case{.schedule = "1f1b", .recompute = pipeline::Recompute::selective, .offload = -1},
+                      Case{.schedule = "group-interleaved", .chunks = 2, .dp = 2, .offload = -1}),
     [](const auto& i) {
       std::string s = i.param.schedule;
       for (auto& ch : s)
@@ -216,12 +256,19 @@ INSTANTIATE_TEST_SUITE_P(
       if (i.param.recompute == pipeline::Recompute::full) s += "_recompute";
       if (i.param.recompute == pipeline::Recompute::selective) s += "_selective";
       if (i.param.dp > 1) s += "_dp" + std::to_string(i.param.dp);
+      if (i.param.chunks > 2) s += "_v" + std::to_string(i.param.chunks);
+      if (i.param.offload != 0) s += i.param.offload < 0 ? "_offload" : "_offload" + std::to_string(i.param.offload);
+      if (i.param.pad) s += "_pad";
       return s;
     });
 
 // Three SGD steps: the stages' parameters (both copies of the tied embeddings) stay the
 // unpipelined model's.
 TEST(PipelineMpiTraining, OptimizerStepsKeepTheParametersOfTheUnpipelinedModel) { check({"interleaved", 2}, 3); }
+// The same with every activation offloaded and brought back each step.
+TEST(PipelineMpiTraining, OffloadedStepsKeepTheParametersOfTheUnpipelinedModel) {
+  check({.schedule = "group-interleaved", .chunks = 2, .offload = -1}, 3);
+}
 
 // The bucketed synchroniser in the pipeline (buckets reduced while the last W passes run, one
 // synchroniser per chunk), with awkward bucket sizes; and ZeRO-1's sharded optimizer, whose

@@ -11,6 +11,7 @@
 #include "harness/backends/sim/sim_backend.hpp"
 #include "harness/comm/groups.hpp"
 #include "harness/pipeline/executor.hpp"
+#include "harness/runtime/error.hpp"
 
 namespace moelab {
 namespace {
@@ -58,8 +59,16 @@ struct Figures {
   std::vector<std::size_t> peak_act;      // per stage: the activations' peak (saved for backward)
 };
 
+// PipeOffload's options of a run: the offload pass (every transfer, copies placed as if
+// free) and the pinned host memory a stage may hold.
+struct Offload {
+  int chunks = 0;
+  int group = 0;
+  double host_capacity = 0;
+};
+
 Figures run(const std::string& schedule, int p, int m, int chunks = 0,
-            pipeline::Recompute recompute = pipeline::Recompute::none) {
+            pipeline::Recompute recompute = pipeline::Recompute::none, const Offload& off = {}) {
   SimOptions o;
   o.cluster = toy_cluster(p);
   SimCluster cluster(o);
@@ -73,10 +82,12 @@ Figures run(const std::string& schedule, int p, int m, int chunks = 0,
     spec.pp = p;
     const GroupLayout l = check_layout(spec, p, p, cfg);
     ProcessGroups pg(c, l, NodeMap::uniform(p, p));
-    const pipeline::Schedule s = pipeline::make_schedule(schedule, p, m, chunks);
+    pipeline::Schedule s = pipeline::make_schedule(schedule, p, m, chunks, off.group);
+    if (off.chunks > 0) pipeline::add_offload(s, {.chunks = off.chunks, .d2h = 0, .h2d = 0, .costs = {}, .lifespan = false});
     pipeline::PipelineOptions po;
     po.tokens = cfg.seq_len;
     po.recompute = recompute;
+    po.host_capacity_bytes = off.host_capacity;
     pipeline::PipelineStage st(b, cfg, s, pg.pp(), pg.ep(), po);
     st.init_parameters(1);
     std::vector<Batch> data(static_cast<std::size_t>(m));
@@ -163,5 +174,77 @@ TEST(PipelineSim, InterleavingAndZeroBubbleIdleLess) {
   EXPECT_LT(zb, 0.8 * one);
 }
 
+// Group-interleaved 1F1B's activation peaks follow their closed form (docs/pipeline-memory.md),
+// stage against stage; offloading every chunk leaves on each stage about what the schedule's
+// resident count says (one F's activations until their copy ends, a reloaded one for its B),
+// a fraction of the peak without it.
+TEST(PipelineSim, GroupInterleavedPeaksFollowTheClosedFormAndOffloadCutsThem) {
+  const int p = 4, m = 8, v = 2, g = 2;
+  const pipeline::Schedule s = pipeline::make_schedule("group-interleaved", p, m, v, g);
+  const std::vector<double> form = pipeline::expected_peak_activation(s);
+  const Figures none = run("group-interleaved", p, m, v, pipeline::Recompute::none, {.group = g});
+  const Figures full = run("group-interleaved", p, m, v, pipeline::Recompute::none, {.chunks = v, .group = g});
+  pipeline::Schedule o = s;
+  pipeline::add_offload(o, {.chunks = v, .d2h = 0, .h2d = 0, .costs = {}, .lifespan = false});
+  const pipeline::ScheduleAnalysis a = pipeline::validate(o);
+  for (int st = 0; st < p; ++st) {
+    const auto i = static_cast<std::size_t>(st);
+    // Measured peaks in the ratio of the forms (within one chunk-microbatch's share).
+    const double measured = static_cast<double>(none.peak_act[i]) / static_cast<double>(none.peak_act[p - 1]);
+    EXPECT_NEAR(measured, form[i] / form[p - 1], 1.0 / (form[p - 1] * p * v)) << "stage " << st;
+    // With full offload: the resident count's share of the peak in flight, plus what is being
+    // received (one chunk's input).
+    const double kept = static_cast<double>(full.peak_act[i]) / static_cast<double>(none.peak_act[i]);
+    const double want = static_cast<double>(a.peak_resident[i]) / static_cast<double>(a.peak_in_flight[i]);
+    EXPECT_LT(full.peak_act[i], none.peak_act[i]) << "stage " << st;
+    EXPECT_NEAR(kept, want, 1.0 / a.peak_in_flight[i]) << "stage " << st;
+  }
+}
+
+// Host memory is finite: a stage whose offloads would hold more pinned memory than it may
+// stops with OutOfMemory naming the stage and the bytes.
+TEST(PipelineSim, OffloadBeyondTheHostMemoryStopsNamingTheStage) {
+  try {
+    run("group-interleaved", 4, 8, 2, pipeline::Recompute::none, {.chunks = 2, .group = 2, .host_capacity = 64.0 * (1 << 20)});
+    FAIL() << "no error";
+  } catch (const OutOfMemory& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("pipeline stage"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("GiB of pinned host memory"), std::string::npos) << msg;
+  }
+}
+
+// The uneven split (PipeOffload's --allow-padding-num-layers): ceil(L/V) layers per virtual
+// stage, one fewer on the last, then the first, second, ... for each layer short; 3p - 2
+// layers over 3p virtual stages leave the embedding and the head virtual stages of their own.
+TEST(UnevenSplit, OneFewerOnTheLastThenTheFirstStages) {
+  auto sizes = [](int L, int V) {
+    TransformerConfig c = dense();
+    c.num_layers = L;
+    std::vector<int> out;
+    int next = 0;
+    for (int v = 0; v < V; ++v) {
+      const pipeline::LayerRange r = pipeline::virtual_stage_layers(c, V, v, true);
+      EXPECT_EQ(r.first, next) << "L=" << L << " V=" << V << " v=" << v;
+      next = r.last;
+      out.push_back(r.last - r.first);
+    }
+    EXPECT_EQ(next, L);
+    return out;
+  };
+  EXPECT_EQ(sizes(10, 4), (std::vector<int>{2, 3, 3, 2}));
+  EXPECT_EQ(sizes(5, 4), (std::vector<int>{1, 1, 2, 1}));
+  EXPECT_EQ(sizes(12, 4), (std::vector<int>{3, 3, 3, 3}));
+  std::vector<int> want(24, 1);
+  want.front() = want.back() = 0;
+  EXPECT_EQ(sizes(22, 24), want);  // p = 8, v = 3: the public configuration
+  TransformerConfig c = dense();
+  c.num_layers = 2;  // 8 virtual stages: six left empty, some neither embedding nor head
+  EXPECT_THROW(pipeline::check_pipeline(c, pipeline::make_schedule("interleaved", 4, 4, 2), true), ConfigError);
+  c.num_layers = 10;  // without the padding: Megatron's even split only
+  EXPECT_THROW(pipeline::check_pipeline(c, pipeline::make_schedule("1f1b", 4, 4)), ConfigError);
+}
+
 }  // namespace
 }  // namespace moelab
+

@@ -8,6 +8,7 @@
 #include "harness/backends/cpu/cpu_backend.hpp"
 #include "harness/comm/communicator.hpp"
 #include "harness/runtime/error.hpp"
+#include "harness/runtime/random.hpp"
 #include "harness/tests/test_util.hpp"
 
 namespace moelab {
@@ -43,6 +44,50 @@ TEST(MemoryTracker, PeakMatchesHandCount) {
   b.memory().reset_peak();
   EXPECT_EQ(b.memory().peak_device(), 3 * MiB);
   EXPECT_TRUE(b.memory().timeline().empty());
+}
+
+// PipeOffload's offload and reload (Backend::relocate): a storage's bytes go to pinned host
+// memory and back bit for bit (any bit pattern: int32 data whose floats would be NaNs or
+// denormals), every handle and view follows, the tracker moves the bytes between device and
+// host, and a capture records exactly what was allocated while it ran.
+TEST(Relocate, OffloadAndReloadAreBitExactAndMoveTheMemory) {
+  CpuBackend b;
+  Stream& s = b.default_stream();
+  Stream& d2h = b.create_stream(StreamRole::d2h, "d2h");
+  Stream& h2d = b.create_stream(StreamRole::h2d, "h2d");
+  Rng rng(test::fresh_seed());
+  for (const std::int64_t n : {std::int64_t{1}, std::int64_t{3}, std::int64_t{1000}, std::int64_t{65537}}) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    b.start_capture();
+    Tensor other = b.empty({4}, DType::f32, MemCategory::weights, s);
+    Tensor t = b.empty({n}, DType::i32, MemCategory::activations, s);
+    const auto made = b.stop_capture();
+    ASSERT_EQ(made.size(), 2u);
+    EXPECT_EQ(made[1].lock().get(), t.storage().get());
+    std::vector<std::int32_t> bits(static_cast<std::size_t>(n));
+    for (auto& v : bits) v = static_cast<std::int32_t>(rng.next());
+    b.upload_i32(bits, t);
+    Tensor view = n > 1 ? t.rows(1, n - 1) : t;
+    const std::size_t dev = b.memory().device_in_use(), host = b.memory().in_use(MemCategory::host_pinned);
+    b.relocate(t.storage(), MemSpace::host_pinned, MemCategory::host_pinned, d2h, d2h);
+    EXPECT_EQ(t.space(), MemSpace::host_pinned);
+    EXPECT_EQ(b.memory().device_in_use(), dev - t.nbytes());
+    EXPECT_EQ(b.memory().in_use(MemCategory::host_pinned), host + t.nbytes());
+    auto offloaded = b.create_event();  // the reload reads what the offload wrote
+    b.record(*offloaded, d2h);
+    b.wait(h2d, *offloaded);
+    b.relocate(t.storage(), MemSpace::device, MemCategory::activations, h2d, h2d);
+    EXPECT_EQ(t.space(), MemSpace::device);
+    EXPECT_EQ(t.category(), MemCategory::activations);
+    EXPECT_EQ(b.memory().device_in_use(), dev);
+    EXPECT_EQ(b.memory().in_use(MemCategory::host_pinned), host);
+    b.synchronize();
+    EXPECT_EQ(b.download_i32(t), bits);
+    if (n > 1) {
+      EXPECT_EQ(b.download_i32(view), std::vector<std::int32_t>(bits.begin() + 1, bits.end()));
+    }
+  }
+  EXPECT_THROW(b.stop_capture(), std::exception);  // none running
 }
 
 TEST(CpuStreams, RunConcurrentlyAndEventsOrderThem) {
