@@ -134,7 +134,7 @@ void check(const Case& k, int steps) {
   ProcessGroups pg(*world, l, gather_nodes(*world));
   const int p = l.pp, m = 2 * p;
   pipeline::Schedule s = pipeline::make_schedule(k.schedule, p, m, k.chunks, k.group);
-  if (k.pad) cfg.num_layers = s.virtual_stages() - 2;
+  if (k.pad) cfg.num_layers = std::max(s.virtual_stages() - 2, 1);  // 3p - 2 at v = 3, as the authors
   int kept = 0;
   if (k.offload != 0) {
     pipeline::OffloadOptions oo;
