@@ -128,6 +128,30 @@ TEST_F(CudaTest, IntegerTransfers) {
   EXPECT_TRUE(b->download_i32(empty).empty());
 }
 
+// PipeOffload's offload and reload on the device: to pinned host memory on one copy stream,
+// back on another, bit for bit (cudaMemcpyAsync moves bytes), the tracker following.
+TEST_F(CudaTest, RelocateOffloadsAndReloadsBitForBit) {
+  Stream& d2h = b->create_stream(StreamRole::d2h, "d2h");
+  Stream& h2d = b->create_stream(StreamRole::h2d, "h2d");
+  std::vector<std::int32_t> v(100003);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<std::int32_t>(i * 2654435761u);
+  Tensor t = b->empty({static_cast<std::int64_t>(v.size())}, DType::i32, MemCategory::activations, *s);
+  b->upload_i32(v, t);
+  const std::size_t dev = b->memory().device_in_use();
+  auto wrote = b->create_event();
+  b->record(*wrote, *s);
+  b->wait(d2h, *wrote);
+  b->relocate(t.storage(), MemSpace::host_pinned, MemCategory::host_pinned, d2h, d2h);
+  EXPECT_EQ(b->memory().device_in_use(), dev - t.nbytes());
+  auto off = b->create_event();
+  b->record(*off, d2h);
+  b->wait(h2d, *off);
+  b->relocate(t.storage(), MemSpace::device, MemCategory::activations, h2d, h2d);
+  EXPECT_EQ(b->memory().device_in_use(), dev);
+  b->synchronize();
+  EXPECT_EQ(b->download_i32(t), v);
+}
+
 TEST_F(CudaTest, MemoryTrackerCountsAllocations) {
   const std::size_t base = b->memory().device_in_use();
   auto idx = [](MemCategory c) { return static_cast<std::size_t>(c); };
