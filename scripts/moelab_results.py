@@ -589,6 +589,7 @@ def check_summary(s, path):
             c.string(r, "parallel", w, required=False, null=True)
             c.obj(r, "override", w, required=False, null=True)
             c.integer(r, "micro_batch", w, required=False, minimum=1)
+            _check_pipeline(c, r, w)
     for i, r in enumerate(c.array(s, "claims")):
         w = f"claims[{i}]"
         for k in ("id", "text", "source", "verdict"):
@@ -716,6 +717,9 @@ def _check_models(c, r, w):
         c.obj(spec, "override", f, required=False)
         c.integer(spec, "micro_batch", f, required=False, minimum=1)
         c.boolean(spec, "sequence_parallel", f, required=False)
+        _check_pipeline(c, spec, f)
+        if c.integer(spec, "ranks", f, required=False, minimum=1) is not None and r.get("backend") != "sim":
+            c.fail(f"{f}.ranks", "a model entry's ranks (the first N GPUs of the cluster) are a sim run's")
         lay = c.string(spec, "layers", f, required=False)
         if lay is not None and layers_of(lay) is None:
             c.fail(f"{f}.layers", f'expected "A:B" with A < B (moelab run --layers), got {_kind(lay)}')
@@ -729,6 +733,80 @@ def _check_models(c, r, w):
             c.label(par, cl, f"{f}.parallel")
 
 
+# A run's or a model entry's "pipeline": moelab run's pipeline flags (harness/cli/run.cpp), the
+# model entry's keys over the run's. Value checks beyond the type are moelab's (exit code 2).
+PIPELINE_FLAGS = {"schedule": "--schedule", "chunks": "--chunks", "group": "--group",
+                  "microbatches": "--microbatches", "offload_chunks": "--offload-chunks",
+                  "offload_all_lifespans": "--offload-all-lifespans", "pad_layers": "--pad-layers",
+                  "recompute": "--recompute"}
+
+
+def _check_pipeline(c, obj, w):
+    pl = c.obj(obj, "pipeline", w, required=False)
+    if pl is None:
+        return
+    f = f"{w}.pipeline"
+    for k in pl:
+        if k not in PIPELINE_FLAGS:
+            c.fail(f"{f}.{k}", f"not a pipeline flag ({', '.join(PIPELINE_FLAGS)})")
+    c.string(pl, "schedule", f, required=False)
+    c.string(pl, "recompute", f, required=False, choices=("none", "selective", "full"))
+    for k in ("chunks", "group", "microbatches"):
+        c.integer(pl, k, f, required=False, minimum=1)
+    for k in ("offload_all_lifespans", "pad_layers"):
+        c.boolean(pl, k, f, required=False)
+    _, k = c.get(pl, "offload_chunks", f, required=False)
+    if k is not ABSENT and k != "all" and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        c.fail(f"{f}.offload_chunks", f'expected a chunk count or "all", got {_kind(k)}')
+
+
+def pipeline_of(run, entry):
+    """The pipeline flags of one model entry of a run: the run's "pipeline" with the entry's over
+    it; None when neither gives any."""
+    pl = {**(run.get("pipeline") or {}), **(entry.get("pipeline") or {})}
+    return pl or None
+
+
+def pipeline_flags(pl):
+    """moelab run's command-line flags for a "pipeline" object (PIPELINE_FLAGS order)."""
+    out = []
+    for k, flag in PIPELINE_FLAGS.items():
+        v = (pl or {}).get(k)
+        if v is None or v is False:
+            continue
+        out += [flag] if v is True else [flag, str(v)]
+    return out
+
+
+def pipeline_figures(res):
+    """What a pipelined model run's summary row adds (docs/RESULTS-SCHEMA.md): the highest
+    stage's peak activation bytes, every stage's, the closed form's peak in units of M_a
+    (docs/pipeline-memory.md) per stage, the bubble, and PipeOffload's offload figures."""
+    par = res.get("parallel") or {}
+    st = par.get("stages") or []
+    out = {}
+    if st:
+        out["peak_activation_bytes"] = max(x["peak_activation_bytes"] for x in st)
+        out["stage_peak_activation_bytes"] = [x["peak_activation_bytes"] for x in st]
+        out["stage_peak_device_bytes"] = [x["peak_device_bytes"] for x in st]
+        if all(x.get("expected_peak_activation_ma") is not None for x in st):
+            out["stage_expected_peak_activation_ma"] = [x["expected_peak_activation_ma"] for x in st]
+    if par.get("bubble") is not None:
+        out["bubble"] = par["bubble"]
+    off = par.get("offload")
+    if isinstance(off, dict):
+        out["offload"] = {k: off[k] for k in ("chunks", "k", "k_paper", "saved_bytes_per_layer",
+                                              "predicted_overhead") if k in off}
+        out["offload"]["stage_bytes_per_step"] = [x.get("bytes_per_step", 0) for x in off.get("stages", [])]
+        out["offload"]["stage_peak_host_bytes"] = [x.get("peak_host_bytes", 0) for x in off.get("stages", [])]
+    tps = (res.get("metrics") or {}).get("tokens_per_s")
+    if isinstance(tps, dict):
+        tps = tps.get("median")
+    if isinstance(tps, (int, float)):
+        out["tokens_per_s"] = tps
+    return out
+
+
 def _check_run(c, r, w, labels, models, has_grid):
     """One entry of "runs" (or one with its "quick" fields over it)."""
     c.label(r, "id", w)
@@ -737,6 +815,9 @@ def _check_run(c, r, w, labels, models, has_grid):
         if "workloads" in r:
             c.fail(f"{w}.models", 'a run gives "workloads" (MoE layers) or "models" (whole models), not both')
         _check_models(c, r, w)
+    elif "pipeline" in r:
+        c.fail(f"{w}.pipeline", 'pipeline flags are a whole model\'s ("models"), not an MoE layer\'s')
+    _check_pipeline(c, r, w)
     for j, wl in enumerate(c.array(r, "workloads", w, nonempty=True) if "models" not in r else []):
         if isinstance(wl, dict):
             if not has_grid:
@@ -775,7 +856,12 @@ def _check_run(c, r, w, labels, models, has_grid):
     _check_path_template(c, f"{w}.path", c.string(r, "path", w))
 
 
-PAIR_METRICS = ("speedup", "memory_saving", "exchange_speedup", "all_to_all_speedup")  # a system against a baseline
+# A system against a baseline. relative_throughput: baseline step time / system step time, as
+# speedup, judged in size only (a claim that a cost is negligible has no direction);
+# activation_saving: 1 - the system's peak activation bytes / the baseline's (pipelined runs).
+PAIR_METRICS = ("speedup", "memory_saving", "exchange_speedup", "all_to_all_speedup", "relative_throughput",
+                "activation_saving")
+UNDIRECTED_METRICS = ("relative_throughput",)
 RUN_METRICS = PAIR_METRICS + ("overlap_ratio", "all_to_all_share", "all_to_all_overlap")  # the last three: one system's
 STATS = ("max", "mean", "min")
 
@@ -982,7 +1068,8 @@ def summary_path(suite, results):
 # ---- claims, as tables print them ----------------------------------------------------------
 
 def fmt_claim(metric, v):
-    return f"{v:.2f}x" if metric in ("speedup", "exchange_speedup", "all_to_all_speedup") else f"{100 * v:.0f}%"
+    return f"{v:.2f}x" if metric in ("speedup", "exchange_speedup", "all_to_all_speedup", "relative_throughput") \
+        else f"{100 * v:.0f}%"
 
 
 def selection_text(sel):
@@ -1131,7 +1218,11 @@ def run_comparisons(runs, systems, versus, metric, sel=None):
             b = base.get(run_key(r))
             if b is None:
                 continue
-            v = (b["results"]["step_time_s"] / f["step_time_s"] if metric == "speedup" and f["step_time_s"] > 0
+            v = (b["results"]["step_time_s"] / f["step_time_s"]
+                 if metric in ("speedup", "relative_throughput") and f["step_time_s"] > 0
+                 else 1.0 - f["peak_activation_bytes"] / b["results"]["peak_activation_bytes"]
+                 if metric == "activation_saving" and b["results"].get("peak_activation_bytes")
+                 and f.get("peak_activation_bytes") is not None
                  else 1.0 - f["peak_memory_bytes"] / b["results"]["peak_memory_bytes"]
                  if metric == "memory_saving" and b["results"]["peak_memory_bytes"] > 0
                  else b["results"]["exchange_s"] / f["exchange_s"]

@@ -225,7 +225,7 @@ def model_jobs(suite, r, clusters, ranks, impls):
         for mode in mr.run_modes(r):
             for label in r["impls"]:
                 for cl in clusters:
-                    for n in ranks:
+                    for n in ([e["ranks"]] if e.get("ranks") else ranks):
                         jobs.append({"suite": suite["name"], "kind": "run", "run": r["id"], "impl": impls[label],
                                      "backend": r["backend"], "cluster": cl, "ranks": n,
                                      "workload": e["file"], "workload_file": None, "workload_gen": None,
@@ -235,6 +235,7 @@ def model_jobs(suite, r, clusters, ranks, impls):
                                                    "micro_batch": e.get("micro_batch"),
                                                    "sequence_parallel": bool(e.get("sequence_parallel")),
                                                    "parallel": (e.get("parallel") or {}).get(cl),
+                                                   "pipeline": mr.pipeline_of(r, e),
                                                    "run_mode": mode, "label": r.get("label") or label},
                                      "steps": r.get("steps"), "warmup": r.get("warmup"),
                                      "trace": bool(r.get("trace")), "path_template": r["path"]})
@@ -439,6 +440,7 @@ def command(job, machine, wl_path, dest):
             cmd += ["--sequence-parallel"]
         if mrun["parallel"]:
             cmd += ["--parallel", mrun["parallel"]]
+        cmd += mr.pipeline_flags(mrun.get("pipeline"))
         if job.get("warmup") is not None:
             cmd += ["--warmup", str(job["warmup"])]
         if mrun["run_mode"] == "inference":
@@ -484,11 +486,14 @@ def figures(res):
     return out
 
 
-def model_figures(res, a2a_overlap=None):
+def model_figures(res, a2a_overlap=None, pipelined=False):
     """figures() of a whole-model run (a suite run with "models") and what a ScMoE comparison
     adds: the all-to-all's share of the MoE phases' op time and, from the run's trace, the
-    all-to-all's own overlap ratio (docs/RESULTS-SCHEMA.md)."""
+    all-to-all's own overlap ratio; with pipelined (the run gives "pipeline" flags) the
+    pipeline's figures as well (mr.pipeline_figures; docs/RESULTS-SCHEMA.md)."""
     out = figures(res)
+    if pipelined:
+        out.update(mr.pipeline_figures(res))
     # The MoE layers' exchanges: the all-to-alls' streams and the TP all-gathers' lane, busy time
     # summed (what they would take one after the other).
     busy = res["metrics"].get("stream_busy_s") or {}
@@ -530,7 +535,7 @@ def judge(metric, v, paper, tol, paper_range=None):
     else:
         size = abs(v - paper) <= tol * paper
     ratio = v / paper
-    if metric not in mr.PAIR_METRICS:
+    if metric not in mr.PAIR_METRICS or metric in mr.UNDIRECTED_METRICS:
         return None, size, ("agrees in size" if size else f"ours is {ratio:.2f}x the paper's figure")
     up = v > 1.0 if metric in ("speedup", "exchange_speedup", "all_to_all_speedup") else v > 0.0
     verdict = ("agrees in direction and size" if size and up else
@@ -633,10 +638,13 @@ def summarize(suite, jobs, subset, host_seconds):
                 row["micro_batch"] = mrun["micro_batch"]
             if mrun.get("sequence_parallel"):
                 row["sequence_parallel"] = True
+            if mrun.get("pipeline"):
+                row["pipeline"] = mrun["pipeline"]
         if res is not None:
             row.update(mode=res["mode"], device=res["device"], calibration=res["calibration"],
                        world_size=res["world_size"], file=j["file"],
-                       results=model_figures(res, j.get("a2a_overlap")) if mrun else figures(res))
+                       results=model_figures(res, j.get("a2a_overlap"), bool(mrun.get("pipeline")))
+                       if mrun else figures(res))
         elif j.get("failed"):
             row.update(skipped=f"failed: {j['failed']}", failed=True)
         elif j.get("oom"):
@@ -745,7 +753,7 @@ def print_tables(suite, summary):
         print("\nclaims (paper vs ours):")
         for r in s["claims"]:
             o = r["ours"][r["compared_on"]]
-            fmtv = (lambda v: f"{v:.2f}x") if r["metric"] in ("speedup", "exchange_speedup", "all_to_all_speedup") else (lambda v: f"{100 * v:.0f}%")
+            fmtv = lambda v, m=r["metric"]: mr.fmt_claim(m, v)  # noqa: E731
             ours = fmtv(o["value"]) if o["points"] else "-"
             print(f"  {r['text'][:60]:60} {fmtv(r['paper']):>7} {ours:>7} {o['points']:>4}  {r['verdict']}")
             for u in o.get("used", []) if o["points"] else []:

@@ -255,6 +255,84 @@ class ModelRuns(unittest.TestCase):
                 self.assertIn('moelab said: moelab: error: unknown option "--inference"', got)
 
 
+class PipelineRuns(unittest.TestCase):
+    """A run's or model entry's "pipeline" flags and a model entry's "ranks": passed to moelab,
+    recorded in the summary rows; the pipelined figures and the claim metrics on them."""
+
+    def suite(self, change=None):
+        def edit(s):
+            r = s["runs"][0]
+            r["pipeline"] = {"schedule": "group-interleaved", "chunks": 3, "pad_layers": True, "offload_chunks": 1}
+            r["models"][0] = {"file": r["models"][0] if isinstance(r["models"][0], str) else r["models"][0]["file"],
+                              "ranks": 4, "pipeline": {"microbatches": 8, "group": 2, "offload_chunks": "all"}}
+            if change:
+                change(s)
+        d = tempfile.TemporaryDirectory()
+        self.addCleanup(d.cleanup)
+        return mr.load_suite(write_model_suite(d.name, edit))
+
+    def test_flags_merge_and_reach_the_command_line(self):
+        s = self.suite()
+        j = next(j for j in run_suite.expand(s, False) if j["run"] == s["runs"][0]["id"]
+                 and j["model_run"]["pipeline"] and j["cluster"])
+        self.assertEqual(j["ranks"], 4)
+        self.assertEqual(j["model_run"]["pipeline"], {"schedule": "group-interleaved", "chunks": 3, "pad_layers": True,
+                                                      "offload_chunks": "all", "microbatches": 8, "group": 2})
+        cmd = run_suite.command(j, MACHINE, None, "/out/x")
+        i = cmd.index("--schedule")
+        self.assertEqual(cmd[i:i + 11], ["--schedule", "group-interleaved", "--chunks", "3", "--group", "2",
+                                         "--microbatches", "8", "--offload-chunks", "all", "--pad-layers"])
+        self.assertEqual(cmd[cmd.index("--ranks") + 1], "4")
+        self.assertNotIn("--recompute", cmd)
+        self.assertNotIn("--offload-all-lifespans", cmd)
+        # a model entry without flags in a run without them: none on the command line, none in the row
+        plain = next(j for j in run_suite.expand(s, False) if not j["model_run"]["pipeline"])
+        self.assertNotIn("--schedule", run_suite.command(plain, MACHINE, None, "/out/y"))
+        row = run_suite.summarize(s, [{**j, "result": None, "skipped": "not run"}], "full", 0)["runs"][0]
+        self.assertEqual(row["pipeline"]["offload_chunks"], "all")
+        self.assertNotIn("pipeline", run_suite.summarize(s, [{**plain, "skipped": "x"}], "full", 0)["runs"][0])
+
+    def test_bad_flags_are_named(self):
+        for bad, field in ((lambda s: s["runs"][0]["pipeline"].update(chunk=3), "pipeline.chunk"),
+                           (lambda s: s["runs"][0]["pipeline"].update(offload_chunks="some"), "offload_chunks"),
+                           (lambda s: s["runs"][0]["pipeline"].update(recompute="most"), "recompute"),
+                           (lambda s: s["runs"][0]["models"][0].update(ranks=0), "ranks")):
+            with self.assertRaises(mr.SchemaError) as e:
+                self.suite(bad)
+            self.assertIn(field, str(e.exception))
+
+    def test_pipeline_figures(self):
+        res = {"metrics": {"tokens_per_s": 1000.0},
+               "parallel": {"bubble": 0.2, "stages": [
+                   {"peak_activation_bytes": 10, "peak_device_bytes": 30, "expected_peak_activation_ma": 1.0},
+                   {"peak_activation_bytes": 40, "peak_device_bytes": 50, "expected_peak_activation_ma": 0.5}],
+                   "offload": {"chunks": 1, "k": 0.5, "saved_bytes_per_layer": 7, "stages": [
+                       {"bytes_per_step": 0, "peak_host_bytes": 0}, {"bytes_per_step": 9, "peak_host_bytes": 3}]}}}
+        f = mr.pipeline_figures(res)
+        self.assertEqual((f["peak_activation_bytes"], f["stage_expected_peak_activation_ma"], f["tokens_per_s"]),
+                         (40, [1.0, 0.5], 1000.0))
+        self.assertEqual(f["offload"]["stage_bytes_per_step"], [0, 9])
+        self.assertEqual(f["offload"]["saved_bytes_per_layer"], 7)
+
+    def test_relative_throughput_and_activation_saving(self):
+        def row(label, step, act):
+            r = fixtures.model_row(label, "m", "c", step)
+            r["results"]["peak_activation_bytes"] = act
+            return r
+        runs = [row("base", 1.0, 900), row("off", 1.02, 500)]
+        s = fixtures.model_suite()
+        c = {"on": "runs", "system": "off", "versus": "base", "stat": "min", "text": "t", "source": "s"}
+        (t,) = run_suite.claims_table({**s, "claims": {"size_tolerance": 0.05, "items": [
+            {**c, "id": "t", "metric": "relative_throughput", "paper": 1.0}]}}, [], runs)
+        self.assertAlmostEqual(t["ours"]["runs"]["value"], 1 / 1.02)
+        self.assertEqual((t["direction_agrees"], t["size_agrees"], t["verdict"]), (None, True, "agrees in size"))
+        (a,) = run_suite.claims_table({**s, "claims": {"size_tolerance": 0.05, "items": [
+            {**c, "id": "a", "metric": "activation_saving", "paper": 0.3333, "paper_range": [0.3333, 1.0]}]}}, [], runs)
+        self.assertAlmostEqual(a["ours"]["runs"]["value"], 1 - 500 / 900)
+        self.assertEqual((a["direction_agrees"], a["size_agrees"]), (True, True))
+        self.assertEqual(mr.fmt_claim("relative_throughput", 0.98), "0.98x")
+
+
 class RunClaims(unittest.TestCase):
     """Claims judged on whole-model runs (run_suite.claims_table with "on": "runs")."""
 
