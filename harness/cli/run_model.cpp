@@ -470,7 +470,9 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       pipeline::Schedule sched = plan->schedule;
       if (plan->offload.chunks > 0) {
         pipeline::OffloadOptions oo = plan->offload;
-        oo.d2h = oo.h2d = 3.0 * offload_model(b, cfg, T).k_paper;
+        // --offload-all-lifespans keeps every transfer: neither rule, the copies placed as if free
+        // (what they cost then shows in the step time).
+        oo.d2h = oo.h2d = oo.lifespan ? 3.0 * offload_model(b, cfg, T).k_paper : 0.0;
         offload_plan = pipeline::add_offload(sched, oo);
       }
       model.stage = std::make_unique<pipeline::PipelineStage>(b, cfg, sched, model.groups->pp(), model.groups->ep(), po);
