@@ -327,13 +327,17 @@ void PipelineStage::run_node(int pos, const Node& n, const std::vector<Batch>& d
     bt.loss_scale = d.loss_scale;
     return bt;
   };
-  // [T,M] in the model dtype, allocated on the compute stream for microbatch mb; the transfer
+  // [T,M] ([T/tp,M] under sequence parallelism) in the model dtype, allocated on the compute stream for microbatch mb; the transfer
   // stream waits for the allocation.
   auto receive = [&](bool gradient, int peer, Event*& ready) {
     Tensor buf;
     {
       MicrobatchScope m(b_, mb);
-      buf = b_.empty({opt_.tokens, cfg_.d_model}, cfg_.dtype, gradient ? MemCategory::buffers : MemCategory::activations,
+      // Under sequence parallelism the residual stream between stages is the rank's T/tp rows
+      // (Korthikanti et al. 2022 §4.2.2; Megatron sends the [s/t, b, h] shard between stages).
+      const bool sp = opt_.model.sequence_parallel && opt_.model.tp && opt_.model.tp->size() > 1;
+      const std::int64_t rows = sp ? opt_.tokens / opt_.model.tp->size() : opt_.tokens;
+      buf = b_.empty({rows, cfg_.d_model}, cfg_.dtype, gradient ? MemCategory::buffers : MemCategory::activations,
                      compute);
     }
     Channel& ch = channel(gradient, false, peer);

@@ -108,6 +108,18 @@ sys.exit(0 if l['last'] < l['first'] - 0.5 else 1)" "$work/cpu_tp.json"; then
   ok "2 cpu ranks, tp=2 with sequence parallelism: loss $(jget "$work/cpu_tp.json" "['metrics']['loss']['first']") -> $(jget "$work/cpu_tp.json" "['metrics']['loss']['last']")"
 elif [ "$have_mpi" = 1 ]; then bad "2 cpu ranks, tp=2"; cat "$work/cpu_tp.log"; fi
 
+# 4a. tensor x pipeline parallelism with sequence parallelism: the stages pass T/tp rows, and the
+#     loss is that of the same layout without it
+if [ "$have_mpi" = 1 ]; then
+  for sp in "" --sequence-parallel; do
+    mpirun --oversubscribe -n 4 "$moelab" run --model "$models/tiny-dense.json" --model-override "$four_layers" --impl fastmoe \
+      --backend cpu --parallel tp=2,pp=2 $sp --microbatches 2 --steps 2 --out "$work/tp_pp$sp.json" >"$work/tp_pp$sp.log" 2>&1 || true
+  done
+  a="$(grep -o 'loss .*' "$work/tp_pp.log")"; b="$(grep -o 'loss .*' "$work/tp_pp--sequence-parallel.log")"
+  if [ -n "$a" ] && [ "$a" = "$b" ]; then ok "tp=2,pp=2 with sequence parallelism: the same loss"
+  else bad "tp=2,pp=2 with sequence parallelism: '$a' vs '$b'"; cat "$work/tp_pp--sequence-parallel.log"; fi
+fi
+
 # 4b. PipeOffload on sim: group-interleaved with every activation offloaded, the uneven split;
 #     the result records the offload plan, the bytes moved and k, and the closed forms
 #     (a wider model than tiny-dense: with k near 1 the authors' gap rule keeps no transfer at all)
