@@ -370,14 +370,20 @@ json offload_json(const PipelinePlan& plan, const pipeline::OffloadPlan& op, con
     if (layers > 0) work_per_layer = std::max(work_per_layer, st["work_s"].get<double>() / (layers * microbatches));
   }
   const double k = om.bo > 0 && work_per_layer > 0 && bytes_per_layer > 0 ? bytes_per_layer / om.bo / work_per_layer : 0;
-  // The overhead the schedule's own estimate predicts with this k (F, B, W one unit each).
+  // The overhead the schedule's own estimate predicts with this k (F, B, W one unit each): the
+  // schedule the run ran (placed with the paper's k, or as if free with every transfer kept),
+  // its copies timed with the k measured here.
   pipeline::Schedule with = plan.schedule;
   pipeline::OffloadOptions oo = plan.offload;
-  oo.d2h = oo.h2d = 3.0 * (k > 0 ? k : om.k_paper);
+  oo.d2h = oo.h2d = oo.lifespan ? 3.0 * om.k_paper : 0.0;
   pipeline::add_offload(with, oo);
   pipeline::NodeCosts costs;
-  costs.offload = costs.reload = oo.d2h;
-  const double base = pipeline::estimate(plan.schedule, costs).makespan, off = pipeline::estimate(with, costs).makespan;
+  costs.offload = costs.reload = 3.0 * (k > 0 ? k : om.k_paper);
+  const pipeline::ScheduleEstimate est = pipeline::estimate(with, costs);
+  const double base = pipeline::estimate(plan.schedule, costs).makespan, off = est.makespan;
+  // Per stage, the share of the step its compute would wait for reloads the gap cannot hide.
+  for (std::size_t st = 0; st < stages.size() && st < est.exposed.size(); ++st)
+    stages[st]["predicted_exposed_share"] = off > 0 ? est.exposed[st] / off : 0.0;
   const double paper_activation_bytes = 20.0 * 2.0 * static_cast<double>(tokens) * static_cast<double>(cfg.d_model);
   return {{"chunks", plan.offload.chunks},
           {"full", plan.offload.chunks >= plan.schedule.chunks},
