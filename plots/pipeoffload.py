@@ -24,6 +24,7 @@ Needs matplotlib (Debian: apt-get install python3-matplotlib).
 import argparse
 import os
 import re
+import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,7 +105,16 @@ def figure_schedules(paths, plt):
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KINDS.values()]
     fig.legend(handles, ["F", "B (input gradient)", "W (weight gradient)", "offload (D2H)", "reload (H2D)"],
                loc="lower center", ncol=5, fontsize=8)
-    fig.suptitle("Pipeline schedules at p = 4, 8 microbatches (darker: earlier chunk; numbers: microbatch)")
+    # Not a run: the schedule's own timing estimate (moelab schedule --json), at the commit that
+    # last wrote the files drawn.
+    try:
+        commit = subprocess.run(["git", "-C", ROOT, "log", "-1", "--format=%h", "--", *paths], capture_output=True,
+                                text=True, check=True).stdout.strip() or "uncommitted"
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    fig.suptitle("Pipeline schedules at p = 4, 8 microbatches (darker: earlier chunk; numbers: microbatch)\n"
+                 f"estimated by the schedules' timing model at unit costs (moelab schedule --json), not measured or "
+                 f"simulated runs; schedule files of commit {commit}", fontsize=10)
     fig.tight_layout(rect=(0, 0.05, 1, 0.95))
     return fig
 

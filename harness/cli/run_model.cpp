@@ -331,8 +331,11 @@ OffloadModel offload_model(Backend& b, const TransformerConfig& cfg, std::int64_
 // compute), and the overhead the schedule's estimate predicts with our k.
 json offload_json(const PipelinePlan& plan, const pipeline::OffloadPlan& op, const json& parts, const OffloadModel& om,
                   const json& par, const TransformerConfig& cfg, int microbatches, std::int64_t tokens) {
+  // k of a plain transformer layer: the chunks and stages that also hold the embedding or the
+  // head (the logits) save and compute more per layer, so the smallest figures are the layers'.
   json stages = json::array();
   double bytes_per_layer = 0, work_per_layer = 0;
+  const auto least = [](double& at, double v) { at = at > 0 ? std::min(at, v) : v; };
   for (std::size_t st = 0; st < op.kept.size(); ++st) {
     json ranks_bytes = 0, peak_host = 0, transfers = 0;
     for (const auto& x : parts) {
@@ -341,10 +344,9 @@ json offload_json(const PipelinePlan& plan, const pipeline::OffloadPlan& op, con
       transfers = o["transfers"];
       ranks_bytes = o["bytes"];
       peak_host = std::max(peak_host.get<std::size_t>(), o["peak_host_bytes"].get<std::size_t>());
-      // Bytes per layer from the chunks holding transformer layers only.
       for (std::size_t c = 0; c < o["chunk_bytes"].size(); ++c) {
         const double b = o["chunk_bytes"][c].get<double>(), l = o["chunk_layers"][c].get<double>();
-        if (b > 0 && l > 0) bytes_per_layer = std::max(bytes_per_layer, b / l);
+        if (b > 0 && l > 0) least(bytes_per_layer, b / l);
       }
     }
     stages.push_back({{"stage", st},
@@ -359,15 +361,12 @@ json offload_json(const PipelinePlan& plan, const pipeline::OffloadPlan& op, con
                       {"peak_host_bytes", peak_host}});
   }
   // This run's compute per layer: a stage's F + B + W work per step over its microbatches'
-  // layers (the busiest stage; stages with the embedding or head alone do little).
+  // layers (every rank of a stage holds the same chunks).
   for (const auto& st : par["stages"]) {
+    const auto x = std::find_if(parts.begin(), parts.end(), [&](const json& r) { return r["stage"] == st["stage"]; });
     int layers = 0;
-    for (const auto& x : parts)
-      if (x["stage"] == st["stage"]) {
-        layers = 0;
-        for (const auto& l : x["offload"]["chunk_layers"]) layers += l.get<int>();
-      }
-    if (layers > 0) work_per_layer = std::max(work_per_layer, st["work_s"].get<double>() / (layers * microbatches));
+    for (const auto& l : (*x)["offload"]["chunk_layers"]) layers += l.get<int>();
+    if (layers > 0) least(work_per_layer, st["work_s"].get<double>() / (layers * microbatches));
   }
   const double k = om.bo > 0 && work_per_layer > 0 && bytes_per_layer > 0 ? bytes_per_layer / om.bo / work_per_layer : 0;
   // The overhead the schedule's own estimate predicts with this k (F, B, W one unit each): the
