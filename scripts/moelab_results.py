@@ -558,6 +558,7 @@ def check_summary(s, path):
             _check_figures(c, fig, f"{w}.results.{label}", full=False)
         c.numbers_map(p, "speedup", w)
         c.numbers_map(p, "memory_saving", w)
+        c.numbers_map(p, "memory_saving_with_optimizer", w, required=False)
         for k in ("out_of_memory", "failed"):
             for label in c.obj(p, k, w, required=False) or {}:
                 c.string(p[k], label, f"{w}.{k}")
@@ -1007,6 +1008,11 @@ def check_suite(s, path):
         c.number(claims, "size_tolerance", "claims", minimum=0)
         c.string(claims, "source", "claims", required=False)
         c.obj(claims, "paper_setup", "claims", required=False)
+        pub = c.obj(claims, "as_published", "claims", required=False)
+        for base, lab in (pub or {}).items():
+            for k, v in (("key", base), ("value", lab)):
+                if v not in labels:
+                    c.fail(f"claims.as_published.{base}", f'{k} {_kind(v)} is not a label of the suite\'s "impls"')
         for i, it in enumerate(c.array(claims, "items", "claims", nonempty=True)):
             w = f"claims.items[{i}]"
             c.label(it, "id", w)
@@ -1019,7 +1025,9 @@ def check_suite(s, path):
                 lab = c.string(it, k, w)
                 if lab not in labels:
                     c.fail(f"{w}.{k}", f'{_kind(lab)} is not a label of the suite\'s "impls"')
-            c.string(it, "metric", w, choices=PAIR_METRICS)
+            if c.string(it, "metric", w, choices=PAIR_METRICS) == "memory_saving":
+                c.string(it, "memory_counts", w, required=False, choices=("tracked", "with_optimizer_state"))
+                c.string(it, "memory_counts_source", w, required=False)
             c.string(it, "stat", w, choices=STATS)
             c.number(it, "paper", w, positive=True)  # ours is judged as a ratio to it
         _names(c, [it["id"] for it in claims["items"]], "claims.items")
@@ -1099,7 +1107,26 @@ def claim_rows(summary):
         paper = (f"{fmt_claim(c['metric'], rng[0])} to {fmt_claim(c['metric'], rng[1])}" if rng
                  else fmt_claim(c["metric"], c["paper"]))
         yn = {True: "yes", False: "no", None: "-"}
+        # Against the as-published baseline (claims.as_published), and the other way of counting
+        # memory: display strings, empty where the claim has none.
+        pub = c.get("as_published")
+        published = ""
+        if pub:
+            po = pub["ours"].get(pub.get("compared_on", scope), {"points": 0})
+            published = (f"{fmt_claim(c['metric'], po['value'])} vs {pub['versus']}: {pub['verdict']}"
+                         if po.get("points") else f"not run ({pub['versus']})")
+        counts = ""
+        if c["metric"] == "memory_saving":
+            counts = {"tracked": "peak without optimizer state",
+                      "with_optimizer_state": "peak with Adam's state"}[c.get("memory_counts", "tracked")]
+            oc = c.get("other_counting")
+            if oc:
+                oo = oc["ours"].get(scope, {"points": 0})
+                if oo.get("points"):
+                    counts += (f"; {'with' if oc['memory_counts'] == 'with_optimizer_state' else 'without'} it: "
+                               f"{fmt_claim(c['metric'], oo['value'])}")
         rows.append({"suite": summary["suite"], "id": c["id"], "claim": c["text"], "source": c["source"],
+                     "published": published, "counts": counts,
                      "paper": paper,
                      "ours": fmt_claim(c["metric"], o["value"]) if o.get("points") else "not run",
                      "points": str(o.get("points", 0)), "on": on, "scope": scope,

@@ -476,6 +476,10 @@ def figures(res):
            "exposed_comm_s": m["exposed_comm_s"],
            "overlap_limit_s": m["overlap_limit_s"],
            "phases_s": m["phases_s"]}
+    opt = m["peak_memory_bytes"].get("optimizer_state")
+    if opt:  # the peak with the optimizer's state (the run's own, or Adam's added)
+        out["peak_memory_with_optimizer_bytes"] = opt["with"]
+        out["peak_memory_without_optimizer_bytes"] = opt["without"]
     if n is not None:
         out["partitions"] = n
     strategy = rep.get("last_strategy", rep.get("strategy"))  # the one used when "auto"
@@ -516,13 +520,18 @@ def model_figures(res, a2a_overlap=None, pipelined=False):
 # ---- the summary ----------------------------------------------------------------------------
 
 def comparisons(results, systems, baselines):
-    sp, ms = {}, {}
+    """Speed-up, memory saving (the tracked peak) and, where both results give it, the memory
+    saving with the optimizer's state (peak_memory_with_optimizer_bytes), per system_vs_baseline."""
+    sp, ms, mso = {}, {}, {}
     for s in systems:
         for b in baselines:
             if s in results and b in results:
-                sp[f"{s}_vs_{b}"] = results[b]["step_time_s"] / results[s]["step_time_s"]
-                ms[f"{s}_vs_{b}"] = 1.0 - results[s]["peak_memory_bytes"] / results[b]["peak_memory_bytes"]
-    return sp, ms
+                rs, rb = results[s], results[b]
+                sp[f"{s}_vs_{b}"] = rb["step_time_s"] / rs["step_time_s"]
+                ms[f"{s}_vs_{b}"] = 1.0 - rs["peak_memory_bytes"] / rb["peak_memory_bytes"]
+                if "peak_memory_with_optimizer_bytes" in rs and "peak_memory_with_optimizer_bytes" in rb:
+                    mso[f"{s}_vs_{b}"] = 1.0 - rs["peak_memory_with_optimizer_bytes"] / rb["peak_memory_with_optimizer_bytes"]
+    return sp, ms, mso
 
 
 def judge(metric, v, paper, tol, paper_range=None):
@@ -566,6 +575,36 @@ def run_claim(item, runs, tol):
     return row
 
 
+# How a memory claim counts the peak (a claim's "memory_counts"): the tracked allocator's peak
+# (weights, gradients, activations, buffers; an optimizer's state only where the run has one),
+# or that peak with the optimizer's state (the run's own, or Adam's added; docs/RESULTS-SCHEMA.md).
+MEMORY_FIELDS = {"tracked": "memory_saving", "with_optimizer_state": "memory_saving_with_optimizer"}
+
+
+def judge_grid_claim(item, key, field, points, in_setup, tol):
+    """ours (on the paper's setup and on every point), compared_on, and the verdict of one claim
+    on the grid's points for one system_vs_baseline key and one figure (speedup or a saving)."""
+    out = {"ours": {}}
+    for scope, keep in (("paper_setup", in_setup), ("all_points", lambda p: True)):
+        vals = [p[field][key] for p in points if keep(p) and key in (p.get(field) or {})]
+        if not vals:
+            out["ours"][scope] = {"points": 0}
+            continue
+        v = max(vals) if item["stat"] == "max" else min(vals) if item["stat"] == "min" else sum(vals) / len(vals)
+        out["ours"][scope] = {"points": len(vals), "value": v, "max": max(vals),
+                              "mean": sum(vals) / len(vals), "min": min(vals)}
+    best = out["ours"]["paper_setup"] if out["ours"]["paper_setup"]["points"] else out["ours"]["all_points"]
+    out["compared_on"] = "paper_setup" if out["ours"]["paper_setup"]["points"] else "all_points"
+    if not best["points"]:
+        out["direction_agrees"] = None
+        out["size_agrees"] = None
+        out["verdict"] = f"not run ({key.replace('_vs_', ' against ')}: no result in this run)"
+    else:
+        out["direction_agrees"], out["size_agrees"], out["verdict"] = judge(
+            "speedup" if field == "speedup" else "memory_saving", best["value"], item["paper"], tol)
+    return out
+
+
 def claims_table(suite, points, runs=()):
     c = suite.get("claims")
     if not c:
@@ -578,28 +617,24 @@ def claims_table(suite, points, runs=()):
         if item.get("on") == "runs":
             rows.append(run_claim(item, runs, tol))
             continue
-        key = f"{item['system']}_vs_{item['versus']}"
-        field = "speedup" if item["metric"] == "speedup" else "memory_saving"
+        field = "speedup" if item["metric"] == "speedup" else MEMORY_FIELDS[item.get("memory_counts", "tracked")]
         row = dict(item)
         row["mode"] = "simulated"  # claims are judged on the grid, which runs on the sim backend
         row["paper_setup"] = setup
-        row["ours"] = {}
-        for scope, keep in (("paper_setup", in_setup), ("all_points", lambda p: True)):
-            vals = [p[field][key] for p in points if keep(p) and key in p[field]]
-            if not vals:
-                row["ours"][scope] = {"points": 0}
-                continue
-            v = max(vals) if item["stat"] == "max" else min(vals) if item["stat"] == "min" else sum(vals) / len(vals)
-            row["ours"][scope] = {"points": len(vals), "value": v, "max": max(vals),
-                                  "mean": sum(vals) / len(vals), "min": min(vals)}
-        best = row["ours"]["paper_setup"] if row["ours"]["paper_setup"]["points"] else row["ours"]["all_points"]
-        row["compared_on"] = "paper_setup" if row["ours"]["paper_setup"]["points"] else "all_points"
-        if not best["points"]:
-            row["direction_agrees"] = None
-            row["size_agrees"] = None
-            row["verdict"] = f"not run ({item['system']} has no result in this run)"
-        else:
-            row["direction_agrees"], row["size_agrees"], row["verdict"] = judge(field, best["value"], item["paper"], tol)
+        judged = judge_grid_claim(item, f"{item['system']}_vs_{item['versus']}", field, points, in_setup, tol)
+        row.update(judged)
+        # The same claim against the baseline as its published code ran (claims.as_published maps
+        # a baseline's label to its as-published variant's).
+        pub = (c.get("as_published") or {}).get(item["versus"])
+        if pub:
+            row["as_published"] = {"versus": pub,
+                                   **judge_grid_claim(item, f"{item['system']}_vs_{pub}", field, points, in_setup, tol)}
+        # A memory claim also shows the other way of counting (with / without the optimizer's state).
+        if item["metric"] != "speedup":
+            other = "tracked" if item.get("memory_counts", "tracked") != "tracked" else "with_optimizer_state"
+            alt = judge_grid_claim(item, f"{item['system']}_vs_{item['versus']}", MEMORY_FIELDS[other], points,
+                                   in_setup, tol)
+            row["other_counting"] = {"memory_counts": other, "ours": alt["ours"], "verdict": alt["verdict"]}
         rows.append(row)
     return rows
 
@@ -654,10 +689,11 @@ def summarize(suite, jobs, subset, host_seconds):
         runs.append(row)
     rows = []
     for p in points.values():
-        sp, ms = comparisons(p["results"], systems, baselines)
+        sp, ms, mso = comparisons(p["results"], systems, baselines)
         if not p["failed"]:
             del p["failed"]
-        rows.append({**p, "speedup": sp, "memory_saving": ms})
+        rows.append({**p, "speedup": sp, "memory_saving": ms,
+                     **({"memory_saving_with_optimizer": mso} if mso else {})})
     skipped = {}
     for j in jobs:
         if j.get("skipped"):
@@ -679,7 +715,9 @@ def summarize(suite, jobs, subset, host_seconds):
         "paths": "every \"file\" is relative to the results folder",
         "definitions": {
             "speedup": "step time of the baseline / step time of the system (one forward + backward of the MoE layer, slowest rank)",
-            "memory_saving": "1 - peak device memory of the system / that of the baseline (the highest rank's peak over the timed step as the tracked allocator counts it: weights, gradients, activations and buffers; no optimizer states, which the paper's M_ms includes for Adam)",
+            "memory_saving": "1 - peak device memory of the system / that of the baseline (the highest rank's peak over the timed step as the tracked allocator counts it: weights, gradients, activations and buffers; an optimizer's state only where the run has an optimizer, which an MoE layer's forward + backward has not)",
+            "memory_saving_with_optimizer": "the same with the optimizer's state in both peaks: the run's own optimizer's, or, for a run without one, Adam's state for the rank's parameters added (fp32: m and v, 2 x the parameters' bytes; 16-bit: fp32 master, m and v, 12 bytes per parameter, ZeRO section 3.1); metrics.peak_memory_bytes.optimizer_state",
+            "as_published": "a claim's figure against the baseline as its published code ran (claims.as_published maps the baseline's label to that variant's), beside the figure against the ideal baseline",
             "partitions": "n used in the timed step (impl_report.last_n); chosen by the online granularity search for \"partitions\": \"auto\"",
             "overlap_ratio": "communication hidden behind computation / all communication, summed over ranks",
             **({"whole-model runs": "runs with a model, run_mode and label: a step is one training step of the "
@@ -756,6 +794,10 @@ def print_tables(suite, summary):
             fmtv = lambda v, m=r["metric"]: mr.fmt_claim(m, v)  # noqa: E731
             ours = fmtv(o["value"]) if o["points"] else "-"
             print(f"  {r['text'][:60]:60} {fmtv(r['paper']):>7} {ours:>7} {o['points']:>4}  {r['verdict']}")
+            pub = r.get("as_published")
+            if pub:
+                po = pub["ours"][pub["compared_on"]]
+                print(f"      vs {pub['versus']}: {fmtv(po['value']) if po['points'] else '-'}  {pub['verdict']}")
             for u in o.get("used", []) if o["points"] else []:
                 print(f"      {u}")
 

@@ -583,7 +583,8 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
                              : "no capacity limit");
 
     // ---- the record ------------------------------------------------------------------------
-    json metrics = metrics_json(fig, ranks, tokens_per_s, library, floor_gemm_library(*backend));
+    json metrics = metrics_json(fig, ranks, tokens_per_s, library, floor_gemm_library(*backend),
+                                static_cast<int>(dtype_size(m.dtype)));
 
     json result;
     result["schema"] = "moelab.result/1";

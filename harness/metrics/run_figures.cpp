@@ -218,8 +218,14 @@ void set_layer_time(RunFigures& f, double layer_s) {
   f.layer_vs_floor = f.floor_gemm_s > 0 ? layer_s / f.floor_gemm_s : 0.0;
 }
 
+double adam_state_factor(int param_elem_bytes) {
+  if (param_elem_bytes == 4) return 2.0;   // m, v in fp32
+  if (param_elem_bytes == 2) return 6.0;   // fp32 master, m, v: 12 bytes per 2-byte parameter
+  return 0.0;
+}
+
 json metrics_json(const RunFigures& f, const std::vector<RankFigures>& ranks, double tokens_per_s,
-                  const std::string& gemm_library, const std::string& floor_library) {
+                  const std::string& gemm_library, const std::string& floor_library, int param_elem_bytes) {
   const RankFigures& pk = ranks[f.peak_rank];
   json m;
   m["step_time_s"] = {{"median", f.step_median}, {"mean", f.step_mean}, {"min", f.step_min}, {"max", f.step_max},
@@ -250,6 +256,28 @@ json metrics_json(const RunFigures& f, const std::vector<RankFigures>& ranks, do
                             {"rank", f.peak_rank},
                             {"by_category_at_peak", category_json(pk.at_peak)},
                             {"peak_per_category", category_json(pk.peak_per_category)}};
+  // The peak with and without the optimizer's state. A run with an optimizer tracks it (its
+  // category at the peak); a run without one (an MoE layer's forward + backward) gets Adam's
+  // state for the rank's parameters added: it lives through the whole step, so it adds to the
+  // peak exactly.
+  {
+    const auto at = [](const CategoryBytes& b, MemCategory c) { return b[static_cast<std::size_t>(c)]; };
+    const double total = static_cast<double>(pk.peak_device);
+    json o;
+    if (at(pk.at_peak, MemCategory::optimizer) > 0) {
+      const double opt = static_cast<double>(at(pk.at_peak, MemCategory::optimizer));
+      o = {{"with", total}, {"without", total - opt}, {"state_bytes", opt},
+           {"source", "the run's optimizer, tracked (its category at the peak)"}};
+    } else if (const double k = adam_state_factor(param_elem_bytes); k > 0) {
+      const double state = k * static_cast<double>(at(pk.peak_per_category, MemCategory::weights));
+      o = {{"with", total + state}, {"without", total}, {"state_bytes", state},
+           {"source", param_elem_bytes == 4
+                          ? "Adam added (no optimizer in the run): fp32 m and v, 2 x the parameters' bytes"
+                          : "Adam added (no optimizer in the run): mixed precision, fp32 master copy, m and v = "
+                            "12 bytes per 16-bit parameter (ZeRO, Rajbhandari et al. SC'20, section 3.1)"}};
+    }
+    if (!o.is_null()) m["peak_memory_bytes"]["optimizer_state"] = o;
+  }
   // The device allocator's own high-water marks (cuda), the highest rank's.
   if (f.pool) {
     json pool = pool_json(ranks[f.pool_rank].pool);

@@ -73,9 +73,17 @@ RunFigures aggregate(const std::vector<RankFigures>& ranks);
 void set_layer_time(RunFigures& f, double layer_s);
 
 // The record's "metrics" object for these figures (docs/RESULTS-SCHEMA.md). gemm_library
-// names what timed bare_gemm_s, floor_library what timed floor_gemm_s.
+// names what timed bare_gemm_s, floor_library what timed floor_gemm_s. param_elem_bytes: the
+// bytes of one parameter element (0: unknown), for the peak with Adam's state
+// (peak_memory_bytes.optimizer_state: the run's own optimizer's, or Adam's added).
 nlohmann::json metrics_json(const RunFigures& f, const std::vector<RankFigures>& ranks, double tokens_per_s,
-                            const std::string& gemm_library, const std::string& floor_library);
+                            const std::string& gemm_library, const std::string& floor_library,
+                            int param_elem_bytes = 0);
+// Bytes of Adam's state per byte of parameters of param_elem_bytes each: fp32 parameters keep
+// two fp32 moments (8 bytes per 4-byte parameter: 2); 16-bit parameters under mixed precision
+// keep an fp32 master copy and two fp32 moments (12 bytes per parameter, ZeRO (Rajbhandari et
+// al., SC'20) §3.1: K = 12; 12 / 2 = 6). 0 for other sizes.
+double adam_state_factor(int param_elem_bytes);
 nlohmann::json category_json(const CategoryBytes& b);
 
 double median(std::vector<double> v);

@@ -88,8 +88,15 @@ class MPipeMoELayer final : public MoELayer {
       nlohmann::json all = nlohmann::json::object();
       for (const auto& c : costs_)
         all[c.strategy] = {{"cost_s", c.cost_s}, {"comp_s", c.comp_s}, {"comm_s", c.comm_s}, {"mem_s", c.mem_s},
-                           {"device_bytes", c.device_bytes}, {"host_bytes", c.host_bytes}, {"fits", c.fits}};
+                           {"device_bytes", c.device_bytes}, {"host_bytes", c.host_bytes}, {"fits", c.fits},
+                           {"tied", c.tied}};
       r["strategy_costs"] = all;  // Eq. 10 per strategy, per partition, forward + backward
+      // Ties (strategy.hpp, kTieRule): which strategies cost the chosen one's cost, and the rule
+      // that picked among them.
+      nlohmann::json tied = nlohmann::json::array();
+      for (const auto& c : costs_)
+        if (c.tied) tied.push_back(c.strategy);
+      r["strategy_tie"] = {{"tied", tied}, {"rule", kTieRule}};
       for (const auto& c : costs_)
         if (c.strategy == strategy_) r["chosen_cost_s"] = c.cost_s;
       const Rates& w = rates_.at(rates_key_);

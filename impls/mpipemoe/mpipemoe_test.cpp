@@ -466,9 +466,12 @@ TEST(StrategyChoice, EachStrategyWinsInItsRegime) {
                   c.mem_s, c.cost_s);
     return s;
   };
-  // Fast host copies, compute-bound GEMMs: offloading both (S1) beats any recompute.
-  EXPECT_EQ(pick(20, 400, 400), "S1");
-  // Fast host copies, a slow network: S1 avoids the extra all-to-all of S2/S4.
+  // Fast host copies, compute-bound GEMMs: no recompute. S1 and S2 tie at 6 GEMMs; the tie
+  // rule takes S2, whose second-busiest stream (8 copies, 0.19 ms) has less work than S1's (10
+  // copies, 0.23 ms).
+  EXPECT_EQ(pick(20, 400, 400), "S2");
+  // Fast host copies, a slow network: S1 avoids the extra all-to-all of S2/S4 (S1 and S3 tie on
+  // 4 all-to-alls; S1's 6 GEMMs leave more slack than S3's 7).
   EXPECT_EQ(pick(400, 5, 400), "S1");
   // Slow host copies, fast compute and network: recompute and re-communicate (S4).
   EXPECT_EQ(pick(400, 400, 2), "S4");
@@ -493,6 +496,62 @@ TEST(StrategyChoice, EachStrategyWinsInItsRegime) {
   // Q: the table of §III-D, forward + backward.
   EXPECT_EQ(work_vector("S1"), (std::array<double, 3>{6, 4, 10}));
   EXPECT_EQ(work_vector("S4"), (std::array<double, 3>{7, 5, 0}));
+}
+
+// A T_M copy counts H/M units of b·M: the model's ratio, not the paper's 4.
+TEST(StrategyChoice, WorkVectorTakesTMSizeFromTheModel) {
+  EXPECT_EQ(work_vector("S1", 4), (std::array<double, 3>{6, 4, 10}));
+  EXPECT_EQ(work_vector("S1", 2.5), (std::array<double, 3>{6, 4, 7}));
+  EXPECT_EQ(work_vector("S2", 2.5), (std::array<double, 3>{6, 5, 5}));
+  EXPECT_EQ(work_vector("S3", 2.5), (std::array<double, 3>{7, 4, 2}));
+  EXPECT_THROW(work_vector("S1", 0), ConfigError);
+  // The copy term of S1 and S2 follows H: M = 1024, H = 2048 (r = 2), b = 1000 fp32 rows at
+  // 1 GB/s and η = 1: S1 copies 2·(1 + 2)·b·M·4 bytes, S2 2·2·b·M·4.
+  const Throughputs w{1e15, 1e15, 1e9, 1, 1, 1};
+  EXPECT_DOUBLE_EQ(strategy_cost("S1", w, 1000, 1024, 2048).mem_s, 6 * 1000 * 1024 * 4 / 1e9);
+  EXPECT_DOUBLE_EQ(strategy_cost("S2", w, 1000, 1024, 2048).mem_s, 4 * 1000 * 1024 * 4 / 1e9);
+}
+
+// Ties: compute-bound, S3 and S4 both cost q1 = 7 GEMMs. The rule prefers the smaller
+// second-largest term. b = 2048 fp32 rows of M = 1024, H = 4096: v_comp = b·H·M multiply-adds,
+// v = b·M·4 = 8.39 MB per all-to-all or T_DI copy.
+TEST(StrategyChoice, TiesAreReportedAndBrokenByTheRule) {
+  const double b = 2048, M = 1024, H = 4096;
+  const std::array<MemoryNeed, 4> needs{};
+  std::vector<StrategyCost> costs;
+  // GEMMs at 10 TFLOP/s: S3 and S4 cost 7·v_comp/5e12 = 12.0 ms, S1 and S2 pay 10 and 8 copies
+  // of 4.2 ms at 2 GB/s. S3's second term: its 2 copies, 8.4 ms; S4's: 5 all-to-alls at
+  // 100 GB/s, 0.42 ms -> S4, though S3 comes first in the list.
+  Throughputs w{10e12, 100e9, 2e9, 1, 1, 1};
+  EXPECT_EQ(choose_strategy(w, b, M, H, MemoryBudget{}, needs, &costs), "S4");
+  ASSERT_EQ(costs.size(), 4u);
+  EXPECT_FALSE(costs[0].tied);
+  EXPECT_FALSE(costs[1].tied);
+  EXPECT_TRUE(costs[2].tied);
+  EXPECT_TRUE(costs[3].tied);
+  EXPECT_DOUBLE_EQ(costs[2].cost_s, costs[3].cost_s);
+  // A slower network: at 4.5 GB/s S4's 5 all-to-alls take 9.3 ms, more than S3's 8.4 ms of
+  // copies (its 4 all-to-alls 7.5 ms) -> S3; at 5.5 GB/s S4's are 7.6 ms -> S4.
+  w.comm_bytes = 4.5e9;
+  EXPECT_EQ(choose_strategy(w, b, M, H, MemoryBudget{}, needs, &costs), "S3");
+  EXPECT_TRUE(costs[2].tied && costs[3].tied);
+  w.comm_bytes = 5.5e9;
+  EXPECT_EQ(choose_strategy(w, b, M, H, MemoryBudget{}, needs, &costs), "S4");
+  // Only the GEMMs cost anything: S1 and S2 tie at 6 GEMMs with nothing else -> the smaller
+  // device need, then the smaller host need, then the list order.
+  const double inf = std::numeric_limits<double>::infinity();
+  const Throughputs flat{10e12, inf, inf, 1, 1, 1};
+  EXPECT_EQ(choose_strategy(flat, b, M, H, MemoryBudget{}, {MemoryNeed{6, 0}, MemoryNeed{5, 9}, MemoryNeed{9, 9}, MemoryNeed{9, 9}}, &costs), "S2");
+  EXPECT_TRUE(costs[0].tied && costs[1].tied && !costs[2].tied && !costs[3].tied);
+  EXPECT_EQ(choose_strategy(flat, b, M, H, MemoryBudget{}, {MemoryNeed{5, 2}, MemoryNeed{5, 1}, MemoryNeed{}, MemoryNeed{}}), "S2");
+  EXPECT_EQ(choose_strategy(flat, b, M, H, MemoryBudget{}, {MemoryNeed{5, 1}, MemoryNeed{5, 1}, MemoryNeed{}, MemoryNeed{}}), "S1");
+  // A tied candidate that does not fit is out: S1 over the device budget leaves S2.
+  EXPECT_EQ(choose_strategy(flat, b, M, H, MemoryBudget{5.5, 0}, {MemoryNeed{6, 0}, MemoryNeed{5, 9}, MemoryNeed{9, 9}, MemoryNeed{9, 9}}, &costs), "S2");
+  EXPECT_FALSE(costs[0].tied);
+  // A single cheapest candidate is not a tie.
+  w = {400e12, 400e9, 2e9, 1, 1, 1};
+  EXPECT_EQ(choose_strategy(w, b, M, H, MemoryBudget{}, needs, &costs), "S4");
+  for (const auto& c : costs) EXPECT_FALSE(c.tied) << c.strategy;
 }
 
 // The measured peak of activations + buffers of one forward + backward agrees with the memory
