@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 #include <stdexcept>
 
 #include "baselines/fastermoe/fastermoe.hpp"
@@ -99,10 +100,12 @@ TEST_P(SameAsFastMoE, OutputsAndEveryGradient) {
 
 INSTANTIATE_TEST_SUITE_P(Options, SameAsFastMoE,
                          ::testing::Combine(::testing::Bool(),
-                                            ::testing::Values(json::object(), json{{"group_size", 1}})),
+                                            ::testing::Values(json::object(), json{{"group_size", 1}},
+                                                              json{{"as_published", true}})),
                          [](const auto& tp) {
+                           const json& o = std::get<1>(tp.param);
                            return std::string(std::get<0>(tp.param) ? "noisy" : "plain") +
-                                  (std::get<1>(tp.param).empty() ? "_default" : "_group_size_1");
+                                  (o.empty() ? "_default" : o.contains("as_published") ? "_as_published" : "_group_size_1");
                          });
 
 TEST(FasterMoEReport, AWorldSmallerThanTheGroupIsOneGroupAndSaysSo) {
@@ -187,6 +190,96 @@ TEST(FasterMoEOptions, BadGroupSizeIsAConfigErrorNamingItBeforeAnyWork) {
   // 2.0 is the integer 2, as in every file moelab reads (JSON has one number type).
   auto self = make_self_communicator(*b);
   EXPECT_NO_THROW(make_fastermoe(*b, *self, small_config(false), {{"group_size", 2.0}}));
+}
+
+// ---- 4. sim: as published (laekov/fastmoe v1.0.0), G = 2 on 8 ranks --------------------
+// Rank 0's timeline of one forward+backward: the collectives in their order, the experts'
+// GEMM calls, the copies of the per-(step, expert) callbacks, the host waits.
+struct PublishedRun {
+  std::string comm_order;
+  int collectives = 0;
+  std::map<std::string, int> gemm_calls;
+  int copies = 0;
+  double last_s_end = 0, first_r_start = 0;  // forward: the last dispatch exchange, the first combine
+  std::int64_t nonempty_chunks = 0;
+  json report;
+};
+
+PublishedRun sim_published(const json& options, int El_expected) {
+  SimOptions o;
+  o.cluster = sim::load_cluster("dgx-a100x1");
+  SimCluster cluster(o);
+  PublishedRun out;
+  std::vector<OpRecord> tl0;
+  std::vector<std::vector<std::int64_t>> rows;
+  cluster.run([&](Backend& b, Communicator& c) {
+    ModelConfig m;
+    m.d_model = 1024;
+    m.d_hidden = 4096;
+    m.num_experts = 8 * El_expected;
+    m.top_k = 2;
+    m.capacity_factor = 1.25;
+    auto impl = make_fastermoe(b, c, m, options);
+    Stream& s = impl->layer().compute_stream();
+    Tensor x = b.empty({8192, m.d_model}, DType::f32, MemCategory::activations, s);
+    c.barrier();
+    b.clear_timeline();
+    Tensor y = impl->forward(x);
+    const std::vector<GemmProblem> gemms = c.rank() == 0 ? impl->expert_gemms() : std::vector<GemmProblem>{};
+    b.synchronize();
+    c.barrier();
+    Tensor dx = impl->backward(y, 0.0f);
+    b.synchronize();
+    c.barrier();
+    if (c.rank() == 0) {
+      tl0 = b.timeline();
+      out.report = impl->report();
+      out.nonempty_chunks = static_cast<std::int64_t>(gemms.size()) / 6;  // six per (chunk, expert with rows)
+    }
+  });
+  std::vector<OpRecord> coll;
+  for (const auto& a : tl0) {
+    if (a.cost.kind == OpKind::collective) coll.push_back(a);
+    if (a.cost.kind == OpKind::gemm && a.phase == "experts") ++out.gemm_calls[a.name];
+    if (a.name == "copy") ++out.copies;
+  }
+  std::stable_sort(coll.begin(), coll.end(), [](const OpRecord& a, const OpRecord& b) { return a.start < b.start; });
+  bool seen_r = false;
+  for (const auto& a : coll) {
+    const char k = a.phase == "dispatch" ? 'D' : a.phase == "combine" ? 'C' : '?';
+    out.comm_order += k;
+    if (!seen_r && k == 'D') out.last_s_end = std::max(out.last_s_end, a.end);
+    if (!seen_r && k == 'C') {
+      seen_r = true;
+      out.first_r_start = a.start;
+    }
+  }
+  out.collectives = static_cast<int>(coll.size());
+  return out;
+}
+
+TEST(FasterMoEAsPublishedSim, SThenCThenROnOneStreamPerStepAndExpert) {
+  const int W = 8, G = 2, n_g = W / G;
+  for (int El : {1, 2}) {
+    SCOPED_TRACE("El = " + std::to_string(El));
+    const PublishedRun pub = sim_published({{"group_size", G}, {"as_published", true}}, El);
+    EXPECT_EQ(pub.report["steps"], n_g);
+    const int groups = n_g * El;  // NCCL groups per exchange: one per (step, local expert)
+    // Forward: the count exchange, every S, then every R; backward (gradients of the outputs
+    // first): every S' (combine side), then every R' (dispatch side). smart_schedule.h:139-229, :289-374.
+    EXPECT_EQ(pub.collectives, 1 + 4 * groups);
+    EXPECT_EQ(pub.comm_order, "D" + std::string(groups, 'D') + std::string(groups, 'C') + std::string(groups, 'C') +
+                                  std::string(groups, 'D'));
+    // No R before the last S is done (one stream, S loop first).
+    EXPECT_GE(pub.first_r_start, pub.last_s_end);
+    // One call per linear per (step, expert) with rows, and one copy forward and one backward each.
+    ASSERT_GT(pub.nonempty_chunks, 0);
+    for (const char* n : {"fc1", "fc2", "fc2_dgrad", "fc2_wgrad", "fc1_wgrad", "fc1_dgrad"})
+      EXPECT_EQ(pub.gemm_calls.count(n) ? pub.gemm_calls.at(n) : 0, pub.nonempty_chunks) << n;
+    EXPECT_EQ(pub.copies, 2 * pub.nonempty_chunks);
+    // prepare_forward's host waits only: the smart schedule has none of its own.
+    EXPECT_EQ(pub.report["host_waits"].get<std::vector<std::string>>(), fastmoe_published_prepare_forward_waits());
+  }
 }
 
 // ---- 3. sim: the overlap the schedule exists for -----------------------------------------

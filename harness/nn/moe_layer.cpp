@@ -120,6 +120,19 @@ std::vector<GemmProblem> per_expert(const std::vector<std::int64_t>& rows, const
 }
 }  // namespace
 
+void MoELayer::expert_gemm(Stream& c, const std::vector<GemmProblem>& ps, const char* name) {
+  if (!gemm_per_expert_) {
+    b_.grouped_gemm(c, ps, name);
+    return;
+  }
+  for (const GemmProblem& p : ps) b_.grouped_gemm(c, std::span<const GemmProblem>(&p, 1), name);
+}
+
+void MoELayer::host_wait(Stream& s, const std::string& what) {
+  b_.synchronize(s);
+  host_waits_.push_back(what);
+}
+
 // ---- route: logits [T,E] -> probs, top-k, capacity, slots -----------------------------------
 // Fills the gate part of sv and routing_. The layer's one host synchronisation is here: the
 // counts size the all-to-all-v.
@@ -233,18 +246,20 @@ void MoELayer::experts(Stream& c, const Chunk& ch, const Tensor& t_di, Tensor& t
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden, R = t_di.dim(0);
   PhaseScope ph(b_, "experts");
   expert_fc1(c, ch, t_di, t_m);
+  expert_linear_done(c);
   Tensor a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
   b_.activation_forward(c, cfg_.activation, t_m, a);
-  b_.grouped_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+  expert_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{false, false, r, M, H, a.rows(o, r), expert_w2(l), t_do.rows(o, r), 1, 0};
   }), "fc2");
+  expert_linear_done(c);
 }
 
 void MoELayer::expert_fc1(Stream& c, const Chunk& ch, const Tensor& t_di, Tensor& t_m, const char* name) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
   PhaseScope ph(b_, "experts");
   if (offload_ == ExpertOffload::async && resident_.w1.defined()) b_.wait(c, *copies_done_);  // the experts' weights are in
-  b_.grouped_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+  expert_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{false, false, r, H, M, t_di.rows(o, r), expert_w1(l), t_m.rows(o, r), 1, 0};
   }), name);
 }
@@ -356,17 +371,19 @@ void MoELayer::experts_backward(Stream& c, const Chunk& ch, const Tensor& t_di, 
   b_.activation_forward(c, cfg_.activation, t_m, a);
   Tensor d_a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
   // dA = dT_DO · W2^T                [r,M]x[M,H]
-  b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+  expert_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{false, true, r, H, M, d_t_do.rows(o, r), params_.w2.select(l), d_a.rows(o, r), 1, 0};
   }), "fc2_dgrad");
   if (!defer) fc2_wgrad(c, ch, a, d_t_do);
+  expert_linear_done(c);
   // dT_M = dA * act'(T_M), in place
   b_.activation_backward(c, cfg_.activation, t_m, d_a, d_a);
   if (!defer) fc1_wgrad(c, ch, t_di, d_a);
   // dT_DI = dT_M · W1^T              [r,H]x[H,M]
-  b_.grouped_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+  expert_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{false, true, r, M, H, d_a.rows(o, r), params_.w1.select(l), d_t_di.rows(o, r), 1, 0};
   }), "fc1_dgrad");
+  expert_linear_done(c);
   if (defer) {
     defer->t_di = t_di;
     defer->a = a;
@@ -378,7 +395,7 @@ void MoELayer::experts_backward(Stream& c, const Chunk& ch, const Tensor& t_di, 
 // dW2 += A^T · dT_DO               [H,r]x[r,M]
 void MoELayer::fc2_wgrad(Stream& c, const Chunk& ch, const Tensor& a, const Tensor& d_t_do) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
-  b_.grouped_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+  expert_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{true, false, H, M, r, a.rows(o, r), d_t_do.rows(o, r), grads_.w2.select(l), 1, 1};
   }), "fc2_wgrad");
 }
@@ -386,7 +403,7 @@ void MoELayer::fc2_wgrad(Stream& c, const Chunk& ch, const Tensor& a, const Tens
 // dW1 += T_DI^T · dT_M             [M,r]x[r,H]
 void MoELayer::fc1_wgrad(Stream& c, const Chunk& ch, const Tensor& t_di, const Tensor& d_t_m) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
-  b_.grouped_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+  expert_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{true, false, M, H, r, t_di.rows(o, r), d_t_m.rows(o, r), grads_.w1.select(l), 1, 1};
   }), "fc1_wgrad");
 }

@@ -181,6 +181,13 @@ class MoELayer {
   MoEChannels& channels() { return *channels_; }  // to share with the model's other MoE layers
   EventPool& event_pool() { return events_; }  // the events of the layer's passes
   void set_noise_seed(std::uint64_t s) { noise_seed_ = s; }
+  // A host wait a schedule issues where the code it reproduces waits (FastMoE's `.item()`,
+  // `.cpu()` and stream synchronisations, baselines/fastmoe): synchronises s and logs `what`.
+  // The log (for reports and tests) holds every such wait since it was last cleared; the
+  // layer's own synchronisation in route() is not logged.
+  void host_wait(Stream& s, const std::string& what);
+  const std::vector<std::string>& host_waits() const { return host_waits_; }
+  void clear_host_waits() { host_waits_.clear(); }
   // The rank the gate noise is keyed on: this rank's in the expert-parallel group, or (a layer
   // whose TP ranks must route alike) one shared by its TP group.
   virtual std::uint64_t noise_rank() const { return static_cast<std::uint64_t>(comm_.rank()); }
@@ -255,6 +262,13 @@ class MoELayer {
   virtual void exchange(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& src, Tensor& dst, bool reverse);
   // Whether backward_input may leave the weight gradients to backward_weight.
   virtual bool defers_weight_gradients() const { return true; }
+  // After each expert linear's GEMMs (forward FC1, FC2; backward FC2 dgrad+wgrad, FC1
+  // wgrad+dgrad): nothing here; FastMoE as published waits on the host (baselines/fastmoe).
+  virtual void expert_linear_done(Stream&) {}
+  // The per-expert GEMMs of one expert step: one grouped_gemm call, or (gemm_per_expert_) one
+  // call per expert, as a loop of library calls over the experts issues them.
+  void expert_gemm(Stream& c, const std::vector<GemmProblem>& ps, const char* name);
+  bool gemm_per_expert_ = false;
   void fc2_wgrad(Stream& c, const Chunk& ch, const Tensor& a, const Tensor& d_t_do);     // dW2 += A^T·dT_DO
   void fc1_wgrad(Stream& c, const Chunk& ch, const Tensor& t_di, const Tensor& d_t_m);  // dW1 += T_DI^T·dT_M
   void check_input(const Tensor& x) const;
@@ -291,6 +305,7 @@ class MoELayer {
   std::uint64_t noise_seed_ = 0x5eed;
   std::uint64_t step_ = 0;               // forwards of the one-in-flight API
   std::vector<float> last_eps_;
+  std::vector<std::string> host_waits_;  // host_wait's log
   std::vector<std::vector<std::int64_t>> last_chunk_rows_;  // [chunks][El] of the last forward
 
   // Expert offloading: the forward's resident experts ([n,M,H], [n,H,M] on the device, n the

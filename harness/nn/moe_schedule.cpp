@@ -98,8 +98,9 @@ class Pass {
   Pass(MoELayer& L, const ChunkPlan& plan, ChunkHooks* hooks, const PassPlacement* place)
       : ctx{L.backend(), L.config(), plan, L.compute_stream(), *plan.dispatch.stream, *plan.combine.stream,
             L.event_pool()},
-        hooks_(hooks), place_(place), n_(static_cast<int>(plan.chunks.size())) {
+        L_(L), hooks_(hooks), place_(place), n_(static_cast<int>(plan.chunks.size())) {
     MOELAB_CHECK(!plan.one_in_flight || !hooks, "a schedule with its own buffers is pipelined");
+    MOELAB_CHECK(plan.group >= 1 && (plan.group == 1 || plan.phased), "a chunk plan's groups need the phased order");
     MOELAB_CHECK(!place || !hooks, "compute placed among a pass's steps needs a plan without hooks");
     ctx.ev.reset();
     e.in.assign(static_cast<std::size_t>(n_), nullptr);
@@ -108,6 +109,8 @@ class Pass {
   int chunks() const { return n_; }
   const Chunk& chunk(int i) const { return ctx.plan.chunks[static_cast<std::size_t>(i)]; }
   bool ahead() const { return !ctx.plan.one_in_flight; }
+  // The last chunk of chunk i's group (ChunkPlan::group): the one whose events i's steps wait for.
+  int group_last(int i) const { return std::min(n_ - 1, (i / ctx.plan.group + 1) * ctx.plan.group - 1); }
   // Pipelined: the compute stream has made every buffer; the first exchanges' lane and the
   // hooks' streams wait for that before they run ahead.
   void ready(Stream& first_lane) {
@@ -125,21 +128,31 @@ class Pass {
     if (hooks_) hooks_->before(kind, i, e);
     Stream& s = issue();
     done[static_cast<std::size_t>(i)] = ctx.ev.mark(s);
+    if (kind != ChunkStep::experts && ctx.plan.host_wait_exchanges)
+      L_.host_wait(s, kind == ChunkStep::dispatch ? "dispatch" : "combine");
     if (hooks_) hooks_->after(kind, i, e);
   }
   // first(i + lookahead), experts(i), second(i) for i = 0, 1, ...; then the compute stream
   // waits for the last second exchange (the first lane's last step was waited for by the last
   // experts step) and for the hooks' streams. A placement's slot comes after the lead
   // exchanges; a detached pass leaves the last wait to its caller (`done`).
+  // Phased (ChunkPlan::phased): every first exchange, every experts step, every second exchange.
   template <class First, class Experts, class Second>
   void run(First first, Experts experts, Second second) {
-    const int lead = std::min(ctx.plan.lookahead, n_);
-    for (int i = 0; i < lead; ++i) first(i);
-    if (place_ && place_->slot) place_->slot();
-    for (int i = 0; i < n_; ++i) {
-      if (i + lead < n_) first(i + lead);
-      experts(i);
-      second(i);
+    if (ctx.plan.phased) {
+      for (int i = 0; i < n_; ++i) first(i);
+      if (place_ && place_->slot) place_->slot();
+      for (int i = 0; i < n_; ++i) experts(i);
+      for (int i = 0; i < n_; ++i) second(i);
+    } else {
+      const int lead = std::min(ctx.plan.lookahead, n_);
+      for (int i = 0; i < lead; ++i) first(i);
+      if (place_ && place_->slot) place_->slot();
+      for (int i = 0; i < n_; ++i) {
+        if (i + lead < n_) first(i + lead);
+        experts(i);
+        second(i);
+      }
     }
     Event* last = e.out[static_cast<std::size_t>(n_ - 1)];
     if (place_ && place_->detach) {
@@ -157,6 +170,7 @@ class Pass {
   Event* last_exchange = nullptr;  // detached: the compute stream has not waited for it
 
  private:
+  MoELayer& L_;
   ChunkHooks* hooks_;
   const PassPlacement* place_;
   const int n_;
@@ -225,16 +239,24 @@ PassBuffers issue_forward(MoELayer& L, MoESaved& sv, const Tensor& t_i, ChunkHoo
         });
       },
       [&](int i) {  // C_i
-        ev.after(c, e.in[static_cast<std::size_t>(i)]);
+        ev.after(c, e.in[static_cast<std::size_t>(pass.group_last(i))]);
         if (!pass.ahead()) make_t_m_t_do(i);
         pass.step(ChunkStep::experts, i, e.computed, [&]() -> Stream& {
-          if (!(plan.skip_empty && chunk(i).R == 0)) L.experts(c, chunk(i), at(i).t_di, at(i).t_m, at(i).t_do);
+          if (!(plan.skip_empty && chunk(i).R == 0)) {
+            if (plan.copy_expert_outputs) {  // y0, then y.copy_(y0)
+              Tensor y0 = b.empty({chunk(i).R, M}, cfg.dtype, MemCategory::buffers, c);
+              L.experts(c, chunk(i), at(i).t_di, at(i).t_m, y0);
+              b.copy(c, y0, at(i).t_do);
+            } else {
+              L.experts(c, chunk(i), at(i).t_di, at(i).t_m, at(i).t_do);
+            }
+          }
           if (!sv.t_o.defined()) sv.t_o = b.empty({N, M}, cfg.dtype, MemCategory::activations, c);  // before R_i waits
           return c;
         });
       },
       [&](int i) {  // R_i: T_DO_i -> T_O rows
-        ev.after(cs, e.computed[static_cast<std::size_t>(i)]);
+        ev.after(cs, e.computed[static_cast<std::size_t>(pass.group_last(i))]);
         pass.step(ChunkStep::combine, i, e.out, [&]() -> Stream& {
           L.combine(cs, *plan.combine.comm, chunk(i), at(i).t_do, sv.t_o);
           return cs;
@@ -297,7 +319,7 @@ PassBuffers issue_backward(MoELayer& L, MoESaved& sv, Tensor& d_t_o, bool defer,
       },
       [&](int i) {  // C'_i
         ChunkTensors& t = at(i);
-        ev.after(c, e.in[static_cast<std::size_t>(i)]);
+        ev.after(c, e.in[static_cast<std::size_t>(pass.group_last(i))]);
         if (!pass.ahead()) {
           if (i + 1 == n) d_t_o = Tensor();  // its last exchange is done
           make(t.d_t_di, i);
@@ -306,14 +328,20 @@ PassBuffers issue_backward(MoELayer& L, MoESaved& sv, Tensor& d_t_o, bool defer,
           if (!(plan.skip_empty && chunk(i).R == 0)) {
             MoESaved::ExpertWgrad* w = defer ? &sv.expert_wgrad[static_cast<std::size_t>(i)] : nullptr;
             if (w) w->chunk = static_cast<std::size_t>(i);
-            L.experts_backward(c, chunk(i), t.t_di, t.t_m, t.d_t_do, t.d_t_di, w);
+            if (plan.copy_expert_outputs) {  // x.grad, then grad_x.copy_(x.grad)
+              Tensor gx = b.empty({chunk(i).R, M}, cfg.dtype, MemCategory::buffers, c);
+              L.experts_backward(c, chunk(i), t.t_di, t.t_m, t.d_t_do, gx, w);
+              b.copy(c, gx, t.d_t_di);
+            } else {
+              L.experts_backward(c, chunk(i), t.t_di, t.t_m, t.d_t_do, t.d_t_di, w);
+            }
           }
           if (!d_t_i.defined()) d_t_i = b.empty({N, M}, cfg.dtype, MemCategory::buffers, c);  // before S'_i waits
           return c;
         });
       },
       [&](int i) {  // S'_i: dT_DI_i -> dT_I rows
-        ev.after(ds, e.computed[static_cast<std::size_t>(i)]);
+        ev.after(ds, e.computed[static_cast<std::size_t>(pass.group_last(i))]);
         pass.step(ChunkStep::dispatch, i, e.out, [&]() -> Stream& {
           L.dispatch_backward(ds, *plan.dispatch.comm, chunk(i), at(i).d_t_di, d_t_i);
           return ds;

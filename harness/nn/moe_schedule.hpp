@@ -57,6 +57,20 @@ struct ChunkPlan {
   // (FasterMoE's implementation does so), rather than after it.
   bool output_first = false;
   bool skip_empty = false;       // no experts step for a chunk without rows (FasterMoE)
+  // Every first exchange issued, then every experts step, then every second exchange
+  // (lookahead is not used): FasterMoE as published issues its S, C and R loops so
+  // (laekov/fastmoe v1.0.0 cuda/fastermoe/smart_schedule.h:139-229).
+  bool phased = false;
+  // Chunks in groups of this many (phased only): the experts of a group's chunks wait for the
+  // group's last first exchange, its second exchanges for the group's last experts step (one
+  // event per group, as FasterMoE's input_ready / output_ready per step).
+  int group = 1;
+  // The host waits for an exchange's stream after every exchange (MoELayer::host_wait), as
+  // FastMoE's global_scatter / global_gather do (smgr->sync(1)).
+  bool host_wait_exchanges = false;
+  // The experts write a temporary that is then copied into the chunk's buffer (forward: T_DO_c;
+  // backward: dT_DI_c), as FasterMoE's per-step callbacks do (y.copy_(y0), grad_x.copy_(x.grad)).
+  bool copy_expert_outputs = false;
 };
 
 // The chunk that exchanges T_I rows with the peers `to` and T_DI rows with the peers `from`
