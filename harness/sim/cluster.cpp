@@ -940,7 +940,8 @@ double Topology::mem_bw_effective() const {
 
 double Topology::launch_latency() const {
   if (profile_ && profile_->launch_latency > 0) return profile_->launch_latency;
-  if (m_.efficiency.calibration) return m_.efficiency.calibration->launch_latency;
+  // With a calibration, load_cluster sets this to the calibration's launch latency; a model
+  // edited in code (a test setting 0) keeps its own.
   return m_.efficiency.launch_latency;
 }
 
