@@ -41,6 +41,7 @@ constexpr const char* kGpusSchema = "moelab.gpus/1";
 constexpr const char* kNodesSchema = "moelab.nodes/1";
 constexpr const char* kClusterSchema = "moelab.cluster/1";
 constexpr const char* kProfileSchema = "moelab.profile/1";
+constexpr const char* kGemmCalibrationSchema = "moelab.gemm_calibration/1";
 
 // ---- field readers with the ranges the model needs ------------------------------------
 
@@ -228,31 +229,118 @@ NodeSpec resolve_node(const Fields& cluster, const json& v, GpuSpec& gpu_out) {
   return parse_node(*it, cat.origin, "nodes." + name + ".", &name, gpu_out);
 }
 
+std::string calibration_dir() { return (fs::path(hardware_dir()) / "calibration").string(); }
+
+double half_dim(const Fields& f, const char* key) {
+  return in_range(f, key, Sign::non_negative, 0.0, limits::kMaxGemmHalfDim, "(a GEMM dimension)");
+}
+
+GemmCurve parse_curve(const Fields& parent, const char* key) {
+  const json& j = parent.require(key);
+  if (!j.is_object()) parent.wrong_type(key, j, "an object {gemm_max, gemm_half_dim, source}");
+  Fields f(j, parent.origin(), parent.path(key) + ".", {"gemm_max", "gemm_half_dim", "gemm_half_dim_range", "source"});
+  GemmCurve c;
+  c.gemm_max = in_range(f, "gemm_max", Sign::fraction, limits::kMinFraction, 1.0, "(a fraction)");
+  c.gemm_half_dim = half_dim(f, "gemm_half_dim");
+  if (const json* r = f.find("gemm_half_dim_range")) {
+    if (!r->is_array() || r->size() != 2 || !(*r)[0].is_number() || !(*r)[1].is_number())
+      f.wrong_type("gemm_half_dim_range", *r, "an array [lo, hi] of two numbers");
+    c.half_dim_lo = (*r)[0].get<double>();
+    c.half_dim_hi = (*r)[1].get<double>();
+    if (!(c.half_dim_lo >= 0 && c.half_dim_lo <= c.gemm_half_dim && c.gemm_half_dim <= c.half_dim_hi &&
+          c.half_dim_hi <= limits::kMaxGemmHalfDim))
+      f.bad_value("gemm_half_dim_range", "must be [lo, hi] with 0 <= lo <= gemm_half_dim = " +
+                                             json_fields::number_text(c.gemm_half_dim) + " <= hi");
+  }
+  c.source = f.string("source");
+  return c;
+}
+
+GemmCalibration parse_gemm_calibration(const json& j, const std::string& origin) {
+  if (!j.is_object()) fail(origin, "expected a JSON object at the top level, got " + show(j));
+  // "fit" and "interference_measured" record how the figures were made (residuals, data);
+  // the model reads none of them.
+  Fields f(j, origin, "",
+           {"schema", "name", "description", "device", "model", "launch_latency", "mem_bw", "curves", "fit",
+            "interference_measured", "source"});
+  check_schema(f, kGemmCalibrationSchema, true);
+  GemmCalibration c;
+  c.origin = origin;
+  c.name = f.string_or("name", stem_of(origin));
+  c.device = f.string("device");
+  (void)f.string_or("description", "");
+  (void)f.string_or("model", "");
+  c.launch_latency = latency(f, "launch_latency");
+  c.mem_bw = bandwidth(f, "mem_bw");
+  const json& curves = f.require("curves");
+  if (!curves.is_object()) f.wrong_type("curves", curves, "an object {bf16, fp32, tf32} of curves");
+  Fields cf(curves, origin, "curves.", {"bf16", "fp32", "tf32"});
+  c.bf16 = parse_curve(cf, "bf16");
+  c.fp32 = parse_curve(cf, "fp32");
+  c.tf32 = parse_curve(cf, "tf32");
+  c.source = f.string("source");
+  return c;
+}
+
 Efficiency parse_efficiency(const Fields& cluster) {
   Efficiency e;
   const json* j = cluster.find("efficiency");
   if (!j) return e;
   if (!j->is_object()) cluster.wrong_type("efficiency", *j, "an object");
-  Fields f(*j, cluster.origin(), "efficiency.", {"gemm_max", "gemm_half_dim", "mem", "launch_latency", "source"});
-  e.gemm_max = fraction_or(f, "gemm_max", e.gemm_max);
-  e.gemm_half_dim =
-      f.find("gemm_half_dim") ? in_range(f, "gemm_half_dim", Sign::non_negative, 0.0, limits::kMaxGemmHalfDim,
-                                                    "(a GEMM dimension)") : e.gemm_half_dim;
+  Fields f(*j, cluster.origin(), "efficiency.",
+           {"calibration", "gemm_max", "gemm_half_dim", "mem", "launch_latency", "source"});
+  if (const json* c = f.find("calibration")) {
+    if (!c->is_string()) f.wrong_type("calibration", *c, "a calibration name or path");
+    // The calibration replaces these figures: one that stayed would silently do nothing.
+    for (const char* k : {"gemm_max", "gemm_half_dim", "launch_latency"})
+      reject_if_present(f, k, "replaced by efficiency.calibration (remove it, or remove the calibration)");
+    e.calibration_ref = c->get<std::string>();
+    try {
+      e.calibration = load_gemm_calibration(e.calibration_ref);
+    } catch (const ConfigError& err) {
+      fail(cluster.origin(), f.path("calibration") + " = " + show(*c) + ": " + err.what());
+    }
+    e.launch_latency = e.calibration->launch_latency;
+  } else {
+    e.gemm_max = fraction_or(f, "gemm_max", e.gemm_max);
+    e.gemm_half_dim = f.find("gemm_half_dim") ? half_dim(f, "gemm_half_dim") : e.gemm_half_dim;
+    e.launch_latency = latency_or(f, "launch_latency", e.launch_latency);
+  }
   e.mem = fraction_or(f, "mem", e.mem);
-  e.launch_latency = latency_or(f, "launch_latency", e.launch_latency);
   e.source = f.string_or("source", "");
   return e;
 }
 
+constexpr const char* kClassKeys[3] = {"compute", "comm", "memcpy"};
+
+// Either the single-factor form {"sigma", "mu", "eta"} (one factor per victim) or the matrix
+// {"<victim>": {"<aggressor>": factor}} (victims and aggressors: compute, comm, memcpy); a
+// victim named in both forms is an error. Absent entries are 1 (no slowdown).
 Interference parse_interference(const Fields& cluster) {
   Interference in;
   const json* j = cluster.find("interference");
   if (!j) return in;
   if (!j->is_object()) cluster.wrong_type("interference", *j, "an object");
-  Fields f(*j, cluster.origin(), "interference.", {"sigma", "mu", "eta", "source"});
-  in.sigma = fraction_or(f, "sigma", in.sigma);
-  in.mu = fraction_or(f, "mu", in.mu);
-  in.eta = fraction_or(f, "eta", in.eta);
+  Fields f(*j, cluster.origin(), "interference.", {"sigma", "mu", "eta", "compute", "comm", "memcpy", "source"});
+  const char* single[3] = {"sigma", "mu", "eta"};
+  for (int v = 0; v < 3; ++v) {
+    if (f.find(single[v])) {
+      if (f.find(kClassKeys[v]))
+        fail(cluster.origin(), f.path(single[v]) + " and " + f.path(kClassKeys[v]) +
+                                   " both set the interference of " + kClassKeys[v] + ": give one");
+      in.set_victim(v, fraction_or(f, single[v], 1.0));
+    }
+    if (const json* row = f.find(kClassKeys[v])) {
+      if (!row->is_object())
+        f.wrong_type(kClassKeys[v], *row, "an object {aggressor: factor} (aggressors: compute, comm, memcpy)");
+      std::vector<std::string> aggressors;
+      for (int a = 0; a < 3; ++a)
+        if (a != v) aggressors.emplace_back(kClassKeys[a]);
+      Fields rf(*row, cluster.origin(), f.path(kClassKeys[v]) + ".", aggressors);
+      for (int a = 0; a < 3; ++a)
+        if (a != v) in.set(v, a, fraction_or(rf, kClassKeys[a], 1.0));
+    }
+  }
   in.source = f.string_or("source", "");
   return in;
 }
@@ -318,7 +406,79 @@ json to_json(const NodeSpec& n, const GpuSpec& g) {
   return j;
 }
 
+json to_json(const Efficiency& e) {
+  json j = json::object();
+  if (e.calibration) {
+    // The calibration's own file: the path resolves wherever the JSON is read.
+    j["calibration"] = e.calibration->origin;
+  } else {
+    j["gemm_max"] = e.gemm_max;
+    j["gemm_half_dim"] = e.gemm_half_dim;
+    j["launch_latency"] = e.launch_latency;
+  }
+  j["mem"] = e.mem;
+  j["source"] = e.source;
+  return j;
+}
+
+json to_json(const Interference& in) {
+  json j = json::object();
+  for (int v = 0; v < 3; ++v) {
+    json row = json::object();
+    for (int a = 0; a < 3; ++a)
+      if (a != v) row[kClassKeys[a]] = in.factor[v][a];
+    j[kClassKeys[v]] = row;
+  }
+  j["source"] = in.source;
+  return j;
+}
+
 }  // namespace
+
+void Interference::set(int victim, int aggressor, double f) {
+  factor[victim][aggressor] = f;
+  double lo = 1.0;
+  for (int a = 0; a < 3; ++a)
+    if (a != victim) lo = std::min(lo, factor[victim][a]);
+  (victim == 0 ? sigma : victim == 1 ? mu : eta) = lo;
+}
+
+void Interference::set_victim(int victim, double f) {
+  for (int a = 0; a < 3; ++a)
+    if (a != victim) set(victim, a, f);
+}
+
+const GemmCurve& GemmCalibration::curve(DType t, bool on_tf32) const {
+  if (t == DType::f32) return on_tf32 ? tf32 : fp32;
+  if (t == DType::bf16) return bf16;
+  throw Unsupported("GEMM calibration " + quote(name) + ": no curve for " + dtype_name(t) +
+                    " GEMMs (it has bf16, fp32 and tf32)");
+}
+
+GemmCalibration load_gemm_calibration(const std::string& name_or_path) {
+  const bool is_path = name_or_path.find('/') != std::string::npos ||
+                       (name_or_path.size() > 5 && name_or_path.ends_with(".json"));
+  std::string path = name_or_path;
+  if (!is_path) {
+    const fs::path dir = calibration_dir();
+    path = (dir / (name_or_path + ".json")).string();
+    std::error_code ec;
+    if (name_or_path.empty() || !fs::is_regular_file(path, ec)) {
+      std::vector<std::string> known;
+      for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
+        if (it->path().extension() == ".json") known.push_back(it->path().stem().string());
+      std::sort(known.begin(), known.end());
+      std::string msg = "unknown GEMM calibration " + quote(json_fields::one_line(name_or_path));
+      if (const std::string best = json_fields::closest(name_or_path, known); !best.empty())
+        msg += " (did you mean " + quote(best) + "?)";
+      throw ConfigError(msg + "; known: " + (known.empty() ? std::string("none") : join(known)) + " (in " +
+                        dir.string() + ")");
+    }
+  }
+  return json_fields::reading(path, [&] {
+    return parse_gemm_calibration(json_fields::read_file(path, "GEMM calibration"), path);
+  });
+}
 
 // ---- ClusterModel ------------------------------------------------------------------------
 
@@ -383,17 +543,8 @@ nlohmann::json to_json(const ClusterModel& m) {
           {"nodes", m.nodes},
           {"fabric", m.fabric},
           {"fabric_latency", m.fabric_latency},
-          {"efficiency",
-           {{"gemm_max", m.efficiency.gemm_max},
-            {"gemm_half_dim", m.efficiency.gemm_half_dim},
-            {"mem", m.efficiency.mem},
-            {"launch_latency", m.efficiency.launch_latency},
-            {"source", m.efficiency.source}}},
-          {"interference",
-           {{"sigma", m.interference.sigma},
-            {"mu", m.interference.mu},
-            {"eta", m.interference.eta},
-            {"source", m.interference.source}}},
+          {"efficiency", to_json(m.efficiency)},
+          {"interference", to_json(m.interference)},
           {"source", m.source}};
 }
 
@@ -769,8 +920,17 @@ double Topology::gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DT
     }
   }
   const double d = static_cast<double>(std::min({m, n, k}));
+  const double peak = on_tf32 ? m_.gpu.flops_tf32 : m_.peak_flops(t);
+  if (const auto& cal = m_.efficiency.calibration) {
+    // docs/PERFORMANCE.md, "GEMM efficiency against size": the fitted curve of this precision,
+    // or the time to move the operands and the result once, whichever is longer.
+    const GemmCurve& c = cal->curve(t, on_tf32);
+    const double eff = c.gemm_max * d / (d + c.gemm_half_dim);
+    const double bytes = static_cast<double>(dtype_size(t)) * (dm * dk + dk * dn + dm * dn);
+    return std::max(flops / (peak * eff), bytes / cal->mem_bw);
+  }
   const double eff = m_.efficiency.gemm_max * d / (d + m_.efficiency.gemm_half_dim);
-  return flops / ((on_tf32 ? m_.gpu.flops_tf32 : m_.peak_flops(t)) * eff);
+  return flops / (peak * eff);
 }
 
 double Topology::mem_bw_effective() const {
@@ -780,6 +940,8 @@ double Topology::mem_bw_effective() const {
 
 double Topology::launch_latency() const {
   if (profile_ && profile_->launch_latency > 0) return profile_->launch_latency;
+  // With a calibration, load_cluster sets this to the calibration's launch latency; a model
+  // edited in code (a test setting 0) keeps its own.
   return m_.efficiency.launch_latency;
 }
 

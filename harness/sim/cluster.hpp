@@ -51,20 +51,55 @@ struct NodeSpec {
   std::string source;
 };
 
-// Datasheet efficiency curves, used when no calibration profile is given.
+// A GEMM efficiency curve of one precision: eff(m,n,k) = gemm_max * d / (d + gemm_half_dim),
+// d = min(m,n,k) (docs/PERFORMANCE.md, "GEMM efficiency against size").
+struct GemmCurve {
+  double gemm_max = 0.8;
+  double gemm_half_dim = 128;
+  double half_dim_lo = 0, half_dim_hi = 0;  // a swept parameter's documented range (0, 0: fitted)
+  std::string source;
+};
+
+// A GEMM calibration (experiments/hardware/calibration/<name>.json, written by
+// scripts/fit_gemm_efficiency.py from measurements): one GEMM [m,k]x[k,n] takes
+//   launch_latency + max(2mnk / (peak * eff(m,n,k)), elem_bytes * (mk + kn + mn) / mem_bw),
+// eff from the curve of its precision (bf16, fp32 = strict fp32, tf32 = fp32 on TF32 cores).
+struct GemmCalibration {
+  std::string name, origin, device;
+  double launch_latency = 0;  // s per kernel / library call
+  double mem_bw = 0;          // bytes/s of the roofline term
+  GemmCurve bf16, fp32, tf32;
+  std::string source;
+  const GemmCurve& curve(DType t, bool on_tf32) const;  // Unsupported for other dtypes
+};
+// name: a file stem under experiments/hardware/calibration/ ("h100-sxm5") or a path.
+GemmCalibration load_gemm_calibration(const std::string& name_or_path);
+
+// GEMM efficiency and launch cost. With `calibration`, its curves and launch latency are used
+// (the datasheet gemm_max, gemm_half_dim and launch_latency are then absent from the file);
+// without, the datasheet curve eff = gemm_max * d / (d + gemm_half_dim), d = min(m,n,k).
 struct Efficiency {
   double gemm_max = 0.8;       // fraction of peak a large GEMM reaches
   double gemm_half_dim = 128;  // eff(m,n,k) = gemm_max * d / (d + gemm_half_dim), d = min(m,n,k)
   double mem = 0.8;            // fraction of HBM bandwidth reached by memory-bound kernels
   double launch_latency = 5e-6;  // s per kernel / library call
+  std::optional<GemmCalibration> calibration;
+  std::string calibration_ref;   // as the cluster file names it
   std::string source;
 };
 
-// MPipeMoE's interference factors: the rate a stream keeps while another kind of work runs
-// on the same GPU (sigma: compute, mu: communication, eta: host copies).
+// Interference between classes of work on one GPU: factor[victim][aggressor] is the rate a
+// task of class `victim` keeps while a task of class `aggressor` runs on its GPU (indices:
+// 0 compute, 1 comm, 2 memcpy; the diagonal is unused). With several aggressors the smallest
+// factor applies (harness/sim/engine.hpp). sigma, mu and eta summarise the matrix per victim
+// (its smallest factor): MPipeMoE's single-factor form, which the resource report gives.
 struct Interference {
+  double factor[3][3] = {{1, 1, 1}, {1, 1, 1}, {1, 1, 1}};
   double sigma = 1, mu = 1, eta = 1;
   std::string source;
+  // Sets one victim's factor beside both aggressors (the single-factor form) and the summary.
+  void set_victim(int victim, double f);
+  void set(int victim, int aggressor, double f);  // and updates the summary
 };
 
 struct ClusterModel {
@@ -155,14 +190,15 @@ class Topology {
   Route host_to_device(int rank) const;
   Route device_to_host(int rank) const;
 
-  // Seconds a GEMM [m,k]x[k,n] takes alone: profile (nearest measured shape, scaled by FLOPs)
-  // or 2mnk / (peak(dtype) * eff(m,n,k)). The sim charges sm(rank) with these seconds, so
+  // Seconds a GEMM [m,k]x[k,n] takes alone: profile (nearest measured shape, scaled by FLOPs);
+  // else, with a GEMM calibration, max(2mnk / (peak * eff(m,n,k)), bytes / mem_bw) on the
+  // curve of its precision; else the datasheet 2mnk / (peak(dtype) * eff(m,n,k)). The sim charges sm(rank) with these seconds, so
   // that sharing and interference apply to them. tf32: an fp32 GEMM on TF32 tensor cores,
   // priced at the GPU's TF32 peak on the datasheet curve (a profile's fp32 samples are
-  // strict fp32 and do not apply).
+  // strict fp32 and do not apply). The launch latency is not included (launch_latency()).
   double gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DType t, bool tf32 = false) const;
   double mem_bw_effective() const;   // bytes/s for memory-bound kernels
-  double launch_latency() const;
+  double launch_latency() const;     // profile, else calibration, else the datasheet figure
   const ClusterModel& model() const { return m_; }
   bool calibrated() const { return profile_ != nullptr; }
 

@@ -100,7 +100,7 @@ struct User {
 // in plain vectors; nothing depends on hashing or addresses.
 class Simulation {
  public:
-  Simulation(const std::vector<Task>& tasks, const std::vector<double>& cap, const double* factor)
+  Simulation(const std::vector<Task>& tasks, const std::vector<double>& cap, const double (*factor)[4])
       : tasks_(tasks), cap_(cap), factor_(factor), n_(tasks.size()), nr_(cap.size()), hot_(tasks.size()) {}
 
   void run(std::vector<double>& ready, std::vector<double>& start, std::vector<double>& end,
@@ -143,7 +143,7 @@ class Simulation {
 
   const std::vector<Task>& tasks_;
   const std::vector<double>& cap_;
-  const double* factor_;
+  const double (*factor_)[4];  // [victim][aggressor]
   std::size_t n_, nr_;
 
   // Graph, flattened.
@@ -544,11 +544,15 @@ void Simulation::solve_component(int r0, double t) {
   }
 }
 
-// Interference: slowed by its class's factor while another class runs on its GPU.
+// Interference: slowed by factor(own class, aggressor) while an aggressor class runs on its
+// GPU; with several, the smallest factor (the strongest aggressor binds).
 double Simulation::speed_factor(const Hot& h) const {
   if (h.gpu < 0) return 1.0;
   const unsigned others = class_mask_[static_cast<std::size_t>(h.gpu)] & ~(1u << h.cls);
-  return others != 0 ? factor_[h.cls] : 1.0;
+  double f = 1.0;
+  for (int a = 1; a < 4; ++a)
+    if (others & (1u << a)) f = std::min(f, factor_[h.cls][a]);
+  return f;
 }
 
 // A task's remaining work is advanced only here, when its speed really changes, so the
@@ -669,15 +673,38 @@ int Engine::add_task(Task t) {
   return static_cast<int>(tasks_.size() - 1);
 }
 
+void Engine::set_interference(WorkClass victim, WorkClass aggressor, double factor) {
+  if (victim == WorkClass::none || aggressor == WorkClass::none)
+    bad("interference factors apply between compute, comm and memcpy, not to class none");
+  if (victim == aggressor)
+    bad(std::string("interference of ") + work_class_name(victim) +
+        " with itself: tasks of one class share resources fairly and do not interfere");
+  if (!(factor > 0 && factor <= 1))
+    bad(std::string("interference factor for ") + work_class_name(victim) + " beside " + work_class_name(aggressor) +
+        " is " + std::to_string(factor) + "; it must lie in (0, 1]");
+  factor_[class_index(victim)][class_index(aggressor)] = factor;
+}
+
 void Engine::set_interference(WorkClass victim, double factor) {
   if (victim == WorkClass::none) bad("interference factors apply to compute, comm or memcpy, not to class none");
   if (!(factor > 0 && factor <= 1))
     bad(std::string("interference factor for ") + work_class_name(victim) + " is " + std::to_string(factor) +
         "; it must lie in (0, 1]");
-  factor_[static_cast<int>(victim)] = factor;
+  for (WorkClass a : {WorkClass::compute, WorkClass::comm, WorkClass::memcpy})
+    if (a != victim) factor_[class_index(victim)][class_index(a)] = factor;
 }
 
-double Engine::interference(WorkClass victim) const { return factor_[static_cast<int>(victim)]; }
+double Engine::interference(WorkClass victim, WorkClass aggressor) const {
+  if (victim == WorkClass::none || aggressor == WorkClass::none || victim == aggressor) return 1.0;
+  return factor_[class_index(victim)][class_index(aggressor)];
+}
+
+double Engine::interference(WorkClass victim) const {
+  double f = 1.0;
+  for (WorkClass a : {WorkClass::compute, WorkClass::comm, WorkClass::memcpy})
+    if (a != victim) f = std::min(f, factor_[class_index(victim)][class_index(a)]);
+  return victim == WorkClass::none ? 1.0 : f;
+}
 
 void Engine::run() {
   const std::size_t n = tasks_.size();

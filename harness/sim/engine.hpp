@@ -9,9 +9,12 @@
 //   * A task alone runs at rate 1 / max_d(amount_d / capacity_d): its slowest demand binds.
 //   * Concurrent tasks share each resource max-min fairly (progressive filling): no task gets
 //     more of a resource than an equal share unless others cannot use theirs.
-//   * Interference: a task of class c on GPU g whose GPU also runs a task of another class
-//     (compute vs comm vs memcpy) progresses at factor(c) times its fair rate — MPipeMoE's
-//     sigma (compute), mu (comm) and eta (memcpy). Factors are in (0, 1]; 1 = no slowdown.
+//   * Interference: a task of class v (the victim) on GPU g progresses at factor(v, a) times its
+//     fair rate while g also runs a task of another class a (the aggressor; compute, comm,
+//     memcpy): a matrix victim x aggressor. With two aggressor classes running, the smaller of
+//     the two factors applies (the strongest aggressor binds). Factors are in (0, 1]; 1 = no
+//     slowdown. MPipeMoE's sigma (compute), mu (comm) and eta (memcpy) are the single-factor
+//     case: one factor per victim for either aggressor.
 // Events are processed in time order; ties are broken by task id, so the same graph always
 // gives the same times, bit for bit.
 #pragma once
@@ -45,7 +48,12 @@ class Engine {
  public:
   int add_resource(std::string name, double capacity);  // capacity > 0, units per second
   int add_task(Task t);                                 // returns its id (0, 1, 2, ...)
+  // factor(victim, aggressor) for one pair; victim != aggressor, neither none.
+  void set_interference(WorkClass victim, WorkClass aggressor, double factor);
+  double interference(WorkClass victim, WorkClass aggressor) const;
+  // The single-factor form: the same factor for both aggressors of `victim`.
   void set_interference(WorkClass victim, double factor);
+  // The smallest factor of `victim` over its aggressors (its slowdown beside all other work).
   double interference(WorkClass victim) const;
 
   // Computes ready/start/end of every task. Throws std::invalid_argument for a dependency
@@ -65,7 +73,7 @@ class Engine {
   std::vector<std::string> res_name_;
   std::vector<double> res_cap_;
   std::vector<Task> tasks_;
-  double factor_[4] = {1, 1, 1, 1};
+  double factor_[4][4] = {{1, 1, 1, 1}, {1, 1, 1, 1}, {1, 1, 1, 1}, {1, 1, 1, 1}};  // [victim][aggressor]
   std::vector<double> res_busy_;
 };
 

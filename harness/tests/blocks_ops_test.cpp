@@ -763,6 +763,7 @@ TEST(BlockCosts, CpuTimelineCarriesEachOpsCostFunction) {
 TEST(BlockCosts, SimTimelineCarriesEachOpsCostFunctionAndTime) {
   SimOptions o;
   o.cluster = sim::load_cluster("h100x1");
+  o.cluster.efficiency.calibration.reset();  // the datasheet curve, whose closed form is below
   o.cluster.efficiency.launch_latency = 0;
   o.ranks = 1;
   SimCluster cluster(o);

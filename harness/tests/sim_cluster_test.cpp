@@ -271,30 +271,186 @@ TEST_F(ClusterTest, PcieRoutesAcrossNodes) {
 // ---- time model ------------------------------------------------------------------------------
 
 TEST_F(ClusterTest, GemmSecondsFromTheDatasheetCurve) {
-  const ClusterModel m = load_cluster("dgx-a100x1");
+  // pcie-a30x1 references no calibration: the datasheet curve (A30: 165 / 82 / 10.3 TFLOP/s).
+  const ClusterModel m = load_cluster("pcie-a30x1");
+  ASSERT_FALSE(m.efficiency.calibration);
   Engine e;
   Topology t(m, e);
   EXPECT_FALSE(t.calibrated());
   // d = min(m, n, k) = 1024: efficiency 0.8 * 1024 / (1024 + 128).
   const double eff = 0.8 * 1024.0 / 1152.0;
-  EXPECT_DOUBLE_EQ(t.gemm_seconds(4096, 1024, 2048, DType::bf16), 2.0 * 4096 * 1024 * 2048 / (312e12 * eff));
-  EXPECT_DOUBLE_EQ(t.gemm_seconds(4096, 2048, 1024, DType::f32), 2.0 * 4096 * 1024 * 2048 / (19.5e12 * eff));
+  EXPECT_DOUBLE_EQ(t.gemm_seconds(4096, 1024, 2048, DType::bf16), 2.0 * 4096 * 1024 * 2048 / (165e12 * eff));
+  EXPECT_DOUBLE_EQ(t.gemm_seconds(4096, 2048, 1024, DType::f32), 2.0 * 4096 * 1024 * 2048 / (10.3e12 * eff));
   // fp32 on TF32 tensor cores (allow_tf32): the TF32 peak; bf16 is unaffected by the flag.
-  EXPECT_DOUBLE_EQ(t.gemm_seconds(4096, 2048, 1024, DType::f32, true), 2.0 * 4096 * 1024 * 2048 / (156e12 * eff));
+  EXPECT_DOUBLE_EQ(t.gemm_seconds(4096, 2048, 1024, DType::f32, true), 2.0 * 4096 * 1024 * 2048 / (82e12 * eff));
   EXPECT_DOUBLE_EQ(t.gemm_seconds(4096, 1024, 2048, DType::bf16, true), t.gemm_seconds(4096, 1024, 2048, DType::bf16));
   EXPECT_EQ(t.gemm_seconds(0, 1024, 1024, DType::bf16), 0.0);
   EXPECT_EQ(t.gemm_seconds(1024, 1024, 0, DType::bf16), 0.0);
   EXPECT_THROW((void)t.gemm_seconds(-1, 1, 1, DType::bf16), std::invalid_argument);
   EXPECT_THROW((void)t.gemm_seconds(8, 8, 8, DType::f64), Unsupported);
-  EXPECT_DOUBLE_EQ(t.mem_bw_effective(), 1555e9 * 0.8);
+  EXPECT_DOUBLE_EQ(t.mem_bw_effective(), 933e9 * 0.8);
   EXPECT_DOUBLE_EQ(t.launch_latency(), 5e-6);
+}
 
-  // The H100 curve is fitted to a measured 798 TFLOP/s on a bf16 8192^3 GEMM.
+// The calibrated curve: t = max(2mnk / (peak * eff), elem * (mk + kn + mn) / mem_bw), eff =
+// gemm_max * d / (d + gemm_half_dim), d = min(m, n, k), with the figures of the cluster's
+// calibration file (experiments/hardware/calibration/), read here from the file itself.
+TEST_F(ClusterTest, GemmSecondsFromTheCalibratedCurve) {
+  const auto file = [](const std::string& name) {
+    return json::parse(std::ifstream(fs::path(experiments_dir()) / "hardware" / "calibration" / (name + ".json")));
+  };
+  struct Case {
+    const char* cluster;
+    const char* calibration;
+    double bf16, tf32, fp32;
+  };
+  for (const Case& c : {Case{"dgx-a100x1", "a100-sxm4", 312e12, 156e12, 19.5e12},
+                        Case{"a800x1", "a100-sxm4", 312e12, 156e12, 19.5e12},
+                        Case{"h100x1", "h100-sxm5", 989e12, 495e12, 67e12},
+                        Case{"h200x1", "h100-sxm5", 989e12, 495e12, 67e12}}) {
+    SCOPED_TRACE(c.cluster);
+    const json f = file(c.calibration);
+    const ClusterModel m = load_cluster(c.cluster);
+    ASSERT_TRUE(m.efficiency.calibration);
+    EXPECT_EQ(m.efficiency.calibration->name, c.calibration);
+    Engine e;
+    Topology t(m, e);
+    EXPECT_FALSE(t.calibrated());  // no profile
+    const double mem_bw = f["mem_bw"].get<double>();
+    const auto expect = [&](std::int64_t mm, std::int64_t nn, std::int64_t kk, const char* curve, double peak,
+                            double elem) {
+      const json& cv = f["curves"][curve];
+      const double d = static_cast<double>(std::min({mm, nn, kk}));
+      const double eff = cv["gemm_max"].get<double>() * d / (d + cv["gemm_half_dim"].get<double>());
+      const double x = static_cast<double>(mm), y = static_cast<double>(nn), z = static_cast<double>(kk);
+      return std::max(2.0 * x * y * z / (peak * eff), elem * (x * z + z * y + x * y) / mem_bw);
+    };
+    // MPipeMoE's expert shapes: rows x d_model x d_hidden, from 64 rows (memory-bound on the
+    // weights) to 8192.
+    for (std::int64_t rows : {64, 512, 8192}) {
+      EXPECT_DOUBLE_EQ(t.gemm_seconds(rows, 3072, 768, DType::bf16), expect(rows, 3072, 768, "bf16", c.bf16, 2));
+      EXPECT_DOUBLE_EQ(t.gemm_seconds(rows, 8192, 2048, DType::f32, true), expect(rows, 8192, 2048, "tf32", c.tf32, 4));
+      EXPECT_DOUBLE_EQ(t.gemm_seconds(2048, 8192, rows, DType::f32), expect(2048, 8192, rows, "fp32", c.fp32, 4));
+    }
+    // 64 x 8192 x 2048 in bf16 is bound by moving the 2048 x 8192 weight.
+    EXPECT_DOUBLE_EQ(t.gemm_seconds(64, 8192, 2048, DType::bf16), 2.0 * (64.0 * 2048 + 2048.0 * 8192 + 64.0 * 8192) / mem_bw);
+    EXPECT_THROW((void)t.gemm_seconds(8, 8, 8, DType::f64), Unsupported);
+    // The launch cost is the calibration's, once per launch (not inside gemm_seconds).
+    EXPECT_EQ(t.launch_latency(), f["launch_latency"].get<double>());
+    EXPECT_EQ(m.efficiency.launch_latency, f["launch_latency"].get<double>());
+  }
+  // A measured profile still comes first for the launch latency.
   const ClusterModel h = load_cluster("h100x1");
+  Profile p;
+  p.name = "p";
+  p.launch_latency = 3e-6;
   Engine eh;
-  Topology th(h, eh);
-  const double tflops = 2.0 * 8192.0 * 8192.0 * 8192.0 / th.gemm_seconds(8192, 8192, 8192, DType::bf16) / 1e12;
-  EXPECT_NEAR(tflops, 798, 5);
+  Topology th(h, eh, &p);
+  EXPECT_EQ(th.launch_latency(), 3e-6);
+}
+
+// The fit's residuals and the launch cost add: a task of n launches starts n * launch_latency
+// after it is ready (the sim backend's rule), so the launch cost adds exactly.
+TEST_F(ClusterTest, CalibratedLaunchCostAddsExactly) {
+  const ClusterModel m = load_cluster("h100x1");
+  Engine e;
+  Topology t(m, e);
+  const double gemm = t.gemm_seconds(512, 3072, 768, DType::bf16);
+  Task a;
+  a.name = "gemm";
+  a.gpu = 0;
+  a.cls = WorkClass::compute;
+  a.latency = 3 * t.launch_latency();
+  a.demands = {{t.sm(0), gemm}};
+  const int id = e.add_task(a);
+  e.run();
+  EXPECT_DOUBLE_EQ(e.task(id).end, 3 * m.efficiency.calibration->launch_latency + gemm);
+}
+
+TEST_F(ClusterTest, BadCalibrationFiles) {
+  const json good =
+      json::parse(std::ifstream(fs::path(experiments_dir()) / "hardware" / "calibration" / "h100-sxm5.json"));
+  use_catalogue_copy();
+  const auto with_calibration = [&](const std::string& name, const json& cal) {
+    write("hardware/calibration/" + name + ".json", cal);
+    json c = minimal_cluster("h100-node", 1);
+    c["efficiency"] = {{"calibration", name}};
+    write_cluster("c-" + name, c);
+    return error_of([&] { (void)load_cluster("c-" + name); });
+  };
+  EXPECT_EQ(with_calibration("ok", good), "<no error>");
+  json a = good;
+  a["curves"].erase("tf32");
+  EXPECT_HAS(with_calibration("a", a), "c-a.json: efficiency.calibration = \"a\"");
+  EXPECT_HAS(with_calibration("a", a), "a.json: missing field \"curves.tf32\"");
+  json b = good;
+  b["curves"]["bf16"]["gemm_max"] = 1.5;
+  EXPECT_HAS(with_calibration("b", b), "b.json: curves.bf16.gemm_max = 1.5 must be in (0, 1]");
+  json d = good;
+  d["launch_latency"] = -1e-6;
+  EXPECT_HAS(with_calibration("d", d), "d.json: launch_latency = -1e-06 must be >= 0");
+  json g = good;
+  g["curves"]["tf32"]["gemm_half_dim_range"] = {200, 512};
+  EXPECT_HAS(with_calibration("g", g), "g.json: curves.tf32.gemm_half_dim_range");
+  json h = good;
+  h["mem_bw"] = "fast";
+  EXPECT_HAS(with_calibration("h", h), "h.json: mem_bw");
+  json s = good;
+  s["schema"] = "moelab.gemm_calibration/2";
+  EXPECT_HAS(with_calibration("s", s), "s.json: schema");
+  json u = good;
+  u["curves"]["fp16"] = good["curves"]["bf16"];
+  EXPECT_HAS(with_calibration("u", u), "u.json: unknown field \"curves.fp16\"");
+
+  json unknown = minimal_cluster("h100-node", 1);
+  unknown["efficiency"] = {{"calibration", "h100-sxm"}};
+  write_cluster("unknown", unknown);
+  EXPECT_HAS(error_of([] { (void)load_cluster("unknown"); }), "unknown GEMM calibration \"h100-sxm\"");
+  // A datasheet figure beside a calibration would do nothing: rejected.
+  write("hardware/calibration/ok.json", good);
+  json both = minimal_cluster("h100-node", 1);
+  both["efficiency"] = {{"calibration", "ok"}, {"gemm_max", 0.8}};
+  write_cluster("both", both);
+  EXPECT_HAS(error_of([] { (void)load_cluster("both"); }),
+             "both.json: efficiency.gemm_max = 0.8 is replaced by efficiency.calibration");
+}
+
+TEST_F(ClusterTest, InterferenceMatrix) {
+  use_catalogue_copy();
+  json c = minimal_cluster("a800-node", 1);
+  c["interference"] = {{"compute", {{"memcpy", 0.9}, {"comm", 0.8}}}, {"memcpy", {{"compute", 0.95}}}, {"mu", 0.7}};
+  write_cluster("c", c);
+  const ClusterModel m = load_cluster("c");
+  EXPECT_EQ(m.interference.factor[0][2], 0.9);
+  EXPECT_EQ(m.interference.factor[0][1], 0.8);
+  EXPECT_EQ(m.interference.factor[2][0], 0.95);
+  EXPECT_EQ(m.interference.factor[2][1], 1.0);  // absent: no interference
+  EXPECT_EQ(m.interference.factor[1][0], 0.7);  // the single-factor form: both aggressors
+  EXPECT_EQ(m.interference.factor[1][2], 0.7);
+  EXPECT_EQ(m.interference.sigma, 0.8);  // the summary: the smallest factor of the victim
+  EXPECT_EQ(m.interference.eta, 0.95);
+  json b = minimal_cluster("a800-node", 1);
+  b["interference"] = {{"compute", {{"compute", 0.9}}}};
+  write_cluster("b", b);
+  EXPECT_HAS(error_of([] { (void)load_cluster("b"); }), "b.json: unknown field \"interference.compute.compute\"");
+  json d = minimal_cluster("a800-node", 1);
+  d["interference"] = {{"sigma", 0.9}, {"compute", {{"comm", 0.8}}}};
+  write_cluster("d", d);
+  EXPECT_HAS(error_of([] { (void)load_cluster("d"); }), "interference.sigma and interference.compute both set");
+  json g = minimal_cluster("a800-node", 1);
+  g["interference"] = {{"comm", {{"memcpy", 0}}}};
+  write_cluster("g", g);
+  EXPECT_HAS(error_of([] { (void)load_cluster("g"); }), "g.json: interference.comm.memcpy = 0 must be in (0, 1]");
+  // Every catalogue cluster's matrix: no factor below 0.5 (MPipeMoE: overlapping would not pay).
+  for (const auto& name : std::vector<std::string>{"h100x1", "dgx-a100x8", "pcie-a30x1"}) {
+    ::unsetenv("MOELAB_EXPERIMENTS");
+    const ClusterModel cm = load_cluster(name);
+    for (int v = 0; v < 3; ++v)
+      for (int a = 0; a < 3; ++a) {
+        EXPECT_GT(cm.interference.factor[v][a], 0.5);
+        EXPECT_LE(cm.interference.factor[v][a], 1.0);
+      }
+  }
 }
 
 TEST_F(ClusterTest, GemmSecondsFromAProfile) {
@@ -332,16 +488,16 @@ TEST_F(ClusterTest, GemmSecondsFromAProfile) {
   EXPECT_DOUBLE_EQ(e.resource_capacity(t.host_to_device(0).resources[0]), 20e9);
   EXPECT_DOUBLE_EQ(e.resource_capacity(t.device_to_host(0).resources[0]), 19e9);
 
-  // Unmeasured figures fall back to the datasheet ones.
+  // Unmeasured figures fall back to the cluster's own: its GEMM calibration (dgx-a100x1
+  // references experiments/hardware/calibration/a100-sxm4.json) and datasheet rates.
   Profile partial;
   partial.device = "x";
   partial.gemm = {{1024, 1024, 1024, DType::f32, 1e-4}};
-  Engine e2;
-  Topology t2(m, e2, &partial);
-  const double eff = 0.8 * 1024.0 / 1152.0;
-  EXPECT_DOUBLE_EQ(t2.gemm_seconds(4096, 1024, 2048, DType::bf16), 2.0 * 4096 * 1024 * 2048 / (312e12 * eff));
+  Engine e2, e3;
+  Topology t2(m, e2, &partial), plain(m, e3);
+  EXPECT_DOUBLE_EQ(t2.gemm_seconds(4096, 1024, 2048, DType::bf16), plain.gemm_seconds(4096, 1024, 2048, DType::bf16));
   EXPECT_DOUBLE_EQ(t2.mem_bw_effective(), 1555e9 * 0.8);
-  EXPECT_DOUBLE_EQ(t2.launch_latency(), 5e-6);
+  EXPECT_DOUBLE_EQ(t2.launch_latency(), m.efficiency.calibration->launch_latency);
   EXPECT_DOUBLE_EQ(e2.resource_capacity(t2.host_to_device(0).resources[0]), m.node.host_copy_bw);
 }
 

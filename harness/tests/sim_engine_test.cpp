@@ -196,6 +196,54 @@ TEST(SimEngine, InterferenceSlowsDifferentClassesOnTheSameGpu) {
   }
 }
 
+// The matrix form: factor(victim, aggressor) slows the victim only while that aggressor class
+// runs on its GPU; with two aggressors the smaller factor applies.
+TEST(SimEngine, InterferenceMatrixSlowsOnlyBesideTheNamedAggressor) {
+  for (WorkClass aggressor : {WorkClass::memcpy, WorkClass::comm}) {
+    SCOPED_TRACE(work_class_name(aggressor));
+    Engine e;
+    e.set_interference(WorkClass::compute, WorkClass::memcpy, 0.5);  // compute beside memcpy
+    e.set_interference(WorkClass::memcpy, WorkClass::compute, 0.8);  // memcpy beside compute
+    EXPECT_EQ(e.interference(WorkClass::compute, WorkClass::memcpy), 0.5);
+    EXPECT_EQ(e.interference(WorkClass::compute, WorkClass::comm), 1.0);
+    EXPECT_EQ(e.interference(WorkClass::compute), 0.5);  // the smallest over aggressors
+    const int sm = e.add_resource("sm0", 1.0), link = e.add_resource("link0", 1.0);
+    e.add_task(make_task("gemm", {{sm, 1.0}}, {}, 0, 0, WorkClass::compute));  // 1 s alone
+    e.add_task(make_task("other", {{link, 0.4}}, {}, 0, 0, aggressor));          // 0.4 s alone
+    e.run();
+    if (aggressor == WorkClass::memcpy) {
+      // The copy runs at 0.8: it ends at 0.4 / 0.8 = 0.5; by then the GEMM has done 0.5 * 0.5
+      // of its second and does the remaining 0.75 alone.
+      expect_rel(e.task(1).end, 0.5);
+      expect_rel(e.task(0).end, 0.5 + (1.0 - 0.5 * 0.5));
+    } else {
+      // No factor for compute beside comm nor for comm beside compute: nobody slows.
+      EXPECT_DOUBLE_EQ(e.task(1).end, 0.4);
+      EXPECT_DOUBLE_EQ(e.task(0).end, 1.0);
+    }
+  }
+  // Two aggressors at once: the smaller factor (0.5 beside memcpy, not 0.7 beside comm).
+  Engine e;
+  e.set_interference(WorkClass::compute, WorkClass::memcpy, 0.5);
+  e.set_interference(WorkClass::compute, WorkClass::comm, 0.7);
+  const int sm = e.add_resource("sm0", 1.0), l1 = e.add_resource("l1", 1.0), l2 = e.add_resource("l2", 1.0);
+  e.add_task(make_task("gemm", {{sm, 1.0}}, {}, 0, 0, WorkClass::compute));
+  e.add_task(make_task("copy", {{l1, 0.2}}, {}, 0, 0, WorkClass::memcpy));  // 0 .. 0.2
+  e.add_task(make_task("a2a", {{l2, 0.6}}, {}, 0, 0, WorkClass::comm));     // 0 .. 0.6
+  e.run();
+  // 0 .. 0.2 at 0.5 (both run), 0.2 .. 0.6 at 0.7 (comm only), then alone.
+  expect_rel(e.task(0).end, 0.6 + (1.0 - 0.5 * 0.2 - 0.7 * 0.4));
+  // Errors: a class with itself, class none, a factor outside (0, 1].
+  EXPECT_THROW(e.set_interference(WorkClass::compute, WorkClass::compute, 0.5), std::invalid_argument);
+  EXPECT_THROW(e.set_interference(WorkClass::none, WorkClass::comm, 0.5), std::invalid_argument);
+  EXPECT_THROW(e.set_interference(WorkClass::comm, WorkClass::memcpy, 1.5), std::invalid_argument);
+  EXPECT_THROW(e.set_interference(WorkClass::comm, WorkClass::memcpy, 0.0), std::invalid_argument);
+  // The single-factor form sets both aggressors of the victim.
+  e.set_interference(WorkClass::comm, 0.9);
+  EXPECT_EQ(e.interference(WorkClass::comm, WorkClass::compute), 0.9);
+  EXPECT_EQ(e.interference(WorkClass::comm, WorkClass::memcpy), 0.9);
+}
+
 TEST(SimEngine, InterferenceNeedsAnotherClassAndDoesNotRedistribute) {
   Engine e;
   e.set_interference(WorkClass::compute, 0.8);

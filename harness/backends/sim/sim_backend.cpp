@@ -906,10 +906,11 @@ std::vector<std::string> SimCluster::Impl::rendezvous(const std::string& comm, i
 
 void SimCluster::Impl::evaluate() {
   sim::Engine e;
-  for (const auto& [victim, f] : {std::pair{sim::WorkClass::compute, opt.cluster.interference.sigma},
-                                  std::pair{sim::WorkClass::comm, opt.cluster.interference.mu},
-                                  std::pair{sim::WorkClass::memcpy, opt.cluster.interference.eta}})
-    e.set_interference(victim, f);
+  // The cluster's interference matrix, factor[victim][aggressor] (sim/cluster.hpp).
+  constexpr sim::WorkClass kClasses[3] = {sim::WorkClass::compute, sim::WorkClass::comm, sim::WorkClass::memcpy};
+  for (int v = 0; v < 3; ++v)
+    for (int a = 0; a < 3; ++a)
+      if (a != v) e.set_interference(kClasses[v], kClasses[a], opt.cluster.interference.factor[v][a]);
   sim::Topology topo(opt.cluster, e, opt.profile ? &*opt.profile : nullptr);
   // Global ids: rank-major in issue order, then flows in instance-key order: deterministic.
   std::vector<int> offset(static_cast<std::size_t>(n), 0);
