@@ -442,6 +442,66 @@ TEST_F(ClusterTest, FieldsForTheOtherKindOfNodeAreRejected) {
              "nodes.h100-node.gpus_per_pcie_switch is missing: an NVSwitch node that models its PCIe switches needs all of");
 }
 
+// NCCL's all-to-all terms and an NVSwitch node's PCIe switches: read from the node, overridden
+// field by field by a cluster's "p2p", and every bad value is a ConfigError naming the field.
+TEST_F(ClusterTest, P2pFiguresAndPcieSwitchesOfNvswitchNodes) {
+  use_catalogue_copy();
+  write_cluster("ok", minimal_cluster("dgx-a100-40gb", 2));
+  const ClusterModel m = load_cluster("ok");
+  EXPECT_EQ(m.node.gpus_per_pcie_switch, 2);
+  EXPECT_DOUBLE_EQ(m.node.pcie_bw, 24e9);
+  EXPECT_DOUBLE_EQ(m.node.pcie_switch_uplink_bw, 24e9);
+  EXPECT_DOUBLE_EQ(m.node.p2p.ll_threshold, 16384);
+  EXPECT_DOUBLE_EQ(m.node.p2p.intra_efficiency, 0.8);
+  EXPECT_DOUBLE_EQ(m.node.p2p.net_peer_overhead, 2e-6);
+  EXPECT_FALSE(m.node.p2p.source.empty());
+  // A cluster overrides some of them and keeps the rest.
+  json o = minimal_cluster("dgx-a100-40gb", 2);
+  o["p2p"] = {{"net_efficiency", 0.95}, {"net_peer_overhead", 1e-6}, {"source", "test"}};
+  write_cluster("over", o);
+  const ClusterModel mo = load_cluster("over");
+  EXPECT_DOUBLE_EQ(mo.node.p2p.net_efficiency, 0.95);
+  EXPECT_DOUBLE_EQ(mo.node.p2p.net_peer_overhead, 1e-6);
+  EXPECT_DOUBLE_EQ(mo.node.p2p.intra_efficiency, 0.8);
+  EXPECT_EQ(mo.node.p2p.source, "test");
+
+  json b = minimal_cluster("dgx-a100-40gb", 2);
+  b["p2p"] = {{"intra_efficiency", 1.5}, {"source", "test"}};
+  write_cluster("b", b);
+  EXPECT_HAS(error_of([] { (void)load_cluster("b"); }), "b.json: p2p.intra_efficiency = 1.5 must be in (0, 1]");
+  json c = minimal_cluster("dgx-a100-40gb", 2);
+  c["p2p"] = {{"ll_threshold", -1}, {"source", "test"}};
+  write_cluster("c", c);
+  EXPECT_HAS(error_of([] { (void)load_cluster("c"); }), "c.json: p2p.ll_threshold = -1 must be >= 0");
+  json d = minimal_cluster("dgx-a100-40gb", 2);
+  d["p2p"] = {{"net_peer_overhed", 1e-6}, {"source", "test"}};
+  write_cluster("d", d);
+  EXPECT_HAS(error_of([] { (void)load_cluster("d"); }), "unknown field \"p2p.net_peer_overhed\" (did you mean \"p2p.net_peer_overhead\"?)");
+  json e = minimal_cluster("dgx-a100-40gb", 2);
+  e["p2p"] = {{"net_peer_overhead", 2.0}, {"source", "test"}};
+  write_cluster("e", e);
+  EXPECT_HAS(error_of([] { (void)load_cluster("e"); }), "e.json: p2p.net_peer_overhead = 2.0 is outside [0, 1] s");
+  json f = minimal_cluster("dgx-a100-40gb", 2);
+  f["p2p"] = 3;
+  write_cluster("f", f);
+  EXPECT_HAS(error_of([] { (void)load_cluster("f"); }), "f.json: p2p");
+
+  // In the catalogue every figure of a node's p2p is required, and the PCIe switches come in
+  // threes and divide the GPUs.
+  use_catalogue_copy({}, [](json& n) {
+    n["nodes"]["dgx-a100-40gb"]["p2p"].erase("ll_efficiency");
+    n["nodes"]["dgx-a100-80gb"]["gpus_per_pcie_switch"] = 3;
+    n["nodes"]["h100-node"]["p2p"]["base_latency_ll"] = -1e-6;
+  });
+  write_cluster("g", minimal_cluster("dgx-a100-40gb", 1));
+  EXPECT_HAS(error_of([] { (void)load_cluster("g"); }), "nodes.dgx-a100-40gb.p2p.ll_efficiency");
+  write_cluster("h", minimal_cluster("dgx-a100-80gb", 1));
+  EXPECT_HAS(error_of([] { (void)load_cluster("h"); }),
+             "nodes.dgx-a100-80gb.gpus = 8 is not divisible by nodes.dgx-a100-80gb.gpus_per_pcie_switch = 3");
+  write_cluster("i", minimal_cluster("h100-node", 1));
+  EXPECT_HAS(error_of([] { (void)load_cluster("i"); }), "nodes.h100-node.p2p.base_latency_ll = -1e-06 must be >= 0");
+}
+
 TEST_F(ClusterTest, BadClusterFields) {
   use_catalogue_copy();
   json a = minimal_cluster("a800-node", 2);
