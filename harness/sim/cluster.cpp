@@ -8,7 +8,7 @@
 // latencies, fractions), so that every time the simulation derives stays finite. Every
 // problem is a ConfigError of one line naming the file, the field path and the value
 // (harness/config/json_fields.hpp). Fields that the model would ignore for a node's kind
-// (pcie_bw on an NVSwitch node, nic_bw on a node without NICs) are rejected too: a figure
+// (nvlink_bw on a PCIe node, nic_bw on a node without NICs) are rejected too: a figure
 // that silently does nothing is a figure someone believes is being used.
 // Formulas and routes: docs/PERFORMANCE.md, "Cluster models and the cost of each op".
 // Tested by harness/tests/sim_cluster_test.cpp.
