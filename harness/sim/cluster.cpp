@@ -8,7 +8,7 @@
 // latencies, fractions), so that every time the simulation derives stays finite. Every
 // problem is a ConfigError of one line naming the file, the field path and the value
 // (harness/config/json_fields.hpp). Fields that the model would ignore for a node's kind
-// (pcie_bw on an NVSwitch node, nic_bw on a node without NICs) are rejected too: a figure
+// (nvlink_bw on a PCIe node, nic_bw on a node without NICs) are rejected too: a figure
 // that silently does nothing is a figure someone believes is being used.
 // Formulas and routes: docs/PERFORMANCE.md, "Cluster models and the cost of each op".
 // Tested by harness/tests/sim_cluster_test.cpp.
@@ -42,6 +42,9 @@ constexpr const char* kNodesSchema = "moelab.nodes/1";
 constexpr const char* kClusterSchema = "moelab.cluster/1";
 constexpr const char* kProfileSchema = "moelab.profile/1";
 constexpr const char* kGemmCalibrationSchema = "moelab.gemm_calibration/1";
+// NCCL's LL protocol carries a message in 8-byte lines through buffers of at most a few MiB
+// (src/init.cc DEFAULT_LL_BUFFSIZE); a threshold above 1 GiB per peer is a typing error.
+constexpr double kMaxLlThreshold = 1073741824.0;
 
 // ---- field readers with the ranges the model needs ------------------------------------
 
@@ -163,13 +166,38 @@ GpuSpec resolve_gpu(const Fields& node, const json& v) {
   return parse_gpu(*it, cat.origin, "gpus." + name + ".", &name);
 }
 
+// A "p2p" object: NCCL's all-to-all terms. In a node every figure is required (each has its
+// source); in a cluster file (`all = false`) any subset overrides the node's.
+P2pModel parse_p2p(const json& j, const std::string& origin, const std::string& prefix, P2pModel p, bool all) {
+  Fields f(j, origin, prefix,
+           {"base_latency_simple", "base_latency_ll", "ll_threshold", "ll_efficiency", "intra_efficiency",
+            "net_efficiency", "intra_peer_overhead", "net_peer_overhead", "source"});
+  const auto lat = [&](const char* k, double& v) {
+    if (all || f.find(k)) v = latency(f, k);
+  };
+  const auto frac = [&](const char* k, double& v) {
+    if (all || f.find(k)) v = in_range(f, k, Sign::fraction, limits::kMinFraction, 1.0, "(a fraction of the link's rate)");
+  };
+  lat("base_latency_simple", p.base_latency_simple);
+  lat("base_latency_ll", p.base_latency_ll);
+  if (all || f.find("ll_threshold"))
+    p.ll_threshold = in_range(f, "ll_threshold", Sign::non_negative, 0.0, kMaxLlThreshold, "bytes per peer");
+  frac("ll_efficiency", p.ll_efficiency);
+  frac("intra_efficiency", p.intra_efficiency);
+  frac("net_efficiency", p.net_efficiency);
+  lat("intra_peer_overhead", p.intra_peer_overhead);
+  lat("net_peer_overhead", p.net_peer_overhead);
+  p.source = f.string("source");
+  return p;
+}
+
 NodeSpec parse_node(const json& j, const std::string& origin, const std::string& prefix, const std::string* key_name,
                     GpuSpec& gpu_out) {
   const std::string obj = prefix.substr(0, prefix.size() - 1);
   if (!j.is_object()) fail(origin, obj + ": expected an object, got " + show(j));
   std::vector<std::string> known = {"description", "gpu", "gpus", "intra", "nvlink_bw", "nvlink_latency",
                                     "gpus_per_pcie_switch", "pcie_bw", "pcie_switch_uplink_bw", "pcie_latency",
-                                    "nics", "nic_bw", "nic_latency", "host_memory_bytes", "host_copy_bw", "source"};
+                                    "nics", "nic_bw", "nic_latency", "host_memory_bytes", "host_copy_bw", "p2p", "source"};
   if (!key_name) known.insert(known.begin(), "name");
   Fields f(j, origin, prefix, known);
   NodeSpec n;
@@ -178,14 +206,8 @@ NodeSpec parse_node(const json& j, const std::string& origin, const std::string&
   n.gpus = static_cast<int>(f.integer("gpus", 1, limits::kMaxGpusPerNode));
   (void)f.require("intra");
   n.intra = f.choice_or("intra", n.intra, {"nvswitch", "pcie"});
-  const std::string only_pcie = "only used with intra = \"pcie\" (this node has intra = \"nvswitch\")";
   const std::string only_nvswitch = "only used with intra = \"nvswitch\" (this node has intra = \"pcie\")";
-  if (n.intra == "nvswitch") {
-    n.nvlink_bw = bandwidth(f, "nvlink_bw");
-    n.nvlink_latency = latency(f, "nvlink_latency");
-    for (const char* k : {"gpus_per_pcie_switch", "pcie_bw", "pcie_switch_uplink_bw"}) reject_if_present(f, k, only_pcie);
-  } else {
-    for (const char* k : {"nvlink_bw", "nvlink_latency"}) reject_if_present(f, k, only_nvswitch);
+  const auto pcie_switches = [&] {
     n.gpus_per_pcie_switch = static_cast<int>(f.integer("gpus_per_pcie_switch", 1, limits::kMaxGpusPerNode));
     if (n.gpus % n.gpus_per_pcie_switch != 0)
       fail(origin, f.path("gpus") + " = " + std::to_string(n.gpus) + " is not divisible by " +
@@ -193,6 +215,25 @@ NodeSpec parse_node(const json& j, const std::string& origin, const std::string&
                        " (every PCIe switch holds the same number of GPUs)");
     n.pcie_bw = bandwidth(f, "pcie_bw");
     n.pcie_switch_uplink_bw = bandwidth(f, "pcie_switch_uplink_bw");
+  };
+  if (n.intra == "nvswitch") {
+    n.nvlink_bw = bandwidth(f, "nvlink_bw");
+    n.nvlink_latency = latency(f, "nvlink_latency");
+    // Optional on an NVSwitch node: the PCIe switches its GPUs and NICs share (all three
+    // fields or none).
+    const char* keys[] = {"gpus_per_pcie_switch", "pcie_bw", "pcie_switch_uplink_bw"};
+    int given = 0;
+    for (const char* k : keys) given += f.find(k) ? 1 : 0;
+    if (given > 0) {
+      for (const char* k : keys)
+        if (!f.find(k))
+          fail(origin, f.path(k) + " is missing: an NVSwitch node that models its PCIe switches needs all of "
+                                   "gpus_per_pcie_switch, pcie_bw and pcie_switch_uplink_bw");
+      pcie_switches();
+    }
+  } else {
+    for (const char* k : {"nvlink_bw", "nvlink_latency"}) reject_if_present(f, k, only_nvswitch);
+    pcie_switches();
   }
   // Host copies cross PCIe on every node, so every node has a PCIe latency.
   n.pcie_latency = latency(f, "pcie_latency");
@@ -205,6 +246,10 @@ NodeSpec parse_node(const json& j, const std::string& origin, const std::string&
   }
   n.host_memory_bytes = memory(f, "host_memory_bytes");
   n.host_copy_bw = bandwidth(f, "host_copy_bw");
+  if (const json* p = f.find("p2p")) {
+    if (!p->is_object()) f.wrong_type("p2p", *p, "an object (docs/PERFORMANCE.md, \"All-to-all as NCCL runs it\")");
+    n.p2p = parse_p2p(*p, origin, f.path("p2p") + ".", n.p2p, true);
+  }
   n.source = f.string("source");
   // Last, so that the node's own fields are checked before another file is read.
   const json& g = f.require("gpu");
@@ -349,7 +394,7 @@ ClusterModel parse_cluster(const json& j, const std::string& origin) {
   if (!j.is_object()) fail(origin, "expected a JSON object at the top level, got " + show(j));
   Fields f(j, origin, "",
            {"schema", "name", "description", "node", "nodes", "fabric", "fabric_latency", "efficiency",
-            "interference", "source"});
+            "interference", "p2p", "source"});
   check_schema(f, kClusterSchema, false);
   ClusterModel m;
   m.origin = origin;
@@ -362,6 +407,11 @@ ClusterModel parse_cluster(const json& j, const std::string& origin) {
   m.interference = parse_interference(f);
   m.source = f.string("source");
   m.node = resolve_node(f, f.require("node"), m.gpu);
+  // A cluster's "p2p" overrides the node's figures one by one (a fabric's own NCCL tuning).
+  if (const json* p = f.find("p2p")) {
+    if (!p->is_object()) f.wrong_type("p2p", *p, "an object of the node's p2p fields to override");
+    m.node.p2p = parse_p2p(*p, origin, "p2p.", m.node.p2p, false);
+  }
   // Every GPU becomes a simulated rank with its own resources (and thread): the world size
   // is bounded, and computed where it cannot wrap.
   if (const Checked world = Checked(m.nodes) * m.node.gpus; !world.ok() || world.value() > limits::kMaxWorld)
@@ -389,7 +439,8 @@ json to_json(const NodeSpec& n, const GpuSpec& g) {
   if (n.intra == "nvswitch") {
     j["nvlink_bw"] = n.nvlink_bw;
     j["nvlink_latency"] = n.nvlink_latency;
-  } else {
+  }
+  if (n.intra == "pcie" || n.pcie_switches()) {
     j["gpus_per_pcie_switch"] = n.gpus_per_pcie_switch;
     j["pcie_bw"] = n.pcie_bw;
     j["pcie_switch_uplink_bw"] = n.pcie_switch_uplink_bw;
@@ -402,6 +453,16 @@ json to_json(const NodeSpec& n, const GpuSpec& g) {
   }
   j["host_memory_bytes"] = n.host_memory_bytes;
   j["host_copy_bw"] = n.host_copy_bw;
+  if (!n.p2p.ideal())
+    j["p2p"] = {{"base_latency_simple", n.p2p.base_latency_simple},
+                {"base_latency_ll", n.p2p.base_latency_ll},
+                {"ll_threshold", n.p2p.ll_threshold},
+                {"ll_efficiency", n.p2p.ll_efficiency},
+                {"intra_efficiency", n.p2p.intra_efficiency},
+                {"net_efficiency", n.p2p.net_efficiency},
+                {"intra_peer_overhead", n.p2p.intra_peer_overhead},
+                {"net_peer_overhead", n.p2p.net_peer_overhead},
+                {"source", n.p2p.source}};
   j["source"] = n.source;
   return j;
 }
@@ -718,6 +779,14 @@ void check_model(const ClusterModel& m) {
   if (m.node.intra != "nvswitch" && m.node.intra != "pcie") bad("intra must be \"nvswitch\" or \"pcie\"");
   if (m.node.intra == "pcie" && (m.node.gpus_per_pcie_switch < 1 || m.node.gpus % m.node.gpus_per_pcie_switch != 0))
     bad("gpus per node must be a multiple of gpus_per_pcie_switch");
+  if (m.node.intra == "nvswitch" && m.node.pcie_switches() &&
+      (m.node.gpus % m.node.gpus_per_pcie_switch != 0 || !(m.node.pcie_bw > 0) || !(m.node.pcie_switch_uplink_bw > 0)))
+    bad("an NVSwitch node's PCIe switches need gpus divisible by gpus_per_pcie_switch and rates > 0");
+  const P2pModel& p = m.node.p2p;
+  for (double e : {p.ll_efficiency, p.intra_efficiency, p.net_efficiency})
+    if (!(e > 0 && e <= 1)) bad("p2p efficiencies must be in (0, 1]");
+  for (double l : {p.base_latency_simple, p.base_latency_ll, p.intra_peer_overhead, p.net_peer_overhead, p.ll_threshold})
+    if (!(l >= 0) || !std::isfinite(l)) bad("p2p latencies, overheads and the LL threshold must be finite and >= 0");
   if (m.nodes > 1 && m.node.nics < 1) bad("a multi-node cluster needs NICs");
   if (!(m.efficiency.gemm_max > 0) || !(m.efficiency.mem > 0)) bad("efficiencies must be > 0");
 }
@@ -751,6 +820,21 @@ Topology::Topology(const ClusterModel& m, Engine& e, const Profile* profile) : m
       // host_link_[2r]: host -> device, host_link_[2r + 1]: device -> host.
       host_link_.push_back(e.add_resource(rank_name(r) + ".h2d", h2d));
       host_link_.push_back(e.add_resource(rank_name(r) + ".d2h", d2h));
+    }
+    // The PCIe switches of a DGX-style node: each GPU's x16 link to its switch (host copies
+    // and GPUDirect RDMA to and from the NIC), each switch's uplink to the CPU (host copies).
+    if (nd.pcie_switches()) {
+      for (int r = 0; r < world; ++r) {
+        gpu_pcie_up_.push_back(e.add_resource(rank_name(r) + ".pcie_up", nd.pcie_bw));
+        gpu_pcie_down_.push_back(e.add_resource(rank_name(r) + ".pcie_down", nd.pcie_bw));
+      }
+      const int switches = nd.gpus / nd.gpus_per_pcie_switch;
+      for (int n = 0; n < m.nodes; ++n)
+        for (int s = 0; s < switches; ++s) {
+          const std::string sw = "node" + std::to_string(n) + ".switch" + std::to_string(s);
+          switch_up_.push_back(e.add_resource(sw + ".up", nd.pcie_switch_uplink_bw));
+          switch_down_.push_back(e.add_resource(sw + ".down", nd.pcie_switch_uplink_bw));
+        }
     }
   } else {
     for (int r = 0; r < world; ++r) {
@@ -795,6 +879,13 @@ int Topology::hbm(int rank) const {
   return hbm_[static_cast<std::size_t>(rank)];
 }
 
+int Topology::switch_of(int rank) const {
+  // Switches are numbered across nodes: node n's switch s is n * (gpus / per switch) + s.
+  const NodeSpec& nd = m_.node;
+  const int switches = nd.gpus / nd.gpus_per_pcie_switch;
+  return m_.node_of(rank) * switches + (rank % nd.gpus) / nd.gpus_per_pcie_switch;
+}
+
 Route Topology::p2p(int src, int dst) const {
   const int world = m_.world_size();
   check_rank(src, world, "p2p");
@@ -806,31 +897,38 @@ Route Topology::p2p(int src, int dst) const {
   const int local_src = src % nd.gpus, local_dst = dst % nd.gpus;
   const bool pcie = nd.intra == "pcie";
   Route r;
+  const auto add = [&](int res, LinkClass c) {
+    r.resources.push_back(res);
+    r.resource_links.push_back(c);
+  };
   if (node_src == node_dst) {
-    r.resources = {at(link_out_, src)};
-    r.links = {pcie ? LinkClass::pcie : LinkClass::nvlink};
+    const LinkClass c = pcie ? LinkClass::pcie : LinkClass::nvlink;
+    add(at(link_out_, src), c);
+    r.links = {c};
     if (pcie) {
-      const int switches = nd.gpus / nd.gpus_per_pcie_switch;
-      const int sw_src = node_src * switches + local_src / nd.gpus_per_pcie_switch;
-      const int sw_dst = node_dst * switches + local_dst / nd.gpus_per_pcie_switch;
+      const int sw_src = switch_of(src), sw_dst = switch_of(dst);
       if (sw_src != sw_dst) {
-        r.resources.push_back(at(switch_up_, sw_src));
-        r.resources.push_back(at(switch_down_, sw_dst));
+        add(at(switch_up_, sw_src), c);
+        add(at(switch_down_, sw_dst), c);
       }
       r.latency = nd.pcie_latency;
     } else {
       r.latency = nd.nvlink_latency;
     }
-    r.resources.push_back(at(link_in_, dst));
+    add(at(link_in_, dst), c);
     return r;
   }
-  // Rail-optimised: GPU i of a node sends and receives through NIC i % nics.
-  if (pcie) r.resources.push_back(at(link_out_, src));
-  r.resources.push_back(at(nic_out_, node_src * nd.nics + local_src % nd.nics));
-  r.resources.push_back(at(nic_in_, node_dst * nd.nics + local_dst % nd.nics));
-  if (pcie) r.resources.push_back(at(link_in_, dst));
+  // Rail-optimised: GPU i of a node sends and receives through NIC i % nics, by GPUDirect
+  // RDMA over the GPU's PCIe link (a PCIe node's, or an NVSwitch node's that models its
+  // PCIe switches; the NIC sits on the GPU's switch, so the switch uplink is not crossed).
+  r.inter_node = true;
+  const bool gdr = pcie || nd.pcie_switches();
+  if (gdr) add(pcie ? at(link_out_, src) : at(gpu_pcie_up_, src), LinkClass::pcie);
+  add(at(nic_out_, node_src * nd.nics + local_src % nd.nics), LinkClass::nic);
+  add(at(nic_in_, node_dst * nd.nics + local_dst % nd.nics), LinkClass::nic);
+  if (gdr) add(pcie ? at(link_in_, dst) : at(gpu_pcie_down_, dst), LinkClass::pcie);
   r.latency = nd.nic_latency + m_.fabric_latency;
-  r.links = pcie ? std::vector<LinkClass>{LinkClass::pcie, LinkClass::nic} : std::vector<LinkClass>{LinkClass::nic};
+  r.links = gdr ? std::vector<LinkClass>{LinkClass::pcie, LinkClass::nic} : std::vector<LinkClass>{LinkClass::nic};
   return r;
 }
 
@@ -864,12 +962,14 @@ Route Topology::host_to_device(int rank) const {
   Route r;
   r.latency = nd.pcie_latency;
   r.links = {LinkClass::pcie};  // the host link is PCIe on both kinds of node
+  const auto sw = static_cast<std::size_t>(nd.pcie_switches() ? switch_of(rank) : 0);
   if (nd.intra == "nvswitch") {
     r.resources = {host_link_[2 * i]};
+    if (nd.pcie_switches()) r.resources.insert(r.resources.end(), {switch_down_[sw], gpu_pcie_down_[i]});
   } else {
-    const auto sw = static_cast<std::size_t>(rank / nd.gpus_per_pcie_switch);  // switches are numbered across nodes
     r.resources = {switch_down_[sw], link_in_[i]};
   }
+  r.resource_links.assign(r.resources.size(), LinkClass::pcie);
   return r;
 }
 
@@ -880,12 +980,14 @@ Route Topology::device_to_host(int rank) const {
   Route r;
   r.latency = nd.pcie_latency;
   r.links = {LinkClass::pcie};  // the host link is PCIe on both kinds of node
+  const auto sw = static_cast<std::size_t>(nd.pcie_switches() ? switch_of(rank) : 0);
   if (nd.intra == "nvswitch") {
     r.resources = {host_link_[2 * i + 1]};
+    if (nd.pcie_switches()) r.resources.insert(r.resources.end(), {gpu_pcie_up_[i], switch_up_[sw]});
   } else {
-    const auto sw = static_cast<std::size_t>(rank / nd.gpus_per_pcie_switch);
     r.resources = {link_out_[i], switch_up_[sw]};
   }
+  r.resource_links.assign(r.resources.size(), LinkClass::pcie);
   return r;
 }
 

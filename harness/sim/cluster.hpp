@@ -32,6 +32,26 @@ struct GpuSpec {
   std::string source;
 };
 
+// How NCCL runs a point-to-point exchange (an all-to-all-v is grouped ncclSend/ncclRecv), as
+// docs/PERFORMANCE.md ("All-to-all as NCCL runs it") states it. The defaults are the ideal
+// links of a node file without a "p2p" object: no per-call or per-peer latency, no protocol
+// overhead, never the LL protocol.
+struct P2pModel {
+  double base_latency_simple = 0;  // s per collective call (kernel and plan), Simple protocol
+  double base_latency_ll = 0;      // s per collective call when every message is LL
+  double ll_threshold = 0;         // bytes per peer: a message of at most this many bytes uses LL
+  double ll_efficiency = 1;        // share of every link's rate an LL message's payload gets
+  double intra_efficiency = 1;     // Simple: share of NVLink (or GPU-to-GPU PCIe) rate reached
+  double net_efficiency = 1;       // Simple: share of the NIC rate reached
+  double intra_peer_overhead = 0;  // s per earlier intra-node peer in a rank's round order
+  double net_peer_overhead = 0;    // s per earlier remote peer (the proxy posts them one by one)
+  std::string source;
+  bool ideal() const {
+    return base_latency_simple == 0 && base_latency_ll == 0 && ll_threshold == 0 && ll_efficiency == 1 &&
+           intra_efficiency == 1 && net_efficiency == 1 && intra_peer_overhead == 0 && net_peer_overhead == 0;
+  }
+};
+
 struct NodeSpec {
   std::string name;          // "dgx-a100"
   std::string gpu;           // a GpuSpec name
@@ -39,7 +59,10 @@ struct NodeSpec {
   std::string intra = "nvswitch";   // "nvswitch" or "pcie"
   double nvlink_bw = 0;             // nvswitch: per GPU per direction, bytes/s
   double nvlink_latency = 0;        // s
-  int gpus_per_pcie_switch = 0;     // pcie: GPUs behind one switch (share its uplink)
+  // pcie: GPUs behind one switch (share its uplink). nvswitch: optional (0 = not modelled);
+  // when set, a GPU's PCIe link carries its host copies and its GPUDirect RDMA NIC traffic,
+  // and its switch's uplink the host copies of every GPU behind it (DGX A100: 2 per switch).
+  int gpus_per_pcie_switch = 0;
   double pcie_bw = 0;               // GPU <-> its switch, per direction, bytes/s
   double pcie_switch_uplink_bw = 0; // switch <-> host, per direction, bytes/s
   double pcie_latency = 0;          // s
@@ -48,7 +71,9 @@ struct NodeSpec {
   double nic_latency = 0;           // s per message
   double host_memory_bytes = 0;
   double host_copy_bw = 0;          // pinned host <-> device per GPU per direction (achieved)
+  P2pModel p2p;                     // NCCL's all-to-all terms (the node file's "p2p" object)
   std::string source;
+  bool pcie_switches() const { return gpus_per_pcie_switch > 0; }
 };
 
 // A GEMM efficiency curve of one precision: eff(m,n,k) = gemm_max * d / (d + gemm_half_dim),
@@ -173,8 +198,10 @@ struct LinkBytes {
 // flow), its latency and the link classes it crosses.
 struct Route {
   std::vector<int> resources;
+  std::vector<LinkClass> resource_links;  // the class of each resource, in the same order
   double latency = 0;
   std::vector<LinkClass> links;
+  bool inter_node = false;
 };
 
 // The cluster's resources registered in an engine (per GPU: SMs, HBM, NVLink out/in or PCIe
@@ -206,6 +233,8 @@ class Topology {
   const ClusterModel& m_;
   const Profile* profile_;
   std::vector<int> sm_, hbm_, link_out_, link_in_, switch_up_, switch_down_, nic_out_, nic_in_, host_link_;
+  std::vector<int> gpu_pcie_up_, gpu_pcie_down_;  // nvswitch nodes with PCIe switches: each GPU's x16 link
+  int switch_of(int rank) const;                  // global PCIe switch index of a rank
 };
 
 }  // namespace moelab::sim

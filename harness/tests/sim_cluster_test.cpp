@@ -142,8 +142,10 @@ TEST_F(ClusterTest, EveryCatalogueClusterLoadsWithItsWorldSize) {
     // The topology builds on every cluster and registers what the route tables promise.
     Engine e;
     Topology t(m, e);
-    const int per_gpu = m.node.intra == "nvswitch" ? 6 : 4;  // sm, hbm, link out/in (+ h2d, d2h)
-    const int switches = m.node.intra == "pcie" ? m.nodes * m.node.gpus / m.node.gpus_per_pcie_switch : 0;
+    // sm, hbm, link out/in (+ h2d, d2h; + the PCIe link up/down of an NVSwitch node that models
+    // its PCIe switches)
+    const int per_gpu = m.node.intra == "nvswitch" ? (m.node.pcie_switches() ? 8 : 6) : 4;
+    const int switches = m.node.pcie_switches() ? m.nodes * m.node.gpus / m.node.gpus_per_pcie_switch : 0;
     const int nics = m.nodes > 1 ? m.nodes * m.node.nics : 0;
     EXPECT_EQ(e.num_resources(), static_cast<std::size_t>(world * per_gpu + 2 * switches + 2 * nics));
   }
@@ -205,16 +207,26 @@ TEST_F(ClusterTest, NvswitchRoutes) {
   EXPECT_DOUBLE_EQ(in_node.latency, m.node.nvlink_latency);
   for (int id : in_node.resources) EXPECT_DOUBLE_EQ(e.resource_capacity(id), 300e9);
 
-  // Rank 3 is GPU 3 of node 0, rank 12 is GPU 4 of node 1: each uses its own rail's NIC.
+  // Rank 3 is GPU 3 of node 0, rank 12 is GPU 4 of node 1: each uses its own rail's NIC, by
+  // GPUDirect RDMA over its PCIe link to the switch it shares with that NIC.
   const Route across = t.p2p(3, 12);
-  EXPECT_EQ(names_of(e, across), (std::vector<std::string>{"node0.nic3.out", "node1.nic4.in"}));
+  EXPECT_EQ(names_of(e, across),
+            (std::vector<std::string>{"rank3.pcie_up", "node0.nic3.out", "node1.nic4.in", "rank12.pcie_down"}));
+  EXPECT_EQ(across.resource_links,
+            (std::vector<LinkClass>{LinkClass::pcie, LinkClass::nic, LinkClass::nic, LinkClass::pcie}));
+  EXPECT_TRUE(across.inter_node);
   EXPECT_DOUBLE_EQ(across.latency, m.node.nic_latency + m.fabric_latency);
   EXPECT_GT(m.fabric_latency, 0.0);
-  for (int id : across.resources) EXPECT_DOUBLE_EQ(e.resource_capacity(id), 25e9);
+  EXPECT_DOUBLE_EQ(e.resource_capacity(across.resources[0]), 24e9);
+  EXPECT_DOUBLE_EQ(e.resource_capacity(across.resources[1]), 25e9);
+  EXPECT_DOUBLE_EQ(e.resource_capacity(across.resources[2]), 25e9);
+  EXPECT_DOUBLE_EQ(e.resource_capacity(across.resources[3]), 24e9);
 
+  // Host copies: the GPU's own copy rate, its PCIe link, and the uplink of switch 1 (GPUs 2, 3).
   const Route h2d = t.host_to_device(3), d2h = t.device_to_host(3);
-  EXPECT_EQ(names_of(e, h2d), (std::vector<std::string>{"rank3.h2d"}));
-  EXPECT_EQ(names_of(e, d2h), (std::vector<std::string>{"rank3.d2h"}));
+  EXPECT_EQ(names_of(e, h2d), (std::vector<std::string>{"rank3.h2d", "node0.switch1.down", "rank3.pcie_down"}));
+  EXPECT_EQ(names_of(e, d2h), (std::vector<std::string>{"rank3.d2h", "rank3.pcie_up", "node0.switch1.up"}));
+  EXPECT_EQ(names_of(e, t.device_to_host(10)), (std::vector<std::string>{"rank10.d2h", "rank10.pcie_up", "node1.switch1.up"}));
   EXPECT_DOUBLE_EQ(h2d.latency, m.node.pcie_latency);
   EXPECT_DOUBLE_EQ(e.resource_capacity(h2d.resources[0]), m.node.host_copy_bw);
 
@@ -581,7 +593,69 @@ TEST_F(ClusterTest, FieldsForTheOtherKindOfNodeAreRejected) {
   EXPECT_HAS(error_of([] { (void)load_cluster("a"); }),
              "nodes.pcie-a30.nvlink_bw = 300000000000.0 is only used with intra = \"nvswitch\"");
   write_cluster("b", minimal_cluster("h100-node", 1));
-  EXPECT_HAS(error_of([] { (void)load_cluster("b"); }), "nodes.h100-node.pcie_bw = 64000000000.0 is only used with intra = \"pcie\"");
+  // An NVSwitch node may model its PCIe switches, but then with all three figures.
+  EXPECT_HAS(error_of([] { (void)load_cluster("b"); }),
+             "nodes.h100-node.gpus_per_pcie_switch is missing: an NVSwitch node that models its PCIe switches needs all of");
+}
+
+// NCCL's all-to-all terms and an NVSwitch node's PCIe switches: read from the node, overridden
+// field by field by a cluster's "p2p", and every bad value is a ConfigError naming the field.
+TEST_F(ClusterTest, P2pFiguresAndPcieSwitchesOfNvswitchNodes) {
+  use_catalogue_copy();
+  write_cluster("ok", minimal_cluster("dgx-a100-40gb", 2));
+  const ClusterModel m = load_cluster("ok");
+  EXPECT_EQ(m.node.gpus_per_pcie_switch, 2);
+  EXPECT_DOUBLE_EQ(m.node.pcie_bw, 24e9);
+  EXPECT_DOUBLE_EQ(m.node.pcie_switch_uplink_bw, 24e9);
+  EXPECT_DOUBLE_EQ(m.node.p2p.ll_threshold, 16384);
+  EXPECT_DOUBLE_EQ(m.node.p2p.intra_efficiency, 0.8);
+  EXPECT_DOUBLE_EQ(m.node.p2p.net_peer_overhead, 2e-6);
+  EXPECT_FALSE(m.node.p2p.source.empty());
+  // A cluster overrides some of them and keeps the rest.
+  json o = minimal_cluster("dgx-a100-40gb", 2);
+  o["p2p"] = {{"net_efficiency", 0.95}, {"net_peer_overhead", 1e-6}, {"source", "test"}};
+  write_cluster("over", o);
+  const ClusterModel mo = load_cluster("over");
+  EXPECT_DOUBLE_EQ(mo.node.p2p.net_efficiency, 0.95);
+  EXPECT_DOUBLE_EQ(mo.node.p2p.net_peer_overhead, 1e-6);
+  EXPECT_DOUBLE_EQ(mo.node.p2p.intra_efficiency, 0.8);
+  EXPECT_EQ(mo.node.p2p.source, "test");
+
+  json b = minimal_cluster("dgx-a100-40gb", 2);
+  b["p2p"] = {{"intra_efficiency", 1.5}, {"source", "test"}};
+  write_cluster("b", b);
+  EXPECT_HAS(error_of([] { (void)load_cluster("b"); }), "b.json: p2p.intra_efficiency = 1.5 must be in (0, 1]");
+  json c = minimal_cluster("dgx-a100-40gb", 2);
+  c["p2p"] = {{"ll_threshold", -1}, {"source", "test"}};
+  write_cluster("c", c);
+  EXPECT_HAS(error_of([] { (void)load_cluster("c"); }), "c.json: p2p.ll_threshold = -1 must be >= 0");
+  json d = minimal_cluster("dgx-a100-40gb", 2);
+  d["p2p"] = {{"net_peer_overhed", 1e-6}, {"source", "test"}};
+  write_cluster("d", d);
+  EXPECT_HAS(error_of([] { (void)load_cluster("d"); }), "unknown field \"p2p.net_peer_overhed\" (did you mean \"p2p.net_peer_overhead\"?)");
+  json e = minimal_cluster("dgx-a100-40gb", 2);
+  e["p2p"] = {{"net_peer_overhead", 2.0}, {"source", "test"}};
+  write_cluster("e", e);
+  EXPECT_HAS(error_of([] { (void)load_cluster("e"); }), "e.json: p2p.net_peer_overhead = 2.0 is outside [0, 1] s");
+  json f = minimal_cluster("dgx-a100-40gb", 2);
+  f["p2p"] = 3;
+  write_cluster("f", f);
+  EXPECT_HAS(error_of([] { (void)load_cluster("f"); }), "f.json: p2p");
+
+  // In the catalogue every figure of a node's p2p is required, and the PCIe switches come in
+  // threes and divide the GPUs.
+  use_catalogue_copy({}, [](json& n) {
+    n["nodes"]["dgx-a100-40gb"]["p2p"].erase("ll_efficiency");
+    n["nodes"]["dgx-a100-80gb"]["gpus_per_pcie_switch"] = 3;
+    n["nodes"]["h100-node"]["p2p"]["base_latency_ll"] = -1e-6;
+  });
+  write_cluster("g", minimal_cluster("dgx-a100-40gb", 1));
+  EXPECT_HAS(error_of([] { (void)load_cluster("g"); }), "nodes.dgx-a100-40gb.p2p.ll_efficiency");
+  write_cluster("h", minimal_cluster("dgx-a100-80gb", 1));
+  EXPECT_HAS(error_of([] { (void)load_cluster("h"); }),
+             "nodes.dgx-a100-80gb.gpus = 8 is not divisible by nodes.dgx-a100-80gb.gpus_per_pcie_switch = 3");
+  write_cluster("i", minimal_cluster("h100-node", 1));
+  EXPECT_HAS(error_of([] { (void)load_cluster("i"); }), "nodes.h100-node.p2p.base_latency_ll = -1e-06 must be >= 0");
 }
 
 TEST_F(ClusterTest, BadClusterFields) {

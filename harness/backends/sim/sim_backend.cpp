@@ -904,6 +904,117 @@ std::vector<std::string> SimCluster::Impl::rendezvous(const std::string& comm, i
   return g.result;
 }
 
+namespace {
+
+// One message of an all-to-all as NCCL sends it: the protocol its size picks (LL at or below
+// ll_threshold bytes, as NCCL_P2P_LL_THRESHOLD), that protocol's per-call latency, and the
+// share of each route resource's rate its payload gets: LL's on every link (half of each
+// 16-byte line is flags), Simple's NVLink (or GPU-to-GPU PCIe) and NIC efficiencies on
+// those links, and the full rate on the PCIe hops of GPUDirect RDMA (pcie_bw is already an
+// achieved rate).
+struct A2aMessage {
+  double base_latency = 0;
+  std::vector<double> efficiency;  // by route resource
+};
+A2aMessage a2a_message(const sim::P2pModel& p, const sim::Route& route, double bytes) {
+  A2aMessage m;
+  const bool ll = bytes <= p.ll_threshold;
+  m.base_latency = ll ? p.base_latency_ll : p.base_latency_simple;
+  for (sim::LinkClass c : route.resource_links) {
+    if (ll) m.efficiency.push_back(p.ll_efficiency);
+    else if (c == sim::LinkClass::nic) m.efficiency.push_back(p.net_efficiency);
+    else if (c == sim::LinkClass::pcie && route.inter_node) m.efficiency.push_back(1.0);
+    else m.efficiency.push_back(p.intra_efficiency);
+  }
+  return m;
+}
+
+// NCCL's p2p schedule (src/init.cc, ncclP2pSchedule): members are grouped per node (nodes in
+// order of first appearance, local ranks in member order) into groups of G ranks, G = the
+// node's ranks on one node, or gcd(8, ranks per node) across nodes (NCCL_P2P_SCHEDULE_GROUP_SIZE,
+// default NCCL_MAX_DEV_WORK_P2P_PER_BATCH = 8). In round k a member of group g with local
+// index l sends to local index (l + delta) % G of group (g + gd) % groups and receives from
+// (l - delta) % G of group (g - gd) % groups; gd runs over the group deltas in NCCL's
+// quadratic order (x² + x)/2 mod 2^ceil(log2 groups), delta over 0..G-1. send(s, d): how many
+// peers of d's kind (same node as s or not) s sends to before d, counting only peers that get
+// bytes; recv(d, s) likewise on d's receive side.
+struct A2aPositions {
+  int m = 0;
+  std::vector<int> send_pos, recv_pos;  // [s * m + d]
+  int send(int s, int d) const { return send_pos[static_cast<std::size_t>(s * m + d)]; }
+  int recv(int d, int s) const { return recv_pos[static_cast<std::size_t>(d * m + s)]; }
+};
+template <class Bytes>
+A2aPositions a2a_positions(const std::vector<int>& node_of, const Bytes& bytes) {
+  const int m = static_cast<int>(node_of.size());
+  A2aPositions out;
+  out.m = m;
+  out.send_pos.assign(static_cast<std::size_t>(m) * static_cast<std::size_t>(m), 0);
+  out.recv_pos = out.send_pos;
+  // Nodes in order of first appearance; each node's members in member order.
+  std::vector<int> nodes;
+  std::vector<std::vector<int>> locals;
+  std::vector<int> node_index(static_cast<std::size_t>(m)), local_index(static_cast<std::size_t>(m));
+  for (int i = 0; i < m; ++i) {
+    const auto it = std::find(nodes.begin(), nodes.end(), node_of[static_cast<std::size_t>(i)]);
+    const int n = static_cast<int>(it - nodes.begin());
+    if (it == nodes.end()) {
+      nodes.push_back(node_of[static_cast<std::size_t>(i)]);
+      locals.emplace_back();
+    }
+    node_index[static_cast<std::size_t>(i)] = n;
+    local_index[static_cast<std::size_t>(i)] = static_cast<int>(locals[static_cast<std::size_t>(n)].size());
+    locals[static_cast<std::size_t>(n)].push_back(i);
+  }
+  const int n_nodes = static_cast<int>(nodes.size());
+  int group = n_nodes > 1 ? 8 : static_cast<int>(locals[0].size());
+  for (const auto& l : locals) {
+    const int lr = static_cast<int>(l.size());
+    if (lr % group != 0 || lr < group) group = std::gcd(group, lr);
+  }
+  // Groups in node order: group -> (node, first local index).
+  std::vector<std::pair<int, int>> groups;
+  std::vector<int> first_group(static_cast<std::size_t>(n_nodes));
+  for (int n = 0; n < n_nodes; ++n) {
+    first_group[static_cast<std::size_t>(n)] = static_cast<int>(groups.size());
+    for (int g = 0; g * group < static_cast<int>(locals[static_cast<std::size_t>(n)].size()); ++g) groups.emplace_back(n, g * group);
+  }
+  const int n_groups = static_cast<int>(groups.size());
+  int pow2 = 1;
+  while (pow2 < n_groups) pow2 *= 2;
+  std::vector<int> deltas;  // group deltas in NCCL's order
+  for (std::uint32_t round = 0, delta = 0; round < static_cast<std::uint32_t>(pow2);) {
+    if (delta < static_cast<std::uint32_t>(n_groups)) deltas.push_back(static_cast<int>(delta));
+    round += 1;
+    delta = (delta + round) & static_cast<std::uint32_t>(pow2 - 1);
+  }
+  const auto member = [&](int g, int local) {
+    const auto& [n, off] = groups[static_cast<std::size_t>(g)];
+    return locals[static_cast<std::size_t>(n)][static_cast<std::size_t>(off + local)];
+  };
+  for (int i = 0; i < m; ++i) {
+    const int n = node_index[static_cast<std::size_t>(i)], li = local_index[static_cast<std::size_t>(i)];
+    const int my_group = first_group[static_cast<std::size_t>(n)] + li / group, local = li % group;
+    int sent[2] = {0, 0}, received[2] = {0, 0};  // [remote]
+    for (int gd : deltas)
+      for (int delta = 0; delta < group; ++delta) {
+        const int to = member((my_group + gd) % n_groups, (local + delta) % group);
+        const int from = member((my_group - gd + n_groups) % n_groups, (local - delta + group) % group);
+        if (to != i && bytes(i, to) > 0) {
+          const int remote = node_of[static_cast<std::size_t>(to)] != node_of[static_cast<std::size_t>(i)] ? 1 : 0;
+          out.send_pos[static_cast<std::size_t>(i * m + to)] = sent[remote]++;
+        }
+        if (from != i && bytes(from, i) > 0) {
+          const int remote = node_of[static_cast<std::size_t>(from)] != node_of[static_cast<std::size_t>(i)] ? 1 : 0;
+          out.recv_pos[static_cast<std::size_t>(i * m + from)] = received[remote]++;
+        }
+      }
+  }
+  return out;
+}
+
+}  // namespace
+
 void SimCluster::Impl::evaluate() {
   sim::Engine e;
   // The cluster's interference matrix, factor[victim][aggressor] (sim/cluster.hpp).
@@ -928,9 +1039,11 @@ void SimCluster::Impl::evaluate() {
   std::vector<sim::LinkBytes> sent(static_cast<std::size_t>(n));  // by the sending world rank
   std::vector<std::map<std::string, sim::LinkBytes>> sent_by(static_cast<std::size_t>(n));  // and by collective
   const char* coll = "";  // the collective whose flows are being made
-  // src, dst: world ranks.
+  // src, dst: world ranks. `nccl`: price the flow as one message of NCCL's grouped send/recv
+  // (all-to-all): its protocol's per-call latency and link efficiencies (docs/PERFORMANCE.md,
+  // "All-to-all as NCCL runs it"); extra_latency then holds its per-peer term.
   auto flow = [&](int src, int dst, double bytes, int arrive_src, int arrive_dst, double extra_latency,
-                  int done_src, int done_dst) {
+                  int done_src, int done_dst, const sim::P2pModel* nccl = nullptr) {
     sim::Task f;
     f.name = "flow";
     f.rank = src;
@@ -941,7 +1054,14 @@ void SimCluster::Impl::evaluate() {
     } else {
       const sim::Route route = topo.p2p(src, dst);
       f.latency = route.latency + extra_latency;
-      for (int res : route.resources) f.demands.push_back({res, bytes});
+      if (nccl) {
+        const A2aMessage msg = a2a_message(*nccl, route, bytes);
+        f.latency += msg.base_latency;
+        for (std::size_t i = 0; i < route.resources.size(); ++i)
+          f.demands.push_back({route.resources[i], bytes / msg.efficiency[i]});
+      } else {
+        for (int res : route.resources) f.demands.push_back({res, bytes});
+      }
       for (sim::LinkClass c : route.links) {
         sent[static_cast<std::size_t>(src)][c] += bytes;
         sent_by[static_cast<std::size_t>(src)][coll][c] += bytes;
@@ -975,10 +1095,22 @@ void SimCluster::Impl::evaluate() {
       const int s = in.p2p_src, d = in.p2p_dst;
       flow(w(s), w(d), part(s)->bytes, arrive(s), arrive(d), 0.0, done(s), done(d));
     } else if (in.kind == CollKind::all_to_all_v) {
+      // NCCL's rounds: each member posts its messages in its schedule's order; a message waits
+      // for the peers of its kind (intra-node or remote) posted before it, on the sender's
+      // side and on the receiver's, whichever is later.
+      const sim::P2pModel& nccl = opt.cluster.node.p2p;
+      const auto bytes = [&](int s, int d) { return part(s)->bytes_to[static_cast<std::size_t>(d)]; };
+      std::vector<int> node_of(static_cast<std::size_t>(m));
+      for (int i = 0; i < m; ++i) node_of[static_cast<std::size_t>(i)] = opt.cluster.node_of(w(i));
+      const A2aPositions pos = a2a_positions(node_of, bytes);
       for (int s = 0; s < m; ++s)
         for (int d = 0; d < m; ++d) {
-          const double b = part(s)->bytes_to[static_cast<std::size_t>(d)];
-          if (b > 0) flow(w(s), w(d), b, arrive(s), arrive(d), 0.0, done(s), done(d));
+          const double b = bytes(s, d);
+          if (!(b > 0)) continue;
+          const bool remote = node_of[static_cast<std::size_t>(s)] != node_of[static_cast<std::size_t>(d)];
+          const double per_peer = remote ? nccl.net_peer_overhead : nccl.intra_peer_overhead;
+          const double extra = s == d ? 0.0 : per_peer * std::max(pos.send(s, d), pos.recv(d, s));
+          flow(w(s), w(d), b, arrive(s), arrive(d), extra, done(s), done(d), &nccl);
         }
     } else if (in.kind == CollKind::barrier) {
       // One empty task after every member's arrival, before every member's departure.
