@@ -182,7 +182,7 @@ if [ "$(echo "$took < 5" | bc)" = 1 ]; then pass "big_cluster answers in ${took}
 # A cluster figure outside its physical range (a latency of 1e308 s once passed and the
 # simulation's first task never ended: exit 1).
 mkdir -p "$work/huge_latency"
-sed 's/"launch_latency": 5e-06/"launch_latency": 1e308/' "$repo/experiments/hardware/clusters/dgx-a100x1.json" \
+sed 's/"launch_latency": 5e-06/"launch_latency": 1e308/' "$repo/experiments/hardware/clusters/pcie-a30x1.json" \
   >"$work/huge_latency/c.json"
 expect_bad huge_latency "efficiency.launch_latency = 1e+308 is outside [0, 1] s" --workload "$w" --impl fastmoe --ranks 2 \
   --backend sim --cluster "$work/huge_latency/c.json"
