@@ -810,6 +810,17 @@ Topology::Topology(const ClusterModel& m, Engine& e, const Profile* profile) : m
     sm_.push_back(e.add_resource(rank_name(r) + ".sm", 1.0));
     hbm_.push_back(e.add_resource(rank_name(r) + ".hbm", m.gpu.hbm_bw));
   }
+  // Each PCIe switch's uplink to the CPU, both directions, numbered across nodes (a PCIe node's
+  // switches, and an NVSwitch node's that declares them).
+  const auto add_pcie_switches = [&] {
+    const int switches = nd.gpus / nd.gpus_per_pcie_switch;
+    for (int n = 0; n < m.nodes; ++n)
+      for (int s = 0; s < switches; ++s) {
+        const std::string sw = "node" + std::to_string(n) + ".switch" + std::to_string(s);
+        switch_up_.push_back(e.add_resource(sw + ".up", nd.pcie_switch_uplink_bw));
+        switch_down_.push_back(e.add_resource(sw + ".down", nd.pcie_switch_uplink_bw));
+      }
+  };
   if (nd.intra == "nvswitch") {
     // A measured host-copy rate replaces the datasheet one: the link is the GPU's alone.
     const double h2d = profile && profile->h2d_bw > 0 ? profile->h2d_bw : nd.host_copy_bw;
@@ -828,26 +839,14 @@ Topology::Topology(const ClusterModel& m, Engine& e, const Profile* profile) : m
         gpu_pcie_up_.push_back(e.add_resource(rank_name(r) + ".pcie_up", nd.pcie_bw));
         gpu_pcie_down_.push_back(e.add_resource(rank_name(r) + ".pcie_down", nd.pcie_bw));
       }
-      const int switches = nd.gpus / nd.gpus_per_pcie_switch;
-      for (int n = 0; n < m.nodes; ++n)
-        for (int s = 0; s < switches; ++s) {
-          const std::string sw = "node" + std::to_string(n) + ".switch" + std::to_string(s);
-          switch_up_.push_back(e.add_resource(sw + ".up", nd.pcie_switch_uplink_bw));
-          switch_down_.push_back(e.add_resource(sw + ".down", nd.pcie_switch_uplink_bw));
-        }
+      add_pcie_switches();
     }
   } else {
     for (int r = 0; r < world; ++r) {
       link_out_.push_back(e.add_resource(rank_name(r) + ".pcie_up", nd.pcie_bw));
       link_in_.push_back(e.add_resource(rank_name(r) + ".pcie_down", nd.pcie_bw));
     }
-    const int switches = nd.gpus / nd.gpus_per_pcie_switch;
-    for (int n = 0; n < m.nodes; ++n)
-      for (int s = 0; s < switches; ++s) {
-        const std::string sw = "node" + std::to_string(n) + ".switch" + std::to_string(s);
-        switch_up_.push_back(e.add_resource(sw + ".up", nd.pcie_switch_uplink_bw));
-        switch_down_.push_back(e.add_resource(sw + ".down", nd.pcie_switch_uplink_bw));
-      }
+    add_pcie_switches();
   }
   // NICs carry only traffic between nodes, so a single node has none to register.
   if (m.nodes > 1)
