@@ -390,11 +390,26 @@ Interference parse_interference(const Fields& cluster) {
   return in;
 }
 
+// The "host" object: {"sync_latency", "issue_overhead", "source"}, seconds; absent = 0.
+HostModel parse_host(const Fields& cluster) {
+  HostModel h;
+  const json* j = cluster.find("host");
+  if (!j) return h;
+  if (!j->is_object()) cluster.wrong_type("host", *j, "an object {sync_latency, issue_overhead, source}");
+  Fields f(*j, cluster.origin(), "host.", {"sync_latency", "issue_overhead", "source"});
+  h.sync_latency = latency_or(f, "sync_latency", 0.0);
+  h.issue_overhead = latency_or(f, "issue_overhead", 0.0);
+  h.source = f.string_or("source", "");
+  if (h.modelled() && h.source.empty())
+    fail(cluster.origin(), "host.source is missing: a host time term needs its source or the sweep it belongs to");
+  return h;
+}
+
 ClusterModel parse_cluster(const json& j, const std::string& origin) {
   if (!j.is_object()) fail(origin, "expected a JSON object at the top level, got " + show(j));
   Fields f(j, origin, "",
            {"schema", "name", "description", "node", "nodes", "fabric", "fabric_latency", "efficiency",
-            "interference", "p2p", "source"});
+            "interference", "p2p", "host", "source"});
   check_schema(f, kClusterSchema, false);
   ClusterModel m;
   m.origin = origin;
@@ -405,6 +420,7 @@ ClusterModel parse_cluster(const json& j, const std::string& origin) {
   m.fabric_latency = latency_or(f, "fabric_latency", 0.0);
   m.efficiency = parse_efficiency(f);
   m.interference = parse_interference(f);
+  m.host = parse_host(f);
   m.source = f.string("source");
   m.node = resolve_node(f, f.require("node"), m.gpu);
   // A cluster's "p2p" overrides the node's figures one by one (a fabric's own NCCL tuning).
@@ -597,16 +613,21 @@ ClusterModel load_cluster(const std::string& name_or_path) {
 }
 
 nlohmann::json to_json(const ClusterModel& m) {
-  return {{"schema", kClusterSchema},
-          {"name", m.name},
-          {"description", m.description},
-          {"node", to_json(m.node, m.gpu)},
-          {"nodes", m.nodes},
-          {"fabric", m.fabric},
-          {"fabric_latency", m.fabric_latency},
-          {"efficiency", to_json(m.efficiency)},
-          {"interference", to_json(m.interference)},
-          {"source", m.source}};
+  json j = {{"schema", kClusterSchema},
+            {"name", m.name},
+            {"description", m.description},
+            {"node", to_json(m.node, m.gpu)},
+            {"nodes", m.nodes},
+            {"fabric", m.fabric},
+            {"fabric_latency", m.fabric_latency},
+            {"efficiency", to_json(m.efficiency)},
+            {"interference", to_json(m.interference)},
+            {"source", m.source}};
+  // Only a cluster that models host time names it: the default (0, 0) leaves results as they were.
+  if (m.host.modelled())
+    j["host"] = {{"sync_latency", m.host.sync_latency}, {"issue_overhead", m.host.issue_overhead},
+                 {"source", m.host.source}};
+  return j;
 }
 
 // ---- calibration profiles ----------------------------------------------------------------

@@ -127,6 +127,17 @@ struct Interference {
   void set(int victim, int aggressor, double f);  // and updates the summary
 };
 
+// The host's part of a step (docs/PERFORMANCE.md, "Host time"): the CPU thread that issues
+// every operation of a rank. No published figure gives either term for the eager PyTorch
+// stacks the papers ran; both are swept parameters, 0 (not modelled) unless a cluster file's
+// "host" object sets them.
+struct HostModel {
+  double sync_latency = 0;    // s from the end of what a host synchronisation waits for to the host's next action
+  double issue_overhead = 0;  // s of host time to issue one operation (kernel, library call, copy, collective)
+  std::string source;
+  bool modelled() const { return sync_latency > 0 || issue_overhead > 0; }
+};
+
 struct ClusterModel {
   std::string name, description, origin;
   GpuSpec gpu;
@@ -136,6 +147,7 @@ struct ClusterModel {
   double fabric_latency = 0;          // extra per-message latency across nodes, s
   Efficiency efficiency;
   Interference interference;
+  HostModel host;
   std::string source;
 
   int world_size() const { return nodes * node.gpus; }

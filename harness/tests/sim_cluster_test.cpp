@@ -465,6 +465,42 @@ TEST_F(ClusterTest, InterferenceMatrix) {
   }
 }
 
+// The "host" object (docs/PERFORMANCE.md, "Host time"): absent is 0 and leaves the cluster's
+// JSON as it was; set, it needs a source; bad values name the field.
+TEST_F(ClusterTest, HostTimeTerms) {
+  use_catalogue_copy();
+  json plain = minimal_cluster("a800-node", 1);
+  write_cluster("plain", plain);
+  const ClusterModel p = load_cluster("plain");
+  EXPECT_EQ(p.host.sync_latency, 0.0);
+  EXPECT_EQ(p.host.issue_overhead, 0.0);
+  EXPECT_FALSE(p.host.modelled());
+  EXPECT_FALSE(to_json(p).contains("host"));
+  json c = minimal_cluster("a800-node", 1);
+  c["host"] = {{"sync_latency", 2e-5}, {"issue_overhead", 5e-6}, {"source", "a sweep point"}};
+  write_cluster("c", c);
+  const ClusterModel m = load_cluster("c");
+  EXPECT_EQ(m.host.sync_latency, 2e-5);
+  EXPECT_EQ(m.host.issue_overhead, 5e-6);
+  EXPECT_EQ(to_json(m)["host"]["issue_overhead"], 5e-6);
+  json nosrc = minimal_cluster("a800-node", 1);
+  nosrc["host"] = {{"sync_latency", 1e-5}};
+  write_cluster("nosrc", nosrc);
+  EXPECT_HAS(error_of([] { (void)load_cluster("nosrc"); }), "nosrc.json: host.source is missing");
+  json neg = minimal_cluster("a800-node", 1);
+  neg["host"] = {{"issue_overhead", -1e-6}, {"source", "x"}};
+  write_cluster("neg", neg);
+  EXPECT_HAS(error_of([] { (void)load_cluster("neg"); }), "host.issue_overhead");
+  json typo = minimal_cluster("a800-node", 1);
+  typo["host"] = {{"sync_latncy", 1e-6}, {"source", "x"}};
+  write_cluster("typo", typo);
+  EXPECT_HAS(error_of([] { (void)load_cluster("typo"); }), "unknown field \"host.sync_latncy\"");
+  json wrong = minimal_cluster("a800-node", 1);
+  wrong["host"] = 5;
+  write_cluster("wrong", wrong);
+  EXPECT_HAS(error_of([] { (void)load_cluster("wrong"); }), "host");
+}
+
 TEST_F(ClusterTest, GemmSecondsFromAProfile) {
   const json pj = {{"schema", "moelab.profile/1"},
                    {"name", "tiny-a100"},

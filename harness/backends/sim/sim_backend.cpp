@@ -319,7 +319,7 @@ class SimBackendImpl final : public Backend {
   }
   void synchronize(Stream& s) override {
     auto& st = stream(s);
-    host_join({st.last});
+    host_join({st.last}, c_.opt.cluster.host.sync_latency);
     st.unsynced = false;
   }
   void synchronize() override {
@@ -328,7 +328,7 @@ class SimBackendImpl final : public Backend {
       lasts.push_back(s->last);
       s->unsynced = false;
     }
-    host_join(lasts);
+    host_join(lasts, c_.opt.cluster.host.sync_latency);
   }
 
   void upload(std::span<const float> host, Tensor& dst) override {
@@ -691,6 +691,9 @@ class SimBackendImpl final : public Backend {
   }
   int issue(Stream& s, LocalTask t) {
     auto& st = stream(s);
+    // The host issues every recorded operation in program order, each costing it
+    // issue_overhead (docs/PERFORMANCE.md, "Host time"): the operation cannot start before.
+    if (const double ho = c_.opt.cluster.host.issue_overhead; ho > 0 && t.record) host_join({}, ho);
     t.stream = st.id();
     if (st.last >= 0) t.deps.push_back(st.last);
     if (host_ >= 0) t.deps.push_back(host_);
@@ -701,9 +704,11 @@ class SimBackendImpl final : public Backend {
     st.unsynced = true;
     return st.last;
   }
-  void host_join(const std::vector<int>& on) {
+  // The host's next point: after `on` and its previous point, plus `latency` of host time.
+  void host_join(const std::vector<int>& on, double latency = 0) {
     LocalTask j;
     j.name = "host";
+    j.latency = latency;
     for (int d : on)
       if (d >= 0) j.deps.push_back(d);
     if (host_ >= 0) j.deps.push_back(host_);
