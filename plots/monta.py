@@ -58,7 +58,7 @@ def tp_of(model):
 
 def title(summary, what):
     return (f"{what}\nsimulated: {', '.join(CLUSTERS)} (2 x 8 A800, 8/4/1 NICs per node), "
-            f"{summary.get('calibration') or 'datasheet'} calibration, commit {summary.get('commit') or 'unknown'}")
+            f"{mr.calibration_words(summary.get('calibration'))}, commit {summary.get('commit') or 'unknown'}")
 
 
 def figure_exchange(summary, plt):

@@ -142,7 +142,7 @@ def main():
                     ax.text(0.01, 0.86, "\n".join(notes), transform=ax.transAxes, ha="left", va="top",
                             fontsize=7, color="#d62728")
             fig.suptitle(f"{model} ({gpus} GPUs, 64 experts, top-1) — simulated: {cluster}, "
-                         f"{s.get('calibration') or 'datasheet'} calibration, commit {commit}",
+                         f"{mr.calibration_words(s.get('calibration'))}, commit {commit}",
                          x=0.01, ha="left", fontsize=10)
             fig.tight_layout(rect=(0, 0, 1, 0.96))
             name = f"mpipemoe-{model}.png" if cluster == PAPER_CLUSTER else f"mpipemoe-{model}-{cluster}.png"

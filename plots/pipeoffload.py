@@ -65,7 +65,7 @@ def p_of(model):
 
 def title(summary, what):
     return (f"{what}\nsimulated: {', '.join(f'{k} ({v})' for k, v in CLUSTERS.items())}, "
-            f"{summary.get('calibration') or 'datasheet'} calibration, commit {summary.get('commit') or 'unknown'}")
+            f"{mr.calibration_words(summary.get('calibration'))}, commit {summary.get('commit') or 'unknown'}")
 
 
 def figure_schedules(paths, plt):

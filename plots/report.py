@@ -68,7 +68,7 @@ def mode_line(summary):
                       {r["cluster"] for r in runs if r["mode"] == "simulated"})
     if clusters:
         parts.append(f"**simulated** on the cluster models {', '.join(clusters)} with the "
-                     f"{summary.get('calibration') or 'datasheet'} calibration "
+                     f"{mr.calibration_words(summary.get('calibration'))} "
                      f"({summary.get('routing_model') or 'uniform'} routing)")
     return "; ".join(parts) or "nothing ran"
 
@@ -162,7 +162,7 @@ def suite_section(suite, summary, summary_file, results, figures_dir, report_dir
                 out.append(f"{head} not run: {r['skipped'].replace('|', '/')} | | | | | | | |")
                 continue
             f = r["results"]
-            dev = r["device"] if r["mode"] == "measured" else f"{r.get('calibration') or 'datasheet'} calibration"
+            dev = r["device"] if r["mode"] == "measured" else mr.calibration_words(r.get('calibration'))
             pct = (lambda k: f"{100 * f[k]:.0f}%" if k in f else "-")
             out.append(f"{head} {r['mode']} ({dev}) | {ms(f['step_time_s'])} | {100 * f['overlap_ratio']:.0f}% | "
                        f"{pct('all_to_all_share')} | {pct('all_to_all_overlap')} | {ms(f['exposed_comm_s'])} | "
@@ -180,7 +180,7 @@ def suite_section(suite, summary, summary_file, results, figures_dir, report_dir
                            f"not run: {r['skipped'].replace('|', '/')} | | | | | |")
                 continue
             f = r["results"]
-            dev = r["device"] if r["mode"] == "measured" else f"{r.get('calibration') or 'datasheet'} calibration"
+            dev = r["device"] if r["mode"] == "measured" else mr.calibration_words(r.get('calibration'))
             out.append(f"| {r['id']} | {r['workload']} | {r['impl']} | {r['backend']} | {where_of(r)} | "
                        f"{r['mode']} ({dev}) | {ms(f['step_time_s'])} | {100 * f['overlap_ratio']:.0f}% | "
                        f"{ms(f['exposed_comm_s'])} | {mib(f['peak_memory_bytes'])} | "

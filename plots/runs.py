@@ -45,7 +45,7 @@ def main():
     panels = {}
     for r in runs:
         if r["mode"] == "simulated":
-            key = f"simulated: {r['cluster']}, {r.get('calibration') or 'datasheet'} calibration"
+            key = f"simulated: {r['cluster']}, {mr.calibration_words(r.get('calibration'))}"
         else:
             key = f"measured: {r['backend']} backend, {r['device']}"
         key += f" — workload {r['workload']}"

@@ -67,7 +67,7 @@ def provenance(summary, runs):
     meas = sorted({r.get("device", "?") for r in done if r.get("mode") == "measured"})
     parts = []
     if sim:
-        parts.append(f"simulated: {', '.join(sim)}, {summary.get('calibration') or 'datasheet'} calibration")
+        parts.append(f"simulated: {', '.join(sim)}, {mr.calibration_words(summary.get('calibration'))}")
     if meas:
         parts.append(f"measured: {', '.join(meas)}")
     return "; ".join(parts or ["nothing ran"]) + f", commit {summary.get('commit') or 'unknown'}"

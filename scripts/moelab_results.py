@@ -1289,3 +1289,13 @@ def device_class(device):
 
 def slug(text):
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def calibration_words(cal):
+    """How a simulated result was priced, in words: a result's "calibration" is the name of the
+    measured profile it used, or "datasheet" when none; without a profile the cluster file's
+    own models price it (datasheet figures, or a GEMM calibration fitted to published and our
+    measurements: experiments/hardware/calibration/)."""
+    if not cal or cal == "datasheet":
+        return "cluster-file models, no measured profile"
+    return f"measured profile {cal}"

@@ -486,8 +486,11 @@ json to_json(const NodeSpec& n, const GpuSpec& g) {
 json to_json(const Efficiency& e) {
   json j = json::object();
   if (e.calibration) {
-    // The calibration's own file: the path resolves wherever the JSON is read.
-    j["calibration"] = e.calibration->origin;
+    // A catalogue calibration by its name (it resolves in any checkout, and a result file
+    // holds no path of the machine that wrote it); one given by path, by its path.
+    const std::string& ref = e.calibration_ref;
+    const bool is_name = !ref.empty() && ref.find('/') == std::string::npos && !ref.ends_with(".json");
+    j["calibration"] = is_name ? ref : e.calibration->origin;
   } else {
     j["gemm_max"] = e.gemm_max;
     j["gemm_half_dim"] = e.gemm_half_dim;

@@ -189,6 +189,8 @@ TEST_F(ClusterTest, ToJsonRoundTrips) {
     const std::string path = write(name + ".json", j);
     EXPECT_EQ(to_json(load_cluster(path)), j);
   }
+  // A catalogue GEMM calibration is recorded by name, never by this machine's path.
+  EXPECT_EQ(to_json(load_cluster("dgx-a100x8"))["efficiency"]["calibration"], "a100-sxm4");
 }
 
 // ---- routes --------------------------------------------------------------------------------

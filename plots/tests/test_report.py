@@ -52,7 +52,7 @@ class Report(unittest.TestCase):
         self.assertIn("**bars** (simulated). Bars of the fake suite.", text)
         # measured and simulated said where they apply; the skipped run is named
         self.assertIn("**measured** on cpu backend, AMD EPYC (2 threads, OpenBLAS)", text)
-        self.assertIn("**simulated** on the cluster models dgx-a100x1, dgx-a100x8 with the datasheet calibration", text)
+        self.assertIn("**simulated** on the cluster models dgx-a100x1, dgx-a100x8 with the cluster-file models, no measured profile", text)
         self.assertIn("| cpu | tiny | Base | cpu | 4 ranks | measured (AMD EPYC (2 threads, OpenBLAS)) | 30.000 |", text)
         self.assertIn("not run: no CUDA device here", text)
         self.assertIn("| skipped | run gpu (1): no CUDA device here |", text)
@@ -85,7 +85,7 @@ class Report(unittest.TestCase):
             text = f.read()
         self.assertIn("### Whole-model runs", text)
         self.assertIn('| sc | tiny-moe with `{"scmoe":{"position":"pos3"}}` | all | Sc-Pos3 | training | pcie-a30x1 '
-                      '(8 GPUs) | simulated (datasheet calibration) | 8.000 | 10% | 50% | 80% |', text)
+                      '(8 GPUs) | simulated (cluster-file models, no measured profile) | 8.000 | 10% | 50% | 80% |', text)
         self.assertIn("| r | tiny-moe | all | top2 | inference | pcie-a30x1 (? GPUs) | not run: no --inference |", text)
         # the claim on runs: which runs, and the points used; one system's range
         self.assertIn("| fakemodels | 1.3x faster than top-2 | Fake et al., abstract | 1.30x | 1.25x | runs "
