@@ -5,7 +5,7 @@ terms switched on one after another, the baselines as published, host time swept
 paper's figures.
 
     /usr/bin/python3 plots/mpipemoe_gap.py [--data results/simulated/mpipemoe/gap-decomposition.json]
-        [--out impls/mpipemoe/gap-decomposition.png]
+        [--out results/figures/mpipemoe-gap-decomposition.png]
 """
 import argparse
 import json
@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default=os.path.join(ROOT, "results", "simulated", "mpipemoe", "gap-decomposition.json"))
-    ap.add_argument("--out", default=os.path.join(ROOT, "impls", "mpipemoe", "gap-decomposition.png"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "results", "figures", "mpipemoe-gap-decomposition.png"))
     a = ap.parse_args()
     with open(a.data) as f:
         d = json.load(f)

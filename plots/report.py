@@ -192,11 +192,15 @@ def suite_section(suite, summary, summary_file, results, figures_dir, report_dir
             for l in p["results"]:
                 if l not in labels:
                     labels.append(l)
+        first = labels[0]
         out += ["### Grid points (simulated)", "", "<details><summary>step time (ms) of every implementation, "
                 f"partitions chosen, speed-ups and memory savings: {len(s['points'])} points</summary>", "",
+                f"{first} comm/comp: its all-to-all time (the union of its intervals) over its compute stream's busy "
+                f"time; bound: (comm + comp) / max(comm, comp), the most any overlap of the two can gain over "
+                f"{first}'s serial step.", "",
                 "| cluster | model | dtype | tokens per GPU | tokens per rank | " + " | ".join(labels) +
-                " | speed-up | memory saving |",
-                "|---|---|---|---|---|" + "---|" * len(labels) + "---|---|"]
+                f" | {first} comm/comp | bound | speed-up | memory saving |",
+                "|---|---|---|---|---|" + "---|" * len(labels) + "---|---|---|---|"]
         for p in s["points"]:
             cells = []
             for l in labels:
@@ -205,11 +209,64 @@ def suite_section(suite, summary, summary_file, results, figures_dir, report_dir
                     cells.append("out of memory" if l in p.get("out_of_memory", {}) else "-")
                     continue
                 cells.append(ms(f["step_time_s"]) + (f" (n={f['partitions']})" if "partitions" in f else ""))
+            b = p["results"].get(first) or {}
+            comm, comp = b.get("comm_s"), b.get("compute_busy_s")
+            if comm and comp:
+                cells += [f"{comm / comp:.2f}", f"{(comm + comp) / max(comm, comp):.2f}x"]
+            else:
+                cells += ["-", "-"]
             sp = ", ".join(f"{k.replace('_vs_', '/')} {v:.2f}x" for k, v in p["speedup"].items())
             msv = ", ".join(f"{k.replace('_vs_', '/')} {100 * v:+.0f}%" for k, v in p["memory_saving"].items())
             out.append(f"| {p['cluster']} | {p['model']} | {p['dtype']} | {p.get('tokens_per_gpu', '')} | "
                        f"{p['tokens_per_rank']} | " + " | ".join(cells) + f" | {sp} | {msv} |")
         out += ["", "</details>", ""]
+    out += gap_section(os.path.join(os.path.dirname(summary_file), "gap-decomposition.json"), report_dir)
+    return out
+
+
+def gap_section(path, report_dir):
+    """scripts/gap_decomposition.py's stages, where a suite has them: PipeMoE's speed-up with the
+    cluster model's terms added one by one, then the baselines as published, then host time."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        g = json.load(f)
+    out = ["### Where the gap goes (simulated)", "",
+           f"`scripts/gap_decomposition.py` on {g['cluster']} (moelab {', '.join(c[:12] for c in g['commit'])}, "
+           f"{g['date']}; {link(path, report_dir, 'data')}): each stage adds one term to the one before; PipeMoE is "
+           f"the fastest of n = {', '.join(map(str, g['pipemoe_partitions']))} partitions. Host-time stages are "
+           "points of a sweep of swept parameters, not estimates. Step times in ms.", ""]
+    papers = "; ".join(f"{v['text']} ({v['value']:g}x)" for v in g.get("paper", {}).values())
+    if papers:
+        out += [f"The paper: {papers}.", ""]
+    for pt in g["points"]:
+        out += [f"**{pt['workload']}**", "",
+                "| stage | what changes | FastMoE | FasterMoE | PipeMoE (n) | PipeMoE / FastMoE | PipeMoE / FasterMoE |",
+                "|---|---|---|---|---|---|---|"]
+        for r in pt["stages"]:
+            st = r["step_s"]
+            out.append(f"| {r['label']} | {r['changes'].replace('|', '/')} | {ms(st['FastMoE'])} | "
+                       f"{ms(st['FasterMoE'])} | {ms(st['PipeMoE'])} ({r['pipemoe_n']}) | "
+                       f"{r['speedup']['vs_FastMoE']:.2f}x | {r['speedup']['vs_FasterMoE']:.2f}x |")
+        out.append("")
+        be = pt.get("break_even") or {}
+        if be:
+            out += ["What host time alone would have to cost for PipeMoE to reach the paper's figure over the "
+                    "as-published baseline (a straight line through the sweep's points of one term, the other at 0):",
+                    "", "| host term | paper figure | baseline | value needed | times the baseline's step pays it | "
+                    "times PipeMoE's step pays it |",
+                    "|---|---|---|---|---|---|"]
+            names = {"sync_latency": "latency per host synchronisation",
+                     "issue_overhead": "host time per issued operation"}
+            for term, res in be.items():
+                for cid, v in res.items():
+                    if not isinstance(v, dict):
+                        continue
+                    need = ("never: the term slows PipeMoE at least as fast" if v["value_s"] is None
+                            else f"{v['value_s'] * 1e6:.0f} µs")
+                    out.append(f"| {names.get(term, term)} | {v['paper']:g}x ({cid}) | {v['baseline']} | {need} | "
+                               f"{v['baseline_s_per_unit']:.1f} | {v['pipemoe_s_per_unit']:.1f} |")
+            out.append("")
     return out
 
 

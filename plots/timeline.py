@@ -40,7 +40,10 @@ def provenance_title(title, path):
     trace = load_trace(path)
     other = trace.get("otherData", {}) if isinstance(trace, dict) else {}
     for k in ("mode", "backend", "device", "cluster", "calibration", "commit", "date", "workload", "impl"):
-        title = title.replace("{" + k + "}", str(other.get(k) if other.get(k) is not None else "unknown"))
+        v = other.get(k)
+        if k == "calibration" and other.get("mode") == "simulated":
+            v = mr.calibration_words(v)
+        title = title.replace("{" + k + "}", str(v if v is not None else "unknown"))
     return title
 
 

@@ -117,13 +117,64 @@ def run_one(moelab, workload, impl, options, cluster, tmp):
             "host_waits": len(r.get("impl_report", {}).get("host_waits", []) or [])}
 
 
+def fit_line(xs, ys):
+    """Least-squares y = a + b·x."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    return my - b * mx, b
+
+
+def break_even(stages, paper):
+    """Per host term, the value at which PipeMoE's speed-up over each as-published baseline would
+    reach the paper's figure, by a straight line through the sweep's points with the other term
+    at 0 (the +published stage is the term's 0): baseline(x) = r·PipeMoE(x) solved for x; None
+    when the lines never meet at x > 0 (the term slows PipeMoE at least r times as fast)."""
+    out = {}
+    pub = next(r for r in stages if r["id"] == "published")
+    for term, other in (("sync_latency", "issue_overhead"), ("issue_overhead", "sync_latency")):
+        pts = [(0.0, pub)] + [(r["host"][term], r) for r in stages
+                              if r["host"] and r["host"][other] == 0 and r["host"][term] > 0]
+        if len(pts) < 2:
+            continue
+        xs = [x for x, _ in pts]
+        pa, pb = fit_line(xs, [r["step_s"]["PipeMoE"] for _, r in pts])
+        res = {"points_s": xs}
+        for base, cid in (("FastMoE", "pipemoe-speedup-vs-fastmoe-max"), ("FasterMoE", "pipemoe-speedup-vs-fastermoe-mean"),
+                          ("FasterMoE", "pipemoe-speedup-vs-fastermoe-max")):
+            if cid not in paper:
+                continue
+            r_ = paper[cid]["value"]
+            ba, bb = fit_line(xs, [r["step_s"][base] for _, r in pts])
+            den = bb - r_ * pb
+            x = (r_ * pa - ba) / den if den > 0 else None
+            res[cid] = {"baseline": base + " (as published)", "paper": r_,
+                        "baseline_s_per_unit": bb, "pipemoe_s_per_unit": pb,
+                        "value_s": x if x is None or x > 0 else 0.0}
+        out[term] = res
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--moelab", default=os.path.join(ROOT, "build", "harness", "moelab"))
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--points", default="XL-2K,XL-16K", help="comma-separated: " + ", ".join(POINTS))
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "simulated", "mpipemoe", "gap-decomposition.json"))
+    ap.add_argument("--derive", metavar="FILE", help="recompute the derived fields (break_even) of an existing "
+                    "output file in place, without running anything")
     a = ap.parse_args()
+    if a.derive:
+        d = load(a.derive)
+        for pt in d["points"]:
+            pt["break_even"] = break_even(pt["stages"], d["paper"])
+        with open(a.derive + ".tmp", "w") as f:
+            json.dump(d, f, indent=1)
+            f.write("\n")
+        os.replace(a.derive + ".tmp", a.derive)
+        print(f"gap_decomposition.py: derived fields of {a.derive} recomputed")
+        return
     if not os.access(a.moelab, os.X_OK):
         sys.exit(f"gap_decomposition.py: no moelab binary at {a.moelab}: build it or pass --moelab PATH")
     points = [p.strip() for p in a.points.split(",") if p.strip()]
@@ -202,7 +253,8 @@ def main():
                          "step_s": step, "pipemoe_n": best, "pipemoe_step_by_n": {str(n): v for n, v in pipe.items()},
                          "speedup": {"vs_FastMoE": step["FastMoE"] / step["PipeMoE"],
                                      "vs_FasterMoE": step["FasterMoE"] / step["PipeMoE"]}})
-        out["points"].append({"point": p, "workload": POINTS[p], "stages": rows})
+        out["points"].append({"point": p, "workload": POINTS[p], "stages": rows,
+                              "break_even": break_even(rows, paper)})
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     tmp_out = a.out + ".tmp"
     with open(tmp_out, "w") as f:
