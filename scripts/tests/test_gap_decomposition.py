@@ -24,6 +24,7 @@ PAPER = {"pipemoe-speedup-vs-fastmoe-max": {"value": 3.7, "text": "t", "source":
 def stage(sid, host, fast, faster, pipe):
     return {"id": sid, "label": sid, "changes": "c", "as_published": host is not None or sid == "published",
             "host": host, "step_s": {"FastMoE": fast, "FasterMoE": faster, "PipeMoE": pipe}, "pipemoe_n": 4,
+            "comm_s": {"FastMoE": 4e-3, "FasterMoE": 5e-3, "PipeMoE": 4e-3},
             "speedup": {"vs_FastMoE": fast / pipe, "vs_FasterMoE": faster / pipe}}
 
 
@@ -49,6 +50,12 @@ class BreakEven(unittest.TestCase):
             self.assertAlmostEqual(v["pipemoe_s_per_unit"], 2, places=9)
             # FasterMoE: 12e-3 + 30x = 2.26 (5e-3 + 2x) at x = (11.3e-3 - 12e-3) / (30 - 4.52) < 0: reached at 0.
             self.assertEqual(be[term]["pipemoe-speedup-vs-fastermoe-mean"]["value_s"], 0.0)
+        # The all-to-all: 10e-3 - 4e-3 + k·4e-3 = 3.7·5e-3 at k = 12.5e-3 / 4e-3; FasterMoE's already reached: 1.
+        a2a = be["all_to_all_factor"]
+        self.assertAlmostEqual(a2a["pipemoe-speedup-vs-fastmoe-max"]["factor"], 12.5 / 4, places=12)
+        self.assertFalse(a2a["pipemoe-speedup-vs-fastmoe-max"]["lower_bound"])
+        self.assertEqual(a2a["pipemoe-speedup-vs-fastermoe-mean"]["factor"], 1.0)
+        self.assertTrue(a2a["pipemoe-speedup-vs-fastermoe-mean"]["lower_bound"])
         # The combined point (both terms set) is not on either line and is left out.
         self.assertEqual(be["sync_latency"]["points_s"], [0.0, 10 * US, 50 * US])
 
@@ -70,6 +77,7 @@ class BreakEven(unittest.TestCase):
         self.assertIn("### Where the gap goes (simulated)", text)
         self.assertIn("| published | c | 10.000 | 12.000 | 5.000 (4) | 2.00x | 2.40x |", text)
         self.assertIn(f"| {8.5e-3 / 12.6 * 1e6:.0f} µs |", text)
+        self.assertIn("all-to-all time (4.000 ms) would have to be 3.1x longer, none of it hidden", text)
         self.assertEqual(report.gap_section(os.path.join(tmp, "absent.json"), tmp), [])
 
     def test_derive_rewrites_in_place(self):
