@@ -56,10 +56,11 @@ def main():
         ax.set_xticks(x)
         ax.set_xticklabels([s["label"] for s in st], rotation=60, ha="right", fontsize=7.5)
         ax.set_title(f"{pt['workload']} on {d['cluster']}\n"
-                     "(white: cluster model terms; tan: baselines as published; blue: host time swept)", fontsize=8.5)
+                     "(white: cluster model terms; tan: baselines as published; blue: host time, swept)", fontsize=8.5)
         ax.set_ylabel("PipeMoE speed-up (step time ratio)")
         ax.legend(fontsize=7, loc="upper left")
-    fig.suptitle(f"Where the gap goes: each stage adds one model term to the one before (simulated, "
+    fig.suptitle(f"Where the gap goes: each white or tan stage adds one term to the one before; the blue ones are points "
+                 f"of the host-time sweep on the tan stage (simulated, "
                  f"moelab {', '.join(c[:12] for c in d['commit'])}); best of n = "
                  f"{', '.join(map(str, d['pipemoe_partitions']))} partitions", fontsize=9)
     fig.tight_layout()
