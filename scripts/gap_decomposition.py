@@ -181,9 +181,19 @@ def main():
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--points", default="XL-2K,XL-16K", help="comma-separated: " + ", ".join(POINTS))
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "simulated", "mpipemoe", "gap-decomposition.json"))
+    ap.add_argument("--write-clusters", metavar="DIR", help="write the model stages' cluster files to DIR and exit "
+                    "(to rerun any point on a stage: moelab run ... --cluster DIR/<stage>.json)")
     ap.add_argument("--derive", metavar="FILE", help="recompute the derived fields (break_even) of an existing "
                     "output file in place, without running anything")
     a = ap.parse_args()
+    if a.write_clusters:
+        os.makedirs(a.write_clusters, exist_ok=True)
+        for sid, _, _, cj in model_stages():
+            if cj is not None:
+                with open(os.path.join(a.write_clusters, sid + ".json"), "w") as f:
+                    json.dump(cj, f, indent=1)
+                print(f"wrote {os.path.join(a.write_clusters, sid + '.json')}")
+        return
     if a.derive:
         d = load(a.derive)
         for pt in d["points"]:
