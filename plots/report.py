@@ -192,7 +192,7 @@ def suite_section(suite, summary, summary_file, results, figures_dir, report_dir
             for l in p["results"]:
                 if l not in labels:
                     labels.append(l)
-        first = labels[0]
+        first = labels[0] if labels else "the first implementation"
         out += ["### Grid points (simulated)", "", "<details><summary>step time (ms) of every implementation, "
                 f"partitions chosen, speed-ups and memory savings: {len(s['points'])} points</summary>", "",
                 f"{first} comm/comp: its all-to-all time (the union of its intervals) over its compute stream's busy "
@@ -209,7 +209,7 @@ def suite_section(suite, summary, summary_file, results, figures_dir, report_dir
                     cells.append("out of memory" if l in p.get("out_of_memory", {}) else "-")
                     continue
                 cells.append(ms(f["step_time_s"]) + (f" (n={f['partitions']})" if "partitions" in f else ""))
-            b = p["results"].get(first) or {}
+            b = p["results"].get(first) or {}  # (none when no point has a result)
             comm, comp = b.get("comm_s"), b.get("compute_busy_s")
             if comm and comp:
                 cells += [f"{comm / comp:.2f}", f"{(comm + comp) / max(comm, comp):.2f}x"]

@@ -640,6 +640,8 @@ def _check_figures(c, fig, where, full):
         c.number(fig, k, where, required=full, minimum=0)
     for k in ("all_to_all_share", "all_to_all_overlap"):  # whole-model runs (run_suite.py model_figures)
         c.number(fig, k, where, required=False, minimum=0)
+    for k in ("comm_s", "compute_busy_s"):  # the report's comm/comp and overlap bound per grid point
+        c.number(fig, k, where, required=False, minimum=0)
     c.numbers_map(fig, "phases_s", where, required=full)  # plots/runs.py stacks them
 
 
