@@ -3,8 +3,8 @@
 # (experiments/*/suite.json), ScMoE's quality comparison, the micro-benchmarks, the figures and
 # the report, and finish with the table of paper claims against ours.
 #
-#   scripts/reproduce.sh                    # everything this machine can run (~23 min on 2 cores)
-#   scripts/reproduce.sh --quick            # each suite's reduced subset (~4 min)
+#   scripts/reproduce.sh                    # everything this machine can run (over an hour on 2 cores)
+#   scripts/reproduce.sh --quick            # each suite's reduced subset (~2 min)
 #   scripts/reproduce.sh --suite mpipemoe   # one suite (repeatable)
 #   scripts/reproduce.sh --out DIR          # results, figures and RESULTS.md under DIR, not results/
 #   scripts/reproduce.sh --update-baseline  # accept simulated results that differ from the committed ones
@@ -12,7 +12,7 @@
 #   scripts/reproduce.sh --jobs N           # simulated runs N at a time (default: the core count)
 #
 # What runs where (each suite says which of its runs go where):
-#   sim backend   always: the paper clusters (experiments/hardware/clusters), datasheet calibration
+#   sim backend   always: the paper clusters (experiments/hardware/clusters) with their files' models
 #   cpu backend   always; several ranks with mpirun --oversubscribe
 #   cuda backend  when `moelab list` reports a CUDA device; otherwise listed as skipped
 #   a real cluster: runs whose "ranks" is "hostfile" get one rank per slot of FILE, launched
