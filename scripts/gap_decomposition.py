@@ -6,7 +6,8 @@ host time swept (docs/PERFORMANCE.md, "Host time"; impls/mpipemoe/README.md, "Wh
 goes").
 
     /usr/bin/python3 scripts/gap_decomposition.py [--moelab build/harness/moelab] [--jobs 2]
-        [--out results/simulated/mpipemoe/gap-decomposition.json] [--points XL-2K,XL-16K]
+        [--out results/simulated/mpipemoe/gap-decomposition.json] [--points XL-2K,XL-16K,S-2K]
+        [--add-to FILE] [--write-clusters DIR] [--derive FILE]
 
 Stages, cumulative (each a cluster file written to a temporary folder from the catalogue's
 dgx-a100x8 and the node file; the last model stage is the catalogue cluster itself):
@@ -179,8 +180,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--moelab", default=os.path.join(ROOT, "build", "harness", "moelab"))
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--points", default="XL-2K,XL-16K", help="comma-separated: " + ", ".join(POINTS))
+    ap.add_argument("--points", default="XL-2K,XL-16K,S-2K", help="comma-separated: " + ", ".join(POINTS))
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "simulated", "mpipemoe", "gap-decomposition.json"))
+    ap.add_argument("--add-to", metavar="FILE", help="merge the points run now into FILE (an earlier output of the "
+                    "same moelab binary), replacing points of the same name, and write FILE")
     ap.add_argument("--write-clusters", metavar="DIR", help="write the model stages' cluster files to DIR and exit "
                     "(to rerun any point on a stage: moelab run ... --cluster DIR/<stage>.json)")
     ap.add_argument("--derive", metavar="FILE", help="recompute the derived fields (break_even) of an existing "
@@ -286,6 +289,18 @@ def main():
                                      "vs_FasterMoE": step["FasterMoE"] / step["PipeMoE"]}})
         out["points"].append({"point": p, "workload": POINTS[p], "stages": rows,
                               "break_even": break_even(rows, paper)})
+    if a.add_to:
+        old = load(a.add_to)
+        if old.get("commit") != out["commit"] or old.get("cluster") != out["cluster"]:
+            sys.exit(f"gap_decomposition.py: --add-to {a.add_to}: written by moelab {old.get('commit')} on "
+                     f"{old.get('cluster')}, these runs by {out['commit']} on {out['cluster']}: rerun every point instead")
+        names = [p["point"] for p in out["points"]]
+        merged = [p for p in old["points"] if p["point"] not in names] + out["points"]
+        order = list(POINTS)
+        merged.sort(key=lambda p: order.index(p["point"]) if p["point"] in order else len(order))
+        out["points"] = merged
+        out["command"] = "scripts/gap_decomposition.py --points " + ",".join(p["point"] for p in merged)
+        a.out = a.add_to
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     tmp_out = a.out + ".tmp"
     with open(tmp_out, "w") as f:
