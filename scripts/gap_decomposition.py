@@ -68,8 +68,9 @@ def model_stages():
     p2p = node.pop("p2p")
     for k in ("gpus_per_pcie_switch", "pcie_bw", "pcie_switch_uplink_bw"):
         node.pop(k)
-    datasheet_eff = {"gemm_max": 0.8, "gemm_half_dim": 128, "launch_latency": 5e-6, "mem": cat["efficiency"]["mem"],
-                     "source": "the datasheet curve of earlier versions (docs/PERFORMANCE.md, 'Time of an op')"}
+    # No curve named: the loader's defaults, the datasheet curve of docs/PERFORMANCE.md ("Time of an op").
+    datasheet_eff = {"mem": cat["efficiency"]["mem"],
+                     "source": "the datasheet curve (the cluster loader's defaults, docs/PERFORMANCE.md 'Time of an op')"}
     single = {"sigma": 0.9, "mu": 0.9, "eta": 0.9, "source": "the single factor of earlier versions (an assumption)"}
     base = {"schema": cat["schema"], "nodes": cat["nodes"], "fabric": cat["fabric"],
             "fabric_latency": cat["fabric_latency"], "source": "scripts/gap_decomposition.py: a stage of "
@@ -174,6 +175,20 @@ def break_even(stages, paper):
     if res:
         out["all_to_all_factor"] = res
     return out
+
+
+def merge(old, new):
+    """new's points added to old's (a point of the same name replaced), in POINTS order; both must
+    come from the same moelab binaries on the same cluster (ValueError otherwise)."""
+    if old.get("commit") != new["commit"] or old.get("cluster") != new["cluster"]:
+        raise ValueError(f"written by moelab {old.get('commit')} on {old.get('cluster')}, these runs by "
+                         f"{new['commit']} on {new['cluster']}: rerun every point instead")
+    names = [p["point"] for p in new["points"]]
+    order = list(POINTS)
+    points = [p for p in old["points"] if p["point"] not in names] + new["points"]
+    points.sort(key=lambda p: order.index(p["point"]) if p["point"] in order else len(order))
+    return {**new, "points": points,
+            "command": "scripts/gap_decomposition.py --points " + ",".join(p["point"] for p in points)}
 
 
 def main():
@@ -290,16 +305,10 @@ def main():
         out["points"].append({"point": p, "workload": POINTS[p], "stages": rows,
                               "break_even": break_even(rows, paper)})
     if a.add_to:
-        old = load(a.add_to)
-        if old.get("commit") != out["commit"] or old.get("cluster") != out["cluster"]:
-            sys.exit(f"gap_decomposition.py: --add-to {a.add_to}: written by moelab {old.get('commit')} on "
-                     f"{old.get('cluster')}, these runs by {out['commit']} on {out['cluster']}: rerun every point instead")
-        names = [p["point"] for p in out["points"]]
-        merged = [p for p in old["points"] if p["point"] not in names] + out["points"]
-        order = list(POINTS)
-        merged.sort(key=lambda p: order.index(p["point"]) if p["point"] in order else len(order))
-        out["points"] = merged
-        out["command"] = "scripts/gap_decomposition.py --points " + ",".join(p["point"] for p in merged)
+        try:
+            out = merge(load(a.add_to), out)
+        except ValueError as e:
+            sys.exit(f"gap_decomposition.py: --add-to {a.add_to}: {e}")
         a.out = a.add_to
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     tmp_out = a.out + ".tmp"

@@ -37,6 +37,12 @@ using json_fields::show;
 
 namespace {
 
+// A catalogue reference is a name ("dgx-a100x8", "a100-sxm4"); one with a '/' or ending in
+// ".json" is a path (load_cluster, load_gemm_calibration, and to_json writing one back).
+bool is_path_ref(const std::string& ref) {
+  return ref.find('/') != std::string::npos || (ref.size() > 5 && ref.ends_with(".json"));
+}
+
 constexpr const char* kGpusSchema = "moelab.gpus/1";
 constexpr const char* kNodesSchema = "moelab.nodes/1";
 constexpr const char* kClusterSchema = "moelab.cluster/1";
@@ -489,8 +495,7 @@ json to_json(const Efficiency& e) {
     // A catalogue calibration by its name (it resolves in any checkout, and a result file
     // holds no path of the machine that wrote it); one given by path, by its path.
     const std::string& ref = e.calibration_ref;
-    const bool is_name = !ref.empty() && ref.find('/') == std::string::npos && !ref.ends_with(".json");
-    j["calibration"] = is_name ? ref : e.calibration->origin;
+    j["calibration"] = !ref.empty() && !is_path_ref(ref) ? ref : e.calibration->origin;
   } else {
     j["gemm_max"] = e.gemm_max;
     j["gemm_half_dim"] = e.gemm_half_dim;
@@ -536,8 +541,7 @@ const GemmCurve& GemmCalibration::curve(DType t, bool on_tf32) const {
 }
 
 GemmCalibration load_gemm_calibration(const std::string& name_or_path) {
-  const bool is_path = name_or_path.find('/') != std::string::npos ||
-                       (name_or_path.size() > 5 && name_or_path.ends_with(".json"));
+  const bool is_path = is_path_ref(name_or_path);
   std::string path = name_or_path;
   if (!is_path) {
     const fs::path dir = calibration_dir();
@@ -595,8 +599,7 @@ std::vector<std::string> cluster_names() {
 
 // A name has no '/' and no ".json"; anything else is a path.
 ClusterModel load_cluster(const std::string& name_or_path) {
-  const bool is_path = name_or_path.find('/') != std::string::npos ||
-                       (name_or_path.size() > 5 && name_or_path.ends_with(".json"));
+  const bool is_path = is_path_ref(name_or_path);
   std::string path = name_or_path;
   if (!is_path) {
     const fs::path dir = fs::path(hardware_dir()) / "clusters";

@@ -13,34 +13,14 @@
 
 #include "harness/backends/sim/sim_backend.hpp"
 #include "harness/runtime/error.hpp"
+#include "harness/tests/sim_test_util.hpp"
 #include "harness/tests/test_util.hpp"
 
 namespace moelab {
 namespace {
 
-// `nodes` nodes of `gpus` GPUs on an NVSwitch, one NIC per GPU, with NCCL's p2p terms p.
-sim::ClusterModel nccl_cluster(int gpus, int nodes, const sim::P2pModel& p) {
-  sim::ClusterModel m;
-  m.name = "nccl-toy";
-  m.gpu = {"toy-gpu", 100e12, 50e12, 20e12, 80e9, 2e12, "test"};
-  m.node.name = "toy-node";
-  m.node.gpu = "toy-gpu";
-  m.node.gpus = gpus;
-  m.node.intra = "nvswitch";
-  m.node.nvlink_bw = 300e9;
-  m.node.nvlink_latency = 3e-6;
-  m.node.pcie_latency = 3e-6;
-  m.node.nics = nodes > 1 ? gpus : 0;
-  m.node.nic_bw = 25e9;
-  m.node.nic_latency = 5e-6;
-  m.node.host_memory_bytes = 1e12;
-  m.node.host_copy_bw = 24e9;
-  m.node.p2p = p;
-  m.nodes = nodes;
-  m.fabric_latency = 0.5e-6;
-  m.efficiency.launch_latency = 0;
-  return m;
-}
+// The toy cluster (harness/tests/sim_test_util.hpp) with NCCL's p2p terms p.
+sim::ClusterModel nccl_cluster(int gpus, int nodes, const sim::P2pModel& p) { return test::toy_cluster(gpus, nodes, p); }
 
 // NCCL's A100 figures (experiments/hardware/nodes.json, dgx-a100-40gb).
 sim::P2pModel a100_p2p() {

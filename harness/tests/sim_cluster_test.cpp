@@ -500,7 +500,7 @@ TEST_F(ClusterTest, HostTimeTerms) {
   json wrong = minimal_cluster("a800-node", 1);
   wrong["host"] = 5;
   write_cluster("wrong", wrong);
-  EXPECT_HAS(error_of([] { (void)load_cluster("wrong"); }), "host");
+  EXPECT_HAS(error_of([] { (void)load_cluster("wrong"); }), "wrong.json: host: expected an object");
 }
 
 TEST_F(ClusterTest, GemmSecondsFromAProfile) {

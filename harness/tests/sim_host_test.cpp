@@ -10,26 +10,15 @@
 #include <vector>
 
 #include "harness/backends/sim/sim_backend.hpp"
+#include "harness/tests/sim_test_util.hpp"
 
 namespace moelab {
 namespace {
 
-// One toy GPU with no launch latency, so that a GEMM's time is its work alone.
+// One toy GPU (harness/tests/sim_test_util.hpp: no launch latency, so that a GEMM's time is
+// its work alone) with the host terms under test.
 sim::ClusterModel one_gpu(double sync_latency, double issue_overhead) {
-  sim::ClusterModel m;
-  m.name = "host-toy";
-  m.gpu = {"toy-gpu", 100e12, 50e12, 20e12, 80e9, 2e12, "test"};
-  m.node.name = "toy-node";
-  m.node.gpu = "toy-gpu";
-  m.node.gpus = 1;
-  m.node.intra = "nvswitch";
-  m.node.nvlink_bw = 300e9;
-  m.node.nvlink_latency = 3e-6;
-  m.node.pcie_latency = 3e-6;
-  m.node.host_memory_bytes = 1e12;
-  m.node.host_copy_bw = 24e9;
-  m.nodes = 1;
-  m.efficiency.launch_latency = 0;
+  sim::ClusterModel m = test::toy_cluster(1, 1);
   m.host.sync_latency = sync_latency;
   m.host.issue_overhead = issue_overhead;
   m.host.source = "test";

@@ -80,6 +80,28 @@ class BreakEven(unittest.TestCase):
         self.assertIn("all-to-all time (4.000 ms) would have to be 3.1x longer, none of it hidden", text)
         self.assertEqual(report.gap_section(os.path.join(tmp, "absent.json"), tmp), [])
 
+    def test_merge_adds_points_in_order_and_refuses_other_binaries(self):
+        old = {"commit": ["abc"], "cluster": "dgx-a100x8", "points": [{"point": "XL-16K", "v": 1}, {"point": "S-2K", "v": 1}]}
+        new = {"commit": ["abc"], "cluster": "dgx-a100x8", "date": "d2", "points": [{"point": "XL-2K", "v": 2},
+                                                                                 {"point": "S-2K", "v": 2}]}
+        m = gd.merge(old, new)
+        self.assertEqual([(p["point"], p["v"]) for p in m["points"]], [("XL-2K", 2), ("XL-16K", 1), ("S-2K", 2)])
+        self.assertEqual(m["command"], "scripts/gap_decomposition.py --points XL-2K,XL-16K,S-2K")
+        self.assertEqual(m["date"], "d2")
+        with self.assertRaisesRegex(ValueError, "moelab"):
+            gd.merge(old, {**new, "commit": ["def"]})
+        with self.assertRaisesRegex(ValueError, "h100x1"):
+            gd.merge(old, {**new, "cluster": "h100x1"})
+
+    def test_datasheet_stage_is_the_loaders_default_curve(self):
+        stages = gd.model_stages()
+        self.assertEqual([s[0] for s in stages], ["datasheet", "gemm", "interference", "nccl", "pcie"])
+        ds = stages[0][3]
+        self.assertNotIn("calibration", ds["efficiency"])
+        self.assertNotIn("p2p", ds["node"])
+        self.assertNotIn("gpus_per_pcie_switch", ds["node"])
+        self.assertIsNone(stages[-1][3])  # the catalogue cluster itself
+
     def test_derive_rewrites_in_place(self):
         rows = linear_stages(10e-3, 20, 12e-3, 30, 5e-3, 2)
         with tempfile.TemporaryDirectory() as tmp:
