@@ -19,8 +19,17 @@
 namespace moelab {
 namespace {
 
-// The toy cluster (harness/tests/sim_test_util.hpp) with NCCL's p2p terms p.
-sim::ClusterModel nccl_cluster(int gpus, int nodes, const sim::P2pModel& p) { return test::toy_cluster(gpus, nodes, p); }
+// `nodes` nodes of `gpus` GPUs on an NVSwitch, one NIC per GPU, with NCCL's p2p terms p: the
+// toy cluster (harness/tests/sim_test_util.hpp) at a DGX's link figures.
+sim::ClusterModel nccl_cluster(int gpus, int nodes, const sim::P2pModel& p) {
+  sim::ClusterModel m = test::toy_cluster(gpus, 300e9, 3e-6, nodes, 25e9, 5e-6);
+  m.name = "nccl-toy";
+  m.node.pcie_latency = 3e-6;
+  m.node.host_copy_bw = 24e9;
+  m.node.p2p = p;
+  m.fabric_latency = 0.5e-6;
+  return m;
+}
 
 // NCCL's A100 figures (experiments/hardware/nodes.json, dgx-a100-40gb).
 sim::P2pModel a100_p2p() {

@@ -18,7 +18,7 @@ namespace {
 // One toy GPU (harness/tests/sim_test_util.hpp: no launch latency, so that a GEMM's time is
 // its work alone) with the host terms under test.
 sim::ClusterModel one_gpu(double sync_latency, double issue_overhead) {
-  sim::ClusterModel m = test::toy_cluster(1, 1);
+  sim::ClusterModel m = test::toy_cluster(1, 300e9, 3e-6);
   m.host.sync_latency = sync_latency;
   m.host.issue_overhead = issue_overhead;
   m.host.source = "test";
