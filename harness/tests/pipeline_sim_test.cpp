@@ -12,26 +12,17 @@
 #include "harness/comm/groups.hpp"
 #include "harness/pipeline/executor.hpp"
 #include "harness/runtime/error.hpp"
+#include "harness/tests/sim_test_util.hpp"
 
 namespace moelab {
 namespace {
 
 // One NVSwitch node of `gpus` GPUs without launch overheads, so that equal layers cost the
-// same on every stage.
+// same on every stage (the toy cluster of harness/tests/sim_test_util.hpp, a faster GPU).
 sim::ClusterModel toy_cluster(int gpus) {
-  sim::ClusterModel m;
-  m.name = "toy";
-  m.gpu = {"toy-gpu", 300e12, 150e12, 20e12, 80e9, 2e12, "test"};
-  m.node.name = "toy-node";
-  m.node.gpu = "toy-gpu";
-  m.node.gpus = gpus;
-  m.node.intra = "nvswitch";
-  m.node.nvlink_bw = 300e9;
-  m.node.nvlink_latency = 1e-6;
-  m.node.host_memory_bytes = 1e12;
-  m.node.host_copy_bw = 25e9;
-  m.nodes = 1;
-  m.efficiency.launch_latency = 0;
+  sim::ClusterModel m = test::toy_cluster(gpus, 300e9, 1e-6);
+  m.gpu.flops_bf16 = 300e12;
+  m.gpu.flops_tf32 = 150e12;
   return m;
 }
 
