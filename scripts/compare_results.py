@@ -60,10 +60,16 @@ def rel_change(old, new):
     return (new - old) / abs(old)
 
 
+# Below this, a difference is the rounding of a zero (an overlap of 3.5e-17 against 1.8e-17):
+# no figure of a result (seconds >= 1e-9, bytes, ratios shown to 3 digits) is that small.
+ABS_FLOOR = 1e-12
+
+
 def diff_values(old, new, path, tol, out, ignore=()):
-    """Appends (path, old, new) for every leaf that differs; numbers within tol agree."""
+    """Appends (path, old, new) for every leaf that differs; numbers within tol (relative) or
+    ABS_FLOOR (absolute) agree."""
     if _num(old) and _num(new):
-        if not (old == new or abs(new - old) <= tol * max(abs(old), abs(new))):
+        if not (old == new or abs(new - old) <= max(tol * max(abs(old), abs(new)), ABS_FLOOR)):
             out.append((path, old, new))
     elif isinstance(old, dict) and isinstance(new, dict):
         for k in sorted(set(old) | set(new), key=str):

@@ -453,6 +453,7 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
       if (!opt.record_routing.empty()) routed.push_back(impl->routing().routed_per_expert);
     }
     backend->synchronize();
+    if (w.warmup > 0) backend->mark_untimed();  // the warm-up's times are cleared below
     comm->barrier();
     backend->clear_timeline();
     backend->memory().reset_peak();  // the current use (weights, gradients, inputs) stays the base

@@ -649,6 +649,9 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       if (due()) evaluate();
     }
     b.synchronize();
+    // The warm-up's times are cleared below (with --eval-every, evaluation windows are cut
+    // from the timeline by time, so those runs keep the warm-up priced).
+    if (warmup > 0 && opt.eval_every == 0) b.mark_untimed();
     c.barrier();
     b.clear_timeline();
     b.memory().reset_peak();

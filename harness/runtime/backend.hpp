@@ -349,6 +349,12 @@ class Backend {
   // All ops completed so far (call after synchronize()).
   virtual std::vector<OpRecord> timeline() = 0;
   virtual void clear_timeline() = 0;
+  // No figure reads the times of what this rank issued since the backend last fixed times
+  // (the warm-up's last stretch, before clear_timeline). A real backend runs it as issued; the
+  // sim backend, deterministic and without caches to warm, may leave it unpriced when every
+  // rank marked it and the world is synchronized at the next barrier: it then takes no virtual
+  // time. Memory and routing are unaffected (they follow the order of issue, not time).
+  virtual void mark_untimed() {}
 
  protected:
   virtual void* raw_alloc(std::size_t bytes, MemSpace space, Stream& s) = 0;

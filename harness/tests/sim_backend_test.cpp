@@ -175,6 +175,53 @@ TEST(RoutingModel, SameSeedSameRoutingAndZipfIsSkewed) {
   EXPECT_THROW(RoutingModel::parse("trace:/nonexistent.json", 1), ConfigError);
 }
 
+// mark_untimed: a stretch every rank marks takes no virtual time and leaves what follows
+// exactly as it would be; one rank's mark alone changes nothing.
+TEST(SimBackend, UntimedStretchIsNotPricedAndLeavesTheNextStepAlone) {
+  const std::int64_t f = 1 << 18;
+  // marks: which ranks mark the first stretch. Returns, per rank, the virtual time after the
+  // first stretch and the duration of the second (same work).
+  auto run = [&](const std::vector<bool>& marks) {
+    SimOptions o;
+    o.cluster = toy_cluster(4, 100e9, 3e-6);
+    SimCluster cluster(o);
+    std::vector<std::pair<double, double>> out(4);
+    cluster.run([&](Backend& b, Communicator& c) {
+      Stream& s = b.default_stream();
+      Tensor send = b.empty({4 * f}, DType::f32, MemCategory::buffers, s);
+      Tensor recv = b.empty({4 * f}, DType::f32, MemCategory::buffers, s);
+      std::vector<Segment> segs;
+      for (int p = 0; p < 4; ++p)
+        if (p != c.rank()) segs.push_back({p, p * f, f});
+      auto stretch = [&] {
+        b.fill_zero(s, send);
+        c.all_to_all_v(s, send, segs, recv, segs);
+        b.synchronize();
+      };
+      c.barrier();
+      const double t0 = b.now();
+      stretch();
+      if (marks[static_cast<std::size_t>(c.rank())]) b.mark_untimed();
+      c.barrier();
+      const double t1 = b.now();
+      stretch();
+      c.barrier();
+      out[static_cast<std::size_t>(c.rank())] = {t1 - t0, b.now() - t1};
+    });
+    return out;
+  };
+  const auto priced = run({false, false, false, false});
+  const auto skipped = run({true, true, true, true});
+  const auto one = run({false, true, false, false});
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_GT(priced[r].first, 0.0);
+    EXPECT_EQ(skipped[r].first, 0.0) << "rank " << r;
+    EXPECT_NEAR(skipped[r].second, priced[r].second, 1e-12 * priced[r].second) << "rank " << r;
+    EXPECT_EQ(one[r].first, priced[r].first) << "rank " << r;
+    EXPECT_EQ(priced[r].first, priced[r].second) << "rank " << r;  // the same work twice
+  }
+}
+
 TEST(SimCluster, AFailingRankStopsTheOthersWithAClearError) {
   SimOptions o;
   o.cluster = toy_cluster(4, 100e9, 1e-6);

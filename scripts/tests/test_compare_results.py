@@ -68,6 +68,17 @@ class Trees(unittest.TestCase):
         n, text = self.compare()
         self.assertEqual(n, 0, text)
 
+    def test_rounding_of_a_zero_agrees_but_a_small_value_does_not(self):
+        # 3.5e-17 against 1.8e-17 is a zero rounded two ways (relative change 0.5); 1e-9
+        # against 2e-9 is a real difference of a small value.
+        self.edit(SIM, lambda r: r["metrics"].update(overlap_ratio=3.540395244e-17), tree=self.base)
+        self.edit(SIM, lambda r: r["metrics"].update(overlap_ratio=1.770197622e-17))
+        n, text = self.compare()
+        self.assertEqual(n, 0, text)
+        self.edit(SIM, lambda r: r["metrics"].update(overlap_ratio=2e-9))
+        n, text = self.compare()
+        self.assertEqual(n, 1, text)
+
     def test_strings_and_structure_are_compared(self):
         self.edit(SIM, lambda r: r["impl_report"].update(last_strategy="S4"))
         self.edit(SIM, lambda r: r["impl_report"]["granularity_search"]["decisions"][0]["trials"].pop())

@@ -576,6 +576,8 @@ class SimBackendImpl final : public Backend {
     return std::none_of(streams_.begin(), streams_.end(), [](const auto& s) { return s->unsynced; });
   }
   int host_task() const { return host_; }
+  void mark_untimed() override { untimed_ = true; }
+  bool untimed() const { return untimed_; }
   // Apply an evaluation: times (epoch-relative) of this rank's tasks.
   void commit(const std::vector<double>& start, const std::vector<double>& end, double base, bool final) {
     if (!final) {
@@ -601,6 +603,7 @@ class SimBackendImpl final : public Backend {
   void new_epoch(double now) {
     tasks_.clear();
     host_ = -1;
+    untimed_ = false;
     for (auto& s : streams_) {
       s->last = -1;
       s->pending_waits.clear();
@@ -723,6 +726,7 @@ class SimBackendImpl final : public Backend {
   std::vector<LocalTask> tasks_;
   std::vector<OpRecord> records_;
   int host_ = -1;
+  bool untimed_ = false;  // mark_untimed: this epoch's work need not be priced
   double now_ = 0;
   std::int64_t gate_calls_ = 0;
   sim::LinkBytes link_bytes_;
@@ -1156,20 +1160,27 @@ void SimCluster::Impl::evaluate() {
     }
   }
   for (auto& f : flows) e.add_task(std::move(f));
-  e.run();
+  bool quiet = true, untimed = true;
+  for (const auto& b : backends) {
+    quiet = quiet && b->quiescent();
+    untimed = untimed && b->untimed();
+  }
+  // Work every rank marked untimed (Backend::untimed: the warm-up's last stretch, whose times
+  // no figure reads) is not priced: it takes no virtual time, and the next epoch starts where
+  // this one did. Only a quiet world can skip it, so nothing later depends on its times.
+  const bool priced = !(untimed && quiet);
+  if (priced) e.run();
 
   // Every rank leaves the barrier at the latest host time.
   double barrier = 0;
-  for (int r = 0; r < n; ++r) {
+  for (int r = 0; r < n && priced; ++r) {
     const int h = backends[static_cast<std::size_t>(r)]->host_task();
     if (h >= 0) barrier = std::max(barrier, e.task(gid(r, h)).end);
   }
-  bool quiet = true;
-  for (const auto& b : backends) quiet = quiet && b->quiescent();
   for (int r = 0; r < n; ++r) {
     const auto& tasks = backends[static_cast<std::size_t>(r)]->tasks();
     std::vector<double> start(tasks.size()), end(tasks.size());
-    for (std::size_t i = 0; i < tasks.size(); ++i) {
+    for (std::size_t i = 0; i < tasks.size() && priced; ++i) {
       start[i] = e.task(gid(r, static_cast<int>(i))).start;
       end[i] = e.task(gid(r, static_cast<int>(i))).end;
     }
