@@ -534,7 +534,7 @@ def check_summary(s, path):
     c.schema(s, SUMMARY_SCHEMA)
     c.string(s, "suite")
     c.string(s, "suite_file", required=False, null=True)
-    c.string(s, "subset", choices=("full", "quick"))
+    c.string(s, "subset", choices=SUBSETS)
     c.string(s, "mode", choices=("measured", "simulated", "mixed", "none"))
     for k in ("calibration", "routing_model"):
         c.string(s, k, required=False, null=True)
@@ -661,6 +661,10 @@ def _names(c, items, field):
 # What a run's "path" may name (scripts/run_suite.py destination()).
 PATH_FIELDS = ("workload", "impl", "ranks", "cluster", "backend", "device", "model", "label", "run_mode")
 DTYPES = ("fp32", "tf32", "bf16")
+# A suite run's subsets, smallest first: "quick" (each suite's reduced subset), "full" (the
+# default: every sweep but the extended ones), "extended" (every sweep). A smaller subset's
+# summary is compared with a larger one's on the points they share and never replaces it.
+SUBSETS = ("quick", "full", "extended")
 RUN_MODES = ("training", "inference")
 LAYERS_RE = re.compile(r"^(\d{1,6}):(\d{1,6})$")
 
@@ -973,6 +977,8 @@ def check_suite(s, path):
             for i, sw in enumerate(sweeps):
                 w = f"grid.{key}[{i}]"
                 c.label(sw, "name", w)
+                if key == "sweeps":
+                    c.boolean(sw, "extended", w, required=False)
                 for j, cn in enumerate(c.strings(sw, "clusters", w, nonempty=True)):
                     if cn not in cnames:
                         c.fail(f"{w}.clusters[{j}]", f'{_kind(cn)} is not in grid.clusters ({", ".join(cnames)})')

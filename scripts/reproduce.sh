@@ -3,8 +3,10 @@
 # (experiments/*/suite.json), ScMoE's quality comparison, the micro-benchmarks, the figures and
 # the report, and finish with the table of paper claims against ours.
 #
-#   scripts/reproduce.sh                    # everything this machine can run (over an hour on 2 cores)
+#   scripts/reproduce.sh                    # every suite's default run on what this machine has
 #   scripts/reproduce.sh --quick            # each suite's reduced subset (~2 min)
+#   scripts/reproduce.sh --extended         # also the extended sweeps (MPipeMoE's strict fp32 and
+#                                           # bf16 brackets on the 64-GPU cluster)
 #   scripts/reproduce.sh --suite mpipemoe   # one suite (repeatable)
 #   scripts/reproduce.sh --out DIR          # results, figures and RESULTS.md under DIR, not results/
 #   scripts/reproduce.sh --update-baseline  # accept simulated results that differ from the committed ones
@@ -37,12 +39,13 @@ quick=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=1; run_args+=(--quick) ;;
+    --extended) run_args+=(--extended) ;;
     --suite) suite_args+=(--suite "$2"); shift ;;
     --out) out="$(mkdir -p "$2" && cd "$2" && pwd)"; shift ;;
     --update-baseline) run_args+=(--update-baseline) ;;
     --hostfile) run_args+=(--hostfile "$2"); shift ;;
     --jobs) run_args+=(--jobs "$2"); shift ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) echo "reproduce.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift

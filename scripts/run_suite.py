@@ -3,6 +3,7 @@
 
     /usr/bin/python3 scripts/run_suite.py                          # every registered suite, in full
     /usr/bin/python3 scripts/run_suite.py --suite mpipemoe --quick # one suite's reduced subset
+    /usr/bin/python3 scripts/run_suite.py --extended               # also the sweeps marked "extended"
     /usr/bin/python3 scripts/run_suite.py --backends sim --quick --out /tmp/r   # what CI runs
     /usr/bin/python3 scripts/run_suite.py --list                   # the runs, without running them
     /usr/bin/python3 scripts/run_suite.py --update-baseline        # accept changed simulated results
@@ -24,8 +25,8 @@ OUT/candidate/<its path>, with OUT/candidate/<suite out>/summary.json per suite.
 candidate is merged into OUT (scripts/compare_results.py, install): measured results are
 always written; a simulated result (deterministic) is written when it is new, left alone
 when it equals the one in OUT within 1e-9 relative, and when it differs it stays under
-OUT/candidate/ and the difference is printed, unless --update-baseline is given. A quick
-summary is never written over a full one. Exit code 1 when something differs or failed.
+OUT/candidate/ and the difference is printed, unless --update-baseline is given. A summary is
+never written over one of a larger subset (quick < full < extended). Exit code 1 when something differs or failed.
 With --run ID (repeatable) only the suites' runs of that id go (the grid and the other runs do
 not), and no summary is written: a summary describes a whole suite run, and a partial one
 would replace it. The results are merged as above. One run at a time per OUT: a second
@@ -95,8 +96,9 @@ def rel_to(path, base):
 
 # ---- expanding a suite into runs ------------------------------------------------------------
 
-def grid_points(suite, quick):
-    """Every (sweep, cluster, model, dtype, tokens per GPU) of the grid, in order, no repeats."""
+def grid_points(suite, quick, extended=False):
+    """Every (sweep, cluster, model, dtype, tokens per GPU) of the grid, in order, no repeats;
+    sweeps marked "extended" only with extended."""
     g = suite.get("grid")
     if not g:
         return []
@@ -105,6 +107,8 @@ def grid_points(suite, quick):
     pts, seen = [], set()
     key = "quick_sweeps" if quick else "sweeps"
     for i, sw in enumerate(g.get(key, [])):
+        if sw.get("extended") and not extended:
+            continue
         for cname in sw["clusters"]:
             gpus = clusters[cname]["gpus"]
             for mname in sw["models"]:
@@ -173,12 +177,12 @@ def resolve_workload(suite, spec, field):
     return os.path.splitext(os.path.basename(path))[0], path, None
 
 
-def expand(suite, quick):
+def expand(suite, quick, extended=False):
     """Every job of the suite (grid points x grid impls, then the runs), in order."""
     impls = {im["label"]: im for im in suite["impls"]}
     jobs = []
     g = suite.get("grid")
-    for p in grid_points(suite, quick):
+    for p in grid_points(suite, quick, extended):
         name, wl = grid_workload(suite, p["model"], p["dtype"], p["tokens_per_rank"])
         for label in g["impls"]:
             jobs.append({"suite": suite["name"], "kind": "grid", "point": p, "impl": impls[label],
@@ -810,6 +814,8 @@ def main():
     ap.add_argument("--suite", action="append", help="a suite's name or file (repeatable; default: every "
                                                      "experiments/*/suite.json)")
     ap.add_argument("--quick", action="store_true", help="each suite's reduced subset")
+    ap.add_argument("--extended", action="store_true",
+                    help="also the grid sweeps marked \"extended\" (brackets beside the paper's setup)")
     ap.add_argument("--out", default=os.path.join(ROOT, "results"), help="the results folder (default results/)")
     ap.add_argument("--moelab", default=os.environ.get("MOELAB", os.path.join(ROOT, "build", "harness", "moelab")),
                     help="the moelab binary (default $MOELAB, else build/harness/moelab)")
@@ -832,7 +838,10 @@ def main():
         suites = [mr.load_suite(s) for s in (a.suite or mr.registered_suites())]
         for s in suites:
             check_quick_subset(s)
-        plan = [(s, expand(s, a.quick)) for s in suites]
+        if a.quick and a.extended:
+            raise mr.SchemaError("--quick and --extended: choose one (quick is a subset of the default run, "
+                                 "extended a superset)")
+        plan = [(s, expand(s, a.quick, a.extended)) for s in suites]
         if a.run:
             plan = select_runs(plan, a.run, a.quick)
             suites = [s for s, _ in plan]
@@ -840,7 +849,7 @@ def main():
         die(str(e))
     if not suites:
         die(f"no suites under {mr.EXPERIMENTS}")
-    subset = "quick" if a.quick else "full"
+    subset = "quick" if a.quick else "extended" if a.extended else "full"
     out = os.path.abspath(a.out)
     stage = os.path.join(out, "candidate")
 

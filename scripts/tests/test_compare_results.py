@@ -232,6 +232,23 @@ class Install(unittest.TestCase):
         self.install(accept=True)
         self.assertEqual(mr.load_json(os.path.join(self.base, SUMMARY))["subset"], "full")
 
+    def test_full_summary_never_replaces_an_extended_one_but_its_claims_are_compared(self):
+        ext = fixtures.summary()
+        ext["subset"] = "extended"
+        mr.write_json(os.path.join(self.base, SUMMARY), ext)
+        full = fixtures.summary()
+        full["points"] = full["points"][:1]  # the extended sweep's point left out
+        self.stage_files(summary=full)
+        self.assertEqual(self.install(accept=True)["differ"], 0)
+        self.assertEqual(mr.load_json(os.path.join(self.base, SUMMARY))["subset"], "extended")
+        # A changed claim is a difference between a full and an extended run (the paper's
+        # setup is in both), not between a quick and a full one.
+        full["claims"][0]["ours"]["paper_setup"]["value"] = 3.0
+        self.assertTrue(any(k.startswith("claims[") for k, _, _ in cr.diff_summaries(ext, full, 1e-9)))
+        quick = fixtures.summary("quick")
+        quick["claims"][0]["ours"]["paper_setup"]["value"] = 3.0
+        self.assertFalse(any(k.startswith("claims[") for k, _, _ in cr.diff_summaries(fixtures.summary(), quick, 1e-9)))
+
 
 class Bench(unittest.TestCase):
     def test_informational_comparison(self):

@@ -42,6 +42,28 @@ class Expand(unittest.TestCase):
             for j in run_suite.expand(s, True):
                 self.assertIn(key(j), full, f"{s['name']}: a quick run that the full run lacks")
 
+    def test_extended_sweeps_only_on_request(self):
+        s = mr.load_suite("mpipemoe")
+        extended = {sw["name"] for sw in s["grid"]["sweeps"] if sw.get("extended")}
+        self.assertTrue(extended)
+        full = run_suite.grid_points(s, False)
+        every = run_suite.grid_points(s, False, True)
+        self.assertFalse({p["sweep"] for p in full} & extended)
+        self.assertEqual({p["sweep"] for p in every} - {p["sweep"] for p in full}, extended)
+        key = lambda p: (p["cluster"], p["model"], p["dtype"], p["tokens_per_rank"])
+        self.assertLess({key(p) for p in full}, {key(p) for p in every})
+        # The claims' paper setup is in the default run.
+        setup = s["claims"]["paper_setup"]
+        self.assertTrue(any(all(p[k] == v for k, v in setup.items()) for p in full))
+        p = subprocess.run([sys.executable, RUNNER, "--suite", "mpipemoe", "--quick", "--extended", "--list"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("--quick and --extended", p.stderr)
+        p = subprocess.run([sys.executable, RUNNER, "--suite", "mpipemoe", "--extended", "--list"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("(extended)", p.stdout)
+
     def test_quick_overrides(self):
         s = mr.load_suite("foundation")
         cpu = [j for j in run_suite.expand(s, True) if j.get("run") == "cpu"]
