@@ -3,6 +3,7 @@
 // cpu backend's, determinism, the routing model, and errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 
 #include "harness/backends/sim/sim_backend.hpp"
@@ -173,6 +174,35 @@ TEST(RoutingModel, SameSeedSameRoutingAndZipfIsSkewed) {
   EXPECT_THROW(RoutingModel::parse("zipf:-1", 1), ConfigError);
   EXPECT_THROW(RoutingModel::parse("normal", 1), ConfigError);
   EXPECT_THROW(RoutingModel::parse("trace:/nonexistent.json", 1), ConfigError);
+}
+
+// machine_rates' all-to-all rate (Eq. 10's W_comm) in closed form on catalogue clusters: the
+// largest of the per-link terms, each at the rate NCCL's Simple protocol reaches on it.
+TEST(SimBackend, AllToAllRateIsTheSlowestLinkAtNcclsEfficiency) {
+  auto rate = [](const std::string& name) {
+    SimOptions o;
+    o.cluster = sim::load_cluster(name);
+    SimCluster cluster(o);
+    return cluster.backend(0).machine_rates(1024, 1024, 1024, DType::bf16).a2a_bytes;
+  };
+  // 64 ranks on 8 DGX A100: 56/64 of the bytes leave through the GPU's NIC (25 GB/s at the
+  // p2p model's 0.92) and its PCIe link (24 GB/s, GPUDirect: full rate); 7/64 on NVLink.
+  const sim::ClusterModel x8 = sim::load_cluster("dgx-a100x8");
+  const sim::NodeSpec& nd = x8.node;
+  const double nic = (56.0 / 64) / (nd.nic_bw * nd.p2p.net_efficiency);
+  const double gdr = (56.0 / 64) / nd.pcie_bw;
+  const double nvl = (7.0 / 64) / (nd.nvlink_bw * nd.p2p.intra_efficiency);
+  EXPECT_NEAR(rate("dgx-a100x8"), 1.0 / std::max({nic, gdr, nvl}), 1e-6 * rate("dgx-a100x8"));
+  EXPECT_LT(nd.p2p.net_efficiency, 1.0);  // the efficiency is what the test is about
+  // One node: NVLink alone, (g-1)/g of the bytes at the intra-node efficiency.
+  EXPECT_NEAR(rate("dgx-a100x1"), (8.0 / 7) * nd.nvlink_bw * nd.p2p.intra_efficiency, 1e-6 * rate("dgx-a100x1"));
+  // A PCIe node: the GPU's link carries its 7/8, the switch uplink p(g-p)/g at the intra
+  // efficiency; the larger binds.
+  const sim::NodeSpec& pn = sim::load_cluster("pcie-a30x1").node;
+  const double g = pn.gpus, p = pn.gpus_per_pcie_switch;
+  const double link = ((g - 1) / g) / (pn.pcie_bw * pn.p2p.intra_efficiency);
+  const double up = p > 0 && g > p ? p * (g - p) / g / (pn.pcie_switch_uplink_bw * pn.p2p.intra_efficiency) : 0.0;
+  EXPECT_NEAR(rate("pcie-a30x1"), 1.0 / std::max(link, up), 1e-6 * rate("pcie-a30x1"));
 }
 
 // mark_untimed: a stretch every rank marks takes no virtual time and leaves what follows

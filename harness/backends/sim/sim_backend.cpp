@@ -389,10 +389,13 @@ class SimBackendImpl final : public Backend {
   }
   // The cluster model's rates (the profile's where it measured them). The all-to-all rate is
   // the bottleneck of a rank whose send bytes spread evenly over the world's n ranks (ranks
-  // fill nodes in order): S(n-g)/n bytes leave the node through its share of the NICs,
+  // fill nodes in order): S(n-g)/n bytes leave the node through its share of the NICs (and,
+  // where the node models its PCIe switches, over the GPU's PCIe link by GPUDirect RDMA),
   // S(g-1)/n stay on NVLink (or the GPU's PCIe link, and S(g-p)/n cross the PCIe switch
-  // uplink its p GPUs share), g = ranks on the node. Latency is left out: Eq. 10 is a
-  // bandwidth model.
+  // uplink its p GPUs share), g = ranks on the node. Each link at the rate NCCL's Simple
+  // protocol reaches on it (the p2p model's efficiencies, as the all-to-all's flows are
+  // priced; full rate on GPUDirect's PCIe hops): the all-to-all rate a profile of the
+  // cluster would find for large messages. Latency is left out: Eq. 10 is a bandwidth model.
   MachineRates machine_rates(std::int64_t m, std::int64_t n, std::int64_t k, DType t) const override {
     const sim::ClusterModel& cm = c_.opt.cluster;
     const sim::NodeSpec& nd = cm.node;
@@ -404,11 +407,17 @@ class SimBackendImpl final : public Backend {
     const bool pcie = nd.intra == "pcie";
     const double link = pcie ? nd.pcie_bw : nd.nvlink_bw;
     const double inter = (world - g) / world, intra = (g - 1) / world;
-    double per_byte = (intra + (pcie ? inter : 0.0)) / link;  // seconds per send byte on the GPU's link
-    if (inter > 0) per_byte = std::max(per_byte, inter / (nd.nic_bw * nd.nics / nd.gpus));
+    const double eff_intra = nd.p2p.intra_efficiency, eff_net = nd.p2p.net_efficiency;
+    // Seconds per send byte on the GPU's link: its intra-node bytes, and on a PCIe node its
+    // GPUDirect bytes to the NIC too.
+    double per_byte = intra / (link * eff_intra) + (pcie ? inter / link : 0.0);
+    if (inter > 0) {
+      per_byte = std::max(per_byte, inter / (nd.nic_bw * eff_net * nd.nics / nd.gpus));
+      if (!pcie && nd.pcie_switches()) per_byte = std::max(per_byte, inter / nd.pcie_bw);
+    }
     if (pcie && g > nd.gpus_per_pcie_switch)
       per_byte = std::max(per_byte, nd.gpus_per_pcie_switch * (g - nd.gpus_per_pcie_switch) / world /
-                                        nd.pcie_switch_uplink_bw);
+                                        (nd.pcie_switch_uplink_bw * eff_intra));
     if (per_byte > 0) r.a2a_bytes = 1.0 / per_byte;
     const auto* prof = c_.opt.profile ? &*c_.opt.profile : nullptr;
     const double h2d = prof && prof->h2d_bw > 0 ? prof->h2d_bw : nd.host_copy_bw;
