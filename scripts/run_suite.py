@@ -128,6 +128,14 @@ def grid_points(suite, quick, extended=False):
     return pts
 
 
+def suite_subset(suite, subset):
+    """The subset a suite's summary records: "extended" only for a suite that has extended
+    sweeps (for the others an extended run is their full run, and its summary must not outrank
+    a later full one)."""
+    has = any(sw.get("extended") for sw in (suite.get("grid") or {}).get("sweeps", []))
+    return "full" if subset == "extended" and not has else subset
+
+
 def check_quick_subset(suite):
     """The quick subset's points must be points of the full run (same files), so that a quick
     run compares with the committed full results point by point."""
@@ -1011,7 +1019,7 @@ def main():
                     i += 1
                 for fut in concurrent.futures.as_completed(batch):
                     finish(s, counter, *fut.result())
-            summary = summarize(s, jobs, subset, time.time() - t_suite)
+            summary = summarize(s, jobs, suite_subset(s, subset), time.time() - t_suite)
             mr.check_summary(summary, "(the summary being written)")
             if not a.run:
                 mr.write_json(mr.summary_path(s, stage), summary)

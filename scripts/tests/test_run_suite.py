@@ -63,6 +63,10 @@ class Expand(unittest.TestCase):
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertIn("(extended)", p.stdout)
+        # A suite without extended sweeps records its extended run as full.
+        self.assertEqual(run_suite.suite_subset(s, "extended"), "extended")
+        self.assertEqual(run_suite.suite_subset(mr.load_suite("scmoe"), "extended"), "full")
+        self.assertEqual(run_suite.suite_subset(mr.load_suite("scmoe"), "quick"), "quick")
 
     def test_quick_overrides(self):
         s = mr.load_suite("foundation")
