@@ -176,6 +176,9 @@ def diff_summaries(old, new, tol):
             if same_subset:
                 out += [(f"runs[{k}]", "a run", "(absent)") for k in orr if k not in nr]
     if same_claims:
+        # Across subsets (full against extended) only what is judged on the paper's setup is
+        # comparable: a claim's figure over all points covers different points.
+        ignore = () if same_subset else ("all_points",)
         oc = {c["id"]: c for c in old["claims"]}
         for c in new["claims"]:
             if c["id"] not in oc:
@@ -183,7 +186,7 @@ def diff_summaries(old, new, tol):
                 continue
             o = oc[c["id"]]
             for field in ("paper", "ours", "direction_agrees", "size_agrees", "verdict"):
-                diff_values(o.get(field), c.get(field), f"claims[{c['id']}].{field}", tol, out)
+                diff_values(o.get(field), c.get(field), f"claims[{c['id']}].{field}", tol, out, ignore)
     return out
 
 

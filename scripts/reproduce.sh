@@ -3,7 +3,7 @@
 # (experiments/*/suite.json), ScMoE's quality comparison, the micro-benchmarks, the figures and
 # the report, and finish with the table of paper claims against ours.
 #
-#   scripts/reproduce.sh                    # every suite's default run on what this machine has
+#   scripts/reproduce.sh                    # every suite's default run (35 min on 2 cores, build included)
 #   scripts/reproduce.sh --quick            # each suite's reduced subset (~2 min)
 #   scripts/reproduce.sh --extended         # also the extended sweeps (MPipeMoE's strict fp32 and
 #                                           # bf16 brackets on the 64-GPU cluster)

@@ -245,6 +245,10 @@ class Install(unittest.TestCase):
         # setup is in both), not between a quick and a full one.
         full["claims"][0]["ours"]["paper_setup"]["value"] = 3.0
         self.assertTrue(any(k.startswith("claims[") for k, _, _ in cr.diff_summaries(ext, full, 1e-9)))
+        # Its figure over all points covers other points in each subset: not compared.
+        full["claims"][0]["ours"]["paper_setup"]["value"] = ext["claims"][0]["ours"]["paper_setup"]["value"]
+        full["claims"][0]["ours"]["all_points"].update(points=1, value=9.0)
+        self.assertEqual(cr.diff_summaries(ext, full, 1e-9), [])
         quick = fixtures.summary("quick")
         quick["claims"][0]["ours"]["paper_setup"]["value"] = 3.0
         self.assertFalse(any(k.startswith("claims[") for k, _, _ in cr.diff_summaries(fixtures.summary(), quick, 1e-9)))
