@@ -837,6 +837,8 @@ def main():
     ap.add_argument("--run", action="append", metavar="ID",
                     help="only the runs with this id (repeatable); the grid is left out and no summary is written")
     a = ap.parse_args()
+    if a.quick and a.extended:
+        ap.error("--quick and --extended: choose one (quick is a subset of the default run, extended a superset)")
 
     backends = [b for b in a.backends.split(",") if b]
     for b in backends:
@@ -846,9 +848,6 @@ def main():
         suites = [mr.load_suite(s) for s in (a.suite or mr.registered_suites())]
         for s in suites:
             check_quick_subset(s)
-        if a.quick and a.extended:
-            raise mr.SchemaError("--quick and --extended: choose one (quick is a subset of the default run, "
-                                 "extended a superset)")
         plan = [(s, expand(s, a.quick, a.extended)) for s in suites]
         if a.run:
             plan = select_runs(plan, a.run, a.quick)

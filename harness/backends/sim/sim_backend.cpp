@@ -1180,19 +1180,21 @@ void SimCluster::Impl::evaluate() {
   const bool priced = !(untimed && quiet);
   if (priced) e.run();
 
-  // Every rank leaves the barrier at the latest host time.
+  // Every rank leaves the barrier at the latest host time (0 when unpriced).
   double barrier = 0;
-  for (int r = 0; r < n && priced; ++r) {
-    const int h = backends[static_cast<std::size_t>(r)]->host_task();
-    if (h >= 0) barrier = std::max(barrier, e.task(gid(r, h)).end);
-  }
+  if (priced)
+    for (int r = 0; r < n; ++r) {
+      const int h = backends[static_cast<std::size_t>(r)]->host_task();
+      if (h >= 0) barrier = std::max(barrier, e.task(gid(r, h)).end);
+    }
   for (int r = 0; r < n; ++r) {
     const auto& tasks = backends[static_cast<std::size_t>(r)]->tasks();
-    std::vector<double> start(tasks.size()), end(tasks.size());
-    for (std::size_t i = 0; i < tasks.size() && priced; ++i) {
-      start[i] = e.task(gid(r, static_cast<int>(i))).start;
-      end[i] = e.task(gid(r, static_cast<int>(i))).end;
-    }
+    std::vector<double> start(tasks.size()), end(tasks.size());  // all 0 when unpriced
+    if (priced)
+      for (std::size_t i = 0; i < tasks.size(); ++i) {
+        start[i] = e.task(gid(r, static_cast<int>(i))).start;
+        end[i] = e.task(gid(r, static_cast<int>(i))).end;
+      }
     backends[static_cast<std::size_t>(r)]->commit(start, end, epoch_base, quiet);
   }
   if (quiet) {
