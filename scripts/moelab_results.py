@@ -997,6 +997,9 @@ def check_suite(s, path):
         w = f"runs[{i}]"
         _check_run(c, r, w, labels, models, grid is not None)
         q = r.get("quick", False)
+        if c.boolean(r, "extended", w, required=False) and q is not False:
+            c.fail(f"{w}.extended", 'an extended run is not in the default run, so it cannot be in the quick subset '
+                   '(leave out "quick")')
         if isinstance(q, dict):
             # The quick subset runs the entry with these fields over it (scripts/run_suite.py
             # expand()): the result must be a valid run of the same id.

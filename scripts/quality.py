@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """scripts/quality.py — ScMoE's quality comparison: validation loss of each variant, seed and data source.
 
-    /usr/bin/python3 scripts/quality.py                        # the default setting (3 seeds, ~4 min on 2 cores)
+    /usr/bin/python3 scripts/quality.py                        # the default setting (3 seeds, ~2 min on 2 cores)
     /usr/bin/python3 scripts/quality.py --setting quick        # one seed, a few steps (< 1 min)
     /usr/bin/python3 scripts/quality.py --setting long         # more steps and seeds (hours; not run by reproduce.sh)
     /usr/bin/python3 scripts/quality.py --data notes.txt       # a text file of one's own instead of the sources
@@ -11,8 +11,9 @@
 The experiment is data, experiments/scmoe/quality.json: the variants (a model file, an --impl,
 a model override), the data sources (a folder of text files, or markov:K), the training
 hyperparameters (the same for every variant) and the settings (seeds, steps, evaluation
-cadence). Every variant x seed x source is one `moelab run --backend cpu` with one rank, run
-one after another, with `--data`, `--eval-every` and `--eval-batches`: the validation loss
+cadence). Every variant x seed x source is one `moelab run --backend cpu` with one rank and one
+BLAS thread (which makes a run's losses the same bits every time), --jobs of them at a time
+(default: the cores), with `--data`, `--eval-every` and `--eval-batches`: the validation loss
 over the held-out windows before the first step and every N steps (moelab's
 harness/nn/text_data.hpp).
 
@@ -34,6 +35,7 @@ source, a missing file, a moelab that is not there): exit code 2, one line.
 Standard library only; run it under `nice` on a shared machine.
 """
 import argparse
+import concurrent.futures
 import datetime
 import json
 import math
@@ -269,8 +271,12 @@ def main(argv=None):
     ap.add_argument("--seeds", help="override the setting's seeds, e.g. 1,2 (a custom run)")
     ap.add_argument("--eval-every", type=int, help="override the setting's evaluation cadence (a custom run)")
     ap.add_argument("--list", action="store_true", help="print the commands and stop")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="runs at a time, each with one BLAS thread (default: the number of cores)")
     a = ap.parse_args(argv)
     try:
+        if a.jobs < 1:
+            raise InputError(f"--jobs {a.jobs}: expected a positive number of runs at a time")
         e = load_experiment(a.experiment)
         setting_name = a.setting or e["default_setting"]
         if setting_name not in e["settings"]:
@@ -316,27 +322,43 @@ def main(argv=None):
     stage = tempfile.mkdtemp(prefix=".staging-", dir=out)
     t_start = time.monotonic()
     results, host_s = {}, {}
+    # One BLAS thread per run, --jobs runs at a time. Measured on the 2-core build machine: two
+    # repetitions of one run with OpenBLAS's two threads ended up to 0.13 apart in validation
+    # loss, with one thread they gave the same bits; and on these small GEMMs two single-threaded
+    # runs side by side finish sooner than one run with two threads.
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+    def execute(src, spec, v, seed):
+        rel = os.path.join(src, f"{v['name']}-seed{seed}.json")
+        dest = os.path.join(stage, rel)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        argv_run = command(moelab, e, v, spec, setting, seed, dest)
+        t0 = time.monotonic()
+        p = subprocess.run(argv_run, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        return rel, dest, argv_run, p, time.monotonic() - t0
+
     try:
-        for i, (src, spec, v, seed) in enumerate(jobs, 1):
-            rel = os.path.join(src, f"{v['name']}-seed{seed}.json")
-            dest = os.path.join(stage, rel)
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            argv_run = command(moelab, e, v, spec, setting, seed, dest)
-            t0 = time.monotonic()
-            p = subprocess.run(argv_run, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            dt = time.monotonic() - t0
-            if p.returncode != 0 or not os.path.exists(dest):
-                tail = "\n".join(p.stdout.strip().splitlines()[-12:])
-                print(f"quality.py: run {rel} failed (exit code {p.returncode}) after {dt:.1f} s:\n  {shown(argv_run)}\n"
-                      f"{tail}\nquality.py: stopped; {out} is left as it was (no summary written)", file=sys.stderr)
-                return 1
-            with open(dest) as f:
-                res = json.load(f)
-            pts = res["metrics"]["validation"]["points"]
-            results.setdefault(src, {}).setdefault(v["name"], {})[seed] = res
-            host_s[rel] = round(dt, 2)
-            print(f"[{i}/{len(jobs)}] {rel}: validation loss {pts[0][1]:.3f} -> {pts[-1][1]:.3f} "
-                  f"({dt:.1f} s; {time.monotonic() - t_start:.0f} s so far)", flush=True)
+        done = {}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=a.jobs) as pool:
+            futures = {pool.submit(execute, *job): k for k, job in enumerate(jobs)}
+            for fut in concurrent.futures.as_completed(futures):
+                rel, dest, argv_run, p, dt = fut.result()
+                if p.returncode != 0 or not os.path.exists(dest):
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    tail = "\n".join(p.stdout.strip().splitlines()[-12:])
+                    print(f"quality.py: run {rel} failed (exit code {p.returncode}) after {dt:.1f} s:\n  {shown(argv_run)}\n"
+                          f"{tail}\nquality.py: stopped; {out} is left as it was (no summary written)", file=sys.stderr)
+                    return 1
+                with open(dest) as f:
+                    res = json.load(f)
+                done[futures[fut]] = res
+                host_s[rel] = round(dt, 2)
+                pts = res["metrics"]["validation"]["points"]
+                print(f"[{len(done)}/{len(jobs)}] {rel}: validation loss {pts[0][1]:.3f} -> {pts[-1][1]:.3f} "
+                      f"({dt:.1f} s; {time.monotonic() - t_start:.0f} s so far)", flush=True)
+        for k, (src, spec, v, seed) in enumerate(jobs):  # in the experiment's order, whatever finished first
+            results.setdefault(src, {}).setdefault(v["name"], {})[seed] = done[k]
+        host_s = {rel: host_s[rel] for rel in sorted(host_s)}
 
         firsts = [r for src in results.values() for v in src.values() for r in v.values()]
         commits = sorted({r.get("commit") or "unknown" for r in firsts})
@@ -353,7 +375,8 @@ def main(argv=None):
                          "seeds": setting["seeds"]},
             "variants": {v["name"]: {k: v[k] for k in ("label", "model", "impl", "model_override") if k in v}
                          for v in e["variants"]},
-            "host_seconds": {"total": round(time.monotonic() - t_start, 1), "runs": host_s},
+            "host_seconds": {"total": round(time.monotonic() - t_start, 1), "runs": host_s,
+                             "runs_at_a_time": a.jobs, "blas_threads_per_run": 1},
             "sources": {s["name"]: {"data": s["data"], "about": s["about"],
                                     **summarize_source(results[s["name"]], e["reference"])} for s in sources},
         }

@@ -3,7 +3,7 @@
 
     /usr/bin/python3 scripts/run_suite.py                          # every registered suite, in full
     /usr/bin/python3 scripts/run_suite.py --suite mpipemoe --quick # one suite's reduced subset
-    /usr/bin/python3 scripts/run_suite.py --extended               # also the sweeps marked "extended"
+    /usr/bin/python3 scripts/run_suite.py --extended               # also the sweeps and runs marked "extended"
     /usr/bin/python3 scripts/run_suite.py --backends sim --quick --out /tmp/r   # what CI runs
     /usr/bin/python3 scripts/run_suite.py --list                   # the runs, without running them
     /usr/bin/python3 scripts/run_suite.py --update-baseline        # accept changed simulated results
@@ -130,9 +130,10 @@ def grid_points(suite, quick, extended=False):
 
 def suite_subset(suite, subset):
     """The subset a suite's summary records: "extended" only for a suite that has extended
-    sweeps (for the others an extended run is their full run, and its summary must not outrank
-    a later full one)."""
-    has = any(sw.get("extended") for sw in (suite.get("grid") or {}).get("sweeps", []))
+    sweeps or runs (for the others an extended run is their full run, and its summary must not
+    outrank a later full one)."""
+    has = any(sw.get("extended") for sw in (suite.get("grid") or {}).get("sweeps", [])) or \
+        any(r.get("extended") for r in suite.get("runs", []))
     return "full" if subset == "extended" and not has else subset
 
 
@@ -186,7 +187,8 @@ def resolve_workload(suite, spec, field):
 
 
 def expand(suite, quick, extended=False):
-    """Every job of the suite (grid points x grid impls, then the runs), in order."""
+    """Every job of the suite (grid points x grid impls, then the runs), in order; the sweeps and
+    runs marked "extended" only with extended."""
     impls = {im["label"]: im for im in suite["impls"]}
     jobs = []
     g = suite.get("grid")
@@ -200,7 +202,7 @@ def expand(suite, quick, extended=False):
                          "dest": f"{suite['out']}/{p['cluster']}/{name}-{label}"})
     for i, r in enumerate(suite.get("runs", [])):
         q = r.get("quick", False)
-        if quick and not q:
+        if (quick and not q) or (r.get("extended") and not extended):
             continue
         over = quick and isinstance(q, dict)
         r = {**r, **q} if over else r
@@ -285,9 +287,10 @@ def job_label(j):
 
 # ---- what this machine can run --------------------------------------------------------------
 
-def select_runs(plan, ids, quick):
+def select_runs(plan, ids, quick, extended=False):
     """Keeps only the jobs of the runs named by ids (--run); drops suites left without any.
-    Raises SchemaError for an id that no selected suite has (or that the quick subset leaves out)."""
+    Raises SchemaError for an id that no selected suite has (or that the quick subset, or the
+    default run without --extended, leaves out)."""
     kept = []
     for s, jobs in plan:
         mine = [j for j in jobs if j["kind"] == "run" and j["run"] in ids]
@@ -296,9 +299,12 @@ def select_runs(plan, ids, quick):
     for rid in ids:
         if any(j["run"] == rid for _, jobs in kept for j in jobs):
             continue
-        owners = [s["name"] for s, _ in plan if any(r["id"] == rid for r in s.get("runs", []))]
+        owners = [(s["name"], r) for s, _ in plan for r in s.get("runs", []) if r["id"] == rid]
+        if owners and owners[0][1].get("extended") and not extended:
+            raise mr.SchemaError(f"--run {rid}: the run of suite {owners[0][0]} is marked \"extended\": "
+                                 f"add --extended" + (" and leave out --quick" if quick else ""))
         if owners and quick:
-            raise mr.SchemaError(f"--run {rid}: the run of suite {owners[0]} is not in the quick subset "
+            raise mr.SchemaError(f"--run {rid}: the run of suite {owners[0][0]} is not in the quick subset "
                                  f"(its \"quick\" is false): leave out --quick")
         known = sorted({f"{s['name']}:{r['id']}" for s, _ in plan for r in s.get("runs", [])})
         raise mr.SchemaError(f"--run {rid}: no run with this id in the selected suites (runs: {', '.join(known)})")
@@ -823,7 +829,7 @@ def main():
                                                      "experiments/*/suite.json)")
     ap.add_argument("--quick", action="store_true", help="each suite's reduced subset")
     ap.add_argument("--extended", action="store_true",
-                    help="also the grid sweeps marked \"extended\" (brackets beside the paper's setup)")
+                    help="also the grid sweeps and runs marked \"extended\" (brackets and cross-checks beside the paper's setup)")
     ap.add_argument("--out", default=os.path.join(ROOT, "results"), help="the results folder (default results/)")
     ap.add_argument("--moelab", default=os.environ.get("MOELAB", os.path.join(ROOT, "build", "harness", "moelab")),
                     help="the moelab binary (default $MOELAB, else build/harness/moelab)")
@@ -850,7 +856,7 @@ def main():
             check_quick_subset(s)
         plan = [(s, expand(s, a.quick, a.extended)) for s in suites]
         if a.run:
-            plan = select_runs(plan, a.run, a.quick)
+            plan = select_runs(plan, a.run, a.quick, a.extended)
             suites = [s for s, _ in plan]
     except mr.SchemaError as e:
         die(str(e))

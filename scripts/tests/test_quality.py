@@ -180,13 +180,23 @@ class FailedRun(unittest.TestCase):
                 f.write("{}")
             err = io.StringIO()
             with contextlib.redirect_stderr(err):
-                rc = quality.main(["--setting", "quick", "--source", "markov8", "--moelab", fake, "--out", out, "--no-plot"])
+                rc = quality.main(["--setting", "quick", "--source", "markov8", "--moelab", fake, "--out", out, "--no-plot",
+                                   "--jobs", "1"])
             self.assertEqual(rc, 1)
             self.assertIn("markov8/top2-seed1.json failed (exit code 3)", err.getvalue())
             self.assertIn("error: something broke", err.getvalue())
             self.assertEqual(sorted(os.listdir(out)), ["summary.json"])  # the old one, no staging left
             with open(os.path.join(out, "summary.json")) as f:
                 self.assertEqual(f.read(), "{}")
+            # Two at a time: the first to fail stops the rest, and OUT is left alone.
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                rc = quality.main(["--setting", "quick", "--source", "markov8", "--moelab", fake, "--out", out, "--no-plot",
+                                   "--jobs", "2"])
+            self.assertEqual(rc, 1)
+            self.assertIn("-seed1.json failed (exit code 3)", err.getvalue())
+            self.assertEqual(err.getvalue().count("failed (exit code"), 1)
+            self.assertEqual(sorted(os.listdir(out)), ["summary.json"])
 
     def test_bad_input(self):
         for args, fragment in ((["--setting", "nope", "--list"], "--setting nope"),
@@ -194,7 +204,8 @@ class FailedRun(unittest.TestCase):
                                (["--moelab", "/nonexistent/moelab"], "no moelab binary"),
                                (["--seeds", "1,1", "--list"], "--seeds 1,1"),
                                (["--steps", "0", "--list"], "--steps 0"),
-                               (["--steps", "10", "--eval-every", "20", "--list"], "--eval-every 20")):
+                               (["--steps", "10", "--eval-every", "20", "--list"], "--eval-every 20"),
+                               (["--jobs", "0", "--list"], "--jobs 0")):
             err = io.StringIO()
             with contextlib.redirect_stderr(err):
                 self.assertEqual(quality.main(args), 2)
@@ -223,12 +234,18 @@ class EndToEnd(unittest.TestCase):
             path, out = os.path.join(d, "q.json"), os.path.join(d, "out")
             with open(path, "w") as f:
                 json.dump(e, f)
-            with contextlib.redirect_stdout(io.StringIO()) as log:
-                rc = quality.main(["--experiment", path, "--source", "markov8", "--moelab", os.environ["MOELAB"],
-                                   "--out", out, "--no-plot"])
-            self.assertEqual(rc, 0, log.getvalue())
-            with open(os.path.join(out, "summary.json")) as f:
-                s = json.load(f)
+            summaries = []
+            for jobs, where in (("2", out), ("1", os.path.join(d, "one"))):
+                with contextlib.redirect_stdout(io.StringIO()) as log:
+                    rc = quality.main(["--experiment", path, "--source", "markov8", "--moelab", os.environ["MOELAB"],
+                                       "--out", where, "--no-plot", "--jobs", jobs])
+                self.assertEqual(rc, 0, log.getvalue())
+                with open(os.path.join(where, "summary.json")) as f:
+                    summaries.append(json.load(f))
+            s = summaries[0]
+            # Runs side by side, one BLAS thread each, give the bits of runs one after another.
+            self.assertEqual(s["sources"], summaries[1]["sources"])
+            self.assertEqual((s["host_seconds"]["runs_at_a_time"], s["host_seconds"]["blas_threads_per_run"]), (2, 1))
             src = s["sources"]["markov8"]
             self.assertAlmostEqual(src["entropy_floor"], math.log(8))
             self.assertEqual(set(src["variants"]), {v["name"] for v in e["variants"]})

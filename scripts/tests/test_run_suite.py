@@ -105,6 +105,32 @@ class Expand(unittest.TestCase):
             run_suite.select_runs([(s, run_suite.expand(s, True))], ["gpu"], True)
         self.assertIn("not in the quick subset", str(cm.exception))
 
+    def test_extended_runs_only_on_request(self):
+        def mark(s):
+            s["runs"][0]["extended"] = True
+            s["runs"][0].pop("quick", None)
+        s = mr.load_suite(fake_suite(self.tmp(), mark))
+        self.assertNotIn("sim", {j.get("run") for j in run_suite.expand(s, False)})
+        self.assertIn("sim", {j.get("run") for j in run_suite.expand(s, False, True)})
+        self.assertEqual(run_suite.suite_subset(s, "extended"), "extended")
+        with self.assertRaises(mr.SchemaError) as cm:
+            run_suite.select_runs([(s, run_suite.expand(s, False))], ["sim"], False)
+        self.assertIn('--run sim: the run of suite fake is marked "extended": add --extended', str(cm.exception))
+        kept = run_suite.select_runs([(s, run_suite.expand(s, False, True))], ["sim"], False, True)
+        self.assertEqual({j["run"] for _, js in kept for j in js}, {"sim"})
+        # An extended run is not in the default run, so not in the quick subset either.
+        with self.assertRaises(mr.SchemaError) as cm:
+            mr.load_suite(fake_suite(self.tmp(), lambda s: s["runs"][0].update(extended=True, quick=True)))
+        self.assertIn("runs[0].extended", str(cm.exception))
+        # The registered MPipeMoE suite: the 64-GPU strategies run only with --extended, its
+        # results where they were (same files), the 8-GPU one in every subset.
+        m = mr.load_suite("mpipemoe")
+        dests = lambda jobs: {(j["cluster"], j["workload"], j["impl"]["label"]) for j in jobs if j.get("run", "").startswith("strategies")}
+        full, every = dests(run_suite.expand(m, False)), dests(run_suite.expand(m, False, True))
+        self.assertEqual({c for c, _, _ in full}, {"dgx-a100x1"})
+        self.assertEqual({c for c, _, _ in every}, {"dgx-a100x1", "dgx-a100x8"})
+        self.assertEqual(len(every), 2 * len(full))
+
     def test_list_one_run(self):
         p = subprocess.run([sys.executable, RUNNER, "--suite", fake_suite(self.tmp()), "--list", "--run", "gpu"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
