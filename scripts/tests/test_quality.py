@@ -178,25 +178,19 @@ class FailedRun(unittest.TestCase):
             os.makedirs(out)
             with open(os.path.join(out, "summary.json"), "w") as f:
                 f.write("{}")
-            err = io.StringIO()
-            with contextlib.redirect_stderr(err):
-                rc = quality.main(["--setting", "quick", "--source", "markov8", "--moelab", fake, "--out", out, "--no-plot",
-                                   "--jobs", "1"])
-            self.assertEqual(rc, 1)
-            self.assertIn("markov8/top2-seed1.json failed (exit code 3)", err.getvalue())
-            self.assertIn("error: something broke", err.getvalue())
-            self.assertEqual(sorted(os.listdir(out)), ["summary.json"])  # the old one, no staging left
-            with open(os.path.join(out, "summary.json")) as f:
-                self.assertEqual(f.read(), "{}")
-            # Two at a time: the first to fail stops the rest, and OUT is left alone.
-            err = io.StringIO()
-            with contextlib.redirect_stderr(err):
-                rc = quality.main(["--setting", "quick", "--source", "markov8", "--moelab", fake, "--out", out, "--no-plot",
-                                   "--jobs", "2"])
-            self.assertEqual(rc, 1)
-            self.assertIn("-seed1.json failed (exit code 3)", err.getvalue())
-            self.assertEqual(err.getvalue().count("failed (exit code"), 1)
-            self.assertEqual(sorted(os.listdir(out)), ["summary.json"])
+            # One at a time the first run fails; two at a time the first to fail stops the rest.
+            for jobs, failing in (("1", "markov8/top2-seed1.json"), ("2", "-seed1.json")):
+                err = io.StringIO()
+                with contextlib.redirect_stderr(err):
+                    rc = quality.main(["--setting", "quick", "--source", "markov8", "--moelab", fake, "--out", out,
+                                       "--no-plot", "--jobs", jobs])
+                self.assertEqual(rc, 1)
+                self.assertIn(f"{failing} failed (exit code 3)", err.getvalue())
+                self.assertEqual(err.getvalue().count("failed (exit code"), 1)
+                self.assertIn("error: something broke", err.getvalue())
+                self.assertEqual(sorted(os.listdir(out)), ["summary.json"])  # the old one, no staging left
+                with open(os.path.join(out, "summary.json")) as f:
+                    self.assertEqual(f.read(), "{}")
 
     def test_bad_input(self):
         for args, fragment in ((["--setting", "nope", "--list"], "--setting nope"),
