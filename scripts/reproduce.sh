@@ -3,7 +3,7 @@
 # (experiments/*/suite.json), ScMoE's quality comparison, the micro-benchmarks, the figures and
 # the report, and finish with the table of paper claims against ours.
 #
-#   scripts/reproduce.sh                    # every suite's default run (35 min on 2 cores, build included)
+#   scripts/reproduce.sh                    # every suite's default run (under 30 min on 2 cores, build included)
 #   scripts/reproduce.sh --quick            # each suite's reduced subset (~2 min)
 #   scripts/reproduce.sh --extended         # also the extended sweeps (MPipeMoE's strict fp32 and
 #                                           # bf16 brackets on the 64-GPU cluster)
@@ -64,7 +64,7 @@ suites_rc=0
 "$py" "$root/scripts/run_suite.py" "${suite_args[@]}" "${run_args[@]}" --out "$out" --moelab "$moelab" || suites_rc=$?
 
 # ScMoE's quality comparison (measured on the cpu backend, written always): the default
-# setting in a full run (~4 min), the quick one with --quick; the long one is separate
+# setting in a full run (~1 min, two runs at a time), the quick one with --quick; the long one is separate
 # (scripts/quality.py --setting long, impls/scmoe/README.md "Quality").
 quality_rc=0
 if [ "${#suite_args[@]}" = 0 ] || printf '%s\n' "${suite_args[@]}" | grep -qx scmoe; then

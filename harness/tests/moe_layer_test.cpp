@@ -82,7 +82,10 @@ TEST_P(MoELayerVsReference, ForwardAndBackward) {
     ref::Grads G;
     G.init(P, c.T);
     const ref::Result R = ref::forward_backward(cfg, P, xd, eps, &dyd, grad_aux, &G);
-    if (R.min_topk_gap < 1e-4) continue;  // a near-tie: fp32 may legitimately route differently; redraw
+    // A near-tie: fp32 may legitimately route differently; redraw. fp32 logits put a
+    // probability within ~1e-7 of float64's, so 1e-5 leaves a wide margin; 1e-4 was met by
+    // 78% of the "wide" case's draws (406 gaps), and 20 draws in a row by 0.7% of seeds.
+    if (R.min_topk_gap < 1e-5) continue;
 
     // Routing: identical decisions, an exact statement.
     ASSERT_EQ(layer.routing().sent_per_expert, R.counts);
@@ -141,20 +144,27 @@ TEST(MoEReference, FiniteDifferences) {
     for (auto& x : v) x = rng.uniform(-1, 1);
     return v;
   };
-  ref::Params P{cfg.d_model, cfg.d_hidden, cfg.num_experts, draw(20), draw(20), draw(4 * 30), draw(4 * 30)};
-  auto x = draw(static_cast<std::size_t>(T * 5)), eps = draw(static_cast<std::size_t>(T * 4)),
-       dy = draw(static_cast<std::size_t>(T * 5));
   const double ga = 0.7;
+  ref::Params P;
+  std::vector<double> x, eps, dy;
+  ref::Grads G;
+  // A step of h = 1e-6 moves a probability by far less than 1e-4, but about 1% of draws have
+  // two top-k probabilities closer than that: redraw them (as the layer tests do).
+  for (int attempt = 0;; ++attempt) {
+    ASSERT_LT(attempt, 100) << "no input without a near-tie";
+    P = {cfg.d_model, cfg.d_hidden, cfg.num_experts, draw(20), draw(20), draw(4 * 30), draw(4 * 30)};
+    x = draw(static_cast<std::size_t>(T * 5));
+    eps = draw(static_cast<std::size_t>(T * 4));
+    dy = draw(static_cast<std::size_t>(T * 5));
+    G.init(P, T);
+    if (ref::forward_backward(cfg, P, x, eps, &dy, ga, &G).min_topk_gap > 1e-4) break;
+  }
   auto loss = [&]() {
     auto r = ref::forward_backward(cfg, P, x, eps, nullptr, 0, nullptr);
     double l = ga * r.aux;
     for (std::size_t i = 0; i < dy.size(); ++i) l += dy[i] * r.y[i];
     return l;
   };
-  ref::Grads G;
-  G.init(P, T);
-  const auto r0 = ref::forward_backward(cfg, P, x, eps, &dy, ga, &G);
-  ASSERT_GT(r0.min_topk_gap, 1e-4) << "near-tie; rerun";
   auto check = [&](const char* what, std::vector<double>& v, const std::vector<double>& g) {
     for (std::size_t i = 0; i < v.size(); ++i) {
       const double h = 1e-6, keep = v[i];
