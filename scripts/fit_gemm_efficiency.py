@@ -57,16 +57,16 @@ def solve(a, b):
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
-def fit(points, peak, elem, mem_bw, p0, free):
-    """Levenberg-Marquardt on log residuals; `free` marks the parameters that are fitted."""
+def lm(res, p0, free):
+    """Levenberg-Marquardt on the residuals res(p) over the logs of the parameters p (they stay
+    positive); `free` marks the parameters that are fitted. Returns (p, res(p))."""
     x = [math.log(v) for v in p0]
     idx = [i for i, f in enumerate(free) if f]
 
-    def res(xv):
-        p = [math.exp(v) for v in xv]
-        return [math.log(model(p, m, n, k, peak, elem, mem_bw) / t) for m, n, k, t in points]
+    def resx(xv):
+        return res([math.exp(v) for v in xv])
 
-    r = res(x)
+    r = resx(x)
     cost = sum(v * v for v in r)
     lam = 1e-3
     for _ in range(500):
@@ -74,7 +74,7 @@ def fit(points, peak, elem, mem_bw, p0, free):
         for i in idx:
             xx = list(x)
             xx[i] += 1e-7
-            jac.append([(a - b) / 1e-7 for a, b in zip(res(xx), r)])
+            jac.append([(a - b) / 1e-7 for a, b in zip(resx(xx), r)])
         a = [[sum(u * v for u, v in zip(ji, jj)) for jj in jac] for ji in jac]
         g = [sum(u * v for u, v in zip(ji, r)) for ji in jac]
         improved = False
@@ -84,7 +84,7 @@ def fit(points, peak, elem, mem_bw, p0, free):
             xn = list(x)
             for s, i in zip(step, idx):
                 xn[i] += s
-            rn = res(xn)
+            rn = resx(xn)
             cn = sum(v * v for v in rn)
             if cn < cost:
                 converged = cost - cn < 1e-14 * max(cost, 1e-30)
@@ -97,6 +97,11 @@ def fit(points, peak, elem, mem_bw, p0, free):
             break
     p = [math.exp(v) for v in x]
     return p, r
+
+
+def fit(points, peak, elem, mem_bw, p0, free):
+    """One precision's curve: least squares on log(t_model / t) over (m, n, k, t) points."""
+    return lm(lambda p: [math.log(model(p, m, n, k, peak, elem, mem_bw) / t) for m, n, k, t in points], p0, free)
 
 
 def summary(r):
