@@ -18,11 +18,37 @@ Levenberg-Marquardt on the logs of the parameters (so they stay positive), pure 
 Writes experiments/hardware/calibration/h100-sxm5.json and a100-sxm4.json. Run from the
 repository root: python3 scripts/fit_gemm_efficiency.py [--check] (--check: fail if the files
 on disk differ from what the fit gives).
+
+With --profile, fits one calibration to a `moelab calibrate` profile (moelab.profile/1) instead:
+
+    fit_gemm_efficiency.py --profile P.json (--peaks bf16=989e12,tf32=495e12,fp32=67e12 | --gpu KEY)
+                           [--name NAME] --out OUT.json [--check]
+
+--gpu takes the peaks from experiments/hardware/gpus.json; --peaks may name any subset (a cpu
+profile: fp32 only). Only precisions with a peak and data get a curve. The loop path of the
+profile's gemm_paths (one call per problem, per-problem time = call time / experts), or failing
+that its single-GEMM "gemm" samples, gives "curves" and launch_latency (fitted free, jointly over
+the precisions with loop figures; a precision with samples only is fitted with it held). The
+strided_batched and grouped figures give "paths": one call of E equal problems takes
+
+    t_call = launch_latency + E * max(2 m n k / (P * eff_path), elem_bytes * (m k + k n + m n) / mem_bw)
+
+with launch_latency held. Also written, each when the profile has the data: "gemm_paths" (the
+profile's table, verbatim), "copies" (t = latency + bytes / bw per kind, least squares on the
+relative error), "interference" (the least alone/together factors of compute beside h2d/d2h copies
+and of copies beside compute, the latter capped at 1), "overheads" (copied) and "dispatch"
+(permute_bw, the median of the permute samples' bytes per second; permute_mem_efficiency =
+permute_bw / mem_bw; exchange bw and latency fitted like copies). Sections missing from the
+profile are named on stdout and left out. Bad input: one line on stderr naming the file and the
+field, exit 2, and OUT is left as it was (the file is written whole or not at all).
 """
+import argparse
 import json
 import math
 import os
+import statistics
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS = "results/measured/cuda/nvidia-h100-80gb-hbm3/peers/cublas-gemm-paths.jsonl"
@@ -291,8 +317,544 @@ def build():
     return h100, a100
 
 
+# --- Fitting a calibration to a `moelab calibrate` profile (--profile) -------------------------
+
+PROFILE_SCHEMA = "moelab.profile/1"
+PRECISIONS = ("bf16", "tf32", "fp32")
+OPS = ("fwd", "dgrad", "wgrad")
+PATHS = ("loop", "strided_batched", "grouped")
+COPY_KINDS = ("h2d", "d2h", "d2d")
+INTERF_SIDES = ("compute", "h2d", "d2h")
+DISPATCH_OPS = ("permute", "exchange")
+GPUS = "experiments/hardware/gpus.json"
+PROG = "fit_gemm_efficiency.py"
+
+
+class BadInput(Exception):
+    """One line for the user: `field` names the offending field (None: the file itself)."""
+
+    def __init__(self, field, what):
+        super().__init__(f"field {field}: {what}" if field else what)
+
+
+def _kind(v):
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    return {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number"}[type(v)]
+
+
+def _show(v):
+    text = json.dumps(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def get_number(obj, key, where, positive=True, required=True):
+    """A finite number; positive (> 0) or else non-negative. None when absent and not required."""
+    field = where + key
+    if key not in obj:
+        if required:
+            raise BadInput(field, "missing")
+        return None
+    v = obj[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise BadInput(field, f"expected a number, got {_kind(v)} {_show(v)}")
+    if not math.isfinite(v) or (v <= 0 if positive else v < 0):
+        raise BadInput(field, f"expected a {'positive' if positive else 'non-negative'} number, got {_show(v)}")
+    return float(v)
+
+
+def get_int(obj, key, where):
+    field = where + key
+    if key not in obj:
+        raise BadInput(field, "missing")
+    v = obj[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 1:
+        raise BadInput(field, f"expected a positive integer, got {_kind(v)} {_show(v)}")
+    return int(v)
+
+
+def get_choice(obj, key, where, choices):
+    field = where + key
+    if key not in obj:
+        raise BadInput(field, "missing")
+    v = obj[key]
+    if not isinstance(v, str):
+        raise BadInput(field, f"expected a string, got {_kind(v)} {_show(v)}")
+    if v not in choices:
+        raise BadInput(field, f"{_show(v)} is not one of {', '.join(choices)}")
+    return v
+
+
+def get_list(obj, key, what):
+    """A present array of objects, or None when the key is absent."""
+    if key not in obj:
+        return None
+    v = obj[key]
+    if not isinstance(v, list):
+        raise BadInput(key, f"expected an array of {what}, got {_kind(v)}")
+    for i, e in enumerate(v):
+        if not isinstance(e, dict):
+            raise BadInput(f"{key}[{i}]", f"expected an object ({what}), got {_kind(e)} {_show(e)}")
+    return v
+
+
+def gemm_shape(op, d_model, d_hidden, rows):
+    """(m, n, k) of one expert's GEMM C[m,n] = A[m,k] B[k,n] for a gemm_paths point."""
+    return {"fwd": (rows, d_hidden, d_model), "dgrad": (rows, d_model, d_hidden), "wgrad": (d_model, d_hidden, rows)}[op]
+
+
+def read_profile(path):
+    """The profile's figures, checked: raises BadInput naming the field on anything malformed."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(None, f"cannot read: {getattr(e, 'strerror', None) or e}")
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadInput(None, f"not JSON: {e}")
+    if not isinstance(doc, dict):
+        raise BadInput(None, f"expected a JSON object at the top level, got {_kind(doc)}")
+    if doc.get("schema") != PROFILE_SCHEMA:
+        raise BadInput("schema", f"expected {json.dumps(PROFILE_SCHEMA)}, got "
+                                 f"{_show(doc['schema']) if 'schema' in doc else 'none'}")
+    if not isinstance(doc.get("device"), str):
+        raise BadInput("device", "missing" if "device" not in doc else f"expected a string, got {_kind(doc['device'])}")
+    prof = {"raw": doc, "device": doc["device"], "missing": []}
+    prof["d2d_bw"] = get_number(doc, "d2d_bw", "")
+    prof["launch_latency"] = get_number(doc, "launch_latency", "", required=False)
+
+    prof["gemm"] = []
+    for i, s in enumerate(get_list(doc, "gemm", "GEMM samples") or []):
+        w = f"gemm[{i}]."
+        prof["gemm"].append((get_choice(s, "dtype", w, PRECISIONS), get_int(s, "m", w), get_int(s, "n", w),
+                             get_int(s, "k", w), get_number(s, "seconds", w)))
+
+    prof["points"] = None
+    if "gemm_paths" in doc:
+        gp = doc["gemm_paths"]
+        if not isinstance(gp, dict):
+            raise BadInput("gemm_paths", f"expected an object, got {_kind(gp)}")
+        pts = gp.get("points")
+        if not isinstance(pts, list):
+            raise BadInput("gemm_paths.points", "missing" if "points" not in gp else f"expected an array, got {_kind(pts)}")
+        prof["points"] = []
+        for i, p in enumerate(pts):
+            w = f"gemm_paths.points[{i}]."
+            if not isinstance(p, dict):
+                raise BadInput(w[:-1], f"expected an object, got {_kind(p)} {_show(p)}")
+            pt = {"precision": get_choice(p, "precision", w, PRECISIONS), "op": get_choice(p, "op", w, OPS)}
+            for key in ("d_model", "d_hidden", "experts", "rows"):
+                pt[key] = get_int(p, key, w)
+            tf = p.get("tflops")
+            if not isinstance(tf, dict):
+                raise BadInput(w + "tflops", "missing" if "tflops" not in p else f"expected an object, got {_kind(tf)}")
+            pt["tflops"] = {path: get_number(tf, path, w + "tflops.", positive=False, required=False) or 0.0
+                            for path in PATHS}
+            if not any(pt["tflops"].values()):
+                raise BadInput(w + "tflops", "no path measured (every figure 0 or absent)")
+            prof["points"].append(pt)
+    else:
+        prof["missing"].append("gemm_paths")
+
+    prof["copies"] = None
+    copies = get_list(doc, "copies", "copy samples")
+    if copies is None:
+        prof["missing"].append("copies")
+    else:
+        prof["copies"] = [(get_choice(c, "kind", f"copies[{i}].", COPY_KINDS), get_number(c, "bytes", f"copies[{i}]."),
+                           get_number(c, "seconds", f"copies[{i}].")) for i, c in enumerate(copies)]
+
+    prof["overheads"] = None
+    if "overheads" in doc:
+        ov = doc["overheads"]
+        if not isinstance(ov, dict):
+            raise BadInput("overheads", f"expected an object, got {_kind(ov)}")
+        for key in ov:
+            get_number(ov, key, "overheads.", positive=False)
+        prof["overheads"] = ov
+    else:
+        prof["missing"].append("overheads")
+
+    prof["interference"] = None
+    inter = get_list(doc, "interference", "interference samples")
+    if inter is None:
+        prof["missing"].append("interference")
+    else:
+        prof["interference"] = []
+        for i, e in enumerate(inter):
+            w = f"interference[{i}]."
+            victim, aggressor = get_choice(e, "victim", w, INTERF_SIDES), get_choice(e, "aggressor", w, INTERF_SIDES)
+            alone = get_number(e, "alone_s", w, required=False)
+            together = get_number(e, "together_s", w, required=False)
+            factor = get_number(e, "factor", w, required=alone is None or together is None)
+            prof["interference"].append((victim, aggressor, factor if factor is not None else alone / together))
+
+    prof["dispatch"] = None
+    disp = get_list(doc, "dispatch", "dispatch samples")
+    if disp is None:
+        prof["missing"].append("dispatch")
+    else:
+        prof["dispatch"] = []
+        for i, e in enumerate(disp):
+            w = f"dispatch[{i}]."
+            op = get_choice(e, "op", w, DISPATCH_OPS)
+            if op == "exchange":
+                get_int(e, "ranks", w)
+            prof["dispatch"].append((op, get_number(e, "bytes", w), get_number(e, "seconds", w),
+                                     e.get("ranks")))
+    return prof
+
+
+def parse_peaks(text):
+    peaks = {}
+    for item in text.split(","):
+        key, eq, val = item.strip().partition("=")
+        if not eq or key not in PRECISIONS:
+            raise BadInput(None, f"--peaks: {_show(item)} is not precision=FLOP/s with precision one of {', '.join(PRECISIONS)}")
+        try:
+            v = float(val)
+        except ValueError:
+            v = float("nan")
+        if not (math.isfinite(v) and v > 0):
+            raise BadInput(None, f"--peaks: {key}: expected a positive number of FLOP/s, got {_show(val)}")
+        peaks[key] = v
+    return peaks
+
+
+def gpu_peaks(key):
+    path = os.path.join(ROOT, GPUS)
+    gpus = json.load(open(path))["gpus"]
+    if key not in gpus:
+        raise BadInput(None, f"--gpu: {_show(key)} is not a GPU of {GPUS} (known: {', '.join(sorted(gpus))})")
+    return {p: float(gpus[key][f"flops_{p}"]) for p in PRECISIONS if gpus[key].get(f"flops_{p}")}
+
+
+def flops_text(v):
+    return f"{v / 1e12:g}e12"
+
+
+def call_model(p, m, n, k, experts, peak, elem, mem_bw):
+    """One call of `experts` equal problems on a batched path: launch + E * max(compute, memory)."""
+    launch, gmax, half = p
+    d = min(m, n, k)
+    eff = gmax * d / (d + half)
+    return launch + experts * max(2.0 * m * n * k / (peak * eff), elem * (m * k + k * n + m * n) / mem_bw)
+
+
+def fit_linear_latency(samples):
+    """t = latency + bytes / bw, least squares on the relative error t_model / t - 1 (linear in latency
+    and 1/bw). Returns (bw, latency, log residuals) or None when the samples cannot give both."""
+    if len({b for b, _ in samples}) < 2:
+        return None
+    # Minimise sum (lat / t + b * inv / t - 1)^2 over lat, inv.
+    s11 = sum(1 / t ** 2 for _, t in samples)
+    s12 = sum(b / t ** 2 for b, t in samples)
+    s22 = sum(b * b / t ** 2 for b, t in samples)
+    r1 = sum(1 / t for _, t in samples)
+    r2 = sum(b / t for b, t in samples)
+    det = s11 * s22 - s12 * s12
+    lat = (r1 * s22 - r2 * s12) / det
+    inv = (s11 * r2 - s12 * r1) / det
+    if lat < 0:  # no latency to be seen: the rate alone
+        lat, inv = 0.0, r2 / s22
+    if inv <= 0:
+        return None
+    return 1 / inv, lat, [math.log((lat + b * inv) / t) for b, t in samples]
+
+
+def describe_points(pts):
+    ops = sorted({p["op"] for p in pts}, key=OPS.index)
+    rows = sorted({p["rows"] for p in pts})
+    sizes = sorted({(p["d_model"], p["d_hidden"]) for p in pts})
+    experts = sorted({p["experts"] for p in pts})
+    return (f"{'/'.join(ops)} of rows {rows[0]}..{rows[-1]} x " + ", ".join(f"{a}/{b}" for a, b in sizes) +
+            f", {'/'.join(str(e) for e in experts)} experts")
+
+
+def build_from_profile(path, peaks, peaks_text, name):
+    """The calibration document for a profile, and lines to print."""
+    prof = read_profile(path)
+    notes = []
+    mem_bw = prof["d2d_bw"]
+    points = prof["points"] or []
+
+    loop, batched, samples = {}, {q: {} for q in PATHS[1:]}, {}
+    for pt in points:
+        m, n, k = gemm_shape(pt["op"], pt["d_model"], pt["d_hidden"], pt["rows"])
+        flops = 2.0 * m * n * k
+        E = pt["experts"]
+        for q in PATHS:
+            tf = pt["tflops"][q]
+            if not tf:
+                continue
+            call = E * flops / (tf * 1e12)
+            if q == "loop":
+                loop.setdefault(pt["precision"], []).append(((m, n, k, call / E), pt))
+            else:
+                batched[q].setdefault(pt["precision"], []).append(((m, n, k, E, call), pt))
+    for dtype, m, n, k, t in prof["gemm"]:
+        samples.setdefault(dtype, []).append((m, n, k, t))
+
+    fitted = [p for p in PRECISIONS if p in peaks and (p in loop or p in samples)]
+    for p in PRECISIONS:
+        if p in peaks and p not in fitted:
+            notes.append(f"{p}: a peak but no GEMM data in the profile: no curve")
+        if p not in peaks and (p in loop or p in samples):
+            notes.append(f"{p}: GEMM data but no peak given: no curve")
+    if not fitted:
+        raise BadInput("gemm", "no GEMM samples or gemm_paths loop figures for any precision with a peak "
+                               f"({', '.join(p for p in PRECISIONS if p in peaks)})")
+
+    # The loop path (one call per problem): launch_latency free, jointly over the precisions
+    # with loop figures; without any, over the single-GEMM samples.
+    base = [p for p in fitted if p in loop] or fitted
+    data = {p: ([x for x, _ in loop[p]] if p in loop else samples[p]) for p in fitted}
+    launch0 = prof["launch_latency"] or 5e-6
+
+    def joint(par):
+        out = []
+        for i, p in enumerate(base):
+            out += [math.log(model([par[0], par[1 + 2 * i], par[2 + 2 * i]], m, n, k, peaks[p], ELEM[p], mem_bw) / t)
+                    for m, n, k, t in data[p]]
+        return out
+
+    par, r = lm(joint, [launch0] + [0.8, 128.0] * len(base), [True] * (1 + 2 * len(base)))
+    launch = par[0]
+    curves, stats, res = {}, {}, {}
+    at = 0
+    for i, p in enumerate(base):
+        curves[p] = (par[1 + 2 * i], par[2 + 2 * i])
+        res[p] = r[at:at + len(data[p])]
+        at += len(data[p])
+    for p in fitted:
+        if p not in base:
+            pp, res[p] = fit(data[p], peaks[p], ELEM[p], mem_bw, [launch, 0.8, 128.0], [False, True, True])
+            curves[p] = (pp[1], pp[2])
+
+    doc_curves = {}
+    for p in fitted:
+        gmax, half = curves[p]
+        if p in loop:
+            pts = [pt for _, pt in loop[p]]
+            src = (f"Least-squares fit to {len(pts)} per-problem times of the loop path (one call per problem) of "
+                   f"{path}'s gemm_paths ({describe_points(pts)}; per-problem time = call time / experts)")
+        else:
+            src = f"Least-squares fit to the {len(samples[p])} {p} GEMM samples of {path} (moelab calibrate, one call each)"
+        if p in base:
+            others = [q for q in base if q != p]
+            src += "; launch_latency fitted with it" + (f" (jointly with the {', '.join(others)} curve)" if others else "") + "."
+        else:
+            src += ", launch_latency held at the loop fit's."
+        doc_curves[p] = {"gemm_max": rd(gmax), "gemm_half_dim": rd(half), "source": src}
+        stats[p] = summary(res[p])
+        if p in loop and p in samples:
+            val = residuals(samples[p], [launch, gmax, half], peaks[p], ELEM[p], mem_bw)
+            stats[f"{p}_validation_on_gemm_samples"] = dict(
+                summary(val), note=f"not fitted: the profile's {p} single-GEMM samples, predicted by the {p} curve")
+        if gmax > 1:
+            notes.append(f"{p}: gemm_max {rd(gmax)} is above 1: faster than the peak given ({flops_text(peaks[p])} FLOP/s)")
+
+    doc = {
+        "schema": "moelab.gemm_calibration/1",
+        "name": name,
+        "device": prof["device"],
+        "model": "t_call = launch_latency + max(2mnk / (peak(precision) * eff), elem_bytes * (mk + kn + mn) / mem_bw); "
+                 "eff = gemm_max * d / (d + gemm_half_dim), d = min(m, n, k) (docs/PERFORMANCE.md, \"GEMM efficiency against size\")",
+        "launch_latency": rd(launch),
+        "mem_bw": rd(mem_bw),
+        "curves": doc_curves,
+    }
+    fit_doc = {
+        "method": "Levenberg-Marquardt least squares on log(t_model / t_measured) over the parameters' logs (scripts/fit_gemm_efficiency.py)",
+        "data": [path],
+        "peaks": peaks_text,
+        "mem_bw_source": f"{path} d2d_bw (a device-to-device copy, bytes read + written per second)",
+    }
+    fit_doc.update(stats)
+    if prof["launch_latency"] is not None:
+        fit_doc["launch_latency_profile"] = rd(prof["launch_latency"])
+
+    # Batched paths: one call of E equal problems, launch_latency held.
+    paths, path_stats = {}, {}
+    for q in PATHS[1:]:
+        for p in PRECISIONS:
+            if p not in batched[q]:
+                continue
+            if p not in peaks:
+                notes.append(f"{q} {p}: figures but no peak given: no curve")
+                continue
+            pts = [x for x, _ in batched[q][p]]
+            pp, rr = lm(lambda v: [math.log(call_model(v, m, n, k, E, peaks[p], ELEM[p], mem_bw) / t)
+                                   for m, n, k, E, t in pts], [launch, 0.8, 128.0], [False, True, True])
+            paths.setdefault(q, {})[p] = {"gemm_max": rd(pp[1]), "gemm_half_dim": rd(pp[2])}
+            path_stats.setdefault(q, {})[p] = summary(rr)
+    if paths:
+        doc["paths"] = {
+            "source": f"Least-squares fits to the strided_batched and grouped figures of {path}'s gemm_paths, "
+                      "launch_latency held at the loop fit's.",
+            "model": "one call of E equal problems on a path: t_call = launch_latency + E * max(2mnk / (peak(precision) * eff_path), "
+                     "elem_bytes * (mk + kn + mn) / mem_bw), eff_path = gemm_max_path * d / (d + gemm_half_dim_path), d = min(m, n, k); "
+                     "the loop path (one call per problem) is \"curves\"",
+            **paths,
+            "fit": path_stats,
+        }
+    elif points:
+        notes.append("gemm_paths: no strided_batched or grouped figures for a precision with a peak: no \"paths\"")
+    if prof["points"] is not None:
+        doc["gemm_paths"] = prof["raw"]["gemm_paths"]
+
+    if prof["copies"] is not None:
+        copies, cstats = {}, {}
+        for kind in COPY_KINDS:
+            got = fit_linear_latency([(b, t) for k2, b, t in prof["copies"] if k2 == kind])
+            if got is None:
+                notes.append(f"copies {kind}: fewer than two sizes (or times that do not grow with size): not fitted")
+                continue
+            copies[kind] = {"bw": rd(got[0]), "latency": rd(got[1])}
+            cstats[kind] = summary(got[2])
+        if copies:
+            doc["copies"] = dict(copies, source=f"Least-squares fit (relative errors) of t = latency + bytes / bw to the copy "
+                                                f"size sweep of {path} (bytes copied one way)", fit=cstats)
+
+    if prof["interference"] is not None:
+        cm = [f for v, a, f in prof["interference"] if v == "compute" and a in ("h2d", "d2h")]
+        mc = [f for v, a, f in prof["interference"] if v in ("h2d", "d2h") and a == "compute"]
+        inter = {}
+        if cm:
+            inter["compute_beside_memcpy"] = rd(min(cm))
+        if mc:
+            inter["memcpy_beside_compute"] = rd(min(1.0, min(mc)))
+        if inter:
+            inter["source"] = (f"{path} interference (factor = time alone / time together): compute_beside_memcpy the least over "
+                               "the compute victim beside h2d/d2h copies, memcpy_beside_compute the least over h2d/d2h victims "
+                               "beside compute, capped at 1")
+            doc["interference"] = inter
+        else:
+            notes.append("interference: no compute/copy pair: not fitted")
+
+    if prof["overheads"] is not None:
+        doc["overheads"] = dict(prof["overheads"], source=f"{path} overheads (copied)")
+
+    if prof["dispatch"] is not None:
+        disp, dstats = {}, {}
+        perm = [(b, t) for op, b, t, _ in prof["dispatch"] if op == "permute"]
+        if perm:
+            bw = statistics.median(b / t for b, t in perm)
+            disp["permute_bw"] = rd(bw)
+            disp["permute_mem_efficiency"] = rd(bw / mem_bw)
+            dstats["permute"] = summary([math.log(b / bw / t) for b, t in perm])
+        else:
+            notes.append("dispatch: no permute samples")
+        exch = [(b, t) for op, b, t, _ in prof["dispatch"] if op == "exchange"]
+        got = fit_linear_latency(exch) if exch else None
+        if got:
+            disp["exchange"] = {"bw": rd(got[0]), "latency": rd(got[1]),
+                                "ranks": sorted({r for op, _, _, r in prof["dispatch"] if op == "exchange"})}
+            dstats["exchange"] = summary(got[2])
+        else:
+            notes.append("dispatch: fewer than two exchange sizes: exchange not fitted")
+        if disp:
+            doc["dispatch"] = dict(disp, source=f"{path} dispatch: permute_bw the median bytes (read + written) per second of "
+                                                "the permute samples, permute_mem_efficiency = permute_bw / mem_bw (both read + "
+                                                "written); exchange: t = latency + bytes / bw fitted like copies", fit=dstats)
+
+    if prof["missing"]:
+        notes.insert(0, f"not in the profile (left out): {', '.join(prof['missing'])}")
+        fit_doc["not_in_profile"] = prof["missing"]
+    doc["fit"] = fit_doc
+    doc["source"] = f"Fitted by scripts/fit_gemm_efficiency.py to the moelab calibrate profile {path}."
+    return doc, notes
+
+
+def write_atomic(path, text):
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def main_profile(args):
+    try:
+        if args.peaks:
+            peaks = parse_peaks(args.peaks)
+            peaks_text = "given with --peaks: " + ", ".join(f"{p} {flops_text(peaks[p])}" for p in PRECISIONS if p in peaks) + " FLOP/s"
+        else:
+            peaks = gpu_peaks(args.gpu)
+            peaks_text = f"{GPUS} {args.gpu}: " + ", ".join(f"{p} {flops_text(peaks[p])}" for p in PRECISIONS if p in peaks) + " FLOP/s"
+    except BadInput as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    try:
+        doc, notes = build_from_profile(args.profile, peaks, peaks_text,
+                                        args.name or os.path.splitext(os.path.basename(args.out))[0])
+    except BadInput as e:
+        print(f"{PROG}: {args.profile}: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(doc, indent=2) + "\n"
+    if args.check:
+        try:
+            same = open(args.out).read() == text
+        except OSError:
+            same = False
+        if not same:
+            print(f"{args.out} differs from the fit", file=sys.stderr)
+            return 1
+        return 0
+    try:
+        write_atomic(args.out, text)
+    except OSError as e:
+        print(f"{PROG}: {args.out}: cannot write: {e.strerror or e}", file=sys.stderr)
+        return 2
+    for line in notes:
+        print(line)
+    print(f"{doc['name']}: launch {doc['launch_latency'] * 1e6:.2f} us; " +
+          "; ".join(f"{k} gemm_max {v['gemm_max']} half {v['gemm_half_dim']}" for k, v in doc["curves"].items()))
+    for q in PATHS[1:]:
+        for p, c in doc.get("paths", {}).get(q, {}).items():
+            print(f"  {q} {p}: gemm_max {c['gemm_max']} half {c['gemm_half_dim']}")
+    for kind in COPY_KINDS:
+        if kind in doc.get("copies", {}):
+            c = doc["copies"][kind]
+            print(f"  copy {kind}: {c['bw'] / 1e9:.4g} GB/s, latency {c['latency'] * 1e6:.3g} us")
+    print(f"wrote {args.out}")
+    return 0
+
+
 def main():
-    check = "--check" in sys.argv
+    ap = argparse.ArgumentParser(
+        prog=PROG, description="Fit the sim backend's GEMM time model. Without --profile: the committed calibrations "
+                               "of experiments/hardware/calibration/ from the committed measurements.")
+    ap.add_argument("--check", action="store_true", help="fail if the file(s) on disk differ from what the fit gives")
+    ap.add_argument("--profile", metavar="P.json", help="a moelab calibrate profile (moelab.profile/1) to fit")
+    peaks = ap.add_mutually_exclusive_group()
+    peaks.add_argument("--peaks", metavar="bf16=F,tf32=F,fp32=F", help="peak FLOP/s per precision (any subset)")
+    peaks.add_argument("--gpu", metavar="KEY", help=f"take the peaks from {GPUS} (for example H100-SXM5-80GB)")
+    ap.add_argument("--name", help="the calibration's name (default: OUT's file name without .json)")
+    ap.add_argument("--out", metavar="OUT.json", help="the calibration file to write")
+    args = ap.parse_args()
+    if args.profile:
+        if not args.out:
+            ap.error("--profile needs --out")
+        if not (args.peaks or args.gpu):
+            ap.error("--profile needs --peaks or --gpu")
+        return main_profile(args)
+    if args.peaks or args.gpu or args.name or args.out:
+        ap.error("--peaks, --gpu, --name and --out go with --profile")
+    return main_committed(args.check)
+
+
+def main_committed(check):
     h100, a100 = build()
     status = 0
     for doc in (h100, a100):
