@@ -70,17 +70,20 @@ def model(p, m, n, k, peak, elem, mem_bw):
 
 
 def solve(a, b):
+    """Gauss-Jordan; a parameter the residuals do not depend on (a zero column) gets step 0."""
     n = len(b)
     m = [row[:] + [b[i]] for i, row in enumerate(a)]
     for i in range(n):
         piv = max(range(i, n), key=lambda q: abs(m[q][i]))
         m[i], m[piv] = m[piv], m[i]
+        if m[i][i] == 0:
+            continue
         for q in range(n):
             if q != i:
                 f = m[q][i] / m[i][i]
                 for c in range(i, n + 1):
                     m[q][c] -= f * m[i][c]
-    return [m[i][n] / m[i][i] for i in range(n)]
+    return [m[i][n] / m[i][i] if m[i][i] else 0.0 for i in range(n)]
 
 
 def lm(res, p0, free):
@@ -110,8 +113,11 @@ def lm(res, p0, free):
             xn = list(x)
             for s, i in zip(step, idx):
                 xn[i] += s
-            rn = resx(xn)
-            cn = sum(v * v for v in rn)
+            try:
+                rn = resx(xn)
+                cn = sum(v * v for v in rn)
+            except (OverflowError, ZeroDivisionError):  # a step far out of range: a smaller one
+                cn = math.inf
             if cn < cost:
                 converged = cost - cn < 1e-14 * max(cost, 1e-30)
                 x, r, cost = xn, rn, cn
@@ -328,6 +334,9 @@ INTERF_SIDES = ("compute", "h2d", "d2h")
 DISPATCH_OPS = ("permute", "exchange")
 GPUS = "experiments/hardware/gpus.json"
 PROG = "fit_gemm_efficiency.py"
+# The range a calibration's curve may take (harness/config/limits.hpp: kMinFraction, kMaxGemmHalfDim).
+MIN_GEMM_MAX = 1e-3
+MAX_HALF_DIM = 1 << 20
 
 
 class BadInput(Exception):
@@ -635,9 +644,30 @@ def build_from_profile(path, peaks, peaks_text, name):
             pp, res[p] = fit(data[p], peaks[p], ELEM[p], mem_bw, [launch, 0.8, 128.0], [False, True, True])
             curves[p] = (pp[1], pp[2])
 
+    def compute_bound(pts, peak, elem, gmax, half):
+        """How many of (m, n, k, ...) points the compute term binds at the fitted curve."""
+        return sum(1 for m, n, k, *_ in pts
+                   if 2.0 * m * n * k / (peak * gmax * min(m, n, k) / (min(m, n, k) + half)) >
+                   elem * (m * k + k * n + m * n) / mem_bw)
+
+    def unusable(pts, peak, elem, gmax, half):
+        """Why a fitted curve is no curve (None when it is one)."""
+        if compute_bound(pts, peak, elem, gmax, half) < 2:
+            return "fewer than two of its GEMMs are compute-bound (the rest move memory): the curve is not determined"
+        if not (MIN_GEMM_MAX <= gmax <= 1.0 and half <= MAX_HALF_DIM):
+            return (f"the fit gives gemm_max {rd(gmax)}, gemm_half_dim {rd(half)}, outside what a calibration accepts "
+                    f"(gemm_max in [{MIN_GEMM_MAX:g}, 1], gemm_half_dim at most {MAX_HALF_DIM}; is the peak "
+                    f"{flops_text(peak)} FLOP/s right?)")
+        return None
+
     doc_curves = {}
-    for p in fitted:
+    for p in list(fitted):
         gmax, half = curves[p]
+        why = unusable(data[p], peaks[p], ELEM[p], gmax, half)
+        if why:
+            notes.append(f"{p}: {why}: no curve")
+            fitted.remove(p)
+            continue
         if p in loop:
             pts = [pt for _, pt in loop[p]]
             src = (f"Least-squares fit to {len(pts)} per-problem times of the loop path (one call per problem) of "
@@ -655,9 +685,10 @@ def build_from_profile(path, peaks, peaks_text, name):
             val = residuals(samples[p], [launch, gmax, half], peaks[p], ELEM[p], mem_bw)
             stats[f"{p}_validation_on_gemm_samples"] = dict(
                 summary(val), note=f"not fitted: the profile's {p} single-GEMM samples, predicted by the {p} curve")
-        if gmax > 1:
-            notes.append(f"{p}: gemm_max {rd(gmax)} is above 1: faster than the peak given ({flops_text(peaks[p])} FLOP/s)")
 
+    if not doc_curves:
+        raise BadInput("gemm", "no precision with a peak gives a curve (" +
+                       "; ".join(n for n in notes if n.endswith(": no curve")) + ")")
     doc = {
         "schema": "moelab.gemm_calibration/1",
         "name": name,
@@ -690,6 +721,10 @@ def build_from_profile(path, peaks, peaks_text, name):
             pts = [x for x, _ in batched[q][p]]
             pp, rr = lm(lambda v: [math.log(call_model(v, m, n, k, E, peaks[p], ELEM[p], mem_bw) / t)
                                    for m, n, k, E, t in pts], [launch, 0.8, 128.0], [False, True, True])
+            why = unusable(pts, peaks[p], ELEM[p], pp[1], pp[2])
+            if why:
+                notes.append(f"{q} {p}: {why}: left out")
+                continue
             paths.setdefault(q, {})[p] = {"gemm_max": rd(pp[1]), "gemm_half_dim": rd(pp[2])}
             path_stats.setdefault(q, {})[p] = summary(rr)
     if paths:
