@@ -37,7 +37,7 @@ with launch_latency held. Also written, each when the profile has the data: "gem
 profile's table, verbatim), "copies" (t = latency + bytes / bw per kind, least squares on the
 relative error), "interference" (the least alone/together factors of compute beside h2d/d2h copies
 and of copies beside compute, the latter capped at 1), "overheads" (copied) and "dispatch"
-(permute_bw, the median of the permute samples' bytes per second; permute_mem_efficiency =
+(permute_bw and unpermute_bw, the medians of the permute and unpermute samples' bytes per second; permute_mem_efficiency =
 permute_bw / mem_bw; exchange bw and latency fitted like copies). Sections missing from the
 profile are named on stdout and left out. Bad input: one line on stderr naming the file and the
 field, exit 2, and OUT is left as it was (the file is written whole or not at all).
@@ -331,7 +331,7 @@ OPS = ("fwd", "dgrad", "wgrad")
 PATHS = ("loop", "strided_batched", "grouped")
 COPY_KINDS = ("h2d", "d2h", "d2d")
 INTERF_SIDES = ("compute", "h2d", "d2h")
-DISPATCH_OPS = ("permute", "exchange")
+DISPATCH_OPS = ("permute", "unpermute", "exchange")
 GPUS = "experiments/hardware/gpus.json"
 PROG = "fit_gemm_efficiency.py"
 # The range a calibration's curve may take (harness/config/limits.hpp: kMinFraction, kMaxGemmHalfDim).
@@ -776,14 +776,15 @@ def build_from_profile(path, peaks, peaks_text, name):
 
     if prof["dispatch"] is not None:
         disp, dstats = {}, {}
-        perm = [(b, t) for op, b, t, _ in prof["dispatch"] if op == "permute"]
-        if perm:
-            bw = statistics.median(b / t for b, t in perm)
-            disp["permute_bw"] = rd(bw)
-            disp["permute_mem_efficiency"] = rd(bw / mem_bw)
-            dstats["permute"] = summary([math.log(b / bw / t) for b, t in perm])
-        else:
-            notes.append("dispatch: no permute samples")
+        for kind in ("permute", "unpermute"):
+            perm = [(b, t) for op, b, t, _ in prof["dispatch"] if op == kind]
+            if perm:
+                bw = statistics.median(b / t for b, t in perm)
+                disp[f"{kind}_bw"] = rd(bw)
+                disp[f"{kind}_mem_efficiency"] = rd(bw / mem_bw)
+                dstats[kind] = summary([math.log(b / bw / t) for b, t in perm])
+            else:
+                notes.append(f"dispatch: no {kind} samples")
         exch = [(b, t) for op, b, t, _ in prof["dispatch"] if op == "exchange"]
         got = fit_linear_latency(exch) if exch else None
         if got:
@@ -795,7 +796,7 @@ def build_from_profile(path, peaks, peaks_text, name):
         if disp:
             doc["dispatch"] = dict(disp, source=f"{path} dispatch: permute_bw the median bytes (read + written) per second of "
                                                 "the permute samples, permute_mem_efficiency = permute_bw / mem_bw (both read + "
-                                                "written); exchange: t = latency + bytes / bw fitted like copies", fit=dstats)
+                                                "written), unpermute (the combine's gather) alike; exchange: t = latency + bytes / bw fitted like copies", fit=dstats)
 
     if prof["missing"]:
         notes.insert(0, f"not in the profile (left out): {', '.join(prof['missing'])}")
