@@ -4,15 +4,21 @@
 #   scripts/validate_sim.sh --backend cuda [--cluster h100x1] [--out results/validation/h100]
 #   scripts/validate_sim.sh --backend cpu  [--out results/validation/cpu]
 #
-# 1. `moelab calibrate` measures this device into a profile;
-# 2. six single-rank MoE layer configurations (varying d_model, d_hidden, tokens, experts)
-#    run for real on the backend and on the sim backend with that profile;
-# 3. plots/compare_sim.py writes comparison.json and prints |sim - measured| / measured per
+# 1. `moelab calibrate` measures this device into a profile (microbenchmarks only: GEMMs and
+#    the experts' grouped call on each library path, copies, overheads, interference, the
+#    dispatch path);
+# 2. scripts/fit_gemm_efficiency.py --profile fits a GEMM calibration to it (calibration.json)
+#    and a cluster model is written with the fitted calibration, interference, host copy rate
+#    and memory efficiency (cluster.json);
+# 3. six single-rank MoE layer configurations (varying d_model, d_hidden, tokens, experts),
+#    none of them used by the fit, run for real on the backend and on the sim backend with
+#    that cluster model, replaying the measured run's routing;
+# 4. plots/compare_sim.py writes comparison.json and prints |sim - measured| / measured per
 #    configuration (step time and each phase), with the median and the worst.
 # For cuda the cluster model is the node of this GPU (h100x1 or h200x1, from the device name)
-# simulated with one rank; for cpu it is a one-"GPU" model of this host generated from the
-# profile (the cpu backend runs streams as threads on few cores, so it checks the method,
-# not a GPU figure).
+# with the fitted figures in place of the catalogue's, simulated with one rank; for cpu it is a
+# one-"GPU" model of this host (the cpu backend runs streams as threads on few cores, so it
+# checks the method, not a GPU figure).
 # Environment: MOELAB (the binary; default $BUILD_DIR/harness/moelab), PYTHON (default
 # /usr/bin/python3, else python3 on PATH: standard library only), MOELAB_EXPERIMENTS (the
 # cluster catalogue; default this checkout's experiments/, so that a binary built in another
@@ -28,7 +34,7 @@ while [ $# -gt 0 ]; do
     --backend) backend="$2"; shift ;;
     --cluster) cluster="$2"; shift ;;
     --out) out="$2"; shift ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "validate_sim.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -41,6 +47,7 @@ py="${PYTHON:-/usr/bin/python3}"
 [ -x "$py" ] || py=python3
 export MOELAB_EXPERIMENTS="${MOELAB_EXPERIMENTS:-$root/experiments}"
 mkdir -p "$out/workloads" "$out/measured" "$out/simulated"
+out="$(cd "$out" && pwd)"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
 echo "== calibrate ($backend)"
@@ -78,6 +85,61 @@ else
   dtype=bf16
 fi
 
+echo "== fit a calibration to the profile; the cluster model with it"
+case "$cluster" in
+  */*|*.json) base="$cluster" ;;
+  *) base="$MOELAB_EXPERIMENTS/hardware/clusters/$cluster.json" ;;
+esac
+[ -f "$base" ] || { echo "validate_sim.sh: no cluster file $base" >&2; exit 2; }
+# The fit's peaks are the cluster's GPU's, so that the fitted efficiencies price its GEMMs.
+peaks="$("$py" - "$base" "$MOELAB_EXPERIMENTS" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+node = c["node"] if isinstance(c["node"], dict) else json.load(open(sys.argv[2] + "/hardware/nodes.json"))["nodes"][c["node"]]
+gpu = node["gpu"] if isinstance(node["gpu"], dict) else json.load(open(sys.argv[2] + "/hardware/gpus.json"))["gpus"][node["gpu"]]
+print(",".join(f"{p}={gpu['flops_' + p]!r}" for p in ("bf16", "tf32", "fp32") if gpu.get("flops_" + p)))
+PY
+)"
+"$py" "$root/scripts/fit_gemm_efficiency.py" --profile "$out/profile.json" --peaks "$peaks" --name "$backend-$host-fitted" \
+  --out "$out/calibration.json"
+"$py" - "$base" "$MOELAB_EXPERIMENTS" "$out/profile.json" "$out/calibration.json" "$out/cluster.json" <<'PY'
+import json, sys
+base, exp, prof_path, cal_path, out_path = sys.argv[1:6]
+c = json.load(open(base))
+prof, cal = json.load(open(prof_path)), json.load(open(cal_path))
+if not isinstance(c["node"], dict):
+    node = dict(json.load(open(exp + "/hardware/nodes.json"))["nodes"][c["node"]], name=c["node"])
+    c["node"] = node
+node = c["node"]
+if not isinstance(node["gpu"], dict):
+    node["gpu"] = dict(json.load(open(exp + "/hardware/gpus.json"))["gpus"][node["gpu"]], name=node["gpu"])
+fitted = []
+if "copies" in cal:
+    node["host_copy_bw"] = (cal["copies"]["h2d"]["bw"] + cal["copies"]["d2h"]["bw"]) / 2
+    fitted.append("host_copy_bw: the mean of the fitted h2d and d2h rates (calibration.json copies)")
+node["source"] = node.get("source", "") + " Fitted on this device: " + ("; ".join(fitted) or "nothing") + "."
+mem = min(1.0, prof["d2d_bw"] / node["gpu"]["hbm_bw"])
+c["efficiency"] = {"calibration": "calibration.json", "mem": mem,
+                   "source": f"GEMM efficiency and launch latency: calibration.json, fitted by scripts/fit_gemm_efficiency.py "
+                             f"--profile to {prof_path}. mem {mem:.3f}: the profile's device copy rate (bytes read + written) "
+                             f"over the GPU's HBM bandwidth, capped at 1."}
+if "interference" in cal:
+    it = c.get("interference") or {}
+    for v, others in (("compute", ("comm", "memcpy")), ("comm", ("compute", "memcpy")), ("memcpy", ("compute", "comm"))):
+        it.setdefault(v, {})
+        for a in others:
+            it[v].setdefault(a, 1.0)
+    it["compute"]["memcpy"] = cal["interference"]["compute_beside_memcpy"]
+    it["memcpy"]["compute"] = cal["interference"]["memcpy_beside_compute"]
+    it["source"] = ("compute beside memcpy and memcpy beside compute: fitted to this device's profile (calibration.json "
+                    "interference). The pairs with comm: " + (c.get("interference") or {}).get("source", "1.0 (not measured on one device)"))
+    c["interference"] = it
+c["name"] = c["name"] + "-fitted"
+c["description"] = c.get("description", "") + " With the figures fitted to this device's calibration profile."
+c["source"] = "generated by scripts/validate_sim.sh from " + base + " and " + cal_path
+json.dump(c, open(out_path, "w"), indent=2)
+PY
+
 i=0
 for c in "${configs[@]}"; do
   read -r M H E T <<<"$c"
@@ -89,7 +151,8 @@ for c in "${configs[@]}"; do
   "$moelab" run --workload "$w" --impl fastmoe --backend "$backend" --record-routing "$out/measured/c$i.routing.json" \
     --out "$out/measured/c$i.json" >/dev/null
   # The sim replays the measured run's own routing, so only the cost model is being judged.
-  "$moelab" run --workload "$w" --impl fastmoe --backend sim --cluster "$cluster" --ranks 1 \
-    --profile "$out/profile.json" --routing "trace:$out/measured/c$i.routing.json" --out "$out/simulated/c$i.json" >/dev/null
+  # From the output folder: the cluster model names its calibration as calibration.json there.
+  (cd "$out" && "$moelab" run --workload "$w" --impl fastmoe --backend sim --cluster "$out/cluster.json" --ranks 1 \
+    --routing "trace:$out/measured/c$i.routing.json" --out "$out/simulated/c$i.json" >/dev/null)
 done
 "$py" "$root/plots/compare_sim.py" "$out"

@@ -1,20 +1,36 @@
 // harness/cli/calibrate.cpp — `moelab calibrate`: measure the device this process runs on and
-// write a calibration profile that the sim backend can use instead of datasheet curves.
+// write a calibration profile (schema moelab.profile/1) that the sim backend can use instead
+// of datasheet curves, and from which scripts/fit_gemm_efficiency.py --profile fits a GEMM
+// calibration (docs/PERFORMANCE.md, "Fitting a calibration from moelab calibrate").
 //
 //   moelab calibrate --backend cuda --out experiments/profiles/h100.json
 //   moelab calibrate --backend cpu --out /tmp/cpu-profile.json --quick
 //
 // Measured, each as the median of several repetitions after a warm-up:
-//   GEMM      a grid of shapes (the paper models' expert shapes and partition sizes) in every
-//             dtype the backend supports, through Backend::time_bare_gemms (cuBLAS / cblas)
-//   copies    pinned host->device and device->host, device->device (bytes read + written)
-//   kernels   an elementwise kernel's bandwidth (GeLU: one read, one write) and the time of
-//             a tiny op (launch latency)
-//   comm      with several ranks (mpirun), all-to-all-v of several sizes: recorded for
-//             reference (the cluster models keep the link figures)
+//   gemm        single GEMMs over a grid of shapes (the paper models' expert shapes) in every
+//               dtype the backend supports, through Backend::time_bare_gemms (cuBLAS / cblas)
+//   gemm_paths  the experts' grouped call (E equal problems, fwd / dgrad / wgrad) against rows
+//               per expert, on each library path the backend has (cuda: a loop of
+//               cublasGemmEx, cublasGemmStridedBatchedEx, cublasGemmGroupedBatchedEx; cpu: the
+//               loop), as the crossover table the cuda backend chooses its path by
+//               (harness/runtime/gemm_paths.hpp; `moelab run --backend cuda --profile FILE`)
+//   copies      pinned host->device, device->host and device->device against size
+//   overheads   kernel launch (back-to-back tiny kernels), event record, a host
+//               synchronisation's round trip, a cross-stream wait
+//   interference  a large GEMM beside pinned copies and the copies beside it: the rate each
+//               keeps (alone / together)
+//   dispatch    the single-device dispatch path: the token permutation (scatter to expert
+//               order) and the exchange of one rank with itself, against size
+//   kernels     an elementwise kernel's bandwidth (GeLU: one read, one write)
+//   comm        with several ranks (mpirun), all-to-all-v of several sizes: recorded for
+//               reference (the cluster models keep the link figures)
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdio>
+#include <numeric>
+#include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -24,7 +40,11 @@
 #include "harness/comm/world.hpp"
 #include "harness/metrics/results.hpp"
 #include "harness/runtime/error.hpp"
+#include "harness/runtime/gemm_paths.hpp"
 #include "harness/sim/cluster.hpp"
+#ifdef MOELAB_HAVE_CUDA
+#include "harness/backends/cuda/cuda_backend.hpp"
+#endif
 
 namespace moelab::cli {
 
@@ -51,6 +71,290 @@ double time_it(Backend& b, int reps, F&& body) {
   return median_of(t);
 }
 
+// Median seconds of one `body()`: after a warm-up, one timed call estimates its length, and
+// each of `reps` repetitions then runs it back to back as often as fills `target` seconds, so
+// that calls of a few microseconds are not lost in the host's synchronisation round trip.
+template <class F>
+double time_per_call(Backend& b, int reps, double target, F&& body) {
+  body();
+  b.synchronize();
+  double t0 = b.now();
+  body();
+  b.synchronize();
+  const double one = std::max(b.now() - t0, 1e-9);
+  const int iters = static_cast<int>(std::clamp(std::ceil(target / one), 1.0, 2000.0));
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    t0 = b.now();
+    for (int i = 0; i < iters; ++i) body();
+    b.synchronize();
+    t.push_back((b.now() - t0) / iters);
+  }
+  b.clear_timeline();  // thousands of timed ops: nothing reads them
+  return median_of(t);
+}
+
+struct Plan {
+  bool cpu = false, quick = false;
+  int reps = 7;
+  bool print = true;  // rank 0 prints what it measures
+};
+
+std::string precision_of(DType t, bool tf32) { return t == DType::bf16 ? "bf16" : (tf32 ? "tf32" : "fp32"); }
+
+// ---- the experts' grouped call on each GEMM path ---------------------------------------------
+// One call of E equal problems, the layer's packed layout: the tokens of expert e are rows
+// [e·R, (e+1)·R) of one buffer, the weights [E, d_model, d_hidden] at fixed strides, so every
+// call is one strided batch (docs/GPU.md, "The layer's layout"). fwd: X_e·W_e; dgrad:
+// dY_e·W_eᵀ; wgrad: X_eᵀ·dY_e accumulated into the gradient (β = 1), as the layer issues them.
+json measure_gemm_paths(Backend& b, Stream& s, const Plan& plan, const std::string& device) {
+  struct Width {
+    std::int64_t d_model, d_hidden;
+  };
+  std::vector<Width> widths = plan.cpu ? std::vector<Width>{{64, 256}, {128, 512}} : std::vector<Width>{{768, 3072}, {2048, 8192}};
+  std::vector<std::int64_t> experts = plan.cpu ? std::vector<std::int64_t>{4, 16} : std::vector<std::int64_t>{8, 64};
+  const std::int64_t min_rows = plan.cpu ? 16 : 64, max_rows = plan.cpu ? 256 : 16384;
+  const std::int64_t max_tokens = plan.cpu ? 2048 : 131072;  // E · rows per call
+  std::vector<std::pair<DType, bool>> precisions;
+  if (b.supports(DType::bf16)) precisions.push_back({DType::bf16, false});
+  precisions.push_back({DType::f32, !plan.cpu});  // cuda: fp32 on TF32 tensor cores; cpu: exact fp32
+  if (plan.quick) {
+    widths.resize(1);
+    experts.resize(1);
+    precisions.resize(1);
+  }
+  std::vector<GemmPath> paths = {GemmPath::loop};
+#ifdef MOELAB_HAVE_CUDA
+  if (is_cuda_backend(b)) paths = {GemmPath::loop, GemmPath::strided_batched, GemmPath::grouped};
+#endif
+  const bool tf32_before = b.allow_tf32();
+  json points = json::array();
+  for (auto [dtype, tf32] : precisions) {
+    b.set_allow_tf32(tf32);
+    const std::string prec = precision_of(dtype, tf32);
+    for (const Width& w : widths)
+      for (std::int64_t E : experts)
+        for (std::int64_t R = min_rows; R <= max_rows && E * R <= max_tokens; R *= plan.quick ? 4 : 2) {
+          const std::int64_t M = w.d_model, H = w.d_hidden;
+          Tensor X = b.empty({E * R, M}, dtype, MemCategory::buffers, s), Y = b.empty({E * R, H}, dtype, MemCategory::buffers, s),
+                 DX = b.empty({E * R, M}, dtype, MemCategory::buffers, s), W = b.empty({E, M, H}, dtype, MemCategory::buffers, s),
+                 DW = b.empty({E, M, H}, dtype, MemCategory::buffers, s);
+          for (Tensor* t : {&X, &Y, &DX, &W, &DW}) b.fill_zero(s, *t);
+          for (GemmOp op : {GemmOp::fwd, GemmOp::dgrad, GemmOp::wgrad}) {
+            std::vector<GemmProblem> problems;
+            for (std::int64_t e = 0; e < E; ++e) {
+              const Tensor x = X.rows(e * R, R), y = Y.rows(e * R, R), dx = DX.rows(e * R, R), we = W.select(e), dwe = DW.select(e);
+              if (op == GemmOp::fwd) problems.push_back({false, false, R, H, M, x, we, y, 1.0f, 0.0f});
+              if (op == GemmOp::dgrad) problems.push_back({false, true, R, M, H, y, we, dx, 1.0f, 0.0f});
+              if (op == GemmOp::wgrad) problems.push_back({true, false, M, H, R, x, y, dwe, 1.0f, 1.0f});
+            }
+            const double flops = 2.0 * static_cast<double>(E * R) * static_cast<double>(M * H);
+            json tflops = {{"loop", 0.0}, {"strided_batched", 0.0}, {"grouped", 0.0}};
+            for (GemmPath path : paths) {
+              const std::string name = std::string("calibrate.") + gemm_path_name(path);
+#ifdef MOELAB_HAVE_CUDA
+              std::int64_t before = 0;
+              if (is_cuda_backend(b)) {
+                cuda_force_gemm_path(b, path);
+                for (const auto& u : cuda_gemm_path_uses(b))
+                  if (u.op == name && u.path == path) before = u.calls;
+              }
+#endif
+              const double sec = time_per_call(b, plan.reps, plan.cpu ? 0.02 : 2e-3,
+                                               [&] { b.grouped_gemm(s, problems, name.c_str()); });
+              bool ran = true;
+#ifdef MOELAB_HAVE_CUDA
+              if (is_cuda_backend(b)) {  // a path the library refused ran as the loop: not this path's figure
+                std::int64_t after = 0;
+                for (const auto& u : cuda_gemm_path_uses(b))
+                  if (u.op == name && u.path == path) after = u.calls;
+                ran = after > before;
+                cuda_force_gemm_path(b, std::nullopt);
+              }
+#endif
+              if (ran) tflops[gemm_path_name(path)] = flops / sec / 1e12;
+            }
+            points.push_back({{"precision", prec}, {"op", gemm_op_name(op)}, {"d_model", M}, {"d_hidden", H},
+                              {"experts", E}, {"rows", R}, {"tflops", tflops}});
+            if (plan.print) std::printf("paths %-4s %-5s %5lld/%-5lld E=%-3lld rows %5lld  loop %8.3f  strided %8.3f  grouped %8.3f TFLOP/s\n",
+                        prec.c_str(), gemm_op_name(op), static_cast<long long>(M), static_cast<long long>(H),
+                        static_cast<long long>(E), static_cast<long long>(R), tflops["loop"].get<double>(),
+                        tflops["strided_batched"].get<double>(), tflops["grouped"].get<double>());
+          }
+        }
+  }
+  b.set_allow_tf32(tf32_before);
+  const GemmPathTable defaults;
+  return {{"source", "moelab calibrate --backend " + b.name() + " on " + device + " at commit " + build_commit() +
+                         ": one call of E equal problems per point (the layer's packed layout, wgrad with beta = 1), "
+                         "each path forced in turn, median of " + std::to_string(plan.reps) +
+                         " repetitions; 0 where the backend has no such path or the library refused it"},
+          {"max_padding_waste", defaults.max_padding_waste},
+          {"tie_tolerance", defaults.tie_tolerance},
+          {"points", points}};
+}
+
+// ---- copies against size -----------------------------------------------------------------------
+json measure_copies(Backend& b, Stream& s, const Plan& plan) {
+  std::vector<std::int64_t> sizes = plan.cpu ? std::vector<std::int64_t>{1 << 16, 1 << 20, 1 << 24}
+                                             : std::vector<std::int64_t>{1 << 16, 1 << 20, 1 << 24, 1 << 26, 1 << 28};
+  if (plan.quick) sizes.resize(2);
+  json out = json::array();
+  for (std::int64_t bytes : sizes) {
+    const std::int64_t elems = bytes / 4;
+    Tensor dev = b.empty({elems}, DType::f32, MemCategory::buffers, s), dev2 = b.empty({elems}, DType::f32, MemCategory::buffers, s);
+    Tensor host = b.empty({elems}, DType::f32, MemCategory::buffers, s, MemSpace::host_pinned);
+    for (Tensor* x : {&dev, &dev2, &host}) b.fill_zero(s, *x);
+    const double target = plan.cpu ? 0.02 : 2e-3;
+    const double h2d = time_per_call(b, plan.reps, target, [&] { b.copy(s, host, dev); });
+    const double d2h = time_per_call(b, plan.reps, target, [&] { b.copy(s, dev, host); });
+    const double d2d = time_per_call(b, plan.reps, target, [&] { b.copy(s, dev, dev2); });
+    for (auto [kind, sec] : {std::pair{"h2d", h2d}, std::pair{"d2h", d2h}, std::pair{"d2d", d2d}})
+      out.push_back({{"kind", kind}, {"bytes", bytes}, {"seconds", sec}});
+    if (plan.print) std::printf("copies %9lld B  h2d %7.2f GB/s  d2h %7.2f GB/s  d2d %7.2f GB/s (one way)\n", static_cast<long long>(bytes),
+                static_cast<double>(bytes) / h2d / 1e9, static_cast<double>(bytes) / d2h / 1e9,
+                static_cast<double>(bytes) / d2d / 1e9);
+  }
+  return out;
+}
+
+// ---- host-side overheads -------------------------------------------------------------------------
+json measure_overheads(Backend& b, Stream& s, const Plan& plan, double launch) {
+  Tensor tiny = b.empty({1}, DType::f32, MemCategory::buffers, s);
+  b.fill_zero(s, tiny);
+  Stream& other = b.create_stream(StreamRole::aux, "calibrate.aux");
+  auto ev = b.create_event();
+  const int n = 200;
+  // Issuing n event records on an idle stream, per record.
+  const double record = time_it(b, plan.reps, [&] {
+                          for (int i = 0; i < n; ++i) b.record(*ev, s);
+                        }) / n;
+  // A tiny op issued and waited for by the host: the round trip of one synchronisation.
+  std::vector<double> rt;
+  for (int r = 0; r < std::max(plan.reps, 20); ++r) {
+    const double t0 = b.now();
+    b.fill_zero(s, tiny);
+    b.synchronize(s);
+    rt.push_back(b.now() - t0);
+  }
+  // A record on one stream and a wait on another, then a tiny op there: per pair.
+  const double wait = time_it(b, plan.reps, [&] {
+                        for (int i = 0; i < n; ++i) {
+                          b.record(*ev, s);
+                          b.wait(other, *ev);
+                          b.fill_zero(other, tiny);
+                        }
+                      }) / n -
+                      launch;
+  b.clear_timeline();
+  if (plan.print) std::printf("overheads  launch %.2f us, event record %.2f us, sync round trip %.2f us, cross-stream wait %.2f us\n",
+              launch * 1e6, record * 1e6, median_of(rt) * 1e6, std::max(wait, 0.0) * 1e6);
+  return {{"launch_latency", launch}, {"event_record", record}, {"sync_roundtrip", median_of(rt)},
+          {"stream_wait", std::max(wait, 0.0)}};
+}
+
+// ---- copy / GEMM interference ----------------------------------------------------------------------
+// The victim's work runs alone, then beside an aggressor issued at the same moment on another
+// stream and sized to outlast it; the victim's rate beside the aggressor over its rate alone is
+// the factor the sim's interference matrix holds (harness/sim/cluster.hpp, Interference).
+json measure_interference(Backend& b, Stream& s, const Plan& plan) {
+  const DType t = b.supports(DType::bf16) ? DType::bf16 : DType::f32;
+  const std::int64_t d = plan.cpu ? 384 : 8192;
+  const std::int64_t copy_bytes = plan.cpu ? (8 << 20) : (std::int64_t{256} << 20);
+  Tensor A = b.empty({d, d}, t, MemCategory::buffers, s), B = b.empty({d, d}, t, MemCategory::buffers, s),
+         C = b.empty({d, d}, t, MemCategory::buffers, s);
+  Tensor dev = b.empty({copy_bytes / 4}, DType::f32, MemCategory::buffers, s);
+  Tensor host = b.empty({copy_bytes / 4}, DType::f32, MemCategory::buffers, s, MemSpace::host_pinned);
+  for (Tensor* x : {&A, &B, &C, &dev, &host}) b.fill_zero(s, *x);
+  Stream& h2d = b.create_stream(StreamRole::h2d, "calibrate.h2d");
+  Stream& d2h = b.create_stream(StreamRole::d2h, "calibrate.d2h");
+  const GemmProblem p{false, false, d, d, d, A, B, C, 1.0f, 0.0f};
+  const auto gemm = [&] { b.grouped_gemm(s, {&p, 1}, "calibrate.gemm"); };
+  const auto copy_on = [&](Stream& cs, bool to_device) { to_device ? b.copy(cs, host, dev) : b.copy(cs, dev, host); };
+  const int reps = std::max(3, plan.reps / 2);
+  const double t_gemm = time_per_call(b, reps, plan.cpu ? 0.05 : 0.01, gemm);
+  json out = json::array();
+  for (bool to_device : {true, false}) {
+    Stream& cs = to_device ? h2d : d2h;
+    const char* cname = to_device ? "h2d" : "d2h";
+    const double t_copy = time_per_call(b, reps, plan.cpu ? 0.05 : 0.01, [&] { copy_on(cs, to_device); });
+    // victim compute: n_g GEMMs beside copies that last ~1.5x as long
+    const int n_g = static_cast<int>(std::clamp(std::ceil((plan.cpu ? 0.1 : 0.05) / t_gemm), 2.0, 500.0));
+    const int n_c_for_g = static_cast<int>(std::ceil(1.5 * n_g * t_gemm / t_copy)) + 1;
+    // victim copy: n_c copies beside GEMMs that last ~1.5x as long
+    const int n_c = static_cast<int>(std::clamp(std::ceil((plan.cpu ? 0.1 : 0.05) / t_copy), 2.0, 500.0));
+    const int n_g_for_c = static_cast<int>(std::ceil(1.5 * n_c * t_copy / t_gemm)) + 1;
+    std::vector<double> gemm_together, copy_together;
+    for (int r = 0; r < reps; ++r) {
+      b.synchronize();
+      double t0 = b.now();
+      for (int i = 0; i < n_c_for_g; ++i) copy_on(cs, to_device);
+      for (int i = 0; i < n_g; ++i) gemm();
+      b.synchronize(s);
+      gemm_together.push_back((b.now() - t0) / n_g);
+      b.synchronize();
+      t0 = b.now();
+      for (int i = 0; i < n_g_for_c; ++i) gemm();
+      for (int i = 0; i < n_c; ++i) copy_on(cs, to_device);
+      b.synchronize(cs);
+      copy_together.push_back((b.now() - t0) / n_c);
+      b.synchronize();
+      b.clear_timeline();
+    }
+    const double g2 = median_of(gemm_together), c2 = median_of(copy_together);
+    out.push_back({{"victim", "compute"}, {"aggressor", cname}, {"alone_s", t_gemm}, {"together_s", g2}, {"factor", t_gemm / g2}});
+    out.push_back({{"victim", cname}, {"aggressor", "compute"}, {"alone_s", t_copy}, {"together_s", c2}, {"factor", t_copy / c2}});
+    if (plan.print) std::printf("interference  GEMM beside %s keeps %.3f of its rate; %s beside GEMM keeps %.3f\n", cname, t_gemm / g2, cname,
+                t_copy / c2);
+  }
+  return out;
+}
+
+// ---- the single-device dispatch path ---------------------------------------------------------------
+// The layer's dispatch on one device: the gate's slots scatter the tokens into expert order
+// (Backend::permute), then the exchange of a rank with itself (the world communicator at one
+// rank); the combine gathers them back (unpermute). Random slots, as routing makes them.
+json measure_dispatch(Backend& b, Stream& s, const Plan& plan, Communicator& comm) {
+  const DType t = b.supports(DType::bf16) ? DType::bf16 : DType::f32;
+  const std::int64_t width = plan.cpu ? 256 : 2048;
+  std::vector<std::int64_t> tokens = plan.cpu ? std::vector<std::int64_t>{512, 4096} : std::vector<std::int64_t>{1024, 8192, 65536};
+  if (plan.quick) tokens.resize(1);
+  json out = json::array();
+  std::mt19937 rng(12345);
+  for (std::int64_t T : tokens) {
+    Tensor x = b.empty({T, width}, t, MemCategory::buffers, s), y = b.empty({T, width}, t, MemCategory::buffers, s);
+    Tensor slot = b.empty({T, 1}, DType::i32, MemCategory::buffers, s), w = b.empty({T, 1}, DType::f32, MemCategory::buffers, s);
+    for (Tensor* z : {&x, &y, &w}) b.fill_zero(s, *z);
+    std::vector<std::int32_t> perm(static_cast<std::size_t>(T));
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    b.upload_i32(perm, slot);
+    const double bytes = 2.0 * static_cast<double>(x.nbytes());
+    const double target = plan.cpu ? 0.02 : 2e-3;
+    const double permute = time_per_call(b, plan.reps, target, [&] { b.permute(s, x, slot, y); });
+    const double unpermute = time_per_call(b, plan.reps, target, [&] { b.unpermute(s, y, slot, w, x); });
+    out.push_back({{"op", "permute"}, {"rows", T}, {"width", width}, {"dtype", dtype_name(t)}, {"bytes", bytes}, {"seconds", permute}});
+    out.push_back({{"op", "unpermute"}, {"rows", T}, {"width", width}, {"dtype", dtype_name(t)}, {"bytes", bytes}, {"seconds", unpermute}});
+    if (plan.print) std::printf("dispatch %6lld x %lld %s  permute %7.2f GB/s  unpermute %7.2f GB/s\n", static_cast<long long>(T),
+                static_cast<long long>(width), dtype_name(t), bytes / permute / 1e9, bytes / unpermute / 1e9);
+  }
+  if (comm.size() == 1) {
+    std::vector<std::int64_t> sizes = plan.cpu ? std::vector<std::int64_t>{1 << 16, 1 << 22} : std::vector<std::int64_t>{1 << 16, 1 << 20, 1 << 24, 1 << 27};
+    if (plan.quick) sizes.resize(1);
+    for (std::int64_t bytes : sizes) {
+      Tensor a = b.empty({bytes / 4}, DType::f32, MemCategory::buffers, s), c = b.empty({bytes / 4}, DType::f32, MemCategory::buffers, s);
+      b.fill_zero(s, a);
+      const Segment seg{0, 0, bytes / 4};
+      const double sec = time_per_call(b, plan.reps, plan.cpu ? 0.02 : 2e-3,
+                                       [&] { comm.all_to_all_v(s, a, {&seg, 1}, c, {&seg, 1}); });
+      out.push_back({{"op", "exchange"}, {"ranks", 1}, {"bytes", bytes}, {"seconds", sec}});
+      if (plan.print) std::printf("dispatch exchange with itself %9lld B  %.2f us  %.2f GB/s\n", static_cast<long long>(bytes), sec * 1e6,
+                  static_cast<double>(bytes) / sec / 1e9);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 int calibrate_command(const std::vector<std::string>& args) {
@@ -72,9 +376,13 @@ int calibrate_command(const std::vector<std::string>& args) {
     else if (args[i] == "--help" || args[i] == "-h") {
       std::puts(
           "usage: moelab calibrate --backend cpu|cuda --out FILE [--name NAME] [--quick]\n\n"
-          "Measures GEMM throughput over a grid of shapes and dtypes, host<->device and device copy\n"
-          "bandwidth, elementwise bandwidth and launch latency (and all-to-all-v under mpirun), and\n"
-          "writes a calibration profile for `moelab run --backend sim --profile FILE`.");
+          "Measures GEMM throughput over a grid of shapes and dtypes, the experts' grouped GEMM call\n"
+          "on each library path against rows per expert, copy bandwidth against size, launch, event\n"
+          "and synchronisation overheads, copy/GEMM interference, the single-device dispatch path\n"
+          "(permutation and the exchange with itself), elementwise bandwidth (and all-to-all-v under\n"
+          "mpirun), and writes a calibration profile for `moelab run --backend sim --profile FILE`,\n"
+          "`moelab run --backend cuda --profile FILE` (its GEMM-path table) and\n"
+          "scripts/fit_gemm_efficiency.py --profile FILE (a fitted GEMM calibration).");
       return 0;
     } else {
       throw ConfigError("unknown option \"" + shown(args[i]) + "\" for moelab calibrate (see moelab calibrate --help)");
@@ -169,6 +477,15 @@ int calibrate_command(const std::vector<std::string>& args) {
     std::printf("copies  h2d %.1f GB/s, d2h %.1f GB/s, d2d %.1f GB/s; elementwise %.1f GB/s; launch %.2f us\n",
                 h2d / 1e9, d2h / 1e9, d2d / 1e9, elementwise / 1e9, launch * 1e6);
 
+  // ---- the GEMM paths, copies against size, overheads, interference, dispatch ------------------
+  // Rank 0 alone prints; every rank measures its own device alike (the profile is rank 0's).
+  const Plan plan{cpu, quick, reps, comm->rank() == 0};
+  const json gemm_paths = measure_gemm_paths(*b, s, plan, b->device_name());
+  const json copies = measure_copies(*b, s, plan);
+  const json overheads = measure_overheads(*b, s, plan, launch);
+  const json interference = measure_interference(*b, s, plan);
+  const json dispatch = measure_dispatch(*b, s, plan, *comm);
+
   // ---- collectives (several ranks) ------------------------------------------------------------
   json collectives = json::array();
   if (comm->size() > 1) {
@@ -204,7 +521,12 @@ int calibrate_command(const std::vector<std::string>& args) {
                   {"d2d_bw", d2d},
                   {"elementwise_bw", elementwise},
                   {"launch_latency", launch},
-                  {"collectives", collectives}};
+                  {"collectives", collectives},
+                  {"gemm_paths", gemm_paths},
+                  {"copies", copies},
+                  {"overheads", overheads},
+                  {"interference", interference},
+                  {"dispatch", dispatch}};
   outputs.stage(out, profile);
   outputs.commit();
   std::printf("profile %s\n", out.c_str());

@@ -48,6 +48,9 @@
 #include "harness/backends/sim/sim_backend.hpp"
 #include "harness/cli/run_common.hpp"
 #include "harness/sim/cluster.hpp"
+#ifdef MOELAB_HAVE_CUDA
+#include "harness/backends/cuda/cuda_backend.hpp"
+#endif
 
 namespace moelab::cli {
 
@@ -67,7 +70,9 @@ void print_run_help(std::FILE* to) {
       "  --impl-options JSON  the implementation's options, e.g. '{\"partitions\": 4}' for mpipemoe\n"
       "  --backend NAME    cpu, cuda, or sim (a simulated cluster, all ranks in this process)\n"
       "  --cluster NAME    sim: cluster model (experiments/hardware/clusters/NAME.json)\n"
-      "  --profile FILE    sim: calibration profile from `moelab calibrate` (default: datasheet)\n"
+      "  --profile FILE    sim: calibration profile from `moelab calibrate` (default: datasheet);\n"
+      "                    cuda: the expert GEMMs choose their cuBLAS path by the profile's\n"
+      "                    measured gemm_paths table (default: the built-in H100 table)\n"
       "  --routing SPEC    sim: tokens per expert: uniform, zipf:S or trace:FILE (default uniform)\n"
       "  --ranks N         sim: simulate the first N GPUs of the cluster (default: all)\n"
       "  --record-routing FILE  write the gate's routing of every step as a trace for --routing\n"
@@ -301,8 +306,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     throw ConfigError("--backend \"" + shown(o.backend) + "\" is not a backend (cpu, cuda or sim)");
   if (o.backend == "sim" && o.cluster.empty())
     throw ConfigError("--backend sim needs --cluster NAME (moelab list shows the cluster models)");
-  if (o.backend != "sim" && (!o.cluster.empty() || !o.profile.empty() || o.ranks > 0 || o.routing != "uniform"))
-    throw ConfigError("--cluster, --profile, --routing and --ranks apply to --backend sim only");
+  if (o.backend != "sim" && (!o.cluster.empty() || o.ranks > 0 || o.routing != "uniform"))
+    throw ConfigError("--cluster, --routing and --ranks apply to --backend sim only");
+  if (o.backend == "cpu" && !o.profile.empty())
+    throw ConfigError("--profile applies to --backend sim (the time model) and cuda (its GEMM-path table), not cpu");
   if (o.out.empty()) o.out = "results/run-" + std::string(o.model.empty() ? "" : "model-") + o.impl + "-" + o.backend + ".json";
   return o;  // the output paths are checked against each other and the file system by RunOutputs::check
 }
@@ -338,6 +345,18 @@ std::string gemm_library(const Backend& b) {
   if (b.name() == "cpu")
     return b.device_name().find("OpenBLAS") != std::string::npos ? "cblas_sgemm" : "cpu_sgemm (no BLAS)";
   return b.name() + " GEMM";
+}
+
+void add_gemm_path_metrics(json& metrics, const Backend& b) {
+#ifdef MOELAB_HAVE_CUDA
+  if (!is_cuda_backend(b)) return;
+  metrics["gemm_path_table"] = cuda_gemm_path_table(b).source;
+  json taken = json::object();
+  for (const CudaGemmPathUse& u : cuda_gemm_path_uses(b)) taken[u.op][gemm_path_name(u.path)] = u.calls;
+  metrics["gemm_paths_taken"] = taken;
+#else
+  (void)metrics, (void)b;
+#endif
 }
 
 std::string floor_gemm_library(const Backend& b) {
@@ -586,6 +605,7 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
     // ---- the record ------------------------------------------------------------------------
     json metrics = metrics_json(fig, ranks, tokens_per_s, library, floor_gemm_library(*backend),
                                 static_cast<int>(dtype_size(m.dtype)));
+    add_gemm_path_metrics(metrics, *backend);
 
     json result;
     result["schema"] = "moelab.result/1";

@@ -28,6 +28,10 @@
 #include "harness/config/json_fields.hpp"
 #include "harness/metrics/results.hpp"
 #include "harness/nn/moe_impl.hpp"
+#include "harness/sim/cluster.hpp"
+#ifdef MOELAB_HAVE_CUDA
+#include "harness/backends/cuda/cuda_backend.hpp"
+#endif
 
 namespace moelab::cli {
 
@@ -313,12 +317,36 @@ std::uint64_t host_memory_available() {
   return avail;
 }
 
+sim::Profile read_gemm_path_profile(const std::string& profile_path) {
+  sim::Profile p = sim::load_profile(profile_path);
+  if (!p.gemm_paths)
+    throw ConfigError(shown(profile_path) + ": gemm_paths: missing; --profile on --backend cuda installs the profile's "
+                      "GEMM-path table, measured by moelab calibrate --backend cuda");
+  return p;
+}
+
+void install_gemm_path_table(Backend& b, const sim::Profile& p, const std::string& profile_path) {
+  if (p.device != b.device_name())
+    throw ConfigError(shown(profile_path) + ": device = \"" + shown(p.device) + "\", but this run's GPU is \"" +
+                      shown(b.device_name()) + "\": a GEMM-path table holds for the device it was measured on");
+#ifdef MOELAB_HAVE_CUDA
+  GemmPathTable t = *p.gemm_paths;
+  if (t.source.empty()) t.source = "measured on " + p.device;
+  t.source = "profile " + shown(profile_path) + ": " + t.source;
+  cuda_set_gemm_path_table(b, std::move(t));
+#else
+  throw ConfigError("--profile on --backend cuda: this binary was built without CUDA");
+#endif
+}
+
 void start_run(StartedRun& run, const RunOptions& opt, const std::function<void()>& validate,
                const std::function<std::string(const Backend&)>& unsupported,
                const std::function<void(Backend&, Communicator&)>& one_step) {
   const int rank = world_rank(), world = world_size();
   std::string local_error;
+  sim::Profile profile;  // --profile on cuda: its GEMM-path table, read before the device starts
   try {
+    if (opt.backend == "cuda" && !opt.profile.empty()) profile = read_gemm_path_profile(opt.profile);
     validate();
     if (rank == 0) RunOutputs::check(opt);
   } catch (const ConfigError& e) {
@@ -327,6 +355,14 @@ void start_run(StartedRun& run, const RunOptions& opt, const std::function<void(
   }
   run.backend = make_backend(opt.backend);
   run.backend->set_rank(rank);
+  if (local_error.empty() && !opt.profile.empty() && opt.backend == "cuda") {
+    try {
+      install_gemm_path_table(*run.backend, profile, opt.profile);
+    } catch (const ConfigError& e) {
+      if (world == 1) throw;
+      local_error = e.what();
+    }
+  }
   if (local_error.empty()) {
     const std::string why = unsupported(*run.backend);
     if (!why.empty() && world == 1) throw Unsupported(why);

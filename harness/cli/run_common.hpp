@@ -82,7 +82,10 @@ void check_impl_name(const std::string& name);
 std::string strf(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 std::string category_list(const CategoryBytes& b);  // "activations 12.0, buffers 3.5" (MiB)
 std::string gemm_library(const Backend& b);
-std::string floor_gemm_library(const Backend& b);  // what Backend::time_batched_gemms issues
+std::string floor_gemm_library(const Backend& b);
+// cuda: metrics.gemm_path_table (the crossover table's source) and metrics.gemm_paths_taken
+// ({op name: {path: calls}}, warm-up included: harness/runtime/gemm_paths.hpp); others: nothing.
+void add_gemm_path_metrics(nlohmann::json& metrics, const Backend& b);  // what Backend::time_batched_gemms issues
 // The GEMM floor of one MoE layer's last forward+backward (MoELayer::expert_floor_problems,
 // timed by Backend::time_batched_gemms), scaled to `layer_flops`, the FLOPs of its
 // expert_gemm_problems: the floor's time for exactly the layer's expert FLOPs. 0 without rows.
@@ -156,6 +159,14 @@ struct StartedRun {
   std::unique_ptr<Communicator> comm;
   RunOutputs outputs;  // locked on rank 0
 };
+// --profile on --backend cuda: the profile's measured GEMM-path table becomes the table the
+// cuda backend chooses each grouped call's cuBLAS path by (harness/runtime/gemm_paths.hpp).
+// read_gemm_path_profile: ConfigError for a bad profile file or one without "gemm_paths";
+// install_gemm_path_table: ConfigError for a profile measured on another device (its "device"
+// differs from Backend::device_name).
+sim::Profile read_gemm_path_profile(const std::string& profile_path);
+void install_gemm_path_table(Backend& b, const sim::Profile& p, const std::string& profile_path);
+
 void start_run(StartedRun& run, const RunOptions& opt, const std::function<void()>& validate,
                const std::function<std::string(const Backend&)>& unsupported,
                const std::function<void(Backend&, Communicator&)>& one_step);

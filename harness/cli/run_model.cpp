@@ -866,6 +866,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
 
     json metrics = metrics_json(fig, ranks, tokens_per_s, library, floor_gemm_library(b),
                                 static_cast<int>(dtype_size(cfg.dtype)));
+    add_gemm_path_metrics(metrics, b);
     metrics["model_flops_per_step"] = model_flops;
     metrics["model_tflops_per_device"] = model_tflops;
     metrics["mfu"] = mfu > 0 ? json(mfu) : json(nullptr);

@@ -25,6 +25,25 @@ if "$moelab" run --workload "$tiny" --impl fastmoe --backend sim --cluster dgx-a
    [ "$(jget "$work/sim-prof.json" "['mode']")" = "simulated" ] &&
    [ "$(jget "$work/sim-prof.json" "['calibration']")" = "cpu-test" ]; then ok "sim run with a profile is labelled simulated + calibration"; else bad "sim with profile"; cat "$work/simprof.log"; fi
 
+# 1b. the profile's measured sections (moelab calibrate's header comment): on cpu the GEMM
+# paths are the loop alone, every section has positive figures
+if "$py" - "$work/profile.json" >"$work/sections.log" 2>&1 <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))
+pts = p["gemm_paths"]["points"]
+assert pts and all(q["tflops"]["loop"] > 0 and q["tflops"]["strided_batched"] == 0 and q["tflops"]["grouped"] == 0 for q in pts), pts
+assert {q["op"] for q in pts} == {"fwd", "dgrad", "wgrad"}
+rows = sorted({q["rows"] for q in pts}); assert len(rows) >= 2, rows
+assert {c["kind"] for c in p["copies"]} == {"h2d", "d2h", "d2d"} and all(c["seconds"] > 0 for c in p["copies"])
+assert all(p["overheads"][k] >= 0 for k in ("launch_latency", "event_record", "sync_roundtrip", "stream_wait"))
+pairs = {(i["victim"], i["aggressor"]) for i in p["interference"]}
+assert pairs == {("compute", "h2d"), ("h2d", "compute"), ("compute", "d2h"), ("d2h", "compute")}, pairs
+for i in p["interference"]:
+    assert abs(i["factor"] - i["alone_s"] / i["together_s"]) < 1e-9 * i["factor"], i
+ops = {d["op"] for d in p["dispatch"]}; assert ops == {"permute", "unpermute", "exchange"}, ops
+PY
+then ok "the profile has the GEMM paths, copies, overheads, interference and dispatch sections"; else bad "profile sections"; cat "$work/sections.log"; fi
+
 # 2. a routing trace recorded on cpu, replayed by the sim on one rank: same tokens per expert
 "$moelab" run --workload "$tiny" --impl fastmoe --backend cpu --record-routing "$work/trace.json" --out "$work/cpu.json" >"$work/rec.log" 2>&1
 "$moelab" run --workload "$tiny" --impl fastmoe --backend sim --cluster dgx-a100x1 --ranks 1 --routing "trace:$work/trace.json" \
@@ -58,6 +77,13 @@ expect_2 "sim without a cluster" "--cluster" --backend sim
 echo '{"schema": "moelab.profile/1", "gemm": "x"}' >"$work/badprof.json"
 expect_2 "malformed profile" "badprof.json" --backend sim --cluster dgx-a100x1 --profile "$work/badprof.json"
 expect_2 "bad routing model" "zipf" --backend sim --cluster dgx-a100x1 --routing zipf:-2
+# --profile: sim and cuda only; on cuda the profile must carry a GEMM-path table (checked
+# before the device starts, so this holds without a GPU)
+expect_2 "--profile on cpu" "not cpu" --backend cpu --profile "$work/profile.json"
+"$py" -c "import json,sys; p=json.load(open(sys.argv[1])); del p['gemm_paths']; json.dump(p, open(sys.argv[2], 'w'))" \
+  "$work/profile.json" "$work/nopaths.json"
+expect_2 "cuda --profile without gemm_paths" "gemm_paths: missing" --backend cuda --profile "$work/nopaths.json"
+expect_2 "cuda --profile malformed" "badprof.json" --backend cuda --profile "$work/badprof.json"
 expect_2 "more ranks than the cluster" "--ranks" --backend sim --cluster dgx-a100x1 --ranks 9
 expect_2 "cluster flags without sim" "sim" --backend cpu --cluster dgx-a100x1
 

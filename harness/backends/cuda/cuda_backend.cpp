@@ -586,6 +586,10 @@ class CudaBackend final : public Backend {
     std::lock_guard lock(mu_);
     gemm_paths_ = std::move(t);
   }
+  GemmPathTable gemm_path_table() const {
+    std::lock_guard lock(mu_);
+    return gemm_paths_;
+  }
   void force_gemm_path(std::optional<GemmPath> p) {
     std::lock_guard lock(mu_);
     forced_path_ = p;
@@ -1540,6 +1544,12 @@ CudaBackend& cuda_of(Backend& b) {
 }  // namespace
 
 void cuda_set_gemm_path_table(Backend& b, GemmPathTable table) { cuda_of(b).set_gemm_path_table(std::move(table)); }
+
+GemmPathTable cuda_gemm_path_table(const Backend& b) {
+  auto* cb = dynamic_cast<const CudaBackend*>(&b);
+  if (!cb) throw std::invalid_argument("not a cuda backend: " + b.name());
+  return cb->gemm_path_table();
+}
 
 void cuda_force_gemm_path(Backend& b, std::optional<GemmPath> path) { cuda_of(b).force_gemm_path(path); }
 

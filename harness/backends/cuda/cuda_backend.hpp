@@ -56,6 +56,7 @@ void cuda_host_pool_empty_cache(Backend& b);
 // (default_gemm_path_table() until one is set, e.g. from a calibration profile's
 // "gemm_paths"). All three throw std::invalid_argument if not a cuda backend.
 void cuda_set_gemm_path_table(Backend& b, GemmPathTable table);
+GemmPathTable cuda_gemm_path_table(const Backend& b);  // the table calls are chosen by
 // Every call on that path where the path can run (strided: one strided batch covers the
 // problems; grouped: the library has the kernel), the choice elsewhere; nullopt: choose.
 // For tests and measurements of one path.
