@@ -19,10 +19,12 @@
 #include <cstdlib>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <stdexcept>
 
 #include "harness/config/json_fields.hpp"
 #include "harness/config/limits.hpp"
+#include "harness/runtime/backend.hpp"
 #include "harness/runtime/error.hpp"
 
 namespace moelab::sim {
@@ -307,13 +309,59 @@ GemmCurve parse_curve(const Fields& parent, const char* key) {
   return c;
 }
 
+// A batched path's curve: {gemm_max, gemm_half_dim, source?} (the "paths" object's source
+// covers the curves that give none).
+GemmCurve parse_path_curve(const Fields& parent, const char* key) {
+  const json& j = parent.require(key);
+  if (!j.is_object()) parent.wrong_type(key, j, "an object {gemm_max, gemm_half_dim}");
+  Fields f(j, parent.origin(), parent.path(key) + ".", {"gemm_max", "gemm_half_dim", "source"});
+  GemmCurve c;
+  c.gemm_max = in_range(f, "gemm_max", Sign::fraction, limits::kMinFraction, 1.0, "(a fraction)");
+  c.gemm_half_dim = half_dim(f, "gemm_half_dim");
+  c.source = f.string_or("source", "");
+  return c;
+}
+
+// "paths.<path>": {"bf16", "fp32", "tf32"}, each optional (absent: no curve of that precision).
+PathCurves parse_path_curves(const Fields& paths, const char* key) {
+  PathCurves pc;
+  const json* j = paths.find(key);
+  if (!j) return pc;
+  if (!j->is_object()) paths.wrong_type(key, *j, "an object {bf16, fp32, tf32} of curves");
+  Fields f(*j, paths.origin(), paths.path(key) + ".", {"bf16", "fp32", "tf32"});
+  if (f.find("bf16")) pc.bf16 = parse_path_curve(f, "bf16");
+  if (f.find("fp32")) pc.fp32 = parse_path_curve(f, "fp32");
+  if (f.find("tf32")) pc.tf32 = parse_path_curve(f, "tf32");
+  return pc;
+}
+
+// The optional per-path data: "paths" (the batched paths' curves) and "gemm_paths" (the
+// crossover table, a profile's format), both or neither.
+std::optional<GemmPathPricing> parse_path_pricing(const Fields& f) {
+  const json* pj = f.find("paths");
+  const json* tj = f.find("gemm_paths");
+  if (!pj && !tj) return std::nullopt;
+  if (!pj)
+    fail(f.origin(), "missing field \"paths\" (the curves of the paths that \"gemm_paths\" chooses; the two come together)");
+  if (!tj)
+    fail(f.origin(), "missing field \"gemm_paths\" (the crossover table that chooses among the \"paths\"; the two come together)");
+  if (!pj->is_object()) f.wrong_type("paths", *pj, "an object {source, strided_batched, grouped}");
+  Fields pf(*pj, f.origin(), "paths.", {"source", "strided_batched", "grouped"});
+  GemmPathPricing pp;
+  pp.source = pf.string("source");
+  pp.strided_batched = parse_path_curves(pf, "strided_batched");
+  pp.grouped = parse_path_curves(pf, "grouped");
+  pp.table = gemm_path_table_from_json(*tj, f.origin(), "gemm_paths.");
+  return pp;
+}
+
 GemmCalibration parse_gemm_calibration(const json& j, const std::string& origin) {
   if (!j.is_object()) fail(origin, "expected a JSON object at the top level, got " + show(j));
   // "fit" and "interference_measured" record how the figures were made (residuals, data);
   // the model reads none of them.
   Fields f(j, origin, "",
-           {"schema", "name", "description", "device", "model", "launch_latency", "mem_bw", "curves", "fit",
-            "interference_measured", "source"});
+           {"schema", "name", "description", "device", "model", "launch_latency", "mem_bw", "curves", "paths",
+            "gemm_paths", "fit", "interference_measured", "source"});
   check_schema(f, kGemmCalibrationSchema, true);
   GemmCalibration c;
   c.origin = origin;
@@ -329,6 +377,7 @@ GemmCalibration parse_gemm_calibration(const json& j, const std::string& origin)
   c.bf16 = parse_curve(cf, "bf16");
   c.fp32 = parse_curve(cf, "fp32");
   c.tf32 = parse_curve(cf, "tf32");
+  c.paths = parse_path_pricing(f);
   c.source = f.string("source");
   return c;
 }
@@ -540,6 +589,17 @@ const GemmCurve& GemmCalibration::curve(DType t, bool on_tf32) const {
                     " GEMMs (it has bf16, fp32 and tf32)");
 }
 
+const GemmCurve* PathCurves::curve(const std::string& precision) const {
+  const std::optional<GemmCurve>* c = precision == "bf16" ? &bf16 : precision == "fp32" ? &fp32 : precision == "tf32" ? &tf32 : nullptr;
+  return c && *c ? &**c : nullptr;
+}
+
+const PathCurves* GemmPathPricing::curves(GemmPath p) const {
+  if (p == GemmPath::strided_batched) return &strided_batched;
+  if (p == GemmPath::grouped) return &grouped;
+  return nullptr;
+}
+
 GemmCalibration load_gemm_calibration(const std::string& name_or_path) {
   const bool is_path = is_path_ref(name_or_path);
   std::string path = name_or_path;
@@ -640,11 +700,101 @@ nlohmann::json to_json(const ClusterModel& m) {
 
 namespace {
 
+// An array field of objects: each element's Fields (prefix "key[i].") handed to `each`.
+template <class Each>
+void for_each_object(const Fields& f, const char* key, const char* expected, Each each) {
+  const json* a = f.find(key);
+  if (!a) return;
+  if (!a->is_array()) f.wrong_type(key, *a, expected);
+  for (std::size_t i = 0; i < a->size(); ++i) {
+    const json& e = (*a)[i];
+    const std::string at = f.path(key) + "[" + std::to_string(i) + "]";
+    if (!e.is_object()) fail(f.origin(), at + ": expected an object, got " + show(e));
+    each(e, at + ".");
+  }
+}
+
+// A positive byte count of a measurement (it may be a mean, so not necessarily whole).
+double measured_bytes(const Fields& f, const char* key) {
+  return in_range(f, key, Sign::positive, 0.0, static_cast<double>(limits::kMaxDerived), "bytes");
+}
+
+// The fields `moelab calibrate` records for scripts/fit_gemm_efficiency.py (cluster.hpp:
+// CopySample and the others); the sim's time model reads none of them.
+void parse_profile_samples(const Fields& f, Profile& p) {
+  const std::string& path = f.origin();
+  for_each_object(f, "copies", "an array of {kind, bytes, seconds}", [&](const json& e, const std::string& pre) {
+    Fields cf(e, path, pre, {"kind", "bytes", "seconds"});
+    CopySample c;
+    (void)cf.require("kind");
+    c.kind = cf.choice_or("kind", "", {"h2d", "d2h", "d2d"});
+    c.bytes = cf.integer("bytes", 1, limits::kMaxDerived);
+    c.seconds = seconds(cf, "seconds");
+    p.copies.push_back(c);
+  });
+  if (const json* o = f.find("overheads")) {
+    if (!o->is_object())
+      f.wrong_type("overheads", *o, "an object {launch_latency, event_record, sync_roundtrip, stream_wait} of seconds");
+    Fields of(*o, path, "overheads.", {"launch_latency", "event_record", "sync_roundtrip", "stream_wait"});
+    ProfileOverheads ov;
+    const auto opt = [&](const char* key, std::optional<double>& v) {
+      if (of.find(key)) v = latency(of, key);
+    };
+    opt("launch_latency", ov.launch_latency);
+    opt("event_record", ov.event_record);
+    opt("sync_roundtrip", ov.sync_roundtrip);
+    opt("stream_wait", ov.stream_wait);
+    p.overheads = ov;
+  }
+  const std::vector<std::string> classes = {"compute", "h2d", "d2h"};
+  for_each_object(f, "interference", "an array of {victim, aggressor, alone_s, together_s, factor}",
+                  [&](const json& e, const std::string& pre) {
+                    Fields inf(e, path, pre, {"victim", "aggressor", "alone_s", "together_s", "factor"});
+                    InterferenceSample x;
+                    (void)inf.require("victim");
+                    x.victim = inf.choice_or("victim", "", classes);
+                    (void)inf.require("aggressor");
+                    x.aggressor = inf.choice_or("aggressor", "", classes);
+                    x.alone_s = seconds(inf, "alone_s");
+                    x.together_s = seconds(inf, "together_s");
+                    // A ratio of the two times: not bounded by 1 (noise can put it above).
+                    x.factor = inf.number("factor");
+                    if (!(x.factor > 0) || !std::isfinite(x.factor)) inf.bad_value("factor", "must be a finite number > 0");
+                    p.interference.push_back(x);
+                  });
+  for_each_object(f, "dispatch", "an array of {op: \"permute\" | \"exchange\", ...}", [&](const json& e,
+                                                                                            const std::string& pre) {
+    // The op decides the other fields: read it first, then check the object against them.
+    DispatchSample d;
+    {
+      Fields opf(e, path, pre, {"op", "rows", "width", "dtype", "ranks", "bytes", "seconds"});
+      (void)opf.require("op");
+      d.op = opf.choice_or("op", "", {"permute", "exchange"});
+    }
+    if (d.op == "permute") {
+      Fields df(e, path, pre, {"op", "rows", "width", "dtype", "bytes", "seconds"});
+      d.rows = df.integer("rows", 1, limits::kMaxDerived);
+      d.width = df.integer("width", 1, limits::kMaxDerived);
+      (void)df.require("dtype");
+      d.dtype = df.choice_or("dtype", "", {"fp32", "bf16"});
+      d.bytes = measured_bytes(df, "bytes");
+      d.seconds = seconds(df, "seconds");
+    } else {
+      Fields df(e, path, pre, {"op", "ranks", "bytes", "seconds"});
+      d.ranks = df.integer("ranks", 1, limits::kMaxWorld);
+      d.bytes = measured_bytes(df, "bytes");
+      d.seconds = seconds(df, "seconds");
+    }
+    p.dispatch.push_back(d);
+  });
+}
+
 Profile parse_profile(const json& j, const std::string& path) {
   if (!j.is_object()) fail(path, "expected a JSON object at the top level, got " + show(j));
   Fields f(j, path, "",
            {"schema", "name", "mode", "backend", "device", "date", "commit", "gemm", "h2d_bw", "d2h_bw", "d2d_bw",
-            "elementwise_bw", "launch_latency", "collectives", "gemm_paths"});
+            "elementwise_bw", "launch_latency", "collectives", "gemm_paths", "copies", "overheads", "interference",
+            "dispatch"});
   check_schema(f, kProfileSchema, true);
   Profile p;
   p.origin = path;
@@ -702,6 +852,7 @@ Profile parse_profile(const json& j, const std::string& path) {
   p.elementwise_bw = measured_bandwidth_or_zero(f, "elementwise_bw");
   p.launch_latency = latency_or(f, "launch_latency", 0.0);
   if (const json* g = f.find("gemm_paths")) p.gemm_paths = gemm_path_table_from_json(*g, path);
+  parse_profile_samples(f, p);
   return p;
 }
 
@@ -787,6 +938,50 @@ nlohmann::json to_json(const Profile& p) {
           {"elementwise_bw", p.elementwise_bw},
           {"launch_latency", p.launch_latency}};
   if (p.gemm_paths) j["gemm_paths"] = to_json(*p.gemm_paths);
+  // Only what was measured: a profile without these fields is written as before.
+  if (!p.copies.empty()) {
+    json a = json::array();
+    for (const auto& c : p.copies) a.push_back({{"kind", c.kind}, {"bytes", c.bytes}, {"seconds", c.seconds}});
+    j["copies"] = a;
+  }
+  if (p.overheads) {
+    json o = json::object();
+    const auto put = [&](const char* key, const std::optional<double>& v) {
+      if (v) o[key] = *v;
+    };
+    put("launch_latency", p.overheads->launch_latency);
+    put("event_record", p.overheads->event_record);
+    put("sync_roundtrip", p.overheads->sync_roundtrip);
+    put("stream_wait", p.overheads->stream_wait);
+    j["overheads"] = o;
+  }
+  if (!p.interference.empty()) {
+    json a = json::array();
+    for (const auto& x : p.interference)
+      a.push_back({{"victim", x.victim},
+                   {"aggressor", x.aggressor},
+                   {"alone_s", x.alone_s},
+                   {"together_s", x.together_s},
+                   {"factor", x.factor}});
+    j["interference"] = a;
+  }
+  if (!p.dispatch.empty()) {
+    json a = json::array();
+    for (const auto& d : p.dispatch) {
+      json e = {{"op", d.op}};
+      if (d.op == "permute") {
+        e["rows"] = d.rows;
+        e["width"] = d.width;
+        e["dtype"] = d.dtype;
+      } else {
+        e["ranks"] = d.ranks;
+      }
+      e["bytes"] = d.bytes;
+      e["seconds"] = d.seconds;
+      a.push_back(e);
+    }
+    j["dispatch"] = a;
+  }
   return j;
 }
 
@@ -1059,6 +1254,89 @@ double Topology::gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DT
   }
   const double eff = m_.efficiency.gemm_max * d / (d + m_.efficiency.gemm_half_dim);
   return flops / (peak * eff);
+}
+
+bool Topology::prices_gemm_paths() const {
+  const auto& cal = m_.efficiency.calibration;
+  return cal && cal->paths.has_value();
+}
+
+Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> problems, bool tf32) const {
+  GroupedGemmPrice out;
+  const auto ab_type = [](const GemmProblem& p) { return p.a.defined() ? p.a.dtype() : DType::f32; };
+  const auto c_type = [](const GemmProblem& p) { return p.c.defined() ? p.c.dtype() : DType::f32; };
+  if (!prices_gemm_paths()) {
+    // The loop of single GEMMs: every problem with an output a launch.
+    for (const auto& p : problems) {
+      out.seconds += gemm_seconds(p.m, p.n, p.k, ab_type(p), tf32);
+      if (p.m > 0 && p.n > 0) ++out.launches;
+    }
+    return out;
+  }
+  const GemmCalibration& cal = *m_.efficiency.calibration;
+  const GemmPathPricing& pricing = *cal.paths;
+  // As the cuda backend runs the call (CudaBackend::grouped_gemm): a problem with k = 0 only
+  // fills (beta = 0) or scales C, one kernel unless beta = 1; the others go in one call per
+  // combination of A/B and C types, each on the path choose_gemm_path picks.
+  std::map<std::pair<int, int>, std::vector<const GemmProblem*>> by_type;
+  bool all_live = true;
+  for (const auto& p : problems) {
+    if (p.m < 0 || p.n < 0 || p.k < 0) (void)gemm_seconds(p.m, p.n, p.k, ab_type(p), tf32);  // throws
+    if (p.m == 0 || p.n == 0 || p.k == 0) {
+      all_live = false;
+      if (p.m > 0 && p.n > 0 && p.beta != 1.0f) ++out.launches;
+      continue;
+    }
+    by_type[{static_cast<int>(ab_type(p)), static_cast<int>(c_type(p))}].push_back(&p);
+  }
+  // The cuda backend batches equal problems into one strided call when their operands sit at
+  // fixed strides, which it reads from their addresses (strided_runs). The sim's tensors have
+  // no addresses, but the MoE layer's layout decides it: its buffers are packed
+  // local-expert-major and its weights sit at fixed strides, so its calls are strided exactly
+  // when every local expert got the same rows, none zero (docs/GPU.md, "The layer's layout"),
+  // i.e. when every problem of the call has the same shape and scalars.
+  bool equal = problems.size() > 1 && all_live;
+  for (const auto& p : problems) {
+    const GemmProblem& f = problems.front();
+    equal = equal && p.trans_a == f.trans_a && p.trans_b == f.trans_b && p.m == f.m && p.n == f.n && p.k == f.k &&
+            p.alpha == f.alpha && p.beta == f.beta && ab_type(p) == ab_type(f) && c_type(p) == c_type(f);
+  }
+  for (const auto& [types, list] : by_type) {
+    const auto ab = static_cast<DType>(types.first);
+    const bool on_tf32 = tf32 && ab == DType::f32;
+    GemmCall call;
+    for (const auto* p : list) call.problems.push_back({p->trans_a, p->trans_b, p->m, p->n, p->k});
+    call.precision = ab == DType::bf16 ? "bf16" : on_tf32 ? "tf32" : "fp32";
+    call.strided = equal;
+    call.grouped_available = true;
+    const GemmPathChoice choice = choose_gemm_path(call, pricing.table);
+    std::string why = choice.why;
+    const GemmCurve* curve = nullptr;
+    if (choice.path != GemmPath::loop) {
+      if (ab == DType::bf16 || ab == DType::f32) curve = pricing.curves(choice.path)->curve(call.precision);
+      if (!curve)
+        why += std::string("; priced as the loop: the calibration has no ") + gemm_path_name(choice.path) + " curve for " +
+               call.precision;
+    }
+    if (curve) {
+      // One launch; each problem at the path's curve, or the time to move its operands and
+      // result once, whichever is longer (docs/PERFORMANCE.md, "GEMM paths in the sim").
+      const double peak = on_tf32 ? m_.gpu.flops_tf32 : m_.peak_flops(ab);
+      const double elem = static_cast<double>(dtype_size(ab));
+      for (const auto* p : list) {
+        const double dm = static_cast<double>(p->m), dn = static_cast<double>(p->n), dk = static_cast<double>(p->k);
+        const double d = static_cast<double>(std::min({p->m, p->n, p->k}));
+        const double eff = curve->gemm_max * d / (d + curve->gemm_half_dim);
+        out.seconds += std::max(2.0 * dm * dn * dk / (peak * eff), elem * (dm * dk + dk * dn + dm * dn) / cal.mem_bw);
+      }
+      ++out.launches;
+    } else {
+      for (const auto* p : list) out.seconds += gemm_seconds(p->m, p->n, p->k, ab, tf32);
+      out.launches += static_cast<std::int64_t>(list.size());
+    }
+    out.detail += (out.detail.empty() ? "" : " | ") + why;
+  }
+  return out;
 }
 
 double Topology::mem_bw_effective() const {

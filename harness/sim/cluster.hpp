@@ -9,6 +9,7 @@
 // non-positive bandwidth, ...) throw ConfigError naming the file, the field and the value.
 #pragma once
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -89,11 +90,32 @@ struct GemmCurve {
 // scripts/fit_gemm_efficiency.py from measurements): one GEMM [m,k]x[k,n] takes
 //   launch_latency + max(2mnk / (peak * eff(m,n,k)), elem_bytes * (mk + kn + mn) / mem_bw),
 // eff from the curve of its precision (bf16, fp32 = strict fp32, tf32 = fp32 on TF32 cores).
+// A library path's curves, one per precision the path was measured in (absent: the path has
+// no curve for that precision, and a call taking it is priced as the loop).
+struct PathCurves {
+  std::optional<GemmCurve> bf16, fp32, tf32;
+  const GemmCurve* curve(const std::string& precision) const;  // "bf16", "fp32", "tf32"; null: none
+};
+
+// Per-path GEMM pricing (docs/PERFORMANCE.md, "GEMM paths in the sim"): the curves of the
+// batched library paths (the main curves are the loop's, one cublasGemmEx per problem) and the
+// crossover table that picks a call's path, as the cuda backend picks it
+// (harness/runtime/gemm_paths.hpp).
+struct GemmPathPricing {
+  std::string source;
+  PathCurves strided_batched, grouped;
+  GemmPathTable table;
+  const PathCurves* curves(GemmPath p) const;  // null for the loop
+};
+
 struct GemmCalibration {
   std::string name, origin, device;
   double launch_latency = 0;  // s per kernel / library call
   double mem_bw = 0;          // bytes/s of the roofline term
   GemmCurve bf16, fp32, tf32;
+  // The file's optional "paths" and "gemm_paths" objects (given together); absent: every
+  // grouped GEMM call is priced as a loop of single GEMMs.
+  std::optional<GemmPathPricing> paths;
   std::string source;
   const GemmCurve& curve(DType t, bool on_tf32) const;  // Unsupported for other dtypes
 };
@@ -169,6 +191,29 @@ struct GemmSample {
   DType dtype = DType::f32;
   double seconds = 0;
 };
+// What `moelab calibrate` measures beside the GEMMs, for scripts/fit_gemm_efficiency.py: the
+// sim's time model reads none of it (it keeps the scalar rates above and the cluster's
+// figures). Checked on load and written back by to_json(Profile).
+struct CopySample {
+  std::string kind;  // "h2d", "d2h", "d2d"
+  std::int64_t bytes = 0;
+  double seconds = 0;
+};
+struct ProfileOverheads {  // s; absent: not measured
+  std::optional<double> launch_latency, event_record, sync_roundtrip, stream_wait;
+};
+struct InterferenceSample {
+  std::string victim, aggressor;  // "compute", "h2d", "d2h"
+  double alone_s = 0, together_s = 0, factor = 0;
+};
+struct DispatchSample {
+  std::string op;  // "permute" (rows, width, dtype) or "exchange" (ranks)
+  std::int64_t rows = 0, width = 0;
+  std::string dtype;  // "fp32", "bf16"
+  std::int64_t ranks = 0;
+  double bytes = 0, seconds = 0;
+};
+
 struct Profile {
   std::string name, device, date, commit, origin;
   std::vector<GemmSample> gemm;
@@ -180,6 +225,10 @@ struct Profile {
   // gemm_paths.hpp; docs/GPU.md, "Expert GEMM paths"): for cuda_set_gemm_path_table. The
   // sim's time model does not use them.
   std::optional<GemmPathTable> gemm_paths;
+  std::vector<CopySample> copies;
+  std::optional<ProfileOverheads> overheads;
+  std::vector<InterferenceSample> interference;
+  std::vector<DispatchSample> dispatch;
 };
 Profile load_profile(const std::string& path);  // ConfigError on bad files
 nlohmann::json to_json(const Profile& p);
@@ -236,6 +285,20 @@ class Topology {
   // priced at the GPU's TF32 peak on the datasheet curve (a profile's fp32 samples are
   // strict fp32 and do not apply). The launch latency is not included (launch_latency()).
   double gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DType t, bool tf32 = false) const;
+  // One grouped_gemm call (the experts' problems of one phase) as the cuda backend would run
+  // it. Without per-path data in the cluster's GEMM calibration (GemmCalibration::paths): the
+  // loop, as always: seconds = the sum of gemm_seconds, launches = the problems with m, n > 0.
+  // With it: per type combination of the problems (A/B, C), the path choose_gemm_path takes
+  // from the calibration's table; the loop as above, strided_batched and grouped one launch
+  // and the sum of their curve's roofline times (docs/PERFORMANCE.md, "GEMM paths in the sim");
+  // a path without a curve for the precision is priced as the loop.
+  struct GroupedGemmPrice {
+    double seconds = 0;         // on sm(rank), launches excluded
+    std::int64_t launches = 0;  // library calls (and k = 0 fills), each adding launch_latency()
+    std::string detail;         // the path of each type combination and why; "" without per-path data
+  };
+  GroupedGemmPrice grouped_gemm(std::span<const GemmProblem> problems, bool tf32) const;
+  bool prices_gemm_paths() const;  // the calibration has per-path data
   double mem_bw_effective() const;   // bytes/s for memory-bound kernels
   double launch_latency() const;     // profile, else calibration, else the datasheet figure
   const ClusterModel& model() const { return m_; }

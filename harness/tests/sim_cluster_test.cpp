@@ -850,5 +850,103 @@ TEST_F(ClusterTest, ProfileGemmPaths) {
   EXPECT_HAS(bad([](json& j) { j["gemm_paths"]["point"] = 1; }), "p.json: unknown field \"gemm_paths.point\"");
 }
 
+// What `moelab calibrate` records beside the GEMMs for scripts/fit_gemm_efficiency.py (copies,
+// overheads, interference, dispatch): read, written back as read, not used by the time
+// model, and every bad field named.
+TEST_F(ClusterTest, ProfileMeasurements) {
+  const json base = {{"schema", "moelab.profile/1"}, {"device", "H100"}};
+  json good = base;
+  good["copies"] = {{{"kind", "h2d"}, {"bytes", 1048576}, {"seconds", 5e-5}},
+                    {{"kind", "d2d"}, {"bytes", 4096}, {"seconds", 3e-6}}};
+  good["overheads"] = {{"launch_latency", 4e-6}, {"sync_roundtrip", 1.2e-5}, {"stream_wait", 0}};
+  good["interference"] = {{{"victim", "compute"}, {"aggressor", "h2d"}, {"alone_s", 1e-3}, {"together_s", 1.25e-3},
+                           {"factor", 0.8}}};
+  good["dispatch"] = {{{"op", "permute"}, {"rows", 4096}, {"width", 1024}, {"dtype", "bf16"}, {"bytes", 1.6e7},
+                       {"seconds", 1e-5}},
+                      {{"op", "exchange"}, {"ranks", 8}, {"bytes", 3.5e6}, {"seconds", 2e-5}}};
+  const Profile p = load_profile(write("m.json", good));
+  ASSERT_EQ(p.copies.size(), 2u);
+  EXPECT_EQ(p.copies[0].kind, "h2d");
+  EXPECT_EQ(p.copies[0].bytes, 1048576);
+  EXPECT_EQ(p.copies[1].seconds, 3e-6);
+  ASSERT_TRUE(p.overheads);
+  EXPECT_EQ(p.overheads->launch_latency, 4e-6);
+  EXPECT_FALSE(p.overheads->event_record);  // not measured
+  EXPECT_EQ(p.overheads->stream_wait, 0.0);
+  ASSERT_EQ(p.interference.size(), 1u);
+  EXPECT_EQ(p.interference[0].aggressor, "h2d");
+  EXPECT_EQ(p.interference[0].together_s, 1.25e-3);
+  EXPECT_EQ(p.interference[0].factor, 0.8);
+  ASSERT_EQ(p.dispatch.size(), 2u);
+  EXPECT_EQ(p.dispatch[0].op, "permute");
+  EXPECT_EQ(p.dispatch[0].width, 1024);
+  EXPECT_EQ(p.dispatch[0].dtype, "bf16");
+  EXPECT_EQ(p.dispatch[1].ranks, 8);
+  EXPECT_EQ(p.dispatch[1].bytes, 3.5e6);
+  // Written back as read; a profile without them is written as before.
+  const json back = to_json(p);
+  for (const char* k : {"copies", "overheads", "interference", "dispatch"}) EXPECT_EQ(back[k], good[k]) << k;
+  EXPECT_EQ(to_json(load_profile(write("again.json", back))), back);
+  const json plain = to_json(load_profile(write("plain.json", base)));
+  for (const char* k : {"copies", "overheads", "interference", "dispatch"}) EXPECT_FALSE(plain.contains(k)) << k;
+  // The time model reads none of them: the same GEMM, copy and launch figures as without.
+  const ClusterModel m = load_cluster("h100x1");
+  const Profile none = load_profile(write("none.json", base));
+  Engine e1, e2;
+  const Topology with(m, e1, &p), without(m, e2, &none);
+  EXPECT_EQ(with.launch_latency(), without.launch_latency());
+  EXPECT_EQ(with.gemm_seconds(512, 3072, 768, DType::bf16), without.gemm_seconds(512, 3072, 768, DType::bf16));
+  EXPECT_EQ(with.mem_bw_effective(), without.mem_bw_effective());
+  EXPECT_EQ(e1.resource_capacity(with.host_to_device(0).resources[0]),
+            e2.resource_capacity(without.host_to_device(0).resources[0]));
+
+  const auto bad = [&](const std::function<void(json&)>& edit) {
+    json j = good;
+    edit(j);
+    return error_of([&] { (void)load_profile(write("p.json", j)); });
+  };
+  // copies
+  EXPECT_HAS(bad([](json& j) { j["copies"] = 1; }), "p.json: copies: expected an array");
+  EXPECT_HAS(bad([](json& j) { j["copies"][1] = 2; }), "p.json: copies[1]: expected an object");
+  EXPECT_HAS(bad([](json& j) { j["copies"][1]["kind"] = "p2p"; }), "p.json: copies[1].kind = \"p2p\" is not one of h2d, d2h, d2d");
+  EXPECT_HAS(bad([](json& j) { j["copies"][0]["bytes"] = 0; }), "p.json: copies[0].bytes: expected a positive integer, got 0");
+  EXPECT_HAS(bad([](json& j) { j["copies"][0]["bytes"] = 1.5; }), "p.json: copies[0].bytes: expected a positive integer");
+  EXPECT_HAS(bad([](json& j) { j["copies"][1]["seconds"] = 0; }), "p.json: copies[1].seconds = 0 must be > 0");
+  EXPECT_HAS(bad([](json& j) { j["copies"][0].erase("kind"); }), "p.json: missing field \"copies[0].kind\"");
+  EXPECT_HAS(bad([](json& j) { j["copies"][0]["rate"] = 1; }), "p.json: unknown field \"copies[0].rate\"");
+  // overheads
+  EXPECT_HAS(bad([](json& j) { j["overheads"] = {1, 2}; }), "p.json: overheads: expected an object");
+  EXPECT_HAS(bad([](json& j) { j["overheads"]["event_record"] = -1e-6; }),
+             "p.json: overheads.event_record = -1e-06 must be >= 0");
+  EXPECT_HAS(bad([](json& j) { j["overheads"]["sync_roundtrip"] = "slow"; }),
+             "p.json: overheads.sync_roundtrip: expected a number");
+  EXPECT_HAS(bad([](json& j) { j["overheads"]["stream_waits"] = 0; }),
+             "p.json: unknown field \"overheads.stream_waits\" (did you mean \"overheads.stream_wait\"?)");
+  // interference
+  EXPECT_HAS(bad([](json& j) { j["interference"][0]["victim"] = "comm"; }),
+             "p.json: interference[0].victim = \"comm\" is not one of compute, h2d, d2h");
+  EXPECT_HAS(bad([](json& j) { j["interference"][0]["aggressor"] = "nccl"; }),
+             "p.json: interference[0].aggressor = \"nccl\" is not one of compute, h2d, d2h");
+  EXPECT_HAS(bad([](json& j) { j["interference"][0]["alone_s"] = -1; }), "p.json: interference[0].alone_s = -1 must be > 0");
+  EXPECT_HAS(bad([](json& j) { j["interference"][0]["together_s"] = 0; }),
+             "p.json: interference[0].together_s = 0 must be > 0");
+  EXPECT_HAS(bad([](json& j) { j["interference"][0]["factor"] = 0; }),
+             "p.json: interference[0].factor = 0 must be a finite number > 0");
+  EXPECT_HAS(bad([](json& j) { j["interference"][0].erase("factor"); }), "p.json: missing field \"interference[0].factor\"");
+  // dispatch
+  EXPECT_HAS(bad([](json& j) { j["dispatch"][0]["op"] = "combine"; }),
+             "p.json: dispatch[0].op = \"combine\" is not one of permute, exchange");
+  EXPECT_HAS(bad([](json& j) { j["dispatch"][0].erase("op"); }), "p.json: missing field \"dispatch[0].op\"");
+  EXPECT_HAS(bad([](json& j) { j["dispatch"][0]["dtype"] = "fp16"; }),
+             "p.json: dispatch[0].dtype = \"fp16\" is not one of fp32, bf16");
+  EXPECT_HAS(bad([](json& j) { j["dispatch"][0]["rows"] = -4; }), "p.json: dispatch[0].rows: expected a positive integer");
+  EXPECT_HAS(bad([](json& j) { j["dispatch"][0]["bytes"] = 0; }), "p.json: dispatch[0].bytes = 0 must be > 0");
+  EXPECT_HAS(bad([](json& j) { j["dispatch"][1]["seconds"] = -2e-5; }), "p.json: dispatch[1].seconds = -2e-05 must be > 0");
+  EXPECT_HAS(bad([](json& j) { j["dispatch"][1]["ranks"] = 0; }), "p.json: dispatch[1].ranks: expected a positive integer, got 0");
+  EXPECT_HAS(bad([](json& j) { j["dispatch"][1]["rows"] = 64; }), "p.json: unknown field \"dispatch[1].rows\"");
+  EXPECT_HAS(bad([](json& j) { j["dispatch"][0]["ranks"] = 8; }), "p.json: unknown field \"dispatch[0].ranks\"");
+  EXPECT_HAS(bad([](json& j) { j["dispatch"] = json::object(); }), "p.json: dispatch: expected an array");
+}
+
 }  // namespace
 }  // namespace moelab::sim

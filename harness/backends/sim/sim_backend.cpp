@@ -209,6 +209,7 @@ struct LocalTask {
   std::vector<int> deps;     // local ids on the same rank
   int arrive = -1;           // collectives: the local id of the matching arrive task
   bool record = false;       // appears in the timeline
+  std::string detail;        // OpRecord::detail (a GEMM call's path, where the sim prices paths)
 };
 
 struct SimStream final : Stream {
@@ -375,10 +376,12 @@ class SimBackendImpl final : public Backend {
   void grouped_gemm(Stream& s, std::span<const GemmProblem> problems, const char* nm) override {
     const OpCost cost = cost_grouped_gemm(problems);
     LocalTask t = op(nm, cost, sim::WorkClass::compute);
-    double seconds = 0;
-    for (const auto& p : problems) seconds += topo_.gemm_seconds(p.m, p.n, p.k, p.a.defined() ? p.a.dtype() : DType::f32, allow_tf32_);
-    t.latency = topo_.launch_latency() * static_cast<double>(std::max<std::int64_t>(cost.launches, 1));
-    t.demands = {{topo_.sm(rank()), seconds}, {topo_.hbm(rank()), cost.bytes_read + cost.bytes_written}};
+    // The loop of single GEMMs, or the library path the cuda backend would take where the
+    // cluster's GEMM calibration prices paths (sim::Topology::grouped_gemm).
+    const sim::Topology::GroupedGemmPrice price = topo_.grouped_gemm(problems, allow_tf32_);
+    t.latency = topo_.launch_latency() * static_cast<double>(std::max<std::int64_t>(price.launches, 1));
+    t.demands = {{topo_.sm(rank()), price.seconds}, {topo_.hbm(rank()), cost.bytes_read + cost.bytes_written}};
+    t.detail = price.detail;
     issue(s, std::move(t));
   }
   double time_bare_gemms(std::span<const GemmProblem> problems, int) override {
@@ -604,6 +607,7 @@ class SimBackendImpl final : public Backend {
       r.phase = t.phase;
       r.node = t.node;
       r.cost = t.cost;
+      r.detail = t.detail;
       r.start = base + (t.arrive >= 0 ? end[static_cast<std::size_t>(t.arrive)] : start[i]);
       r.end = base + end[i];
       records_.push_back(std::move(r));

@@ -1,0 +1,346 @@
+// harness/tests/sim_gemm_paths_test.cpp — the sim's per-path GEMM pricing: a GEMM
+// calibration with "paths" and "gemm_paths" prices each grouped GEMM call on the library path
+// the cuda backend would take (strided_batched, grouped or the loop, chosen from the
+// calibration's crossover table), each time against its closed form; a calibration without
+// them prices every call as the loop, as before; bad per-path data is a ConfigError naming
+// the file and the field.
+//
+//   ctest --test-dir build -R sim_gemm_paths
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "harness/backends/sim/sim_backend.hpp"
+#include "harness/runtime/error.hpp"
+#include "harness/sim/cluster.hpp"
+#include "harness/sim/engine.hpp"
+#include "harness/tests/sim_test_util.hpp"
+
+namespace moelab {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+#define EXPECT_HAS(msg, part) EXPECT_NE((msg).find(part), std::string::npos) << "message: " << (msg) << "\nexpected: " << (part)
+
+// The toy GPU of sim_test_util.hpp: bf16 100, tf32 50, fp32 20 TFLOP/s.
+constexpr double kBf16 = 100e12, kTf32 = 50e12, kFp32 = 20e12;
+constexpr double kMemBw = 2e12, kLaunch = 5e-6;
+
+// A crossover table of one forward point: each path's TFLOP/s, the same at every rows and
+// width (one point is held flat), so the estimates are loop sum/loop_tf, strided E·f/strided_tf,
+// grouped sum/grouped_tf.
+json table_json(double loop_tf, double strided_tf, double grouped_tf) {
+  return {{"source", "test"},
+          {"points",
+           {{{"precision", "bf16"}, {"op", "fwd"}, {"d_model", 256}, {"d_hidden", 1024}, {"experts", 4}, {"rows", 512},
+             {"tflops", {{"loop", loop_tf}, {"strided_batched", strided_tf}, {"grouped", grouped_tf}}}}}}};
+}
+
+// Curves of the toy calibration: the loop's (the main curves) and the batched paths' (strided:
+// bf16 and tf32, no fp32; grouped: bf16 only).
+sim::GemmCurve curve(double max, double half) {
+  sim::GemmCurve c;
+  c.gemm_max = max;
+  c.gemm_half_dim = half;
+  c.source = "test";
+  return c;
+}
+
+sim::GemmCalibration toy_calibration(const json* table) {
+  sim::GemmCalibration cal;
+  cal.name = "toy";
+  cal.device = "toy-gpu";
+  cal.launch_latency = kLaunch;
+  cal.mem_bw = kMemBw;
+  cal.bf16 = curve(0.9, 100);
+  cal.fp32 = curve(0.7, 80);
+  cal.tf32 = curve(0.85, 90);
+  if (table) {
+    sim::GemmPathPricing p;
+    p.source = "test";
+    p.strided_batched.bf16 = curve(0.95, 60);
+    p.strided_batched.tf32 = curve(0.9, 50);
+    p.grouped.bf16 = curve(0.35, 40);
+    p.table = sim::gemm_path_table_from_json(*table, "test");
+    cal.paths = p;
+  }
+  return cal;
+}
+
+sim::ClusterModel toy_model(const json* table) {
+  sim::ClusterModel m = test::toy_cluster(1, 100e9, 0);
+  m.efficiency.calibration = toy_calibration(table);
+  m.efficiency.launch_latency = kLaunch;  // what load_cluster takes from the calibration
+  return m;
+}
+
+// One problem's seconds on a curve: max(2mnk / (peak · eff), elem · (mk + kn + mn) / mem_bw),
+// eff = gemm_max · d / (d + gemm_half_dim), d = min(m, n, k).
+double roofline(double m, double n, double k, double peak, double gemm_max, double half, double elem) {
+  const double d = std::min({m, n, k});
+  const double eff = gemm_max * d / (d + half);
+  return std::max(2 * m * n * k / (peak * eff), elem * (m * k + k * n + m * n) / kMemBw);
+}
+
+struct Shape {
+  std::int64_t m, n, k;
+};
+
+// Prices `shapes` (forward problems [m,k]x[k,n] in `dt`) with Topology::grouped_gemm, and runs
+// them as one grouped_gemm op after a first op on the same stream, so that the op's timeline
+// record gives its launch latency (its start minus the first op's end) and its GPU time.
+struct Priced {
+  sim::Topology::GroupedGemmPrice price;
+  double latency = 0, gpu = 0;
+  std::string detail;
+};
+Priced price(const sim::ClusterModel& m, const std::vector<Shape>& shapes, DType dt, bool tf32 = false) {
+  Priced out;
+  SimOptions o;
+  o.cluster = m;
+  SimCluster cluster(o);
+  cluster.run([&](Backend& b, Communicator& c) {
+    b.set_allow_tf32(tf32);
+    Stream& s = b.default_stream();
+    std::vector<GemmProblem> ps;
+    for (const Shape& sh : shapes) {
+      GemmProblem p;
+      p.m = sh.m;
+      p.n = sh.n;
+      p.k = sh.k;
+      p.a = b.empty({std::max<std::int64_t>(sh.m, 1), std::max<std::int64_t>(sh.k, 1)}, dt, MemCategory::buffers, s);
+      p.b = b.empty({std::max<std::int64_t>(sh.k, 1), std::max<std::int64_t>(sh.n, 1)}, dt, MemCategory::buffers, s);
+      p.c = b.empty({std::max<std::int64_t>(sh.m, 1), std::max<std::int64_t>(sh.n, 1)}, dt, MemCategory::buffers, s);
+      ps.push_back(p);
+    }
+    sim::Engine e;
+    const sim::Topology t(m, e);
+    out.price = t.grouped_gemm(ps, tf32);
+    c.barrier();
+    b.clear_timeline();
+    b.grouped_gemm(s, {ps.data(), 1}, "first");
+    b.grouped_gemm(s, ps, "call");
+    b.synchronize();
+    c.barrier();  // the times become final at a barrier of every rank
+    const auto tl = b.timeline();
+    ASSERT_EQ(tl.size(), 2u);
+    out.latency = tl[1].start - tl[0].end;
+    out.gpu = tl[1].end - tl[1].start;
+    out.detail = tl[1].detail;
+  });
+  return out;
+}
+
+// Equal problems, a table where one strided batch is fastest: one launch, E times the
+// strided curve's time.
+TEST(SimGemmPaths, EqualProblemsTakeTheStridedBatch) {
+  const json table = table_json(100, 400, 250);
+  const sim::ClusterModel m = toy_model(&table);
+  const std::vector<Shape> four(4, Shape{512, 1024, 256});
+  const Priced p = price(m, four, DType::bf16);
+  const double each = roofline(512, 1024, 256, kBf16, 0.95, 60, 2);
+  EXPECT_DOUBLE_EQ(p.price.seconds, 4 * each);
+  EXPECT_EQ(p.price.launches, 1);
+  EXPECT_EQ(p.price.detail.rfind("strided_batched (fastest)", 0), 0u) << p.price.detail;
+  // The sim backend: one launch latency, then the GEMM seconds on the GPU; the path in the
+  // op's detail, as the cuda backend records it.
+  EXPECT_NEAR(p.latency, kLaunch, 1e-15);
+  EXPECT_NEAR(p.gpu, 4 * each, 1e-12 * each);
+  EXPECT_EQ(p.detail, p.price.detail);
+
+  // TF32: the strided path's tf32 curve at the TF32 peak, 4-byte elements.
+  const Priced t = price(m, four, DType::f32, true);
+  EXPECT_DOUBLE_EQ(t.price.seconds, 4 * roofline(512, 1024, 256, kTf32, 0.9, 50, 4));
+  EXPECT_EQ(t.price.launches, 1);
+  EXPECT_HAS(t.price.detail, "strided_batched");
+  EXPECT_HAS(t.price.detail, "tf32");
+}
+
+// Unequal shapes cannot be one strided batch: grouped where the table has it beat the loop,
+// the loop (a launch and the loop curve per problem) where it does not.
+TEST(SimGemmPaths, UnequalShapesTakeGroupedOrTheLoop) {
+  const std::vector<Shape> mixed = {{512, 1024, 256}, {256, 1024, 256}, {1024, 1024, 256}};
+  double grouped = 0, loop = 0;
+  for (const Shape& s : mixed) {
+    const double m = static_cast<double>(s.m), n = static_cast<double>(s.n), k = static_cast<double>(s.k);
+    grouped += roofline(m, n, k, kBf16, 0.35, 40, 2);
+    loop += roofline(m, n, k, kBf16, 0.9, 100, 2);
+  }
+  const json fast_grouped = table_json(100, 400, 250);
+  const Priced g = price(toy_model(&fast_grouped), mixed, DType::bf16);
+  EXPECT_DOUBLE_EQ(g.price.seconds, grouped);
+  EXPECT_EQ(g.price.launches, 1);
+  EXPECT_EQ(g.price.detail.rfind("grouped (fastest)", 0), 0u) << g.price.detail;
+  EXPECT_HAS(g.price.detail, "strided_batched: unequal shapes");
+  EXPECT_NEAR(g.latency, kLaunch, 1e-15);
+  EXPECT_NEAR(g.gpu, grouped, 1e-12 * grouped);
+
+  const json slow_grouped = table_json(100, 400, 50);
+  const Priced l = price(toy_model(&slow_grouped), mixed, DType::bf16);
+  EXPECT_DOUBLE_EQ(l.price.seconds, loop);
+  EXPECT_EQ(l.price.launches, 3);
+  EXPECT_EQ(l.price.detail.rfind("loop (fastest)", 0), 0u) << l.price.detail;
+  EXPECT_NEAR(l.latency, 3 * kLaunch, 1e-15);
+  EXPECT_NEAR(l.gpu, loop, 1e-12 * loop);
+
+  // An expert without rows breaks the layer's fixed strides: the other three, though equal,
+  // go to grouped, and the empty one launches nothing.
+  const std::vector<Shape> one_empty = {{512, 1024, 256}, {0, 1024, 256}, {512, 1024, 256}, {512, 1024, 256}};
+  const Priced z = price(toy_model(&fast_grouped), one_empty, DType::bf16);
+  EXPECT_DOUBLE_EQ(z.price.seconds, 3 * roofline(512, 1024, 256, kBf16, 0.35, 40, 2));
+  EXPECT_EQ(z.price.launches, 1);
+  EXPECT_EQ(z.price.detail.rfind("grouped", 0), 0u) << z.price.detail;
+  EXPECT_HAS(z.price.detail, "operands not equally strided");
+}
+
+// A single problem is one cublasGemmEx; a path without a curve for the precision is priced
+// as the loop (strided has no fp32 curve here).
+TEST(SimGemmPaths, OneProblemAndMissingCurvesAreTheLoop) {
+  const json table = table_json(100, 400, 250);
+  const sim::ClusterModel m = toy_model(&table);
+  const Priced one = price(m, {{512, 1024, 256}}, DType::bf16);
+  EXPECT_DOUBLE_EQ(one.price.seconds, roofline(512, 1024, 256, kBf16, 0.9, 100, 2));
+  EXPECT_EQ(one.price.launches, 1);
+  EXPECT_EQ(one.price.detail, "one problem: one cublasGemmEx");  // the chooser's line, as cuda records it
+
+  const std::vector<Shape> four(4, Shape{512, 1024, 256});
+  const Priced f = price(m, four, DType::f32);
+  EXPECT_DOUBLE_EQ(f.price.seconds, 4 * roofline(512, 1024, 256, kFp32, 0.7, 80, 4));
+  EXPECT_EQ(f.price.launches, 4);
+  EXPECT_EQ(f.price.detail.rfind("strided_batched", 0), 0u) << f.price.detail;
+  EXPECT_HAS(f.price.detail, "priced as the loop: the calibration has no strided_batched curve for fp32");
+  EXPECT_NEAR(f.latency, 4 * kLaunch, 1e-15);
+}
+
+// Without per-path data every call is the loop, exactly as before: the sum of gemm_seconds
+// and a launch per problem with an output (k = 0 included), no detail.
+TEST(SimGemmPaths, WithoutPathsEveryCallIsTheLoop) {
+  const std::vector<Shape> equal(4, Shape{512, 1024, 256});
+  const std::vector<Shape> mixed = {{512, 1024, 256}, {0, 1024, 256}, {64, 1024, 0}, {1024, 512, 128}};
+  for (const sim::ClusterModel& m : {toy_model(nullptr), sim::load_cluster("h100x1"), sim::load_cluster("dgx-a100x1")}) {
+    SCOPED_TRACE(m.name);
+    ASSERT_TRUE(m.efficiency.calibration);
+    ASSERT_FALSE(m.efficiency.calibration->paths);  // the committed calibrations have none
+    sim::Engine e;
+    const sim::Topology t(m, e);
+    EXPECT_FALSE(t.prices_gemm_paths());
+    for (const auto* shapes : {&equal, &mixed}) {
+      const Priced p = price(m, *shapes, DType::bf16);
+      double seconds = 0;
+      std::int64_t launches = 0;
+      for (const Shape& s : *shapes) {
+        seconds += t.gemm_seconds(s.m, s.n, s.k, DType::bf16);
+        launches += s.m > 0 && s.n > 0 ? 1 : 0;
+      }
+      EXPECT_EQ(p.price.seconds, seconds);
+      EXPECT_EQ(p.price.launches, launches);
+      EXPECT_EQ(p.price.detail, "");
+      EXPECT_EQ(p.detail, "");
+      EXPECT_NEAR(p.latency, static_cast<double>(launches) * m.efficiency.launch_latency, 1e-15);
+    }
+  }
+}
+
+// ---- the calibration file's per-path objects -------------------------------------------------
+
+class PathFiles : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    std::error_code ec;
+    if (!dir_.empty()) fs::remove_all(dir_, ec);
+  }
+  std::string write(const std::string& name, const json& j) {
+    if (dir_.empty()) {
+      const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+      dir_ = fs::temp_directory_path() / ("moelab_sim_gemm_paths_test_" + std::to_string(::getpid()) + "_" + info->name());
+      fs::create_directories(dir_);
+    }
+    const fs::path p = dir_ / (name + ".json");
+    std::ofstream(p) << j.dump(2);
+    return p.string();
+  }
+  // The committed H100 calibration with per-path objects added.
+  static json with_paths() {
+    json j = json::parse(std::ifstream(fs::path(sim::experiments_dir()) / "hardware" / "calibration" / "h100-sxm5.json"));
+    j["paths"] = {{"source", "test"},
+                  {"strided_batched", {{"bf16", {{"gemm_max", 0.95}, {"gemm_half_dim", 60}}},
+                                       {"tf32", {{"gemm_max", 0.9}, {"gemm_half_dim", 50}, {"source", "tf32 test"}}}}},
+                  {"grouped", {{"bf16", {{"gemm_max", 0.35}, {"gemm_half_dim", 40}}}}}};
+    j["gemm_paths"] = table_json(100, 400, 250);
+    return j;
+  }
+  std::string error_of(const std::function<void(json&)>& edit) {
+    json j = with_paths();
+    edit(j);
+    const std::string path = write("bad", j);
+    try {
+      (void)sim::load_gemm_calibration(path);
+    } catch (const ConfigError& e) {
+      return e.what();
+    } catch (const std::exception& e) {
+      return std::string("<not a ConfigError: ") + e.what() + ">";
+    }
+    return "<no error>";
+  }
+
+ private:
+  fs::path dir_;
+};
+
+TEST_F(PathFiles, ReadsThePathsAndTheTable) {
+  const sim::GemmCalibration c = sim::load_gemm_calibration(write("good", with_paths()));
+  ASSERT_TRUE(c.paths);
+  EXPECT_EQ(c.paths->source, "test");
+  ASSERT_TRUE(c.paths->strided_batched.bf16);
+  EXPECT_EQ(c.paths->strided_batched.bf16->gemm_max, 0.95);
+  EXPECT_EQ(c.paths->strided_batched.bf16->gemm_half_dim, 60);
+  EXPECT_EQ(c.paths->strided_batched.tf32->source, "tf32 test");
+  EXPECT_FALSE(c.paths->strided_batched.fp32);
+  EXPECT_EQ(c.paths->curves(GemmPath::strided_batched)->curve("fp32"), nullptr);
+  EXPECT_EQ(c.paths->curves(GemmPath::grouped)->curve("bf16")->gemm_max, 0.35);
+  EXPECT_FALSE(c.paths->grouped.tf32);
+  EXPECT_EQ(c.paths->curves(GemmPath::loop), nullptr);
+  ASSERT_EQ(c.paths->table.points.size(), 1u);
+  EXPECT_EQ(c.paths->table.points[0].tflops[static_cast<std::size_t>(GemmPath::strided_batched)], 400);
+  // The committed calibrations carry none.
+  EXPECT_FALSE(sim::load_gemm_calibration("h100-sxm5").paths);
+  EXPECT_FALSE(sim::load_gemm_calibration("a100-sxm4").paths);
+}
+
+TEST_F(PathFiles, BadPathDataNamesTheField) {
+  EXPECT_HAS(error_of([](json& j) { j.erase("gemm_paths"); }), "bad.json: missing field \"gemm_paths\"");
+  EXPECT_HAS(error_of([](json& j) { j.erase("paths"); }), "bad.json: missing field \"paths\"");
+  EXPECT_HAS(error_of([](json& j) { j["paths"] = 3; }), "bad.json: paths: expected an object");
+  EXPECT_HAS(error_of([](json& j) { j["paths"].erase("source"); }), "bad.json: missing field \"paths.source\"");
+  EXPECT_HAS(error_of([](json& j) { j["paths"]["batched"] = json::object(); }), "bad.json: unknown field \"paths.batched\"");
+  EXPECT_HAS(error_of([](json& j) { j["paths"]["grouped"]["fp16"] = j["paths"]["grouped"]["bf16"]; }),
+             "bad.json: unknown field \"paths.grouped.fp16\"");
+  EXPECT_HAS(error_of([](json& j) { j["paths"]["grouped"] = "fast"; }), "bad.json: paths.grouped: expected an object");
+  EXPECT_HAS(error_of([](json& j) { j["paths"]["strided_batched"]["bf16"]["gemm_max"] = 1.5; }),
+             "bad.json: paths.strided_batched.bf16.gemm_max = 1.5 must be in (0, 1]");
+  EXPECT_HAS(error_of([](json& j) { j["paths"]["strided_batched"]["bf16"]["gemm_max"] = 0; }),
+             "bad.json: paths.strided_batched.bf16.gemm_max = 0 must be in (0, 1]");
+  EXPECT_HAS(error_of([](json& j) { j["paths"]["grouped"]["bf16"]["gemm_half_dim"] = -1; }),
+             "bad.json: paths.grouped.bf16.gemm_half_dim = -1 must be >= 0");
+  EXPECT_HAS(error_of([](json& j) { j["paths"]["grouped"]["bf16"].erase("gemm_half_dim"); }),
+             "bad.json: missing field \"paths.grouped.bf16.gemm_half_dim\"");
+  EXPECT_HAS(error_of([](json& j) { j["paths"]["grouped"]["bf16"]["half_dim"] = 3; }),
+             "bad.json: unknown field \"paths.grouped.bf16.half_dim\"");
+  EXPECT_HAS(error_of([](json& j) { j["gemm_paths"]["points"][0]["op"] = "bwd"; }),
+             "bad.json: gemm_paths.points[0].op = \"bwd\" is not one of fwd, dgrad, wgrad");
+  EXPECT_HAS(error_of([](json& j) { j["gemm_paths"].erase("points"); }), "bad.json: missing field \"gemm_paths.points\"");
+  EXPECT_HAS(error_of([](json& j) { j["gemm_paths"] = 1; }), "bad.json: gemm_paths: expected an object");
+}
+
+}  // namespace
+}  // namespace moelab
