@@ -48,6 +48,9 @@ def main(d):
                "device": first_m["device"], "backend": first_m["backend"], "commit": first_m["commit"],
                "date": first_m["date"], "cluster_model": first_s["cluster"]["name"],
                "calibration": first_s["calibration"],
+               # The cluster file's GEMM calibration (scripts/validate_sim.sh: the one fitted to
+               # this device's profile), null when it prices on its datasheet curves.
+               "gemm_calibration": ((first_s["cluster"] or {}).get("efficiency") or {}).get("calibration"),
                "median_step_error": statistics.median(errors), "worst_step_error": max(errors),
                "configurations": rows}
     tmp = os.path.join(d, "comparison.json.tmp")
@@ -62,7 +65,8 @@ def main(d):
         print(f"{r['workload']:28} {1e3 * r['measured_step_s']:12.3f} {1e3 * r['simulated_step_s']:13.3f} "
               f"{100 * r['step_error']:6.1f}%   {fmt(pe)}      {fmt(pd)}")
     print(f"median step error {100 * summary['median_step_error']:.1f}%, "
-          f"worst {100 * summary['worst_step_error']:.1f}% ({summary['device']}, {summary['calibration']})")
+          f"worst {100 * summary['worst_step_error']:.1f}% ({summary['device']}, " + (f"profile {summary['calibration']}" if summary['calibration'] != 'datasheet' else 'no profile')
+          + (f", GEMM calibration {summary['gemm_calibration']}" if summary["gemm_calibration"] else "") + ")")
 
 
 if __name__ == "__main__":

@@ -504,12 +504,17 @@ def gpu_device_section(results, experiments, device_dir, report_dir):
 
     if validation:
         v = validation
+        # A comparison made by a fitted calibration (gemm_calibration, from the profile by
+        # scripts/fit_gemm_efficiency.py --profile) says so; older ones simulated with the profile.
+        fitted = v.get("gemm_calibration")
+        how = (f"the GEMM calibration fitted to it ({link(os.path.join(vdir, fitted), report_dir, fitted)}) and the "
+               f"interference, host copy and memory rates fitted with it" if fitted else "that profile")
         out += ["#### The simulator on this GPU", "",
                 f"`scripts/validate_sim.sh --backend cuda`: this GPU calibrated into a profile "
                 f"({link(os.path.join(vdir, 'profile.json'), report_dir, 'profile.json')}, calibration "
                 f"`{v['calibration']}`), then {len(v['configurations'])} single-GPU layer configurations measured "
-                f"on {where} at commit {v['commit']} and simulated on the {v['cluster_model']} model with that "
-                f"profile: **median step-time error {100 * v['median_step_error']:.1f}%, worst "
+                f"on {where} at commit {v['commit']} and simulated on the {v['cluster_model']} model with "
+                f"{how}: **median step-time error {100 * v['median_step_error']:.1f}%, worst "
                 f"{100 * v['worst_step_error']:.1f}%** ({link(vcomp, report_dir, 'comparison.json')}).", "",
                 "| configuration | measured (ms) | simulated (ms) | step error | experts error | dispatch error |",
                 "|---|---|---|---|---|---|"]

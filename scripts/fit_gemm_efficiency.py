@@ -738,8 +738,11 @@ def build_from_profile(path, peaks, peaks_text, name):
             "fit": path_stats,
         }
     elif points:
-        notes.append("gemm_paths: no strided_batched or grouped figures for a precision with a peak: no \"paths\"")
-    if prof["points"] is not None:
+        notes.append("gemm_paths: no strided_batched or grouped figures for a precision with a peak: no \"paths\" "
+                     "and no table (every call is priced as the loop)")
+    # The table comes with the curves of the paths it chooses (a calibration holds both or
+    # neither, harness/sim/cluster.cpp): a profile of the loop alone gives only "curves".
+    if prof["points"] is not None and paths:
         doc["gemm_paths"] = prof["raw"]["gemm_paths"]
 
     if prof["copies"] is not None:

@@ -42,7 +42,7 @@
 # Time: the device tool stops a command at 600 s, so the run keeps to $GPU_RUN_BUDGET seconds
 # (default 570, packing included) and each step to its budget, $GPU_BUDGET_<STEP> (defaults
 # from the times measured on one H100 at e25e2a0, docs/GPU.md): tests 60 (measured 4; each
-# binary at most $TEST_TIMEOUT, default 30), validate 120 (61), peers 90, compare 30; suites
+# binary at most $TEST_TIMEOUT, default 30), validate 180 (61 before calibrate measured the GEMM paths, copies by size, overheads, interference and dispatch, and the fit: about 25 s more expected), peers 90, compare 30; suites
 # and memcheck get what is left after the budgets of the steps still to come. A step or test binary that runs out of time is stopped
 # and reported TIMEOUT; one with no time left is not started.
 # Without a CUDA device every step says so and skips (exit code 0). Exit code 1 if any step
@@ -141,7 +141,7 @@ WROTE=()  # what the run wrote under OUTDIR (top-level names): packed, then remo
 # Time budgets in seconds (docs/GPU.md has the measured times they come from). 0: what is left.
 RUN_BUDGET="${GPU_RUN_BUDGET:-570}"
 PACK_RESERVE=15
-declare -A BUDGET=([tests]="${GPU_BUDGET_TESTS:-60}" [validate]="${GPU_BUDGET_VALIDATE:-120}"
+declare -A BUDGET=([tests]="${GPU_BUDGET_TESTS:-60}" [validate]="${GPU_BUDGET_VALIDATE:-180}"
                    [suites]="${GPU_BUDGET_SUITES:-0}" [peers]="${GPU_BUDGET_PEERS:-90}"
                    [compare]="${GPU_BUDGET_COMPARE:-30}" [memcheck]="${GPU_BUDGET_MEMCHECK:-0}")
 STEPS=(tests validate suites peers compare memcheck)

@@ -402,6 +402,18 @@ def check_result(res, path):
     for k in ("floor_gemm_s", "moe_layer_s"):
         c.number(m, k, "metrics", required=False, minimum=0)
     c.string(m, "floor_gemm_library", "metrics", required=False)
+    # cuda: the GEMM-path table the run chose by, and the calls per op name and path.
+    c.string(m, "gemm_path_table", "metrics", required=False)
+    taken = m.get("gemm_paths_taken")
+    if taken is not None:
+        if not isinstance(taken, dict):
+            c.fail("metrics.gemm_paths_taken", f"expected an object {{op: {{path: calls}}}}, got {_kind(taken)}")
+        for op, paths in taken.items():
+            if not isinstance(paths, dict) or not all(
+                    p in ("loop", "strided_batched", "grouped") and isinstance(n, int) and not isinstance(n, bool) and n > 0
+                    for p, n in paths.items()):
+                c.fail(f"metrics.gemm_paths_taken.{op}",
+                       "expected {path: calls} with paths loop, strided_batched, grouped and calls > 0")
     for k in ("expert_vs_floor_ratio", "layer_vs_floor_ratio"):
         c.number(m, k, "metrics", required=False, minimum=0, null=True)
     c.numbers_map(m, "phases_s", "metrics")

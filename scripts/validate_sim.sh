@@ -118,10 +118,15 @@ if "copies" in cal:
     node["host_copy_bw"] = (cal["copies"]["h2d"]["bw"] + cal["copies"]["d2h"]["bw"]) / 2
     fitted.append("host_copy_bw: the mean of the fitted h2d and d2h rates (calibration.json copies)")
 node["source"] = node.get("source", "") + " Fitted on this device: " + ("; ".join(fitted) or "nothing") + "."
+# Memory-bound kernels (the activation, the permutations, the gate's passes) at the rate a
+# device copy reached (bytes read + written): on a GPU they are bound by HBM alike. On a cpu
+# the exact-erf GeLU is bound by arithmetic instead (its elementwise_bw is far below the copy
+# rate while the permutations run near it), which a rate per byte cannot price: there the
+# experts phase comes out short (docs/PERFORMANCE.md, "Validating the simulator on a device").
 mem = min(1.0, prof["d2d_bw"] / node["gpu"]["hbm_bw"])
 c["efficiency"] = {"calibration": "calibration.json", "mem": mem,
                    "source": f"GEMM efficiency and launch latency: calibration.json, fitted by scripts/fit_gemm_efficiency.py "
-                             f"--profile to {prof_path}. mem {mem:.3f}: the profile's device copy rate (bytes read + written) "
+                             f"--profile to {prof_path}. mem {mem:.4g}: the profile's device copy rate (bytes read + written) "
                              f"over the GPU's HBM bandwidth, capped at 1."}
 if "interference" in cal:
     it = c.get("interference") or {}

@@ -111,7 +111,7 @@ json measure_gemm_paths(Backend& b, Stream& s, const Plan& plan, const std::stri
   struct Width {
     std::int64_t d_model, d_hidden;
   };
-  std::vector<Width> widths = plan.cpu ? std::vector<Width>{{64, 256}, {128, 512}} : std::vector<Width>{{768, 3072}, {2048, 8192}};
+  std::vector<Width> widths = plan.cpu ? std::vector<Width>{{256, 1024}, {512, 2048}} : std::vector<Width>{{768, 3072}, {2048, 8192}};
   std::vector<std::int64_t> experts = plan.cpu ? std::vector<std::int64_t>{4, 16} : std::vector<std::int64_t>{8, 64};
   const std::int64_t min_rows = plan.cpu ? 16 : 64, max_rows = plan.cpu ? 256 : 16384;
   const std::int64_t max_tokens = plan.cpu ? 2048 : 131072;  // E · rows per call
@@ -149,7 +149,7 @@ json measure_gemm_paths(Backend& b, Stream& s, const Plan& plan, const std::stri
               if (op == GemmOp::wgrad) problems.push_back({true, false, M, H, R, x, y, dwe, 1.0f, 1.0f});
             }
             const double flops = 2.0 * static_cast<double>(E * R) * static_cast<double>(M * H);
-            json tflops = {{"loop", 0.0}, {"strided_batched", 0.0}, {"grouped", 0.0}};
+            json tflops = json::object();  // a path not measured (none here, or refused) is absent
             for (GemmPath path : paths) {
               const std::string name = std::string("calibrate.") + gemm_path_name(path);
 #ifdef MOELAB_HAVE_CUDA
@@ -176,10 +176,11 @@ json measure_gemm_paths(Backend& b, Stream& s, const Plan& plan, const std::stri
             }
             points.push_back({{"precision", prec}, {"op", gemm_op_name(op)}, {"d_model", M}, {"d_hidden", H},
                               {"experts", E}, {"rows", R}, {"tflops", tflops}});
+            const auto rate = [&](const char* k) { return tflops.contains(k) ? tflops[k].get<double>() : 0.0; };
             if (plan.print) std::printf("paths %-4s %-5s %5lld/%-5lld E=%-3lld rows %5lld  loop %8.3f  strided %8.3f  grouped %8.3f TFLOP/s\n",
                         prec.c_str(), gemm_op_name(op), static_cast<long long>(M), static_cast<long long>(H),
-                        static_cast<long long>(E), static_cast<long long>(R), tflops["loop"].get<double>(),
-                        tflops["strided_batched"].get<double>(), tflops["grouped"].get<double>());
+                        static_cast<long long>(E), static_cast<long long>(R), rate("loop"), rate("strided_batched"),
+                        rate("grouped"));
           }
         }
   }
@@ -188,7 +189,7 @@ json measure_gemm_paths(Backend& b, Stream& s, const Plan& plan, const std::stri
   return {{"source", "moelab calibrate --backend " + b.name() + " on " + device + " at commit " + build_commit() +
                          ": one call of E equal problems per point (the layer's packed layout, wgrad with beta = 1), "
                          "each path forced in turn, median of " + std::to_string(plan.reps) +
-                         " repetitions; 0 where the backend has no such path or the library refused it"},
+                         " repetitions; a path is absent where the backend has no such path or the library refused it"},
           {"max_padding_waste", defaults.max_padding_waste},
           {"tie_tolerance", defaults.tie_tolerance},
           {"points", points}};

@@ -358,10 +358,14 @@ std::optional<GemmPathPricing> parse_path_pricing(const Fields& f) {
 GemmCalibration parse_gemm_calibration(const json& j, const std::string& origin) {
   if (!j.is_object()) fail(origin, "expected a JSON object at the top level, got " + show(j));
   // "fit" and "interference_measured" record how the figures were made (residuals, data);
-  // the model reads none of them.
+  // "copies", "interference", "overheads" and "dispatch" (scripts/fit_gemm_efficiency.py
+  // --profile) are the device's other fitted figures, which a cluster file carries where the
+  // sim uses them (scripts/validate_sim.sh writes one). The model reads none of them.
   Fields f(j, origin, "",
            {"schema", "name", "description", "device", "model", "launch_latency", "mem_bw", "curves", "paths",
-            "gemm_paths", "fit", "interference_measured", "source"});
+            "gemm_paths", "fit", "interference_measured", "copies", "interference", "overheads", "dispatch", "source"});
+  for (const char* k : {"copies", "interference", "overheads", "dispatch"})
+    if (const json* x = f.find(k); x && !x->is_object()) f.wrong_type(k, *x, "an object");
   check_schema(f, kGemmCalibrationSchema, true);
   GemmCalibration c;
   c.origin = origin;
@@ -373,10 +377,13 @@ GemmCalibration parse_gemm_calibration(const json& j, const std::string& origin)
   c.mem_bw = bandwidth(f, "mem_bw");
   const json& curves = f.require("curves");
   if (!curves.is_object()) f.wrong_type("curves", curves, "an object {bf16, fp32, tf32} of curves");
+  // A precision the device was not measured in has no curve (a cpu profile: fp32 alone); a
+  // GEMM of it is then an error naming the calibration (GemmCalibration::curve).
   Fields cf(curves, origin, "curves.", {"bf16", "fp32", "tf32"});
-  c.bf16 = parse_curve(cf, "bf16");
-  c.fp32 = parse_curve(cf, "fp32");
-  c.tf32 = parse_curve(cf, "tf32");
+  if (curves.empty()) f.bad_value("curves", "needs a curve for at least one of bf16, fp32, tf32");
+  if (cf.find("bf16")) c.bf16 = parse_curve(cf, "bf16");
+  if (cf.find("fp32")) c.fp32 = parse_curve(cf, "fp32");
+  if (cf.find("tf32")) c.tf32 = parse_curve(cf, "tf32");
   c.paths = parse_path_pricing(f);
   c.source = f.string("source");
   return c;
@@ -583,10 +590,14 @@ void Interference::set_victim(int victim, double f) {
 }
 
 const GemmCurve& GemmCalibration::curve(DType t, bool on_tf32) const {
-  if (t == DType::f32) return on_tf32 ? tf32 : fp32;
-  if (t == DType::bf16) return bf16;
-  throw Unsupported("GEMM calibration " + quote(name) + ": no curve for " + dtype_name(t) +
-                    " GEMMs (it has bf16, fp32 and tf32)");
+  const std::optional<GemmCurve>* c = t == DType::f32 ? (on_tf32 ? &tf32 : &fp32) : t == DType::bf16 ? &bf16 : nullptr;
+  if (c && *c) return **c;
+  std::string has;
+  for (auto [n, x] : {std::pair{"bf16", &bf16}, std::pair{"fp32", &fp32}, std::pair{"tf32", &tf32}})
+    if (*x) has += (has.empty() ? "" : ", ") + std::string(n);
+  throw Unsupported("GEMM calibration " + quote(name) + " (" + origin + "): no curve for " +
+                    (t == DType::f32 && on_tf32 ? std::string("tf32") : std::string(dtype_name(t))) +
+                    " GEMMs (it has " + has + ")");
 }
 
 const GemmCurve* PathCurves::curve(const std::string& precision) const {
@@ -762,16 +773,16 @@ void parse_profile_samples(const Fields& f, Profile& p) {
                     if (!(x.factor > 0) || !std::isfinite(x.factor)) inf.bad_value("factor", "must be a finite number > 0");
                     p.interference.push_back(x);
                   });
-  for_each_object(f, "dispatch", "an array of {op: \"permute\" | \"exchange\", ...}", [&](const json& e,
+  for_each_object(f, "dispatch", "an array of {op: \"permute\" | \"unpermute\" | \"exchange\", ...}", [&](const json& e,
                                                                                             const std::string& pre) {
     // The op decides the other fields: read it first, then check the object against them.
     DispatchSample d;
     {
       Fields opf(e, path, pre, {"op", "rows", "width", "dtype", "ranks", "bytes", "seconds"});
       (void)opf.require("op");
-      d.op = opf.choice_or("op", "", {"permute", "exchange"});
+      d.op = opf.choice_or("op", "", {"permute", "unpermute", "exchange"});
     }
-    if (d.op == "permute") {
+    if (d.op != "exchange") {
       Fields df(e, path, pre, {"op", "rows", "width", "dtype", "bytes", "seconds"});
       d.rows = df.integer("rows", 1, limits::kMaxDerived);
       d.width = df.integer("width", 1, limits::kMaxDerived);
@@ -969,7 +980,7 @@ nlohmann::json to_json(const Profile& p) {
     json a = json::array();
     for (const auto& d : p.dispatch) {
       json e = {{"op", d.op}};
-      if (d.op == "permute") {
+      if (d.op != "exchange") {
         e["rows"] = d.rows;
         e["width"] = d.width;
         e["dtype"] = d.dtype;

@@ -112,7 +112,7 @@ struct GemmCalibration {
   std::string name, origin, device;
   double launch_latency = 0;  // s per kernel / library call
   double mem_bw = 0;          // bytes/s of the roofline term
-  GemmCurve bf16, fp32, tf32;
+  std::optional<GemmCurve> bf16, fp32, tf32;  // absent: the device was not measured in it
   // The file's optional "paths" and "gemm_paths" objects (given together); absent: every
   // grouped GEMM call is priced as a loop of single GEMMs.
   std::optional<GemmPathPricing> paths;

@@ -393,10 +393,35 @@ TEST_F(ClusterTest, BadCalibrationFiles) {
     return error_of([&] { (void)load_cluster("c-" + name); });
   };
   EXPECT_EQ(with_calibration("ok", good), "<no error>");
+  // A precision the device was not measured in has no curve: the calibration loads, and a
+  // GEMM of that precision is an error naming the calibration and what it has.
   json a = good;
   a["curves"].erase("tf32");
-  EXPECT_HAS(with_calibration("a", a), "c-a.json: efficiency.calibration = \"a\"");
-  EXPECT_HAS(with_calibration("a", a), "a.json: missing field \"curves.tf32\"");
+  EXPECT_EQ(with_calibration("a", a), "<no error>");
+  {
+    const ClusterModel m = load_cluster("c-a");
+    Engine e;
+    Topology t(m, e);
+    EXPECT_GT(t.gemm_seconds(512, 3072, 768, DType::bf16), 0.0);
+    const std::string err = error_of([&] { (void)t.gemm_seconds(512, 3072, 768, DType::f32, true); });
+    EXPECT_HAS(err, "a.json): no curve");
+    EXPECT_HAS(err, "no curve for tf32 GEMMs (it has bf16, fp32)");
+  }
+  json a2 = good;
+  a2["curves"] = json::object();
+  EXPECT_HAS(with_calibration("a2", a2), "c-a2.json: efficiency.calibration = \"a2\"");
+  EXPECT_HAS(with_calibration("a2", a2), "a2.json: curves");
+  EXPECT_HAS(with_calibration("a2", a2), "needs a curve for at least one of bf16, fp32, tf32");
+  // The fitted sections a calibration may record (scripts/fit_gemm_efficiency.py --profile)
+  // load; one of the wrong type is named.
+  json a3 = good;
+  a3["copies"] = {{"h2d", {{"bw", 5e10}, {"latency", 1e-5}}}};
+  a3["interference"] = {{"compute_beside_memcpy", 0.94}};
+  a3["overheads"] = {{"event_record", 2e-6}};
+  a3["dispatch"] = {{"permute_bw", 2e12}};
+  EXPECT_EQ(with_calibration("a3", a3), "<no error>");
+  a3["dispatch"] = 3;
+  EXPECT_HAS(with_calibration("a3", a3), "a3.json: dispatch");
   json b = good;
   b["curves"]["bf16"]["gemm_max"] = 1.5;
   EXPECT_HAS(with_calibration("b", b), "b.json: curves.bf16.gemm_max = 1.5 must be in (0, 1]");
@@ -935,7 +960,7 @@ TEST_F(ClusterTest, ProfileMeasurements) {
   EXPECT_HAS(bad([](json& j) { j["interference"][0].erase("factor"); }), "p.json: missing field \"interference[0].factor\"");
   // dispatch
   EXPECT_HAS(bad([](json& j) { j["dispatch"][0]["op"] = "combine"; }),
-             "p.json: dispatch[0].op = \"combine\" is not one of permute, exchange");
+             "p.json: dispatch[0].op = \"combine\" is not one of permute, unpermute, exchange");
   EXPECT_HAS(bad([](json& j) { j["dispatch"][0].erase("op"); }), "p.json: missing field \"dispatch[0].op\"");
   EXPECT_HAS(bad([](json& j) { j["dispatch"][0]["dtype"] = "fp16"; }),
              "p.json: dispatch[0].dtype = \"fp16\" is not one of fp32, bf16");

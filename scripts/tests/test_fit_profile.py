@@ -238,6 +238,19 @@ class Sections(Base):
         self.assertNear(doc["curves"]["fp32"]["gemm_max"], FP32[0], 1e-3, "fp32 gemm_max")
         self.assertNear(doc["launch_latency"], LAUNCH, 1e-3, "launch from fp32 samples")
 
+    def test_loop_only_table_gives_neither_paths_nor_table(self):
+        # A cpu profile measures the loop alone: its curves, and no "paths" or "gemm_paths"
+        # (the sim's loader takes the two together or neither).
+        prof = profile()
+        for pt in prof["gemm_paths"]["points"]:
+            pt["tflops"] = {"loop": pt["tflops"]["loop"]}
+        p, doc = self.run_fit(prof)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("bf16", doc["curves"])
+        self.assertNotIn("paths", doc)
+        self.assertNotIn("gemm_paths", doc)
+        self.assertIn("no table (every call is priced as the loop)", p.stdout)
+
     def test_curve_out_of_range_is_left_out(self):
         # A bf16 peak 10x too low: gemm_max would be about 9; that curve and its paths are left out.
         p, doc = self.run_fit(profile(), peaks="bf16=98.9e12,tf32=495e12,fp32=67e12")

@@ -99,6 +99,21 @@ class ResultSchema(unittest.TestCase):
         r["metrics"]["floor_gemm_library"] = 7
         self.rejected(r, 'field "metrics.floor_gemm_library"')
 
+    def test_gemm_paths_are_optional_and_checked(self):
+        r = fixtures.result("measured")
+        r["metrics"].update({"gemm_path_table": "profile \"p.json\": moelab calibrate --backend cuda on H100",
+                             "gemm_paths_taken": {"experts.fc1": {"strided_batched": 7, "loop": 2}}})
+        self.assertEqual(mr.load_result(self.write(r)), r)
+        r["metrics"]["gemm_paths_taken"]["experts.fc1"]["bmm"] = 3
+        self.rejected(r, 'field "metrics.gemm_paths_taken.experts.fc1"')
+        r["metrics"]["gemm_paths_taken"] = {"experts.fc1": {"loop": 0}}
+        self.rejected(r, 'field "metrics.gemm_paths_taken.experts.fc1"')
+        r["metrics"]["gemm_paths_taken"] = [1]
+        self.rejected(r, 'field "metrics.gemm_paths_taken"')
+        r["metrics"]["gemm_paths_taken"] = {}
+        r["metrics"]["gemm_path_table"] = 3
+        self.rejected(r, 'field "metrics.gemm_path_table"')
+
     def test_unknown_schema(self):
         r = fixtures.result()
         r["schema"] = "moelab.result/9"
