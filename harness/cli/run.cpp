@@ -361,6 +361,7 @@ void add_gemm_path_metrics(json& metrics, const Backend& b) {
 
 std::string floor_gemm_library(const Backend& b) {
   if (b.name() == "cuda") return "cublasGemmStridedBatchedEx";
+  if (b.prices_gemm_paths()) return "GEMM (cost model), strided-batched curve";
   return gemm_library(b) + ", one by one";
 }
 

@@ -302,6 +302,9 @@ class Backend {
   virtual double time_batched_gemms(std::span<const GemmProblem> problems, int reps) {
     return time_bare_gemms(problems, reps);
   }
+  // sim: its GEMM calibration prices each library path (then time_batched_gemms prices
+  // strided runs on the strided-batched curve); false elsewhere.
+  virtual bool prices_gemm_paths() const { return false; }
 
   // The machine's rates (see MachineRates); gemm_flops for an [m,k]x[k,n] GEMM in dtype t.
   virtual MachineRates machine_rates(std::int64_t m, std::int64_t n, std::int64_t k, DType t) const {

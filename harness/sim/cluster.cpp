@@ -1272,6 +1272,40 @@ bool Topology::prices_gemm_paths() const {
   return cal && cal->paths.has_value();
 }
 
+double Topology::path_gemm_seconds(const GemmCurve& curve, std::int64_t m, std::int64_t n, std::int64_t k, DType ab,
+                                   bool on_tf32) const {
+  const double peak = on_tf32 ? m_.gpu.flops_tf32 : m_.peak_flops(ab);
+  const double elem = static_cast<double>(dtype_size(ab));
+  const double dm = static_cast<double>(m), dn = static_cast<double>(n), dk = static_cast<double>(k);
+  const double d = static_cast<double>(std::min({m, n, k}));
+  const double eff = curve.gemm_max * d / (d + curve.gemm_half_dim);
+  return std::max(2.0 * dm * dn * dk / (peak * eff), elem * (dm * dk + dk * dn + dm * dn) / m_.efficiency.calibration->mem_bw);
+}
+
+double Topology::batched_gemm_seconds(std::span<const GemmProblem> problems, bool tf32) const {
+  const auto ab_type = [](const GemmProblem& p) { return p.a.defined() ? p.a.dtype() : DType::f32; };
+  const auto same = [&](const GemmProblem& p, const GemmProblem& q) {
+    return p.trans_a == q.trans_a && p.trans_b == q.trans_b && p.m == q.m && p.n == q.n && p.k == q.k &&
+           p.alpha == q.alpha && p.beta == q.beta && ab_type(p) == ab_type(q) &&
+           (p.c.defined() ? p.c.dtype() : DType::f32) == (q.c.defined() ? q.c.dtype() : DType::f32);
+  };
+  double seconds = 0;
+  for (std::size_t i = 0; i < problems.size();) {
+    std::size_t j = i + 1;
+    while (j < problems.size() && same(problems[j], problems[i])) ++j;
+    const GemmProblem& p = problems[i];
+    const DType ab = ab_type(p);
+    const bool on_tf32 = tf32 && ab == DType::f32;
+    const GemmCurve* curve = nullptr;
+    if (j - i > 1 && prices_gemm_paths() && p.m > 0 && p.n > 0 && p.k > 0 && (ab == DType::bf16 || ab == DType::f32))
+      curve = m_.efficiency.calibration->paths->strided_batched.curve(ab == DType::bf16 ? "bf16" : on_tf32 ? "tf32" : "fp32");
+    for (std::size_t q = i; q < j; ++q)
+      seconds += curve ? path_gemm_seconds(*curve, p.m, p.n, p.k, ab, on_tf32) : gemm_seconds(problems[q].m, problems[q].n, problems[q].k, ab, tf32);
+    i = j;
+  }
+  return seconds;
+}
+
 Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> problems, bool tf32) const {
   GroupedGemmPrice out;
   const auto ab_type = [](const GemmProblem& p) { return p.a.defined() ? p.a.dtype() : DType::f32; };
@@ -1332,14 +1366,7 @@ Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> p
     if (curve) {
       // One launch; each problem at the path's curve, or the time to move its operands and
       // result once, whichever is longer (docs/PERFORMANCE.md, "GEMM paths in the sim").
-      const double peak = on_tf32 ? m_.gpu.flops_tf32 : m_.peak_flops(ab);
-      const double elem = static_cast<double>(dtype_size(ab));
-      for (const auto* p : list) {
-        const double dm = static_cast<double>(p->m), dn = static_cast<double>(p->n), dk = static_cast<double>(p->k);
-        const double d = static_cast<double>(std::min({p->m, p->n, p->k}));
-        const double eff = curve->gemm_max * d / (d + curve->gemm_half_dim);
-        out.seconds += std::max(2.0 * dm * dn * dk / (peak * eff), elem * (dm * dk + dk * dn + dm * dn) / cal.mem_bw);
-      }
+      for (const auto* p : list) out.seconds += path_gemm_seconds(*curve, p->m, p->n, p->k, ab, on_tf32);
       ++out.launches;
     } else {
       for (const auto* p : list) out.seconds += gemm_seconds(p->m, p->n, p->k, ab, tf32);

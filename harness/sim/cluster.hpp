@@ -298,7 +298,15 @@ class Topology {
     std::string detail;         // the path of each type combination and why; "" without per-path data
   };
   GroupedGemmPrice grouped_gemm(std::span<const GemmProblem> problems, bool tf32) const;
+  // The GEMM floor's yardstick (Backend::time_batched_gemms): each run of consecutive equal
+  // problems as one strided-batched call on the calibration's strided_batched curve, where it
+  // has per-path data and a curve for the precision; otherwise (and a run of one) the loop's
+  // gemm_seconds. Launches excluded (back to back, hidden behind the previous kernel).
+  double batched_gemm_seconds(std::span<const GemmProblem> problems, bool tf32) const;
   bool prices_gemm_paths() const;  // the calibration has per-path data
+  // One problem on a path's curve: max(2mnk / (peak · eff), elem · (mk + kn + mn) / mem_bw).
+  double path_gemm_seconds(const GemmCurve& curve, std::int64_t m, std::int64_t n, std::int64_t k, DType ab,
+                           bool on_tf32) const;
   double mem_bw_effective() const;   // bytes/s for memory-bound kernels
   double launch_latency() const;     // profile, else calibration, else the datasheet figure
   const ClusterModel& model() const { return m_; }

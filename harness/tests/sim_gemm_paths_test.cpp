@@ -166,6 +166,42 @@ TEST(SimGemmPaths, EqualProblemsTakeTheStridedBatch) {
   EXPECT_HAS(t.price.detail, "tf32");
 }
 
+// The GEMM floor (Backend::time_batched_gemms): each run of consecutive equal problems on the
+// strided curve when the calibration prices paths (its label says so), one by one on the loop
+// curve otherwise; a precision without a strided curve (fp32 here) stays on the loop.
+TEST(SimGemmPaths, FloorRunsOnTheStridedCurve) {
+  const json table = table_json(100, 400, 250);
+  for (const bool paths : {true, false}) {
+    SimOptions o;
+    o.cluster = toy_model(paths ? &table : nullptr);
+    SimCluster cluster(o);
+    cluster.run([&](Backend& b, Communicator&) {
+      Stream& s = b.default_stream();
+      const auto problem = [&](std::int64_t m, std::int64_t n, std::int64_t k, DType dt) {
+        GemmProblem p;
+        p.m = m;
+        p.n = n;
+        p.k = k;
+        p.a = b.empty({m, k}, dt, MemCategory::buffers, s);
+        p.b = b.empty({k, n}, dt, MemCategory::buffers, s);
+        p.c = b.empty({m, n}, dt, MemCategory::buffers, s);
+        return p;
+      };
+      // Two runs (three fwd problems, then two of another shape) and one fp32 run.
+      std::vector<GemmProblem> ps = {problem(512, 1024, 256, DType::bf16), problem(512, 1024, 256, DType::bf16),
+                                     problem(512, 1024, 256, DType::bf16), problem(256, 512, 1024, DType::bf16),
+                                     problem(256, 512, 1024, DType::bf16)};
+      const std::vector<GemmProblem> fp32 = {problem(512, 1024, 256, DType::f32), problem(512, 1024, 256, DType::f32)};
+      const double strided = 3 * roofline(512, 1024, 256, kBf16, 0.95, 60, 2) + 2 * roofline(256, 512, 1024, kBf16, 0.95, 60, 2);
+      const double loop = 3 * roofline(512, 1024, 256, kBf16, 0.9, 100, 2) + 2 * roofline(256, 512, 1024, kBf16, 0.9, 100, 2);
+      EXPECT_EQ(b.prices_gemm_paths(), paths);
+      EXPECT_NEAR(b.time_batched_gemms(ps, 1), paths ? strided : loop, 1e-12 * loop) << "paths " << paths;
+      EXPECT_NEAR(b.time_bare_gemms(ps, 1), loop, 1e-12 * loop);  // the cublasGemmEx yardstick: the loop
+      EXPECT_NEAR(b.time_batched_gemms(fp32, 1), 2 * roofline(512, 1024, 256, kFp32, 0.7, 80, 4), 1e-9);
+    });
+  }
+}
+
 // Unequal shapes cannot be one strided batch: grouped where the table has it beat the loop,
 // the loop (a launch and the loop curve per problem) where it does not.
 TEST(SimGemmPaths, UnequalShapesTakeGroupedOrTheLoop) {

@@ -384,6 +384,12 @@ class SimBackendImpl final : public Backend {
     t.detail = price.detail;
     issue(s, std::move(t));
   }
+  // The floor: strided-batched runs on the calibration's strided curve where it has one
+  // (Topology::batched_gemm_seconds), else one by one as time_bare_gemms.
+  double time_batched_gemms(std::span<const GemmProblem> problems, int) override {
+    return topo_.batched_gemm_seconds(problems, allow_tf32_);
+  }
+  bool prices_gemm_paths() const override { return topo_.prices_gemm_paths(); }
   double time_bare_gemms(std::span<const GemmProblem> problems, int) override {
     double seconds = 0;
     // Back-to-back library calls hide their launches behind the previous kernel: the GPU time.
