@@ -107,6 +107,7 @@ class FastMoE final : public LayerBackedImpl<Layer> {
   std::vector<GemmProblem> expert_gemms() override { return this->layer_.expert_gemm_problems(); }
   nlohmann::json report() override {
     nlohmann::json r = {{"schedule", "unpipelined expert parallelism"}};
+    if (this->layer_.pads_experts()) r["expert_layout"] = "padded";
     if (published_) {
       r["as_published"] = "laekov/fastmoe v1.0.0";
       r["host_waits"] = this->layer_.host_waits();
@@ -118,15 +119,27 @@ class FastMoE final : public LayerBackedImpl<Layer> {
   bool published_;
 };
 
-bool parse_as_published(const nlohmann::json& options) {
-  const json_fields::Options o(options, "fastmoe", {"as_published"});
-  return o.boolean("as_published", false);
+struct FastMoEOptions {
+  bool as_published = false;
+  bool pad_experts = false;  // MoELayer::pad_experts
+};
+
+FastMoEOptions parse_options(const nlohmann::json& options) {
+  const json_fields::Options o(options, "fastmoe", {"as_published", "pad_experts"});
+  FastMoEOptions f{o.boolean("as_published", false), o.boolean("pad_experts", false)};
+  if (f.as_published && f.pad_experts)
+    throw ConfigError("fastmoe: pad_experts applies to the ideal layer; laekov/fastmoe v1.0.0 (as_published) keeps the "
+                      "experts' rows packed");
+  return f;
 }
 
 std::unique_ptr<MoEImpl> make(Backend& b, Communicator& c, const ModelConfig& m, const nlohmann::json& options,
                               MoEChannels* channels) {
-  if (parse_as_published(options)) return std::make_unique<FastMoE<PublishedFastMoELayer>>(b, c, m, channels, true);
-  return std::make_unique<FastMoE<MoELayer>>(b, c, m, channels, false);
+  const FastMoEOptions f = parse_options(options);
+  if (f.as_published) return std::make_unique<FastMoE<PublishedFastMoELayer>>(b, c, m, channels, true);
+  auto impl = std::make_unique<FastMoE<MoELayer>>(b, c, m, channels, false);
+  impl->layer().pad_experts(f.pad_experts);
+  return impl;
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <map>
 
 #include "baselines/fastmoe/fastmoe.hpp"
+#include "harness/backends/cpu/cpu_backend.hpp"
 #include "harness/backends/sim/sim_backend.hpp"
 #include "harness/runtime/error.hpp"
 #include "harness/tests/test_util.hpp"
@@ -39,9 +40,11 @@ struct Passes {
   json report;
 };
 
-Passes two_passes(const json& options, std::uint64_t seed) {
+Passes two_passes(const json& options, std::uint64_t seed, bool poison = false, bool pad_only_wgrad = false) {
   const ModelConfig cfg = small_config();
   auto b = make_backend("cpu");
+  cpu_poison_new_memory(*b, poison);
+  cpu_pad_only_weight_gradients(*b, pad_only_wgrad);
   auto comm = make_self_communicator(*b);
   auto impl = make_fastmoe(*b, *comm, cfg, options);
   impl->init_parameters(seed);
@@ -98,11 +101,40 @@ TEST(FastMoEAsPublished, SameNumbersAsTheIdealForm) {
   EXPECT_EQ(two_passes({{"as_published", false}}, seed).y, ideal.y);
 }
 
+// The padded expert layout computes what the packed one does: the cpu backend runs a padded
+// call over the padded rows (as one strided batch on a GPU would), so a padding row that is not
+// zero would show in the weight gradients.
+// Equal up to fp32 summation order: the padded GEMMs are longer.
+TEST(FastMoEPadded, SameNumbersAsThePackedLayout) {
+  const std::uint64_t seed = test::fresh_seed();
+  // Fresh memory starts as NaN, so that a padding row left unwritten shows as NaN. Both ways
+  // a GPU may run the calls: every GEMM over the padded rows, or only the weight gradients
+  // (the others over their own rows leave their outputs' padding rows unwritten).
+  const Passes packed = two_passes(json::object(), seed, true);
+  for (const bool only_wgrad : {false, true}) {
+    SCOPED_TRACE(only_wgrad ? "only the weight gradients padded" : "every GEMM padded");
+    const Passes padded = two_passes({{"pad_experts", true}}, seed, true, only_wgrad);
+    const auto near = [](const std::vector<float>& a, const std::vector<float>& b, const char* what) {
+      ASSERT_EQ(a.size(), b.size()) << what;
+      for (std::size_t i = 0; i < a.size(); ++i)
+        ASSERT_NEAR(a[i], b[i], 1e-5f * (1.0f + std::abs(b[i]))) << what << "[" << i << "]";
+    };
+    near(padded.y, packed.y, "y");
+    near(padded.dx, packed.dx, "dx");
+    near(padded.dwg, packed.dwg, "dw_gate");
+    near(padded.dw1, packed.dw1, "dw1");
+    near(padded.dw2, packed.dw2, "dw2");
+    EXPECT_EQ(padded.report["expert_layout"], "padded");
+  }
+  EXPECT_FALSE(packed.report.contains("expert_layout"));
+}
+
 TEST(FastMoEOptions, BadOptionsAreAConfigErrorNamingThem) {
   auto b = make_backend("cpu");
   auto comm = make_self_communicator(*b);
   for (const json& bad : {json{{"as_published", 1}}, json{{"as_publish", true}}, json{{"group_size", 2}},
-                          json::array({true})}) {
+                          json::array({true}), json{{"pad_experts", "yes"}},
+                          json{{"as_published", true}, {"pad_experts", true}}}) {
     SCOPED_TRACE(bad.dump());
     try {
       make_fastmoe(*b, *comm, small_config(), bad);

@@ -109,13 +109,17 @@ void MoELayer::zero_grad() {
 
 namespace {
 // The grouped GEMM of one step over the local experts: per expert l, rows [off_l, off_l+r_l)
-// of the row-wise operands. `make` builds the problem for one expert from its row views.
+// of the row-wise operands. `make` builds the problem for one expert from its row views. In
+// the padded layout (Chunk::stride) every expert is a problem, those without a row too, each
+// with the stride as its token stride (GemmProblem::token_stride).
 template <class F>
-std::vector<GemmProblem> per_expert(const std::vector<std::int64_t>& rows, const std::vector<std::int64_t>& off,
-                                    bool include_empty, F make) {
+std::vector<GemmProblem> per_expert(const Chunk& ch, bool include_empty, F make) {
   std::vector<GemmProblem> ps;
-  for (std::size_t l = 0; l < rows.size(); ++l)
-    if (rows[l] > 0 || include_empty) ps.push_back(make(static_cast<std::int64_t>(l), off[l], rows[l]));
+  for (std::size_t l = 0; l < ch.rows.size(); ++l)
+    if (ch.rows[l] > 0 || include_empty || ch.stride > 0) {
+      ps.push_back(make(static_cast<std::int64_t>(l), ch.offset[l], ch.rows[l]));
+      ps.back().token_stride = ch.stride;
+    }
   return ps;
 }
 }  // namespace
@@ -221,7 +225,15 @@ ChunkPlan MoELayer::plan_chunks(MoESaved& sv) {
   std::vector<int> everyone(static_cast<std::size_t>(comm_.size()));
   std::iota(everyone.begin(), everyone.end(), 0);
   ChunkPlan plan;
-  plan.chunks.push_back(peer_chunk(sv.sent, recv, local_experts_, cfg_.d_model, everyone, everyone));
+  std::int64_t stride = 0;
+  if (pad_experts_) {  // the padded layout: every local expert at the stride of the busiest one
+    for (std::int64_t l = 0; l < local_experts_; ++l) {
+      std::int64_t r = 0;
+      for (int p = 0; p < comm_.size(); ++p) r += recv[static_cast<std::size_t>(p * local_experts_ + l)];
+      stride = std::max(stride, r);
+    }
+  }
+  plan.chunks.push_back(peer_chunk(sv.sent, recv, local_experts_, cfg_.d_model, everyone, everyone, stride));
   plan.dispatch = {dispatch_, dispatch_comm_};
   plan.combine = {combine_, combine_comm_};
   plan.one_in_flight = true;
@@ -249,7 +261,7 @@ void MoELayer::experts(Stream& c, const Chunk& ch, const Tensor& t_di, Tensor& t
   expert_linear_done(c);
   Tensor a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
   b_.activation_forward(c, cfg_.activation, t_m, a);
-  expert_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+  expert_gemm(c, per_expert(ch, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{false, false, r, M, H, a.rows(o, r), expert_w2(l), t_do.rows(o, r), 1, 0};
   }), "fc2");
   expert_linear_done(c);
@@ -259,7 +271,7 @@ void MoELayer::expert_fc1(Stream& c, const Chunk& ch, const Tensor& t_di, Tensor
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
   PhaseScope ph(b_, "experts");
   if (offload_ == ExpertOffload::async && resident_.w1.defined()) b_.wait(c, *copies_done_);  // the experts' weights are in
-  expert_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+  expert_gemm(c, per_expert(ch, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{false, false, r, H, M, t_di.rows(o, r), expert_w1(l), t_m.rows(o, r), 1, 0};
   }), name);
 }
@@ -280,8 +292,17 @@ const char* MoELayer::expert_offload_name(ExpertOffload m) {
   return m == ExpertOffload::sync ? "sync" : m == ExpertOffload::async ? "async" : "none";
 }
 
+void MoELayer::pad_experts(bool on) {
+  if (on && offload_ != ExpertOffload::none)
+    throw ConfigError("pad_experts: the padded expert layout runs every local expert's GEMM, and the experts are offloaded");
+  pad_experts_ = on;
+}
+
 void MoELayer::offload_experts(ExpertOffload mode) {
   if (mode == offload_) return;
+  if (mode != ExpertOffload::none && pad_experts_)
+    throw ConfigError("--offload-experts: the padded expert layout (pad_experts) runs every local expert's GEMM; "
+                      "offloading brings only the experts the plan sends rows to");
   if (!steps_drivable())
     throw ConfigError("--offload-experts: the MoE layer's schedule runs a pass of its own (MPipeMoE); expert offloading "
                       "needs a layer whose steps the model drives (fastmoe, fastermoe, top1, top2, their pipelined forms, ScMoE)");
@@ -364,14 +385,13 @@ void MoELayer::combine_backward(Stream& s, Communicator& comm, const Chunk& ch, 
 void MoELayer::experts_backward(Stream& c, const Chunk& ch, const Tensor& t_di, const Tensor& t_m,
                                 const Tensor& d_t_do, Tensor& d_t_di, MoESaved::ExpertWgrad* defer) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden, R = t_di.dim(0);
-  const auto& rows = ch.rows;
-  const auto& off = ch.offset;
   PhaseScope ph(b_, "experts");
   Tensor a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
   b_.activation_forward(c, cfg_.activation, t_m, a);
   Tensor d_a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
+  if (ch.stride > 0) b_.fill_zero(c, d_a);  // its padding rows stay zero whichever path dA's GEMM takes
   // dA = dT_DO · W2^T                [r,M]x[M,H]
-  expert_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+  expert_gemm(c, per_expert(ch, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{false, true, r, H, M, d_t_do.rows(o, r), params_.w2.select(l), d_a.rows(o, r), 1, 0};
   }), "fc2_dgrad");
   if (!defer) fc2_wgrad(c, ch, a, d_t_do);
@@ -380,7 +400,7 @@ void MoELayer::experts_backward(Stream& c, const Chunk& ch, const Tensor& t_di, 
   b_.activation_backward(c, cfg_.activation, t_m, d_a, d_a);
   if (!defer) fc1_wgrad(c, ch, t_di, d_a);
   // dT_DI = dT_M · W1^T              [r,H]x[H,M]
-  expert_gemm(c, per_expert(rows, off, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+  expert_gemm(c, per_expert(ch, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{false, true, r, M, H, d_a.rows(o, r), params_.w1.select(l), d_t_di.rows(o, r), 1, 0};
   }), "fc1_dgrad");
   expert_linear_done(c);
@@ -395,7 +415,7 @@ void MoELayer::experts_backward(Stream& c, const Chunk& ch, const Tensor& t_di, 
 // dW2 += A^T · dT_DO               [H,r]x[r,M]
 void MoELayer::fc2_wgrad(Stream& c, const Chunk& ch, const Tensor& a, const Tensor& d_t_do) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
-  expert_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+  expert_gemm(c, per_expert(ch, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{true, false, H, M, r, a.rows(o, r), d_t_do.rows(o, r), grads_.w2.select(l), 1, 1};
   }), "fc2_wgrad");
 }
@@ -403,7 +423,7 @@ void MoELayer::fc2_wgrad(Stream& c, const Chunk& ch, const Tensor& a, const Tens
 // dW1 += T_DI^T · dT_M             [M,r]x[r,H]
 void MoELayer::fc1_wgrad(Stream& c, const Chunk& ch, const Tensor& t_di, const Tensor& d_t_m) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
-  expert_gemm(c, per_expert(ch.rows, ch.offset, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+  expert_gemm(c, per_expert(ch, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{true, false, M, H, r, t_di.rows(o, r), d_t_m.rows(o, r), grads_.w1.select(l), 1, 1};
   }), "fc1_wgrad");
 }

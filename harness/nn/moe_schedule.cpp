@@ -10,7 +10,7 @@
 namespace moelab {
 
 Chunk peer_chunk(const std::vector<std::int64_t>& sent, const std::vector<std::int64_t>& recv, std::int64_t El,
-                 std::int64_t M, std::span<const int> to, std::span<const int> from) {
+                 std::int64_t M, std::span<const int> to, std::span<const int> from, std::int64_t stride) {
   const auto at = [El](int p, std::int64_t l) { return static_cast<std::size_t>(p * El + l); };
   const auto W = static_cast<int>(sent.size() / static_cast<std::size_t>(El));
   std::vector<std::int64_t> first_row(static_cast<std::size_t>(W) + 1, 0);  // first T_I row of each peer
@@ -26,6 +26,13 @@ Chunk peer_chunk(const std::vector<std::int64_t>& sent, const std::vector<std::i
   ch.offset.assign(static_cast<std::size_t>(El), 0);
   std::exclusive_scan(ch.rows.begin(), ch.rows.end(), ch.offset.begin(), std::int64_t{0});
   ch.R = std::accumulate(ch.rows.begin(), ch.rows.end(), std::int64_t{0});
+  if (stride > 0) {
+    MOELAB_CHECK(*std::max_element(ch.rows.begin(), ch.rows.end()) <= stride,
+                 "peer_chunk: a local expert has more rows than the stride " + std::to_string(stride));
+    for (std::int64_t l = 0; l < El; ++l) ch.offset[static_cast<std::size_t>(l)] = l * stride;
+    ch.R = El * stride;
+    ch.stride = stride;
+  }
   std::vector<std::int64_t> fill = ch.offset;  // next free row of each local expert in T_DI_c
   for (std::size_t k = 0; k < to.size(); ++k) {
     std::int64_t row = first_row[static_cast<std::size_t>(to[k])];
@@ -202,13 +209,18 @@ PassBuffers issue_forward(MoELayer& L, MoESaved& sv, const Tensor& t_i, ChunkHoo
   buf.resize(static_cast<std::size_t>(n));
   const auto at = [&](int i) -> ChunkTensors& { return buf[static_cast<std::size_t>(i)]; };
   if (!hooks) sv.kept.assign(static_cast<std::size_t>(n), {});
+  // The padded layout (Chunk::stride): T_DI_c and T_M_c start zero, so that their padding rows
+  // are zero whichever path a GEMM takes (the exchange writes T_DI_c's own rows; a GEMM over the
+  // problems' own rows leaves T_M_c's padding as it was; the activation keeps zero at zero).
   auto make_t_di = [&](int i) {  // T_DI_c [R_c,M]
     at(i).t_di = sv.kept[static_cast<std::size_t>(i)].t_di =
         b.empty({chunk(i).R, M}, cfg.dtype, MemCategory::activations, c);
+    if (chunk(i).stride > 0) b.fill_zero(c, at(i).t_di);
   };
   auto make_t_m_t_do = [&](int i) {  // T_M_c [R_c,H], T_DO_c [R_c,M]
     at(i).t_m = sv.kept[static_cast<std::size_t>(i)].t_m =
         b.empty({chunk(i).R, H}, cfg.dtype, MemCategory::activations, c);
+    if (chunk(i).stride > 0) b.fill_zero(c, at(i).t_m);
     at(i).t_do = b.empty({chunk(i).R, M}, cfg.dtype, MemCategory::buffers, c);
   };
   if (pass.ahead()) {
@@ -284,6 +296,11 @@ PassBuffers issue_backward(MoELayer& L, MoESaved& sv, Tensor& d_t_o, bool defer,
   Tensor& d_t_i = out.d_t_i;  // [N,M]
   const auto at = [&](int i) -> ChunkTensors& { return buf[static_cast<std::size_t>(i)]; };
   auto make = [&](Tensor& t, int i) { t = b.empty({chunk(i).R, M}, cfg.dtype, MemCategory::buffers, c); };  // [R_i,M]
+  // dT_DO_c starts zero in the padded layout (the exchange writes its own rows only).
+  auto make_d_t_do = [&](Tensor& t, int i) {
+    make(t, i);
+    if (chunk(i).stride > 0) b.fill_zero(c, t);
+  };
   if (!hooks)
     for (int i = 0; i < n; ++i) {
       at(i).t_di = sv.kept[static_cast<std::size_t>(i)].t_di;
@@ -300,7 +317,7 @@ PassBuffers issue_backward(MoELayer& L, MoESaved& sv, Tensor& d_t_o, bool defer,
       if (hooks) {
         at(i) = hooks->tensors(i);
       } else {
-        make(at(i).d_t_do, i);
+        make_d_t_do(at(i).d_t_do, i);
         make(at(i).d_t_di, i);
       }
     }
@@ -309,7 +326,7 @@ PassBuffers issue_backward(MoELayer& L, MoESaved& sv, Tensor& d_t_o, bool defer,
   pass.run(
       [&](int i) {  // R'_i: dT_O rows -> dT_DO_i
         if (!pass.ahead()) {
-          make(at(i).d_t_do, i);
+          make_d_t_do(at(i).d_t_do, i);
           ev.order(c, cs);
         }
         pass.step(ChunkStep::combine, i, e.in, [&]() -> Stream& {

@@ -33,6 +33,11 @@ struct Chunk {
   std::vector<std::int64_t> rows;    // [El] rows of each local expert in T_DI_c
   std::vector<std::int64_t> offset;  // [El] first row of each local expert in T_DI_c
   std::int64_t R = 0;                // rows of T_DI_c
+  // > 0: the padded layout (MoELayer::pad_experts): local expert l's rows start at l·stride,
+  // R = El·stride, and every buffer of the chunk keeps its rows past an expert's own zero, so
+  // that its GEMMs may run as one strided batch over `stride` rows per expert
+  // (GemmProblem::token_stride). 0: packed, expert l's rows right after expert l-1's.
+  std::int64_t stride = 0;
 };
 
 // A communication stream and the communicator used from it (one communicator per stream).
@@ -79,8 +84,9 @@ struct ChunkPlan {
 // rank p (T_I is expert-major, hence destination-rank-major), recv[p*El + l] rows rank p sends
 // to my local expert l. Segments are listed per peer in local-expert order on both sides so
 // that they match; T_DI_c is local-expert-major, sources in the order of `from` within an expert.
+// stride > 0: the padded layout (Chunk::stride), at least the rows of every local expert.
 Chunk peer_chunk(const std::vector<std::int64_t>& sent, const std::vector<std::int64_t>& recv, std::int64_t El,
-                 std::int64_t M, std::span<const int> to, std::span<const int> from);
+                 std::int64_t M, std::span<const int> to, std::span<const int> from, std::int64_t stride = 0);
 
 // Tutel's pipelined all-to-all (Hwang et al., "Tutel: Adaptive Mixture-of-Experts at Scale",
 // MLSys'23, §3.3): one chunk's exchange cut into r chunks, chunk c taking rows

@@ -22,6 +22,36 @@ const char* stream_role_name(StreamRole r) {
 
 const char* activation_name(Activation a) { return a == Activation::gelu ? "gelu" : "relu"; }
 
+GemmProblem padded_problem(const GemmProblem& p) {
+  GemmProblem q = p;
+  const std::int64_t S = p.token_stride;
+  // A weight gradient (A transposed, B not): the tokens are the inner dimension k, the rows of
+  // A [k,m] and B [k,n]. Otherwise they are m, the rows of A [m,k] and C [m,n].
+  const bool wgrad = p.trans_a && !p.trans_b;
+  const std::int64_t rows = wgrad ? p.k : p.m;
+  MOELAB_CHECK(S > 0 && rows >= 0 && rows <= S,
+               "padded_problem: " + std::to_string(rows) + " token rows in a stride of " + std::to_string(S));
+  if (wgrad) {
+    q.k = S;
+    q.a = p.a.widen_rows(S);
+    q.b = p.b.widen_rows(S);
+  } else {
+    MOELAB_CHECK(!p.trans_a, "padded_problem: the token rows of a problem with A transposed are its k (B not transposed)");
+    q.m = S;
+    q.a = p.a.widen_rows(S);
+    q.c = p.c.widen_rows(S);
+  }
+  return q;
+}
+
+std::int64_t common_token_stride(std::span<const GemmProblem> problems) {
+  if (problems.empty()) return 0;
+  const std::int64_t S = problems.front().token_stride;
+  for (const auto& p : problems)
+    if (p.token_stride != S) return 0;
+  return S;
+}
+
 Activation parse_activation(const std::string& s) {
   if (s == "gelu") return Activation::gelu;
   if (s == "relu") return Activation::relu;

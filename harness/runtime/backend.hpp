@@ -59,7 +59,20 @@ struct GemmProblem {
   std::int64_t m = 0, n = 0, k = 0;
   Tensor a, b, c;
   float alpha = 1.0f, beta = 0.0f;
+  // > 0: the token dimension (k of a weight gradient, A transposed; m otherwise) sits in a
+  // layout of this many rows per problem whose rows past the problem's own are zero (the MoE
+  // layer's padded expert layout, MoELayer::pad_experts): a call whose problems all carry the
+  // same stride may be computed over the padded rows instead (padded_problem), one strided
+  // batch of equal problems. 0: the problem's rows only.
+  std::int64_t token_stride = 0;
 };
+
+// The problem over its token_stride rows: the token dimension set to token_stride and the
+// operands that carry it (A and C, or for a weight gradient A and B) widened to that many rows
+// from the same first row (Tensor::widen_rows). Requires 0 <= rows <= token_stride.
+GemmProblem padded_problem(const GemmProblem& p);
+// The token stride every problem of a call shares, or 0 (none, or not all alike).
+std::int64_t common_token_stride(std::span<const GemmProblem> problems);
 
 // Top-k gate, forward. Capacity follows GShard's priority: every token's first choice is
 // placed before any second choice; within one choice rank, lower token index first. A slot

@@ -341,10 +341,11 @@ GemmPathChoice choose_gemm_path(const GemmCall& call, const GemmPathTable& table
   });
   std::string strided_note;
   bool padded = false;
+  const std::int64_t batch = std::max(call.padded_batch, E);  // the padded batch's problems
   if (call.strided && equal) {
     c.strided_rows = ps.front().rows();
   } else if (call.padded_rows > 0 && equal_but_rows && max_rows <= call.padded_rows) {
-    c.padding_waste = 1.0 - static_cast<double>(total_rows) / static_cast<double>(E * call.padded_rows);
+    c.padding_waste = 1.0 - static_cast<double>(total_rows) / static_cast<double>(batch * call.padded_rows);
     padded = c.padding_waste <= table.max_padding_waste;
     if (padded)
       c.strided_rows = call.padded_rows;
@@ -359,7 +360,8 @@ GemmPathChoice choose_gemm_path(const GemmCall& call, const GemmPathTable& table
   if (c.strided_rows > 0) {
     const GemmShape s = with_rows(ps.front(), c.strided_rows);
     const double r = rate(GemmPath::strided_batched, s, c.strided_rows);
-    if (r > 0) c.seconds[static_cast<std::size_t>(GemmPath::strided_batched)] = static_cast<double>(E) * s.flops() / (r * 1e12);
+    const std::int64_t n = c.strided_rows == call.padded_rows && call.padded_rows > 0 && !(call.strided && equal) ? batch : E;
+    if (r > 0) c.seconds[static_cast<std::size_t>(GemmPath::strided_batched)] = static_cast<double>(n) * s.flops() / (r * 1e12);
   }
 
   const double best = *std::min_element(c.seconds.begin(), c.seconds.end());

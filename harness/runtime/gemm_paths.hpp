@@ -95,6 +95,9 @@ struct GemmCall {
   // the same result (the padding adds zero rows to fwd/dgrad outputs nobody reads and zero
   // terms to wgrad sums). 0: no such layout.
   std::int64_t padded_rows = 0;
+  // The problems one strided batch over padded_rows runs: `problems` and the experts without a
+  // row, whose padded problems are all padding (0: problems.size()).
+  std::int64_t padded_batch = 0;
   bool grouped_available = true;  // the library has a grouped kernel for the call's types
 };
 

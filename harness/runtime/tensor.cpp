@@ -38,6 +38,17 @@ Tensor Tensor::rows(std::int64_t begin, std::int64_t count) const {
   return Tensor(storage_, std::move(shape), dtype_, offset_ + static_cast<std::size_t>(begin) * row_bytes);
 }
 
+Tensor Tensor::widen_rows(std::int64_t count) const {
+  MOELAB_CHECK(ndim() >= 1 && count >= 0, "widen_rows(" + std::to_string(count) + ") of " + shape_str(shape_));
+  std::size_t row_bytes = dtype_size(dtype_);
+  for (std::size_t i = 1; i < shape_.size(); ++i) row_bytes *= static_cast<std::size_t>(shape_[i]);
+  MOELAB_CHECK(offset_ + static_cast<std::size_t>(count) * row_bytes <= storage_->bytes,
+               "widen_rows(" + std::to_string(count) + ") of " + shape_str(shape_) + " runs past its storage");
+  auto shape = shape_;
+  shape[0] = count;
+  return Tensor(storage_, std::move(shape), dtype_, offset_);
+}
+
 Tensor Tensor::select(std::int64_t i) const {
   Tensor r = rows(i, 1);
   r.shape_.erase(r.shape_.begin());

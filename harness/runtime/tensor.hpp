@@ -62,6 +62,9 @@ class Tensor {
   Tensor rows(std::int64_t begin, std::int64_t count) const;  // slice of dim 0
   Tensor select(std::int64_t i) const;                         // drop dim 0: t[i]
   Tensor reshape(std::vector<std::int64_t> shape) const;       // same numel
+  // The same first row and `count` rows, which may run past this view's rows up to the end
+  // of the storage (a padded layout's rows beyond a view).
+  Tensor widen_rows(std::int64_t count) const;
 
   std::string describe() const;  // "[T=1000, M=64] fp32" style, for messages
 

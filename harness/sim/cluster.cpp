@@ -1320,6 +1320,37 @@ Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> p
   }
   const GemmCalibration& cal = *m_.efficiency.calibration;
   const GemmPathPricing& pricing = *cal.paths;
+  // A padded layout (every problem with the same token stride, MoELayer::pad_experts): one
+  // strided batch over the padded rows where the table picks it, as CudaBackend::grouped_gemm
+  // does; otherwise the problems' own rows below.
+  if (const std::int64_t S = common_token_stride(problems); S > 0 && problems.size() > 1) {
+    const GemmProblem& f = problems.front();
+    const DType ab = ab_type(f);
+    const bool on_tf32 = tf32 && ab == DType::f32;
+    bool alike = ab == DType::bf16 || ab == DType::f32;
+    GemmCall call;
+    for (const auto& p : problems) {
+      alike = alike && p.trans_a == f.trans_a && p.trans_b == f.trans_b && p.alpha == f.alpha && p.beta == f.beta &&
+              ab_type(p) == ab && c_type(p) == c_type(f) && ((p.trans_a && !p.trans_b) ? p.m == f.m : p.k == f.k) &&
+              p.n == f.n;
+      if (p.m > 0 && p.n > 0 && p.k > 0) call.problems.push_back({p.trans_a, p.trans_b, p.m, p.n, p.k});
+    }
+    call.precision = ab == DType::bf16 ? "bf16" : on_tf32 ? "tf32" : "fp32";
+    call.padded_rows = S;
+    call.padded_batch = static_cast<std::int64_t>(problems.size());
+    const GemmCurve* curve = pricing.strided_batched.curve(call.precision);
+    if (alike && curve && !call.problems.empty()) {
+      const GemmPathChoice choice = choose_gemm_path(call, pricing.table);
+      if (choice.path == GemmPath::strided_batched) {
+        const bool wgrad = f.trans_a && !f.trans_b;
+        for (std::size_t i = 0; i < problems.size(); ++i)
+          out.seconds += path_gemm_seconds(*curve, wgrad ? f.m : S, f.n, wgrad ? S : f.k, ab, on_tf32);
+        out.launches = 1;
+        out.detail = choice.why;
+        return out;
+      }
+    }
+  }
   // As the cuda backend runs the call (CudaBackend::grouped_gemm): a problem with k = 0 only
   // fills (beta = 0) or scales C, one kernel unless beta = 1; the others go in one call per
   // combination of A/B and C types, each on the path choose_gemm_path picks.

@@ -390,6 +390,60 @@ TEST_P(CudaGemmTest, EquallyStridedExpertsOnEveryPath) {
   }
 }
 
+// The MoE layer's padded layout (GemmProblem::token_stride): experts of 16, 9, 0 and 13 rows at
+// a stride of 16 with the padding rows zero, every expert a problem. Forced onto each path (the
+// strided batch then runs over the padded rows) and chosen; every C against float64 over the
+// experts' own rows. Forward (A [rows,k]), data gradient (B transposed) and weight gradient (A
+// transposed: the tokens are k, C += A^T B at beta = 1).
+TEST_P(CudaGemmTest, PaddedExpertsOnEveryPath) {
+  const GemmCase gc = GetParam();
+  if (gc.ta && gc.tb) GTEST_SKIP() << "no expert GEMM has both operands transposed";
+  const bool wgrad = gc.ta;
+  const std::int64_t S = 16;
+  const std::vector<std::int64_t> rows = {16, 9, 0, 13};
+  const auto E = static_cast<std::int64_t>(rows.size());
+  const std::int64_t m = 24, n = 20, k = 12;  // the non-token dimensions (wgrad: m, n; else n, k)
+  for (std::optional<GemmPath> path : {std::optional<GemmPath>{}, std::optional<GemmPath>{GemmPath::loop},
+                                       std::optional<GemmPath>{GemmPath::strided_batched},
+                                       std::optional<GemmPath>{GemmPath::grouped}}) {
+    const std::uint64_t seed = fresh_seed();
+    std::vector<Host> hosts;
+    std::vector<float> a, bv, c;  // as laid out: token rows padded to S with zeros
+    for (std::int64_t e = 0; e < E; ++e) {
+      const std::int64_t r = rows[static_cast<std::size_t>(e)];
+      Host h = wgrad ? host_values(m, n, r, 1.0f, 1.0f, false, seed, static_cast<std::uint64_t>(e))
+                     : host_values(r, n, k, 1.0f, 0.0f, false, seed, static_cast<std::uint64_t>(e));
+      const std::int64_t a_cols = wgrad ? m : k;  // A's row width (A is [r, m] for wgrad, [r, k] else)
+      a.insert(a.end(), h.a.begin(), h.a.end());
+      a.resize(static_cast<std::size_t>((e + 1) * S * a_cols), 0.0f);
+      if (wgrad) {  // B [r, n] padded too; C the expert's [m, n] gradient
+        bv.insert(bv.end(), h.b.begin(), h.b.end());
+        bv.resize(static_cast<std::size_t>((e + 1) * S * n), 0.0f);
+        c.insert(c.end(), h.c0.begin(), h.c0.end());
+      } else {  // B the expert's weight; C [r, n] padded
+        bv.insert(bv.end(), h.b.begin(), h.b.end());
+        c.insert(c.end(), h.c0.begin(), h.c0.end());
+        c.resize(static_cast<std::size_t>((e + 1) * S * n), 0.0f);
+      }
+      hosts.push_back(std::move(h));
+    }
+    const std::int64_t br = gc.tb ? n : k, bc = gc.tb ? k : n;
+    Tensor A = make({E * S, wgrad ? m : k}, gc.ab, a);
+    Tensor B = wgrad ? make({E * S, n}, gc.ab, bv) : make({E * br, bc}, gc.ab, bv);
+    Tensor C = wgrad ? make({E * m, n}, gc.c, c) : make({E * S, n}, gc.c, c);
+    std::vector<GemmProblem> problems;
+    for (std::int64_t e = 0; e < E; ++e) {
+      const std::int64_t r = rows[static_cast<std::size_t>(e)];
+      GemmProblem p = wgrad ? GemmProblem{true, false, m, n, r, A.rows(e * S, r), B.rows(e * S, r), C.rows(e * m, m), 1.0f, 1.0f}
+                            : GemmProblem{false, gc.tb, r, n, k, A.rows(e * S, r), B.rows(e * br, br), C.rows(e * S, r), 1.0f, 0.0f};
+      p.token_stride = S;
+      problems.push_back(p);
+    }
+    // The reference of the empty expert is nothing (m = 0) or C0 (k = 0, beta = 1).
+    run_and_check(problems, hosts, path);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Types, CudaGemmTest,
     ::testing::Values(GemmCase{DType::f32, DType::f32, false, false}, GemmCase{DType::f32, DType::f32, true, false},

@@ -224,6 +224,19 @@ TEST(GemmPathChoice, PaddingToAFixedRowStrideOnlyWhenTheWasteIsSmall) {
   ch = choose_gemm_path(c, tw);
   EXPECT_EQ(ch.strided_rows, 64);
   EXPECT_NEAR(ch.padding_waste, 1.0 / 256.0, 1e-12);
+  // Experts without a row are in the padded batch too (padded_batch): their rows are all
+  // padding, counted in the waste and paid in the estimate.
+  ps = std::vector<GemmShape>(7, fwd(64));
+  c = call_of(ps);
+  c.padded_rows = 64;
+  c.padded_batch = 8;
+  ch = choose_gemm_path(c, t);
+  EXPECT_EQ(ch.path, kStrided) << ch.why;
+  EXPECT_NEAR(ch.padding_waste, 1.0 / 8.0, 1e-12);
+  EXPECT_NEAR(at(ch, kStrided), 8 * secs(64, 200), 1e-15);
+  c.padded_batch = 9;  // 2 of 9 empty: 22% padding
+  EXPECT_NEAR(choose_gemm_path(c, t).padding_waste, 2.0 / 9.0, 1e-12);
+  EXPECT_TRUE(std::isinf(at(choose_gemm_path(c, t), kStrided)));
 }
 
 TEST(GemmPathChoice, NoFigureAtAllFallsBackToTheLoop) {

@@ -166,6 +166,52 @@ TEST(SimGemmPaths, EqualProblemsTakeTheStridedBatch) {
   EXPECT_HAS(t.price.detail, "tf32");
 }
 
+// A padded layout (every problem with the same token stride; one expert without a row): one
+// strided batch over the padded rows, every expert in it, where the table picks it; the
+// problems' own rows (here: grouped, the empty one launching nothing) where the padding wastes
+// more than max_padding_waste.
+TEST(SimGemmPaths, PaddedCallsRunOneBatchOverThePaddedRows) {
+  const json table = table_json(100, 400, 250);
+  const sim::ClusterModel m = toy_model(&table);
+  const auto run = [&](std::int64_t stride, const std::vector<std::int64_t>& rows) {
+    sim::Engine e;
+    const sim::Topology t(m, e);
+    SimOptions o;
+    o.cluster = m;
+    SimCluster cluster(o);
+    sim::Topology::GroupedGemmPrice price;
+    cluster.run([&](Backend& b, Communicator&) {
+      Stream& s = b.default_stream();
+      const std::int64_t E = static_cast<std::int64_t>(rows.size());
+      Tensor x = b.empty({E * stride, 256}, DType::bf16, MemCategory::buffers, s);
+      Tensor w = b.empty({E, 256, 1024}, DType::bf16, MemCategory::buffers, s);
+      Tensor y = b.empty({E * stride, 1024}, DType::bf16, MemCategory::buffers, s);
+      std::vector<GemmProblem> ps;
+      for (std::int64_t l = 0; l < E; ++l) {
+        GemmProblem p{false, false, rows[static_cast<std::size_t>(l)], 1024, 256,
+                      x.rows(l * stride, rows[static_cast<std::size_t>(l)]), w.select(l),
+                      y.rows(l * stride, rows[static_cast<std::size_t>(l)]), 1, 0};
+        p.token_stride = stride;
+        ps.push_back(p);
+      }
+      price = t.grouped_gemm(ps, false);
+    });
+    return price;
+  };
+  // 8 experts, 7 of 512 rows and one empty: 12.5% padding, allowed.
+  std::vector<std::int64_t> rows(8, 512);
+  rows[5] = 0;
+  const auto p = run(512, rows);
+  EXPECT_EQ(p.launches, 1);
+  EXPECT_DOUBLE_EQ(p.seconds, 8 * roofline(512, 1024, 256, kBf16, 0.95, 60, 2));
+  EXPECT_HAS(p.detail, "padded to 512 rows");
+  // Two empty: 25%, refused; the 6 others on the grouped curve, one launch.
+  rows[2] = 0;
+  const auto q = run(512, rows);
+  EXPECT_DOUBLE_EQ(q.seconds, 6 * roofline(512, 1024, 256, kBf16, 0.35, 40, 2));
+  EXPECT_HAS(q.detail, "grouped");
+}
+
 // The GEMM floor (Backend::time_batched_gemms): each run of consecutive equal problems on the
 // strided curve when the calibration prices paths (its label says so), one by one on the loop
 // curve otherwise; a precision without a strided curve (fp32 here) stays on the loop.

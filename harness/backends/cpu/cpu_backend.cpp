@@ -214,7 +214,20 @@ void* CpuBackend::raw_alloc(std::size_t bytes, MemSpace, Stream&) {
   const std::size_t rounded = (bytes + 63) / 64 * 64;
   void* p = std::aligned_alloc(64, rounded);
   if (!p) throw std::bad_alloc();
+  if (poison_) std::memset(p, 0xFF, rounded);  // NaN in every float format
   return p;
+}
+
+void cpu_pad_only_weight_gradients(Backend& b, bool on) {
+  auto* cpu = dynamic_cast<CpuBackend*>(&b);
+  if (!cpu) throw std::invalid_argument("cpu_pad_only_weight_gradients: not a cpu backend: " + b.name());
+  cpu->pad_only_weight_gradients(on);
+}
+
+void cpu_poison_new_memory(Backend& b, bool on) {
+  auto* cpu = dynamic_cast<CpuBackend*>(&b);
+  if (!cpu) throw std::invalid_argument("cpu_poison_new_memory: not a cpu backend: " + b.name());
+  cpu->poison_new_memory(on);
 }
 
 void CpuBackend::raw_free(void* p, std::size_t, MemSpace, Stream&) {
@@ -351,6 +364,15 @@ struct GemmArgs {
 void CpuBackend::grouped_gemm(Stream& s, std::span<const GemmProblem> problems, const char* name) {
   std::vector<GemmArgs> args;
   args.reserve(problems.size());
+  // A padded layout (every problem with the same token stride): computed over the padded rows,
+  // as one strided batch on a GPU computes it, so that the layout's zero rows are exercised
+  // here (a padding row that is not zero shows in the weight gradients).
+  std::vector<GemmProblem> padded;
+  const bool wgrad = !problems.empty() && problems.front().trans_a && !problems.front().trans_b;
+  if (common_token_stride(problems) > 0 && (wgrad || !pad_only_wgrad_)) {
+    for (const auto& p : problems) padded.push_back(padded_problem(p));
+    problems = padded;
+  }
   for (const auto& p : problems) {
     check_gemm(p);
     args.push_back({p.trans_a, p.trans_b, p.m, p.n, p.k, p.alpha, p.beta, p.a.data<float>(), p.b.data<float>(),

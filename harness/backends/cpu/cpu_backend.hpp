@@ -38,6 +38,14 @@ class CpuBackend final : public Backend {
   void synchronize() override;
 
   void upload(std::span<const float> host, Tensor& dst) override;
+  // Every allocation from now on starts as NaN (all bits set) instead of whatever the heap
+  // held: a test sets it so that a read of memory nobody wrote shows (cpu_poison_new_memory).
+  void poison_new_memory(bool on) { poison_ = on; }
+  // A padded call (GemmProblem::token_stride) runs over the padded rows; with this set only the
+  // weight gradients do, the others over the problems' own rows: what a GPU does when its
+  // table picks the strided batch for the weight gradients alone, which leaves the padding rows
+  // of the other GEMMs' outputs unwritten (cpu_pad_only_weight_gradients; tests).
+  void pad_only_weight_gradients(bool on) { pad_only_wgrad_ = on; }
   std::vector<float> download(const Tensor& src) override;
   void upload_i32(std::span<const std::int32_t> host, Tensor& dst) override;
   std::vector<std::int32_t> download_i32(const Tensor& src) override;
@@ -115,7 +123,14 @@ class CpuBackend final : public Backend {
   std::mutex free_mu_;
   std::vector<PendingFree> pending_;
   Timeline timeline_;
+  bool poison_ = false;
+  bool pad_only_wgrad_ = false;
 };
+
+// CpuBackend::poison_new_memory on a backend that make_backend("cpu") made; throws
+// std::invalid_argument if it is not a cpu backend.
+void cpu_poison_new_memory(Backend& b, bool on);
+void cpu_pad_only_weight_gradients(Backend& b, bool on);
 
 // Throws Unsupported unless t is fp32 (the cpu backend's only float dtype).
 void cpu_require_f32(const Tensor& t, const char* what);

@@ -853,6 +853,10 @@ class CudaBackend final : public Backend {
   void gemm_one(cublasHandle_t h, const GemmProblem& p);
   cublasStatus_t gemm_strided(cublasHandle_t h, std::span<const GemmProblem* const> run, const StridedRun& r);
   cublasStatus_t gemm_grouped(cublasHandle_t h, cudaStream_t st, std::span<const GemmProblem* const> list);
+  // A padded call (harness/runtime/backend.hpp, GemmProblem::token_stride) as one strided batch
+  // over its padded rows when the chooser picks that: true when it ran so.
+  bool padded_strided(cublasHandle_t h, std::span<const GemmProblem> problems, CudaOpScope& op,
+                      const std::string& op_name);
   void note_path(const std::string& op, GemmPath path, const std::string& why);
   template <class F>
   double time_on_bare_stream(int reps, F&& run_all);
@@ -951,6 +955,12 @@ void CudaBackend::grouped_gemm(Stream& s, std::span<const GemmProblem> problems,
   cublasHandle_t h = blas(s);
   const cudaStream_t st = native(s);
 
+  // A padded layout (every problem with the same token stride, MoELayer::pad_experts): one
+  // strided batch over the padded rows when the table's estimate for it wins (padding waste
+  // within max_padding_waste); otherwise the problems' own rows below, as for any call.
+  if (problems.size() > 1 && common_token_stride(problems) > 0 && padded_strided(h, problems, op, name ? name : "gemm"))
+    return;
+
   // k == 0: C = beta * C (nothing to multiply). beta == 0 must not read C (it may hold NaN).
   std::vector<const GemmProblem*> live;
   for (const auto& p : problems) {
@@ -1027,6 +1037,49 @@ void CudaBackend::grouped_gemm(Stream& s, std::span<const GemmProblem> problems,
     detail += (detail.empty() ? "" : " | ") + why;
   }
   if (!detail.empty()) op.set_detail(std::move(detail));
+}
+
+bool CudaBackend::padded_strided(cublasHandle_t h, std::span<const GemmProblem> problems, CudaOpScope& op,
+                                 const std::string& op_name) {
+  std::vector<GemmProblem> padded;
+  for (const auto& p : problems) padded.push_back(padded_problem(p));
+  std::vector<const GemmProblem*> list;
+  for (const auto& p : padded) list.push_back(&p);
+  const std::vector<StridedRun> runs = strided_runs(operands_of(list));
+  if (runs.size() != 1) return false;  // not one equally strided batch: the problems' own rows
+  const std::pair<int, int> types{static_cast<int>(padded.front().a.dtype()), static_cast<int>(padded.front().c.dtype())};
+  const DType ab = padded.front().a.dtype();
+  GemmCall call;
+  for (const auto& p : problems)
+    if (p.m > 0 && p.n > 0 && p.k > 0) call.problems.push_back({p.trans_a, p.trans_b, p.m, p.n, p.k});
+  if (call.problems.empty()) return false;
+  call.precision = gemm_precision(ab, ab == DType::f32 && (opt_.allow_tf32 || allow_tf32_));
+  call.padded_rows = problems.front().token_stride;
+  call.padded_batch = static_cast<std::int64_t>(problems.size());
+  GemmPathChoice choice;
+  {
+    std::lock_guard lock(mu_);
+    if (strided_unsupported_.count(types)) return false;
+    call.grouped_available = grouped_unsupported_.count(types) == 0;
+    choice = choose_gemm_path(call, gemm_paths_);
+    if (forced_path_) {
+      if (*forced_path_ != GemmPath::strided_batched) return false;  // the forced path runs the problems' own rows
+      if (choice.path != GemmPath::strided_batched)
+        choice.why = "strided_batched over " + std::to_string(call.padded_rows) + " padded rows (forced); the table's choice: " + choice.why;
+      choice.path = GemmPath::strided_batched;
+    }
+  }
+  if (choice.path != GemmPath::strided_batched) return false;
+  const cublasStatus_t status = gemm_strided(h, list, runs.front());
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
+    std::lock_guard lock(mu_);
+    strided_unsupported_.insert(types);
+  }
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE) return false;
+  cublas_check(status, "cublasGemmStridedBatchedEx (padded)");
+  note_path(op_name, GemmPath::strided_batched, choice.why);
+  op.set_detail(choice.why);
+  return true;
 }
 
 void CudaBackend::note_path(const std::string& op, GemmPath path, const std::string& why) {
