@@ -107,7 +107,8 @@ class FastMoE final : public LayerBackedImpl<Layer> {
   std::vector<GemmProblem> expert_gemms() override { return this->layer_.expert_gemm_problems(); }
   nlohmann::json report() override {
     nlohmann::json r = {{"schedule", "unpipelined expert parallelism"}};
-    if (this->layer_.pads_experts()) r["expert_layout"] = "padded";
+    if (this->layer_.expert_layout() != MoELayer::ExpertLayout::packed)
+      r["expert_layout"] = MoELayer::expert_layout_name(this->layer_.expert_layout());
     if (published_) {
       r["as_published"] = "laekov/fastmoe v1.0.0";
       r["host_waits"] = this->layer_.host_waits();
@@ -121,15 +122,20 @@ class FastMoE final : public LayerBackedImpl<Layer> {
 
 struct FastMoEOptions {
   bool as_published = false;
-  bool pad_experts = false;  // MoELayer::pad_experts
+  MoELayer::ExpertLayout layout = MoELayer::ExpertLayout::packed;  // MoELayer::set_expert_layout
 };
 
 FastMoEOptions parse_options(const nlohmann::json& options) {
-  const json_fields::Options o(options, "fastmoe", {"as_published", "pad_experts"});
-  FastMoEOptions f{o.boolean("as_published", false), o.boolean("pad_experts", false)};
-  if (f.as_published && f.pad_experts)
-    throw ConfigError("fastmoe: pad_experts applies to the ideal layer; laekov/fastmoe v1.0.0 (as_published) keeps the "
-                      "experts' rows packed");
+  const json_fields::Options o(options, "fastmoe", {"as_published", "expert_layout"});
+  FastMoEOptions f;
+  f.as_published = o.boolean("as_published", false);
+  const std::string layout = o.choice("expert_layout", "packed", {"packed", "padded", "auto"});
+  f.layout = layout == "padded" ? MoELayer::ExpertLayout::padded
+             : layout == "auto" ? MoELayer::ExpertLayout::automatic
+                                : MoELayer::ExpertLayout::packed;
+  if (f.as_published && f.layout != MoELayer::ExpertLayout::packed)
+    throw ConfigError("fastmoe: expert_layout \"" + layout + "\" applies to the ideal layer; laekov/fastmoe v1.0.0 "
+                      "(as_published) keeps the experts' rows packed");
   return f;
 }
 
@@ -138,7 +144,7 @@ std::unique_ptr<MoEImpl> make(Backend& b, Communicator& c, const ModelConfig& m,
   const FastMoEOptions f = parse_options(options);
   if (f.as_published) return std::make_unique<FastMoE<PublishedFastMoELayer>>(b, c, m, channels, true);
   auto impl = std::make_unique<FastMoE<MoELayer>>(b, c, m, channels, false);
-  impl->layer().pad_experts(f.pad_experts);
+  impl->layer().set_expert_layout(f.layout);
   return impl;
 }
 

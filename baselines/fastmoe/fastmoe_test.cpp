@@ -113,7 +113,7 @@ TEST(FastMoEPadded, SameNumbersAsThePackedLayout) {
   const Passes packed = two_passes(json::object(), seed, true);
   for (const bool only_wgrad : {false, true}) {
     SCOPED_TRACE(only_wgrad ? "only the weight gradients padded" : "every GEMM padded");
-    const Passes padded = two_passes({{"pad_experts", true}}, seed, true, only_wgrad);
+    const Passes padded = two_passes({{"expert_layout", "padded"}}, seed, true, only_wgrad);
     const auto near = [](const std::vector<float>& a, const std::vector<float>& b, const char* what) {
       ASSERT_EQ(a.size(), b.size()) << what;
       for (std::size_t i = 0; i < a.size(); ++i)
@@ -133,8 +133,8 @@ TEST(FastMoEOptions, BadOptionsAreAConfigErrorNamingThem) {
   auto b = make_backend("cpu");
   auto comm = make_self_communicator(*b);
   for (const json& bad : {json{{"as_published", 1}}, json{{"as_publish", true}}, json{{"group_size", 2}},
-                          json::array({true}), json{{"pad_experts", "yes"}},
-                          json{{"as_published", true}, {"pad_experts", true}}}) {
+                          json::array({true}), json{{"expert_layout", "pad"}},
+                          json{{"as_published", true}, {"expert_layout", "padded"}}}) {
     SCOPED_TRACE(bad.dump());
     try {
       make_fastmoe(*b, *comm, small_config(), bad);

@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "harness/runtime/error.hpp"
+#include "harness/runtime/gemm_paths.hpp"
 #include "harness/runtime/random.hpp"
 
 namespace moelab {
@@ -226,12 +227,11 @@ ChunkPlan MoELayer::plan_chunks(MoESaved& sv) {
   std::iota(everyone.begin(), everyone.end(), 0);
   ChunkPlan plan;
   std::int64_t stride = 0;
-  if (pad_experts_) {  // the padded layout: every local expert at the stride of the busiest one
-    for (std::int64_t l = 0; l < local_experts_; ++l) {
-      std::int64_t r = 0;
-      for (int p = 0; p < comm_.size(); ++p) r += recv[static_cast<std::size_t>(p * local_experts_ + l)];
-      stride = std::max(stride, r);
-    }
+  if (layout_ != ExpertLayout::packed) {
+    std::vector<std::int64_t> rows(static_cast<std::size_t>(local_experts_), 0);
+    for (std::int64_t l = 0; l < local_experts_; ++l)
+      for (int p = 0; p < comm_.size(); ++p) rows[static_cast<std::size_t>(l)] += recv[static_cast<std::size_t>(p * local_experts_ + l)];
+    stride = padded_stride(rows, layout_ == ExpertLayout::automatic ? GemmPathTable{}.max_padding_waste : 1.0);
   }
   plan.chunks.push_back(peer_chunk(sv.sent, recv, local_experts_, cfg_.d_model, everyone, everyone, stride));
   plan.dispatch = {dispatch_, dispatch_comm_};
@@ -292,16 +292,20 @@ const char* MoELayer::expert_offload_name(ExpertOffload m) {
   return m == ExpertOffload::sync ? "sync" : m == ExpertOffload::async ? "async" : "none";
 }
 
-void MoELayer::pad_experts(bool on) {
-  if (on && offload_ != ExpertOffload::none)
-    throw ConfigError("pad_experts: the padded expert layout runs every local expert's GEMM, and the experts are offloaded");
-  pad_experts_ = on;
+const char* MoELayer::expert_layout_name(ExpertLayout l) {
+  return l == ExpertLayout::padded ? "padded" : l == ExpertLayout::automatic ? "auto" : "packed";
+}
+
+void MoELayer::set_expert_layout(ExpertLayout layout) {
+  if (layout != ExpertLayout::packed && offload_ != ExpertOffload::none)
+    throw ConfigError("expert_layout: the padded expert layout runs every local expert's GEMM, and the experts are offloaded");
+  layout_ = layout;
 }
 
 void MoELayer::offload_experts(ExpertOffload mode) {
   if (mode == offload_) return;
-  if (mode != ExpertOffload::none && pad_experts_)
-    throw ConfigError("--offload-experts: the padded expert layout (pad_experts) runs every local expert's GEMM; "
+  if (mode != ExpertOffload::none && layout_ != ExpertLayout::packed)
+    throw ConfigError("--offload-experts: the padded expert layout (expert_layout) runs every local expert's GEMM; "
                       "offloading brings only the experts the plan sends rows to");
   if (!steps_drivable())
     throw ConfigError("--offload-experts: the MoE layer's schedule runs a pass of its own (MPipeMoE); expert offloading "

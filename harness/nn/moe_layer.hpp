@@ -210,15 +210,19 @@ class MoELayer {
   // refused. ConfigError for a layer whose schedule runs its own pass (steps_drivable false).
   enum class ExpertOffload { none, sync, async };
   void offload_experts(ExpertOffload mode);
-  // The padded expert layout (Chunk::stride): every local expert's rows in a stride of the
-  // busiest local expert's rows, the padding kept zero, so that a GPU may run an expert GEMM as
-  // one strided batch over the padded rows where the crossover table says it wins (docs/GPU.md,
-  // "The layer's layout"). The buffers of the experts' step then hold El·stride rows instead of
-  // the experts' own. For the one-chunk plan of this class (a schedule with its own plan keeps
-  // the packed layout); ConfigError with expert offloading (the padded batch reads every
-  // expert's weights).
-  void pad_experts(bool on);
-  bool pads_experts() const { return pad_experts_; }
+  // The experts' rows in the buffers of their step. packed: expert l's rows right after expert
+  // l-1's. padded (Chunk::stride): every local expert's rows in a stride of the busiest local
+  // expert's rows, the padding kept zero, so that a GPU may run an expert GEMM as one strided
+  // batch over the padded rows where the crossover table says it wins (docs/GPU.md, "The
+  // padded layout"); the buffers then hold El·stride rows. automatic: padded in a step whose
+  // padding is at most the crossover table's max_padding_waste (12.5%: above it the strided
+  // batch is refused anyway), packed otherwise. For the one-chunk plan of this class (a
+  // schedule with its own plan keeps the packed layout); ConfigError with expert offloading
+  // (the padded batch reads every expert's weights).
+  enum class ExpertLayout { packed, padded, automatic };
+  void set_expert_layout(ExpertLayout layout);
+  ExpertLayout expert_layout() const { return layout_; }
+  static const char* expert_layout_name(ExpertLayout l);
   ExpertOffload expert_offload() const { return offload_; }
   static const char* expert_offload_name(ExpertOffload m);
 
@@ -278,8 +282,7 @@ class MoELayer {
   // call per expert, as a loop of library calls over the experts issues them.
   void expert_gemm(Stream& c, const std::vector<GemmProblem>& ps, const char* name);
   bool gemm_per_expert_ = false;
-  // The padded expert layout (Chunk::stride): set by pad_experts.
-  bool pad_experts_ = false;
+  ExpertLayout layout_ = ExpertLayout::packed;  // set_expert_layout
   void fc2_wgrad(Stream& c, const Chunk& ch, const Tensor& a, const Tensor& d_t_do);     // dW2 += A^T·dT_DO
   void fc1_wgrad(Stream& c, const Chunk& ch, const Tensor& t_di, const Tensor& d_t_m);  // dW1 += T_DI^T·dT_M
   void check_input(const Tensor& x) const;

@@ -49,6 +49,15 @@ Chunk peer_chunk(const std::vector<std::int64_t>& sent, const std::vector<std::i
   return ch;
 }
 
+std::int64_t padded_stride(const std::vector<std::int64_t>& rows, double max_waste) {
+  if (rows.empty()) return 0;
+  const std::int64_t stride = *std::max_element(rows.begin(), rows.end());
+  if (stride <= 0) return 0;
+  const double total = static_cast<double>(std::accumulate(rows.begin(), rows.end(), std::int64_t{0}));
+  const double waste = 1.0 - total / (static_cast<double>(rows.size()) * static_cast<double>(stride));
+  return waste > max_waste ? 0 : stride;
+}
+
 std::vector<Chunk> split_chunk(const Chunk& whole, std::int64_t El, std::int64_t M, int r) {
   MOELAB_CHECK(r >= 1 && El >= 1 && M >= 1, "split_chunk: r = " + std::to_string(r));
   MOELAB_CHECK(whole.sends.size() % static_cast<std::size_t>(El) == 0 && whole.recvs.size() % static_cast<std::size_t>(El) == 0,

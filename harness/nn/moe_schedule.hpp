@@ -33,7 +33,7 @@ struct Chunk {
   std::vector<std::int64_t> rows;    // [El] rows of each local expert in T_DI_c
   std::vector<std::int64_t> offset;  // [El] first row of each local expert in T_DI_c
   std::int64_t R = 0;                // rows of T_DI_c
-  // > 0: the padded layout (MoELayer::pad_experts): local expert l's rows start at l·stride,
+  // > 0: the padded layout (MoELayer::set_expert_layout): local expert l's rows start at l·stride,
   // R = El·stride, and every buffer of the chunk keeps its rows past an expert's own zero, so
   // that its GEMMs may run as one strided batch over `stride` rows per expert
   // (GemmProblem::token_stride). 0: packed, expert l's rows right after expert l-1's.
@@ -87,6 +87,11 @@ struct ChunkPlan {
 // stride > 0: the padded layout (Chunk::stride), at least the rows of every local expert.
 Chunk peer_chunk(const std::vector<std::int64_t>& sent, const std::vector<std::int64_t>& recv, std::int64_t El,
                  std::int64_t M, std::span<const int> to, std::span<const int> from, std::int64_t stride = 0);
+
+// The padded layout's stride for local experts of `rows` rows: the busiest one's rows, or 0
+// (packed) when the padding, 1 - sum(rows) / (El · stride), is above max_waste or no expert
+// has a row.
+std::int64_t padded_stride(const std::vector<std::int64_t>& rows, double max_waste);
 
 // Tutel's pipelined all-to-all (Hwang et al., "Tutel: Adaptive Mixture-of-Experts at Scale",
 // MLSys'23, §3.3): one chunk's exchange cut into r chunks, chunk c taking rows

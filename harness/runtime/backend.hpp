@@ -61,7 +61,7 @@ struct GemmProblem {
   float alpha = 1.0f, beta = 0.0f;
   // > 0: the token dimension (k of a weight gradient, A transposed; m otherwise) sits in a
   // layout of this many rows per problem whose rows past the problem's own are zero (the MoE
-  // layer's padded expert layout, MoELayer::pad_experts): a call whose problems all carry the
+  // layer's padded expert layout, MoELayer::set_expert_layout): a call whose problems all carry the
   // same stride may be computed over the padded rows instead (padded_problem), one strided
   // batch of equal problems. 0: the problem's rows only.
   std::int64_t token_stride = 0;

@@ -346,9 +346,12 @@ std::optional<GemmPathPricing> parse_path_pricing(const Fields& f) {
   if (!tj)
     fail(f.origin(), "missing field \"gemm_paths\" (the crossover table that chooses among the \"paths\"; the two come together)");
   if (!pj->is_object()) f.wrong_type("paths", *pj, "an object {source, strided_batched, grouped}");
-  Fields pf(*pj, f.origin(), "paths.", {"source", "strided_batched", "grouped"});
+  // "model" and "fit" say how the curves were made (scripts/fit_gemm_efficiency.py --profile).
+  Fields pf(*pj, f.origin(), "paths.", {"source", "model", "strided_batched", "grouped", "fit"});
   GemmPathPricing pp;
   pp.source = pf.string("source");
+  (void)pf.string_or("model", "");
+  if (const json* x = pf.find("fit"); x && !x->is_object()) pf.wrong_type("fit", *x, "an object");
   pp.strided_batched = parse_path_curves(pf, "strided_batched");
   pp.grouped = parse_path_curves(pf, "grouped");
   pp.table = gemm_path_table_from_json(*tj, f.origin(), "gemm_paths.");
@@ -1320,7 +1323,7 @@ Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> p
   }
   const GemmCalibration& cal = *m_.efficiency.calibration;
   const GemmPathPricing& pricing = *cal.paths;
-  // A padded layout (every problem with the same token stride, MoELayer::pad_experts): one
+  // A padded layout (every problem with the same token stride, MoELayer::set_expert_layout): one
   // strided batch over the padded rows where the table picks it, as CudaBackend::grouped_gemm
   // does; otherwise the problems' own rows below.
   if (const std::int64_t S = common_token_stride(problems); S > 0 && problems.size() > 1) {

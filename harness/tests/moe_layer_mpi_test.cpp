@@ -43,7 +43,7 @@ struct ImplCase {
 const std::vector<ImplCase>& impl_cases() {
   static const std::vector<ImplCase> cases = {
       {"fastmoe", nlohmann::json::object()},
-      {"fastmoe", {{"pad_experts", true}}},
+      {"fastmoe", {{"expert_layout", "padded"}}},
       {"fastermoe", {{"group_size", 2}}},
       {"fastermoe", {{"group_size", 1}}},
         {"mpipemoe", {{"partitions", 1}}},

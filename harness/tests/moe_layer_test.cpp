@@ -11,6 +11,7 @@
 #include "harness/comm/communicator.hpp"
 #include "harness/nn/moe_impl.hpp"
 #include "harness/nn/moe_layer.hpp"
+#include "harness/nn/moe_schedule.hpp"
 #include "harness/runtime/gemm_paths.hpp"
 #include "harness/tests/moe_reference.hpp"
 #include "harness/tests/test_util.hpp"
@@ -665,6 +666,36 @@ TEST(MoELayer, OneInFlightNoiseIsTheStepsStream) {
   }
   EXPECT_NE(MoELayer::work_seed({0, 1, 1}), MoELayer::work_seed({0, 0, 1}));
   EXPECT_NE(MoELayer::work_seed({1, 0, 1}), MoELayer::work_seed({0, 0, 1}));
+}
+
+// The padded layout's stride: the busiest expert's rows; "auto" (max_waste 12.5%) packs a step
+// whose padding is above it; and peer_chunk lays the experts out at that stride.
+TEST(PaddedLayout, StrideAndChunk) {
+  EXPECT_EQ(padded_stride({64, 60, 64, 62, 64, 64, 60, 58}, 0.125), 64);  // 3.1% padding
+  EXPECT_EQ(padded_stride({64, 32, 64, 32}, 0.125), 0);                   // 25%: packed
+  EXPECT_EQ(padded_stride({64, 32, 64, 32}, 0.25), 64);                   // the threshold itself pads
+  EXPECT_EQ(padded_stride({64, 32, 64, 32}, 1.0), 64);                    // "padded": always
+  EXPECT_EQ(padded_stride({0, 0}, 1.0), 0);                               // nothing to lay out
+  EXPECT_EQ(padded_stride({}, 1.0), 0);
+  // Two ranks, two local experts each: rank p sends recv[p*2 + l] rows to my expert l.
+  const std::vector<std::int64_t> sent = {3, 1, 2, 2}, recv = {3, 1, 4, 0};
+  const std::vector<int> both = {0, 1};
+  const std::int64_t M = 5;
+  const Chunk packed = peer_chunk(sent, recv, 2, M, both, both);
+  EXPECT_EQ(packed.rows, (std::vector<std::int64_t>{7, 1}));
+  EXPECT_EQ(packed.offset, (std::vector<std::int64_t>{0, 7}));
+  EXPECT_EQ(packed.R, 8);
+  EXPECT_EQ(packed.stride, 0);
+  const Chunk padded = peer_chunk(sent, recv, 2, M, both, both, 7);
+  EXPECT_EQ(padded.rows, packed.rows);
+  EXPECT_EQ(padded.offset, (std::vector<std::int64_t>{0, 7}));
+  EXPECT_EQ(padded.R, 14);
+  EXPECT_EQ(padded.stride, 7);
+  // Expert 1's rows from rank 0 land at its padded first row (7), in elements of M.
+  ASSERT_EQ(padded.recvs.size(), 4u);
+  EXPECT_EQ(padded.recvs[1].offset, 7 * M);
+  EXPECT_EQ(padded.recvs[2].offset, 3 * M);  // expert 0's rows from rank 1 after rank 0's 3
+  EXPECT_THROW(peer_chunk(sent, recv, 2, M, both, both, 6), std::exception);  // a stride below the busiest
 }
 
 }  // namespace

@@ -360,3 +360,40 @@ class Committed(unittest.TestCase):
         p = subprocess.run([sys.executable, SCRIPT, "--check"], cwd=fixtures.ROOT,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.assertEqual(p.returncode, 0, p.stderr)
+
+
+@unittest.skipUnless(os.environ.get("MOELAB"), "set MOELAB to a moelab binary")
+class LoadedBySim(Base):
+    """What the fit writes is what the simulator reads: a cluster file naming the fitted
+    calibration (as scripts/validate_sim.sh writes one) runs, and prices a grouped call on the
+    path the table picks (the op's detail names it)."""
+
+    def test_fitted_calibration_runs_in_the_sim(self):
+        p, doc = self.run_fit(profile(), "--gpu", "H100-SXM5-80GB", peaks=None)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("paths", doc)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        with open(os.path.join(root, "experiments", "hardware", "clusters", "h100x1.json")) as f:
+            cluster = json.load(f)
+        cluster["efficiency"] = {"calibration": "out.json", "mem": 0.9, "source": "test"}
+        cluster["name"] = "h100x1-fitted"
+        with open(os.path.join(self.dir, "cluster.json"), "w") as f:
+            json.dump(cluster, f)
+        with open(os.path.join(self.dir, "w.json"), "w") as f:
+            json.dump({"name": "w", "model": {"d_model": 768, "d_hidden": 3072, "num_experts": 8, "top_k": 1,
+                                              "capacity_factor": 0, "activation": "gelu", "dtype": "bf16"},
+                       "tokens_per_rank": 2048, "steps": 2, "warmup": 1, "seed": 1}, f)
+        for options in ("{}", '{"expert_layout": "padded"}'):
+            run = subprocess.run([os.environ["MOELAB"], "run", "--workload", "w.json", "--impl", "fastmoe",
+                                  "--impl-options", options, "--backend", "sim", "--cluster", "./cluster.json",
+                                  "--ranks", "1", "--out", "r.json", "--trace", "t.json"],
+                                 cwd=self.dir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            self.assertEqual(run.returncode, 0, run.stderr)
+            with open(os.path.join(self.dir, "t.json")) as f:
+                events = json.load(f)["traceEvents"]
+            details = [e.get("args", {}).get("detail", "") for e in events if e.get("name") == "fc1"]
+            self.assertTrue(details and all(any(p in d for p in ("loop", "strided_batched", "grouped")) for d in details),
+                            details[:3])
+            with open(os.path.join(self.dir, "r.json")) as f:
+                res = json.load(f)
+            self.assertEqual(res["metrics"]["floor_gemm_library"], "GEMM (cost model), strided-batched curve")

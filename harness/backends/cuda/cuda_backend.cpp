@@ -955,7 +955,7 @@ void CudaBackend::grouped_gemm(Stream& s, std::span<const GemmProblem> problems,
   cublasHandle_t h = blas(s);
   const cudaStream_t st = native(s);
 
-  // A padded layout (every problem with the same token stride, MoELayer::pad_experts): one
+  // A padded layout (every problem with the same token stride, MoELayer::set_expert_layout): one
   // strided batch over the padded rows when the table's estimate for it wins (padding waste
   // within max_padding_waste); otherwise the problems' own rows below, as for any call.
   if (problems.size() > 1 && common_token_stride(problems) > 0 && padded_strided(h, problems, op, name ? name : "gemm"))
