@@ -25,7 +25,9 @@
 #   validate  scripts/validate_sim.sh --backend cuda into OUTDIR/validation/<device class>/
 #   suites    scripts/run_suite.py --backends cuda --out OUTDIR/results --run ID... (every suite's
 #             runs on the cuda backend, or those given with --run; no suite summary is written);
-#             cut off by its budget, the runs that finished are kept
+#             with the validate step's profile of this GPU when it ran first (--cuda-profile: the
+#             runs choose their GEMM paths by its measured table); cut off by its budget, the runs
+#             that finished are kept
 #   peers     scripts/peers/torch_moe.py, the PyTorch peer on the same shapes, when a python3
 #             imports torch -> OUTDIR/results/measured/cuda/<device class>/peers/torch-moe.jsonl
 #   compare   plots/mpipemoe_gpu.py: the measured MPipeMoE runs against their simulated
@@ -355,6 +357,13 @@ print("\n".join(sorted({r["id"] for p in mr.registered_suites() for r in mr.load
     [ ${#ids[@]} -gt 0 ] || { record suites FAILED "no cuda runs found in experiments/*/suite.json" 0; return; }
   fi
   for id in "${ids[@]}"; do args+=(--run "$id"); done
+  # The validate step's profile of this GPU (when it ran first in this run): the cuda runs
+  # choose their GEMM paths by its measured table rather than the built-in H100 one.
+  local prof="$OUTDIR/validation/$DEVICE_SLUG/profile.json"
+  if [ -f "$prof" ] && grep -q '"gemm_paths"' "$prof"; then
+    args+=(--cuda-profile "$prof")
+    echo "suites: the cuda runs choose their GEMM paths by validation/$DEVICE_SLUG/profile.json"
+  fi
   wrote results run_suite.log
   b="$(step_budget suites)"
   if [ "$b" -lt 10 ]; then record suites TIMEOUT "not started: $b s left of the run's budget" 0; return; fi

@@ -338,6 +338,9 @@ class Machine:
                 if "cuda   available:" in line:
                     self.cuda_device = line.split("available:", 1)[1].strip()
         self.slots = hostfile_slots(hostfile) if hostfile else None
+        # --cuda-profile: a `moelab calibrate --backend cuda` profile of this GPU; its measured
+        # GEMM-path table is what the cuda runs choose their cuBLAS paths by (moelab run --profile).
+        self.cuda_profile = None
 
     def why_not(self, job):
         """None if the job can run here, else why not."""
@@ -464,6 +467,8 @@ def command(job, machine, wl_path, dest):
         if mrun["run_mode"] == "inference":
             cmd += ["--inference"]
     cmd += ["--backend", job["backend"]]
+    if job["backend"] == "cuda" and getattr(machine, "cuda_profile", None):
+        cmd += ["--profile", machine.cuda_profile]
     if job["cluster"]:
         cmd += ["--cluster", job["cluster"]]
     n = machine.nranks(job)
@@ -835,6 +840,9 @@ def main():
                     help="the moelab binary (default $MOELAB, else build/harness/moelab)")
     ap.add_argument("--backends", default="sim,cpu,cuda", help="comma-separated backends to run (default all)")
     ap.add_argument("--hostfile", help="an mpirun host file: runs with \"hostfile\" ranks use one rank per slot")
+    ap.add_argument("--cuda-profile", metavar="FILE",
+                    help="a `moelab calibrate --backend cuda` profile of this GPU: the cuda runs choose their GEMM "
+                         "paths by its measured table (moelab run --profile)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="simulated runs at a time (default: the number of cores); measured runs always run alone")
     ap.add_argument("--update-baseline", action="store_true",
@@ -877,11 +885,15 @@ def main():
         die(f"no moelab binary at {a.moelab}: build it (cmake --build build --target moelab) or pass --moelab PATH")
     if a.hostfile and not os.path.isfile(a.hostfile):
         die(f"--hostfile {a.hostfile}: no such file")
+    if a.cuda_profile and not os.path.isfile(a.cuda_profile):
+        die(f"--cuda-profile {a.cuda_profile}: no such file")
     # The cluster catalogue of this checkout, also for a binary built in another one (scripts/gpu.sh).
     os.environ.setdefault("MOELAB_EXPERIMENTS", mr.EXPERIMENTS)
     os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     machine = Machine(a.moelab, backends, a.hostfile)
+    if a.cuda_profile:
+        machine.cuda_profile = os.path.abspath(a.cuda_profile)
 
     # What cannot run here, and the implementations this binary lacks options for.
     with tempfile.TemporaryDirectory(prefix="run_suite.") as tmp:

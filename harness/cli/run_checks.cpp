@@ -332,7 +332,7 @@ void install_gemm_path_table(Backend& b, const sim::Profile& p, const std::strin
 #ifdef MOELAB_HAVE_CUDA
   GemmPathTable t = *p.gemm_paths;
   if (t.source.empty()) t.source = "measured on " + p.device;
-  t.source = "profile " + shown(profile_path) + ": " + t.source;
+  t.source = "profile " + shown(p.name) + ": " + t.source;  // its name: no path of the machine in results
   cuda_set_gemm_path_table(b, std::move(t));
 #else
   throw ConfigError("--profile on --backend cuda: this binary was built without CUDA");

@@ -323,6 +323,19 @@ class PipelineRuns(unittest.TestCase):
         self.addCleanup(d.cleanup)
         return mr.load_suite(write_model_suite(d.name, edit))
 
+    def test_cuda_profile_reaches_the_cuda_runs_only(self):
+        # --cuda-profile: the cuda runs choose their GEMM paths by that profile's table; the
+        # sim and cpu runs take no profile from it.
+        s = mr.load_suite(os.path.join(mr.EXPERIMENTS, "foundation", "suite.json"))
+        jobs = run_suite.expand(s, False)
+        cuda = next(j for j in jobs if j["backend"] == "cuda" and j["ranks"] == 1)
+        sim = next(j for j in jobs if j["backend"] == "sim")
+        with_profile = types.SimpleNamespace(**vars(MACHINE), cuda_profile="/p/profile.json")
+        cmd = run_suite.command(cuda, with_profile, None, "/out/c")
+        self.assertEqual(cmd[cmd.index("--backend"):cmd.index("--backend") + 4], ["--backend", "cuda", "--profile", "/p/profile.json"])
+        self.assertNotIn("--profile", run_suite.command(sim, with_profile, None, "/out/s"))
+        self.assertNotIn("--profile", run_suite.command(cuda, MACHINE, None, "/out/c"))
+
     def test_flags_merge_and_reach_the_command_line(self):
         s = self.suite()
         j = next(j for j in run_suite.expand(s, False) if j["run"] == s["runs"][0]["id"]
