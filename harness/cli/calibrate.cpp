@@ -94,6 +94,30 @@ double time_per_call(Backend& b, int reps, double target, F&& body) {
   return median_of(t);
 }
 
+// GEMM operands get values, not zeros: a GPU multiplying zeros draws less power and may clock
+// higher than it does on a model's data. A block of uniform(-1, 1) values is uploaded once and
+// copied on the device over the rest of the tensor (doubling), so that large operands cost a
+// few device copies rather than host work.
+void fill_values(Backend& b, Stream& s, Tensor& t) {
+  const std::int64_t n = t.numel();
+  if (n == 0) return;
+  Tensor flat = t.reshape({n});
+  const std::int64_t block = std::min<std::int64_t>(n, std::int64_t{1} << 20);
+  std::vector<float> host(static_cast<std::size_t>(block));
+  std::mt19937 rng(20261124);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (float& v : host) v = u(rng);
+  Tensor first = flat.rows(0, block);
+  b.upload(host, first);
+  b.synchronize();
+  for (std::int64_t done = block; done < n;) {
+    const std::int64_t len = std::min(done, n - done);
+    Tensor dst = flat.rows(done, len);
+    b.copy(s, flat.rows(0, len), dst);
+    done += len;
+  }
+}
+
 struct Plan {
   bool cpu = false, quick = false;
   int reps = 7;
@@ -139,7 +163,7 @@ json measure_gemm_paths(Backend& b, Stream& s, const Plan& plan, const std::stri
           Tensor X = b.empty({E * R, M}, dtype, MemCategory::buffers, s), Y = b.empty({E * R, H}, dtype, MemCategory::buffers, s),
                  DX = b.empty({E * R, M}, dtype, MemCategory::buffers, s), W = b.empty({E, M, H}, dtype, MemCategory::buffers, s),
                  DW = b.empty({E, M, H}, dtype, MemCategory::buffers, s);
-          for (Tensor* t : {&X, &Y, &DX, &W, &DW}) b.fill_zero(s, *t);
+          for (Tensor* t : {&X, &Y, &DX, &W, &DW}) fill_values(b, s, *t);
           for (GemmOp op : {GemmOp::fwd, GemmOp::dgrad, GemmOp::wgrad}) {
             std::vector<GemmProblem> problems;
             for (std::int64_t e = 0; e < E; ++e) {
@@ -266,7 +290,8 @@ json measure_interference(Backend& b, Stream& s, const Plan& plan) {
          C = b.empty({d, d}, t, MemCategory::buffers, s);
   Tensor dev = b.empty({copy_bytes / 4}, DType::f32, MemCategory::buffers, s);
   Tensor host = b.empty({copy_bytes / 4}, DType::f32, MemCategory::buffers, s, MemSpace::host_pinned);
-  for (Tensor* x : {&A, &B, &C, &dev, &host}) b.fill_zero(s, *x);
+  for (Tensor* x : {&A, &B, &C}) fill_values(b, s, *x);
+  for (Tensor* x : {&dev, &host}) b.fill_zero(s, *x);
   Stream& h2d = b.create_stream(StreamRole::h2d, "calibrate.h2d");
   Stream& d2h = b.create_stream(StreamRole::d2h, "calibrate.d2h");
   const GemmProblem p{false, false, d, d, d, A, B, C, 1.0f, 0.0f};
@@ -446,7 +471,7 @@ int calibrate_command(const std::vector<std::string>& args) {
     for (auto [m, n, k] : shapes) {
         Tensor A = b->empty({m, k}, t, MemCategory::buffers, s), B = b->empty({k, n}, t, MemCategory::buffers, s),
                C = b->empty({m, n}, t, MemCategory::buffers, s);
-        for (Tensor* x : {&A, &B, &C}) b->fill_zero(s, *x);
+        for (Tensor* x : {&A, &B, &C}) fill_values(*b, s, *x);
         const GemmProblem p{false, false, m, n, k, A, B, C, 1.0f, 0.0f};
         const double sec = b->time_bare_gemms({&p, 1}, reps);
         gemm.push_back({{"m", m}, {"n", n}, {"k", k}, {"dtype", dtype_name(t)}, {"seconds", sec}});
