@@ -14,7 +14,8 @@
 //               cublasGemmEx, cublasGemmStridedBatchedEx, cublasGemmGroupedBatchedEx; cpu: the
 //               loop), as the crossover table the cuda backend chooses its path by
 //               (harness/runtime/gemm_paths.hpp; `moelab run --backend cuda --profile FILE`)
-//   copies      pinned host->device, device->host and device->device against size
+//   copies      pinned host->device, device->host and device->device against size (the largest
+//               size's rates are the profile's h2d_bw, d2h_bw and d2d_bw)
 //   overheads   kernel launch (back-to-back tiny kernels), event record, a host
 //               synchronisation's round trip, a cross-stream wait
 //   interference  a large GEMM beside pinned copies and the copies beside it: the rate each
@@ -223,7 +224,7 @@ json measure_gemm_paths(Backend& b, Stream& s, const Plan& plan, const std::stri
 json measure_copies(Backend& b, Stream& s, const Plan& plan) {
   std::vector<std::int64_t> sizes = plan.cpu ? std::vector<std::int64_t>{1 << 16, 1 << 20, 1 << 24}
                                              : std::vector<std::int64_t>{1 << 16, 1 << 20, 1 << 24, 1 << 26, 1 << 28};
-  if (plan.quick) sizes.resize(2);
+  if (plan.quick) sizes = {sizes.front(), sizes.back()};  // the largest gives the profile's rates
   json out = json::array();
   for (std::int64_t bytes : sizes) {
     const std::int64_t elems = bytes / 4;
@@ -481,16 +482,21 @@ int calibrate_command(const std::vector<std::string>& args) {
                       2.0 * static_cast<double>(m * n * k) / sec / 1e12);
       }
 
-  // ---- copies --------------------------------------------------------------------------------
+  // ---- copies against size; the profile's scalar rates from the largest ------------------------
+  // Rank 0 alone prints; every rank measures its own device alike (the profile is rank 0's).
+  const Plan plan{cpu, quick, reps, comm->rank() == 0};
+  const json copies = measure_copies(*b, s, plan);
+  double h2d = 0, d2h = 0, d2d = 0;  // bytes/s; d2d counts bytes read + written
+  for (const json& c : copies) {
+    const double rate = c["bytes"].get<double>() / c["seconds"].get<double>();
+    const std::string kind = c["kind"];
+    (kind == "h2d" ? h2d : kind == "d2h" ? d2h : d2d) = kind == "d2d" ? 2.0 * rate : rate;  // the sweep ends largest
+  }
   const std::int64_t elems = (cpu ? 16 : 64) * (1 << 20) / (quick ? 4 : 1);  // floats
   Tensor dev = b->empty({elems}, DType::f32, MemCategory::buffers, s);
   Tensor dev2 = b->empty({elems}, DType::f32, MemCategory::buffers, s);
-  Tensor host = b->empty({elems}, DType::f32, MemCategory::buffers, s, MemSpace::host_pinned);
-  for (Tensor* x : {&dev, &dev2, &host}) b->fill_zero(s, *x);
+  for (Tensor* x : {&dev, &dev2}) b->fill_zero(s, *x);
   const double bytes = static_cast<double>(dev.nbytes());
-  const double h2d = bytes / time_it(*b, reps, [&] { b->copy(s, host, dev); });
-  const double d2h = bytes / time_it(*b, reps, [&] { b->copy(s, dev, host); });
-  const double d2d = 2.0 * bytes / time_it(*b, reps, [&] { b->copy(s, dev, dev2); });
   const double elementwise =
       2.0 * bytes / time_it(*b, reps, [&] { b->activation_forward(s, Activation::gelu, dev, dev2); });
   Tensor tiny = b->empty({1}, DType::f32, MemCategory::buffers, s);
@@ -503,11 +509,8 @@ int calibrate_command(const std::vector<std::string>& args) {
     std::printf("copies  h2d %.1f GB/s, d2h %.1f GB/s, d2d %.1f GB/s; elementwise %.1f GB/s; launch %.2f us\n",
                 h2d / 1e9, d2h / 1e9, d2d / 1e9, elementwise / 1e9, launch * 1e6);
 
-  // ---- the GEMM paths, copies against size, overheads, interference, dispatch ------------------
-  // Rank 0 alone prints; every rank measures its own device alike (the profile is rank 0's).
-  const Plan plan{cpu, quick, reps, comm->rank() == 0};
+  // ---- the GEMM paths, overheads, interference, dispatch ----------------------------------------
   const json gemm_paths = measure_gemm_paths(*b, s, plan, b->device_name());
-  const json copies = measure_copies(*b, s, plan);
   const json overheads = measure_overheads(*b, s, plan, launch);
   const json interference = measure_interference(*b, s, plan);
   const json dispatch = measure_dispatch(*b, s, plan, *comm);

@@ -442,6 +442,16 @@ std::vector<StridedRun> strided_runs(std::span<const GemmOperands> ps) {
   return runs;
 }
 
+GemmCall padded_gemm_call(std::span<const GemmProblem> problems, std::string precision) {
+  GemmCall call;
+  for (const auto& p : problems)
+    if (p.m > 0 && p.n > 0 && p.k > 0) call.problems.push_back({p.trans_a, p.trans_b, p.m, p.n, p.k});
+  call.precision = std::move(precision);
+  call.padded_rows = problems.empty() ? 0 : problems.front().token_stride;
+  call.padded_batch = static_cast<std::int64_t>(problems.size());
+  return call;
+}
+
 GemmOperands gemm_operands(const GemmProblem& p) {
   GemmOperands o;
   o.shape = {p.trans_a, p.trans_b, p.m, p.n, p.k};

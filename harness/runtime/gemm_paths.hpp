@@ -144,4 +144,9 @@ struct GemmProblem;  // harness/runtime/backend.hpp
 // A problem's shape, scalars, types and operand addresses (Tensor::raw()).
 GemmOperands gemm_operands(const GemmProblem& p);
 
+// The chooser's view of a padded call (GemmProblem::token_stride, the same on every problem):
+// the problems that multiply, padded_rows = the stride and every problem (those without a row
+// too) in the padded batch; strided is left false (the problems' own rows are not one batch).
+GemmCall padded_gemm_call(std::span<const GemmProblem> problems, std::string precision);
+
 }  // namespace moelab

@@ -1331,16 +1331,11 @@ Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> p
     const DType ab = ab_type(f);
     const bool on_tf32 = tf32 && ab == DType::f32;
     bool alike = ab == DType::bf16 || ab == DType::f32;
-    GemmCall call;
-    for (const auto& p : problems) {
+    for (const auto& p : problems)
       alike = alike && p.trans_a == f.trans_a && p.trans_b == f.trans_b && p.alpha == f.alpha && p.beta == f.beta &&
               ab_type(p) == ab && c_type(p) == c_type(f) && ((p.trans_a && !p.trans_b) ? p.m == f.m : p.k == f.k) &&
               p.n == f.n;
-      if (p.m > 0 && p.n > 0 && p.k > 0) call.problems.push_back({p.trans_a, p.trans_b, p.m, p.n, p.k});
-    }
-    call.precision = ab == DType::bf16 ? "bf16" : on_tf32 ? "tf32" : "fp32";
-    call.padded_rows = S;
-    call.padded_batch = static_cast<std::int64_t>(problems.size());
+    const GemmCall call = padded_gemm_call(problems, ab == DType::bf16 ? "bf16" : on_tf32 ? "tf32" : "fp32");
     const GemmCurve* curve = pricing.strided_batched.curve(call.precision);
     if (alike && curve && !call.problems.empty()) {
       const GemmPathChoice choice = choose_gemm_path(call, pricing.table);

@@ -1049,13 +1049,8 @@ bool CudaBackend::padded_strided(cublasHandle_t h, std::span<const GemmProblem> 
   if (runs.size() != 1) return false;  // not one equally strided batch: the problems' own rows
   const std::pair<int, int> types{static_cast<int>(padded.front().a.dtype()), static_cast<int>(padded.front().c.dtype())};
   const DType ab = padded.front().a.dtype();
-  GemmCall call;
-  for (const auto& p : problems)
-    if (p.m > 0 && p.n > 0 && p.k > 0) call.problems.push_back({p.trans_a, p.trans_b, p.m, p.n, p.k});
+  GemmCall call = padded_gemm_call(problems, gemm_precision(ab, ab == DType::f32 && (opt_.allow_tf32 || allow_tf32_)));
   if (call.problems.empty()) return false;
-  call.precision = gemm_precision(ab, ab == DType::f32 && (opt_.allow_tf32 || allow_tf32_));
-  call.padded_rows = problems.front().token_stride;
-  call.padded_batch = static_cast<std::int64_t>(problems.size());
   GemmPathChoice choice;
   {
     std::lock_guard lock(mu_);
