@@ -37,8 +37,10 @@ with launch_latency held. Also written, each when the profile has the data: "gem
 profile's table, verbatim), "copies" (t = latency + bytes / bw per kind, least squares on the
 relative error), "interference" (the least alone/together factors of compute beside h2d/d2h copies
 and of copies beside compute, the latter capped at 1), "overheads" (copied) and "dispatch"
-(permute_bw and unpermute_bw, the medians of the permute and unpermute samples' bytes per second; permute_mem_efficiency =
-permute_bw / mem_bw; exchange bw and latency fitted like copies). Sections missing from the
+(permute_bw and unpermute_bw: t = launch_latency + bytes / bw, as the sim prices the op, fitted to the permute and
+unpermute samples with launch_latency held; permute_mem_efficiency =
+permute_bw / mem_bw; exchange bw and latency fitted like copies) and "activations" (per activation,
+direction and dtype, t = launch_latency + elements / elements_per_s, fitted alike). Sections missing from the
 profile are named on stdout and left out. Bad input: one line on stderr naming the file and the
 field, exit 2, and OUT is left as it was (the file is written whole or not at all).
 """
@@ -332,6 +334,9 @@ PATHS = ("loop", "strided_batched", "grouped")
 COPY_KINDS = ("h2d", "d2h", "d2d")
 INTERF_SIDES = ("compute", "h2d", "d2h")
 DISPATCH_OPS = ("permute", "unpermute", "exchange")
+ACTIVATIONS = ("gelu", "relu")
+DIRECTIONS = ("forward", "backward")
+ACT_DTYPES = ("fp32", "bf16")
 GPUS = "experiments/hardware/gpus.json"
 PROG = "fit_gemm_efficiency.py"
 # The range a calibration's curve may take (harness/config/limits.hpp: kMinFraction, kMaxGemmHalfDim).
@@ -515,6 +520,18 @@ def read_profile(path):
                 get_int(e, "ranks", w)
             prof["dispatch"].append((op, get_number(e, "bytes", w), get_number(e, "seconds", w),
                                      e.get("ranks")))
+
+    prof["activations"] = None
+    acts = get_list(doc, "activations", "activation samples")
+    if acts is None:
+        prof["missing"].append("activations")
+    else:
+        prof["activations"] = []
+        for i, e in enumerate(acts):
+            w = f"activations[{i}]."
+            prof["activations"].append((get_choice(e, "activation", w, ACTIVATIONS), get_choice(e, "direction", w, DIRECTIONS),
+                                        get_choice(e, "dtype", w, ACT_DTYPES), get_number(e, "elements", w),
+                                        get_number(e, "seconds", w)))
     return prof
 
 
@@ -573,6 +590,17 @@ def fit_linear_latency(samples):
     if inv <= 0:
         return None
     return 1 / inv, lat, [math.log((lat + b * inv) / t) for b, t in samples]
+
+
+def fit_rate_held(samples, latency):
+    """t = latency + x / rate with the latency held (the calibration's launch latency, which the sim
+    charges every op): least squares on the relative error, closed form in 1 / rate. Returns
+    (rate, log residuals), or None when the latency alone exceeds the times."""
+    den = sum(x * x / t ** 2 for x, t in samples)
+    inv = sum(x / t * (1 - latency / t) for x, t in samples) / den if den > 0 else 0
+    if inv <= 0:
+        return None
+    return 1 / inv, [math.log((latency + x * inv) / t) for x, t in samples]
 
 
 def describe_points(pts):
@@ -781,11 +809,14 @@ def build_from_profile(path, peaks, peaks_text, name):
         disp, dstats = {}, {}
         for kind in ("permute", "unpermute"):
             perm = [(b, t) for op, b, t, _ in prof["dispatch"] if op == kind]
-            if perm:
-                bw = statistics.median(b / t for b, t in perm)
+            got = fit_rate_held(perm, launch) if perm else None
+            if got:
+                bw, res = got
                 disp[f"{kind}_bw"] = rd(bw)
                 disp[f"{kind}_mem_efficiency"] = rd(bw / mem_bw)
-                dstats[kind] = summary([math.log(b / bw / t) for b, t in perm])
+                dstats[kind] = summary(res)
+            elif perm:
+                notes.append(f"dispatch: the {kind} samples take less than the launch latency: not fitted")
             else:
                 notes.append(f"dispatch: no {kind} samples")
         exch = [(b, t) for op, b, t, _ in prof["dispatch"] if op == "exchange"]
@@ -797,9 +828,31 @@ def build_from_profile(path, peaks, peaks_text, name):
         else:
             notes.append("dispatch: fewer than two exchange sizes: exchange not fitted")
         if disp:
-            doc["dispatch"] = dict(disp, source=f"{path} dispatch: permute_bw the median bytes (read + written) per second of "
-                                                "the permute samples, permute_mem_efficiency = permute_bw / mem_bw (both read + "
-                                                "written), unpermute (the combine's gather) alike; exchange: t = latency + bytes / bw fitted like copies", fit=dstats)
+            doc["dispatch"] = dict(disp, source=f"{path} dispatch: t = launch_latency + bytes / permute_bw, as the sim prices "
+                                                "the op, least squares on the relative error over the permute samples (bytes read + "
+                                                "written) with launch_latency held at the loop fit's; permute_mem_efficiency = "
+                                                "permute_bw / mem_bw; unpermute (the combine's gather) alike; exchange (the world "
+                                                "communicator's all-to-all with itself): t = latency + bytes / bw fitted like copies",
+                                   fit=dstats)
+
+    if prof["activations"] is not None:
+        rates, astats = [], {}
+        keys = sorted({(a, d, t) for a, d, t, _, _ in prof["activations"]},
+                      key=lambda x: (ACTIVATIONS.index(x[0]), DIRECTIONS.index(x[1]), ACT_DTYPES.index(x[2])))
+        for a, d, t in keys:
+            pts = [(n, sec) for a2, d2, t2, n, sec in prof["activations"] if (a2, d2, t2) == (a, d, t)]
+            got = fit_rate_held(pts, launch)
+            if not got:
+                notes.append(f"activations {a} {d} {t}: the samples take less than the launch latency: not fitted")
+                continue
+            rate, res = got
+            rates.append({"activation": a, "direction": d, "dtype": t, "elements_per_s": rd(rate)})
+            astats[f"{a} {d} {t}"] = summary(res)
+        if rates:
+            doc["activations"] = {"rates": rates, "fit": astats,
+                                  "source": f"{path} activations: per activation, direction and dtype, t = launch_latency + "
+                                            "elements / elements_per_s, as the sim prices the op where this rate binds, least "
+                                            "squares on the relative error with launch_latency held at the loop fit's"}
 
     if prof["missing"]:
         notes.insert(0, f"not in the profile (left out): {', '.join(prof['missing'])}")

@@ -23,6 +23,8 @@
 //   dispatch    the single-device dispatch path: the token permutation (scatter to expert
 //               order) and the exchange of one rank with itself, against size
 //   kernels     an elementwise kernel's bandwidth (GeLU: one read, one write)
+//   activations each activation kernel (GeLU, ReLU) forward and backward, per dtype, against
+//               size: elements per second
 //   comm        with several ranks (mpirun), all-to-all-v of several sizes: recorded for
 //               reference (the cluster models keep the link figures)
 #include <algorithm>
@@ -382,6 +384,40 @@ json measure_dispatch(Backend& b, Stream& s, const Plan& plan, Communicator& com
   return out;
 }
 
+// ---- activations ----------------------------------------------------------------------------------
+// Each activation kernel forward (in -> out) and backward (in, d_out -> d_in), per dtype, on
+// uniform values in [-1, 1) at a few sizes: the sim prices an activation at the elements/s the
+// fit draws from these where it is slower than moving its bytes (on a CPU the exact-erf GeLU
+// is bound by arithmetic; docs/PERFORMANCE.md, "Kernel rates in the sim").
+json measure_activations(Backend& b, Stream& s, const Plan& plan) {
+  std::vector<std::int64_t> sizes = plan.cpu ? std::vector<std::int64_t>{1 << 20, 1 << 22, 1 << 24}
+                                             : std::vector<std::int64_t>{1 << 22, 1 << 24, 1 << 26};
+  if (plan.quick) sizes = {sizes.front(), sizes.back()};
+  std::vector<DType> types = {DType::f32};
+  if (b.supports(DType::bf16)) types.push_back(DType::bf16);
+  const double target = plan.cpu ? 0.02 : 2e-3;
+  json out = json::array();
+  for (DType t : types)
+    for (std::int64_t n : sizes) {
+      Tensor in = b.empty({n}, t, MemCategory::buffers, s), d_out = b.empty({n}, t, MemCategory::buffers, s);
+      Tensor res = b.empty({n}, t, MemCategory::buffers, s);
+      for (Tensor* x : {&in, &d_out}) fill_values(b, s, *x);
+      for (Activation a : {Activation::gelu, Activation::relu}) {
+        const double fwd = time_per_call(b, plan.reps, target, [&] { b.activation_forward(s, a, in, res); });
+        const double bwd = time_per_call(b, plan.reps, target, [&] { b.activation_backward(s, a, in, d_out, res); });
+        for (const auto& [dir, sec] : {std::pair<const char*, double>{"forward", fwd}, {"backward", bwd}})
+          out.push_back({{"activation", activation_name(a)}, {"direction", dir}, {"dtype", dtype_name(t)},
+                         {"elements", n}, {"seconds", sec}});
+        if (plan.print)
+          std::printf("activation %-4s %s %9lld elements  forward %8.3f Gelem/s  backward %8.3f Gelem/s\n",
+                      activation_name(a), dtype_name(t), static_cast<long long>(n), static_cast<double>(n) / fwd / 1e9,
+                      static_cast<double>(n) / bwd / 1e9);
+      }
+    }
+  b.clear_timeline();
+  return out;
+}
+
 }  // namespace
 
 int calibrate_command(const std::vector<std::string>& args) {
@@ -406,7 +442,8 @@ int calibrate_command(const std::vector<std::string>& args) {
           "Measures GEMM throughput over a grid of shapes and dtypes, the experts' grouped GEMM call\n"
           "on each library path against rows per expert, copy bandwidth against size, launch, event\n"
           "and synchronisation overheads, copy/GEMM interference, the single-device dispatch path\n"
-          "(permutation and the exchange with itself), elementwise bandwidth (and all-to-all-v under\n"
+          "(permutation and the exchange with itself), elementwise bandwidth, each activation's rate\n"
+          "forward and backward (and all-to-all-v under\n"
           "mpirun), and writes a calibration profile for `moelab run --backend sim --profile FILE`,\n"
           "`moelab run --backend cuda --profile FILE` (its GEMM-path table) and\n"
           "scripts/fit_gemm_efficiency.py --profile FILE (a fitted GEMM calibration).");
@@ -514,6 +551,7 @@ int calibrate_command(const std::vector<std::string>& args) {
   const json overheads = measure_overheads(*b, s, plan, launch);
   const json interference = measure_interference(*b, s, plan);
   const json dispatch = measure_dispatch(*b, s, plan, *comm);
+  const json activations = measure_activations(*b, s, plan);
 
   // ---- collectives (several ranks) ------------------------------------------------------------
   json collectives = json::array();
@@ -555,7 +593,8 @@ int calibrate_command(const std::vector<std::string>& args) {
                   {"copies", copies},
                   {"overheads", overheads},
                   {"interference", interference},
-                  {"dispatch", dispatch}};
+                  {"dispatch", dispatch},
+                  {"activations", activations}};
   outputs.stage(out, profile);
   outputs.commit();
   std::printf("profile %s\n", out.c_str());

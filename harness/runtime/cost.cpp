@@ -68,6 +68,8 @@ OpCost cost_copy(OpKind kind, std::int64_t bytes) {
   return {kind, 0, b, b, 0, 1};
 }
 
+OpCost cost_fill(std::int64_t bytes) { return {OpKind::elementwise, 0, 0, static_cast<double>(bytes), 0, 1}; }
+
 // GeLU (exact erf form): ~8 flops per element forward (erf counted as a few), 12 backward
 // (the cdf and the pdf); ReLU one compare. Backward reads the input and d_out.
 OpCost cost_activation_forward(Activation a, std::int64_t elements, DType dtype) {

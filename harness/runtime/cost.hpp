@@ -38,6 +38,8 @@ OpCost cost_gate_backward(std::int64_t tokens, std::int64_t experts, int top_k);
 OpCost cost_rows(OpKind kind, std::int64_t rows_read, std::int64_t rows_written, std::int64_t width, DType dtype,
                  double flops_per_elem);
 OpCost cost_copy(OpKind kind, std::int64_t bytes);
+// A fill (memset): `bytes` written, nothing read.
+OpCost cost_fill(std::int64_t bytes);
 OpCost cost_activation_forward(Activation a, std::int64_t elements, DType dtype);
 OpCost cost_activation_backward(Activation a, std::int64_t elements, DType dtype);
 

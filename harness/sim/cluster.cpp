@@ -103,6 +103,20 @@ double measured_bandwidth_or_zero(const Fields& f, const char* key) {
 double fraction_or(const Fields& f, const char* key, double fallback) {
   return f.find(key) ? in_range(f, key, Sign::fraction, limits::kMinFraction, 1.0, "(a fraction)") : fallback;
 }
+// An array field of objects: each element's Fields (prefix "key[i].") handed to `each`.
+template <class Each>
+void for_each_object(const Fields& f, const char* key, const char* expected, Each each) {
+  const json* a = f.find(key);
+  if (!a) return;
+  if (!a->is_array()) f.wrong_type(key, *a, expected);
+  for (std::size_t i = 0; i < a->size(); ++i) {
+    const json& e = (*a)[i];
+    const std::string at = f.path(key) + "[" + std::to_string(i) + "]";
+    if (!e.is_object()) fail(f.origin(), at + ": expected an object, got " + show(e));
+    each(e, at + ".");
+  }
+}
+
 // A field that has no meaning for this object; `why` says when it would.
 void reject_if_present(const Fields& f, const char* key, const std::string& why) {
   if (f.find(key)) fail(f.origin(), f.path(key) + " = " + show(*f.find(key)) + " is " + why);
@@ -358,16 +372,83 @@ std::optional<GemmPathPricing> parse_path_pricing(const Fields& f) {
   return pp;
 }
 
+// A ratio of two measured rates (a kernel's rate over the memory rate): positive, not bounded by 1.
+double rate_ratio(const Fields& f, const char* key) { return in_range(f, key, Sign::positive, 1e-6, 1e6, "(a ratio)"); }
+
+// The optional "dispatch" object: {permute_bw, permute_latency?, permute_mem_efficiency?,
+// unpermute_bw, unpermute_latency?, unpermute_mem_efficiency?, exchange?: {bw, latency, ranks},
+// source, fit?}; and "activations": {source, rates: [{activation, direction, dtype,
+// elements_per_s, latency?}], fit?} (scripts/fit_gemm_efficiency.py --profile writes both).
+KernelRates parse_kernel_rates(const Fields& f) {
+  KernelRates k;
+  if (const json* d = f.find("dispatch")) {
+    if (!d->is_object()) f.wrong_type("dispatch", *d, "an object {permute_bw, unpermute_bw, exchange, source}");
+    Fields df(*d, f.origin(), "dispatch.",
+              {"permute_bw", "permute_latency", "permute_mem_efficiency", "unpermute_bw", "unpermute_latency",
+               "unpermute_mem_efficiency", "exchange", "source", "fit"});
+    if (df.find("permute_bw")) k.permute_bw = bandwidth(df, "permute_bw");
+    if (df.find("unpermute_bw")) k.unpermute_bw = bandwidth(df, "unpermute_bw");
+    for (const char* key : {"permute_latency", "unpermute_latency"})
+      if (df.find(key)) (void)latency(df, key);
+    for (const char* key : {"permute_mem_efficiency", "unpermute_mem_efficiency"})
+      if (df.find(key)) (void)rate_ratio(df, key);
+    if (const json* x = df.find("exchange")) {
+      if (!x->is_object()) df.wrong_type("exchange", *x, "an object {bw, latency, ranks}");
+      Fields ef(*x, f.origin(), "dispatch.exchange.", {"bw", "latency", "ranks"});
+      ExchangeFit e;
+      e.bw = bandwidth(ef, "bw");
+      e.latency = latency(ef, "latency");
+      const json& r = ef.require("ranks");
+      if (!r.is_array() || r.empty()) ef.wrong_type("ranks", r, "a non-empty array of world sizes");
+      for (const json& n : r) {
+        if (!n.is_number_integer() || n.get<std::int64_t>() < 1 || n.get<std::int64_t>() > limits::kMaxWorld)
+          ef.bad_value("ranks", "holds " + show(n) + ", not a world size in [1, " + std::to_string(limits::kMaxWorld) + "]");
+        e.ranks.push_back(n.get<int>());
+      }
+      k.exchange = e;
+    }
+    if (const json* x = df.find("fit"); x && !x->is_object()) df.wrong_type("fit", *x, "an object");
+    k.dispatch_source = df.string("source");
+  }
+  if (const json* a = f.find("activations")) {
+    if (!a->is_object()) f.wrong_type("activations", *a, "an object {source, rates}");
+    Fields af(*a, f.origin(), "activations.", {"source", "rates", "fit"});
+    if (const json* x = af.find("fit"); x && !x->is_object()) af.wrong_type("fit", *x, "an object");
+    (void)af.require("rates");
+    for_each_object(af, "rates", "an array of {activation, direction, dtype, elements_per_s}",
+                    [&](const json& e, const std::string& pre) {
+                      Fields rf(e, f.origin(), pre, {"activation", "direction", "dtype", "elements_per_s", "latency"});
+                      ActivationRate r;
+                      (void)rf.require("activation");
+                      r.activation = parse_activation(rf.choice_or("activation", "gelu", {"gelu", "relu"}));
+                      (void)rf.require("direction");
+                      r.backward = rf.choice_or("direction", "forward", {"forward", "backward"}) == "backward";
+                      (void)rf.require("dtype");
+                      r.dtype = parse_dtype(rf.choice_or("dtype", "fp32", {"fp32", "bf16"}));
+                      r.elements_per_s = in_range(rf, "elements_per_s", Sign::positive, 1.0, limits::kMaxFlops, "elements/s");
+                      if (rf.find("latency")) (void)latency(rf, "latency");
+                      if (k.activation(r.activation, r.backward, r.dtype))
+                        fail(f.origin(), pre + "activation: a second rate for " + activation_name(r.activation) + " " +
+                                             (r.backward ? "backward" : "forward") + " " + dtype_name(r.dtype));
+                      k.activations.push_back(r);
+                    });
+    k.activations_source = af.string("source");
+  }
+  return k;
+}
+
 GemmCalibration parse_gemm_calibration(const json& j, const std::string& origin) {
   if (!j.is_object()) fail(origin, "expected a JSON object at the top level, got " + show(j));
   // "fit" and "interference_measured" record how the figures were made (residuals, data);
-  // "copies", "interference", "overheads" and "dispatch" (scripts/fit_gemm_efficiency.py
-  // --profile) are the device's other fitted figures, which a cluster file carries where the
-  // sim uses them (scripts/validate_sim.sh writes one). The model reads none of them.
+  // "copies", "interference" and "overheads" (scripts/fit_gemm_efficiency.py --profile) are
+  // the device's other fitted figures, which a cluster file carries where the sim uses them
+  // (scripts/validate_sim.sh writes one): the model reads none of them. It reads "dispatch"
+  // and "activations" (KernelRates).
   Fields f(j, origin, "",
            {"schema", "name", "description", "device", "model", "launch_latency", "mem_bw", "curves", "paths",
-            "gemm_paths", "fit", "interference_measured", "copies", "interference", "overheads", "dispatch", "source"});
-  for (const char* k : {"copies", "interference", "overheads", "dispatch"})
+            "gemm_paths", "fit", "interference_measured", "copies", "interference", "overheads", "dispatch",
+            "activations", "source"});
+  for (const char* k : {"copies", "interference", "overheads"})
     if (const json* x = f.find(k); x && !x->is_object()) f.wrong_type(k, *x, "an object");
   check_schema(f, kGemmCalibrationSchema, true);
   GemmCalibration c;
@@ -388,6 +469,7 @@ GemmCalibration parse_gemm_calibration(const json& j, const std::string& origin)
   if (cf.find("fp32")) c.fp32 = parse_curve(cf, "fp32");
   if (cf.find("tf32")) c.tf32 = parse_curve(cf, "tf32");
   c.paths = parse_path_pricing(f);
+  c.kernels = parse_kernel_rates(f);
   c.source = f.string("source");
   return c;
 }
@@ -714,20 +796,6 @@ nlohmann::json to_json(const ClusterModel& m) {
 
 namespace {
 
-// An array field of objects: each element's Fields (prefix "key[i].") handed to `each`.
-template <class Each>
-void for_each_object(const Fields& f, const char* key, const char* expected, Each each) {
-  const json* a = f.find(key);
-  if (!a) return;
-  if (!a->is_array()) f.wrong_type(key, *a, expected);
-  for (std::size_t i = 0; i < a->size(); ++i) {
-    const json& e = (*a)[i];
-    const std::string at = f.path(key) + "[" + std::to_string(i) + "]";
-    if (!e.is_object()) fail(f.origin(), at + ": expected an object, got " + show(e));
-    each(e, at + ".");
-  }
-}
-
 // A positive byte count of a measurement (it may be a mean, so not necessarily whole).
 double measured_bytes(const Fields& f, const char* key) {
   return in_range(f, key, Sign::positive, 0.0, static_cast<double>(limits::kMaxDerived), "bytes");
@@ -801,6 +869,20 @@ void parse_profile_samples(const Fields& f, Profile& p) {
     }
     p.dispatch.push_back(d);
   });
+  for_each_object(f, "activations", "an array of {activation, direction, dtype, elements, seconds}",
+                  [&](const json& e, const std::string& pre) {
+                    Fields af(e, path, pre, {"activation", "direction", "dtype", "elements", "seconds"});
+                    ActivationSample a;
+                    (void)af.require("activation");
+                    a.activation = af.choice_or("activation", "", {"gelu", "relu"});
+                    (void)af.require("direction");
+                    a.direction = af.choice_or("direction", "", {"forward", "backward"});
+                    (void)af.require("dtype");
+                    a.dtype = af.choice_or("dtype", "", {"fp32", "bf16"});
+                    a.elements = af.integer("elements", 1, limits::kMaxDerived);
+                    a.seconds = seconds(af, "seconds");
+                    p.activations.push_back(a);
+                  });
 }
 
 Profile parse_profile(const json& j, const std::string& path) {
@@ -808,7 +890,7 @@ Profile parse_profile(const json& j, const std::string& path) {
   Fields f(j, path, "",
            {"schema", "name", "mode", "backend", "device", "date", "commit", "gemm", "h2d_bw", "d2h_bw", "d2d_bw",
             "elementwise_bw", "launch_latency", "collectives", "gemm_paths", "copies", "overheads", "interference",
-            "dispatch"});
+            "dispatch", "activations"});
   check_schema(f, kProfileSchema, true);
   Profile p;
   p.origin = path;
@@ -995,6 +1077,16 @@ nlohmann::json to_json(const Profile& p) {
       a.push_back(e);
     }
     j["dispatch"] = a;
+  }
+  if (!p.activations.empty()) {
+    json a = json::array();
+    for (const auto& x : p.activations)
+      a.push_back({{"activation", x.activation},
+                   {"direction", x.direction},
+                   {"dtype", x.dtype},
+                   {"elements", x.elements},
+                   {"seconds", x.seconds}});
+    j["activations"] = a;
   }
   return j;
 }
@@ -1409,6 +1501,16 @@ Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> p
 double Topology::mem_bw_effective() const {
   if (profile_ && profile_->elementwise_bw > 0) return profile_->elementwise_bw;
   return m_.gpu.hbm_bw * m_.efficiency.mem;
+}
+
+const KernelRates* Topology::kernel_rates() const {
+  return m_.efficiency.calibration ? &m_.efficiency.calibration->kernels : nullptr;
+}
+
+const ActivationRate* KernelRates::activation(Activation a, bool backward, DType t) const {
+  for (const auto& r : activations)
+    if (r.activation == a && r.backward == backward && r.dtype == t) return &r;
+  return nullptr;
 }
 
 double Topology::launch_latency() const {

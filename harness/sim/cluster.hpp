@@ -19,6 +19,7 @@
 
 #include "harness/runtime/dtype.hpp"
 #include "harness/runtime/gemm_paths.hpp"
+#include "harness/runtime/op_types.hpp"
 #include "harness/sim/engine.hpp"
 
 namespace moelab::sim {
@@ -108,6 +109,27 @@ struct GemmPathPricing {
   const PathCurves* curves(GemmPath p) const;  // null for the loop
 };
 
+// The memory-bound kernels a calibration measured on its device (scripts/fit_gemm_efficiency.py
+// --profile from `moelab calibrate`): the sim prices these ops at the device's own rates instead
+// of one per-byte memory rate (docs/PERFORMANCE.md, "Kernel rates in the sim"). Each optional.
+struct ActivationRate {
+  Activation activation = Activation::gelu;
+  bool backward = false;
+  DType dtype = DType::f32;
+  double elements_per_s = 0;  // of the kernel at the calibrated size, its memory traffic included
+};
+struct ExchangeFit {             // the world communicator's all-to-all with itself
+  double bw = 0, latency = 0;    // t = latency + bytes / bw (bytes one way)
+  std::vector<int> ranks;        // the world sizes it was measured on
+};
+struct KernelRates {
+  std::optional<double> permute_bw, unpermute_bw;  // bytes read + written per second
+  std::optional<ExchangeFit> exchange;
+  std::vector<ActivationRate> activations;
+  std::string dispatch_source, activations_source;
+  const ActivationRate* activation(Activation a, bool backward, DType t) const;  // null: not measured
+};
+
 struct GemmCalibration {
   std::string name, origin, device;
   double launch_latency = 0;  // s per kernel / library call
@@ -116,6 +138,8 @@ struct GemmCalibration {
   // The file's optional "paths" and "gemm_paths" objects (given together); absent: every
   // grouped GEMM call is priced as a loop of single GEMMs.
   std::optional<GemmPathPricing> paths;
+  // The file's optional "dispatch" and "activations" objects.
+  KernelRates kernels;
   std::string source;
   const GemmCurve& curve(DType t, bool on_tf32) const;  // Unsupported for other dtypes
 };
@@ -206,6 +230,13 @@ struct InterferenceSample {
   std::string victim, aggressor;  // "compute", "h2d", "d2h"
   double alone_s = 0, together_s = 0, factor = 0;
 };
+struct ActivationSample {
+  std::string activation;  // "gelu", "relu"
+  std::string direction;   // "forward", "backward"
+  std::string dtype;       // "fp32", "bf16"
+  std::int64_t elements = 0;
+  double seconds = 0;
+};
 struct DispatchSample {
   std::string op;  // "permute" (rows, width, dtype) or "exchange" (ranks)
   std::int64_t rows = 0, width = 0;
@@ -229,6 +260,7 @@ struct Profile {
   std::optional<ProfileOverheads> overheads;
   std::vector<InterferenceSample> interference;
   std::vector<DispatchSample> dispatch;
+  std::vector<ActivationSample> activations;
 };
 Profile load_profile(const std::string& path);  // ConfigError on bad files
 nlohmann::json to_json(const Profile& p);
@@ -308,6 +340,8 @@ class Topology {
   double path_gemm_seconds(const GemmCurve& curve, std::int64_t m, std::int64_t n, std::int64_t k, DType ab,
                            bool on_tf32) const;
   double mem_bw_effective() const;   // bytes/s for memory-bound kernels
+  // The cluster's GEMM calibration's kernel rates (KernelRates); null without a calibration.
+  const KernelRates* kernel_rates() const;
   double launch_latency() const;     // profile, else calibration, else the datasheet figure
   const ClusterModel& model() const { return m_; }
   bool calibrated() const { return profile_ != nullptr; }

@@ -29,6 +29,9 @@ FP32 = (0.77, 90.0)
 COPIES = {"h2d": (50e9, 10e-6), "d2h": (45e9, 12e-6), "d2d": (1.35e12, 5e-6)}
 EXCHANGE = (600e9, 20e-6)
 PERMUTE_BW = 2.0e12
+UNPERMUTE_BW = 1.5e12
+# elements/s per (activation, direction, dtype); the samples take launch_latency + elements / rate.
+ACTIVATIONS = {("gelu", "forward", "bf16"): 4e11, ("gelu", "backward", "bf16"): 2.5e11, ("relu", "forward", "fp32"): 3e11}
 INTERFERENCE = [("compute", "h2d", 0.93), ("compute", "d2h", 0.95), ("h2d", "compute", 0.97),
                 ("d2h", "compute", 1.02), ("compute", "compute", 0.5), ("h2d", "d2h", 0.6)]
 TABLE_EXTRA = {"source": "cublas sweep", "max_padding_waste": 0.125, "tie_tolerance": 0.02}
@@ -87,8 +90,14 @@ def profile(noise=0.0):
     for rows in (256, 1024, 4096, 16384):
         b = 2 * rows * 2048 * 2
         dispatch.append({"op": "permute", "rows": rows, "width": 2048, "dtype": "bf16", "bytes": b,
-                         "seconds": b / PERMUTE_BW * nz()})
+                         "seconds": (LAUNCH + b / PERMUTE_BW) * nz()})
     dispatch += [{"op": "exchange", "ranks": 1, "bytes": b, "seconds": (EXCHANGE[1] + b / EXCHANGE[0]) * nz()} for b in sizes]
+    for rows in (256, 1024, 4096, 16384):
+        b = 2 * rows * 2048 * 2
+        dispatch.append({"op": "unpermute", "rows": rows, "width": 2048, "dtype": "bf16", "bytes": b,
+                         "seconds": (LAUNCH + b / UNPERMUTE_BW) * nz()})
+    activations = [{"activation": a, "direction": d, "dtype": t, "elements": n, "seconds": (LAUNCH + n / rate) * nz()}
+                   for (a, d, t), rate in ACTIVATIONS.items() for n in (1 << 20, 1 << 22, 1 << 24, 1 << 26)]
     return {
         "schema": "moelab.profile/1", "name": "synthetic", "mode": "measured", "backend": "cuda",
         "device": "NVIDIA H100 80GB HBM3", "date": "2026-11-22T20:06:46Z", "commit": "0123456789ab",
@@ -101,6 +110,7 @@ def profile(noise=0.0):
         "interference": [{"victim": v, "aggressor": a, "alone_s": 1e-3 * f, "together_s": 1e-3, "factor": f}
                          for v, a, f in INTERFERENCE],
         "dispatch": dispatch,
+        "activations": activations,
     }
 
 
@@ -146,6 +156,11 @@ class Base(unittest.TestCase):
         self.assertNear(doc["dispatch"]["exchange"]["latency"], EXCHANGE[1], rel, "exchange latency")
         self.assertNear(doc["dispatch"]["permute_bw"], PERMUTE_BW, rel, "permute_bw")
         self.assertNear(doc["dispatch"]["permute_mem_efficiency"], PERMUTE_BW / MEM_BW, rel, "permute_mem_efficiency")
+        self.assertNear(doc["dispatch"]["unpermute_bw"], UNPERMUTE_BW, rel, "unpermute_bw")
+        rates = {(r["activation"], r["direction"], r["dtype"]): r["elements_per_s"] for r in doc["activations"]["rates"]}
+        self.assertEqual(sorted(rates), sorted(ACTIVATIONS))
+        for key, rate in ACTIVATIONS.items():
+            self.assertNear(rates[key], rate, rel, f"activation {key}")
 
 
 class Recovery(Base):
@@ -162,7 +177,8 @@ class Recovery(Base):
         self.assertEqual(p.returncode, 0, p.stderr)
         self.check_recovery(doc, 0.05)
         for s in (doc["fit"]["bf16"], doc["fit"]["tf32"], doc["fit"]["fp32"], doc["paths"]["fit"]["grouped"]["bf16"],
-                  doc["copies"]["fit"]["d2h"], doc["dispatch"]["fit"]["exchange"]):
+                  doc["copies"]["fit"]["d2h"], doc["dispatch"]["fit"]["exchange"], doc["dispatch"]["fit"]["permute"],
+                  doc["activations"]["fit"]["gelu backward bf16"]):
             self.assertLess(s["max_abs_relative_error"], 0.02)
 
 
@@ -204,7 +220,7 @@ class Sections(Base):
         self.assertEqual(doc["device"], "NVIDIA H100 80GB HBM3")
         self.assertEqual(doc["fit"]["data"], ["p.json"])
         for src in ([c["source"] for c in doc["curves"].values()] +
-                    [doc[k]["source"] for k in ("paths", "copies", "interference", "overheads", "dispatch")]):
+                    [doc[k]["source"] for k in ("paths", "copies", "interference", "overheads", "dispatch", "activations")]):
             self.assertIn("p.json", src)
             self.assertNotIn(self.dir, src)
         self.assertIn("loop path", doc["curves"]["bf16"]["source"])
@@ -214,12 +230,13 @@ class Sections(Base):
 
     def test_missing_sections_are_left_out_and_named(self):
         prof = profile()
-        for key in ("copies", "interference", "overheads", "dispatch", "gemm_paths"):
+        for key in ("copies", "interference", "overheads", "dispatch", "gemm_paths", "activations"):
             del prof[key]
         p, doc = self.run_fit(prof)
         self.assertEqual(p.returncode, 0, p.stderr)
-        self.assertIn("not in the profile (left out): gemm_paths, copies, overheads, interference, dispatch", p.stdout)
-        for key in ("copies", "interference", "overheads", "dispatch", "gemm_paths", "paths"):
+        self.assertIn("not in the profile (left out): gemm_paths, copies, overheads, interference, dispatch, activations",
+                      p.stdout)
+        for key in ("copies", "interference", "overheads", "dispatch", "gemm_paths", "paths", "activations"):
             self.assertNotIn(key, doc)
         # Without the loop figures the bf16 samples give the curve, launch_latency free with it.
         self.assertEqual(sorted(doc["curves"]), ["bf16", "fp32"])
@@ -323,6 +340,11 @@ class BadInputs(Base):
             (lambda d: d["interference"][0].__setitem__("factor", "0.9"), "interference[0].factor"),
             (lambda d: d["overheads"].__setitem__("event_record", [1]), "overheads.event_record"),
             (lambda d: d["dispatch"][5].__setitem__("ranks", 0), "dispatch[5].ranks"),
+            (lambda d: d.__setitem__("activations", {"gelu": 1}), "activations"),
+            (lambda d: d["activations"][1].__setitem__("direction", "up"), "activations[1].direction"),
+            (lambda d: d["activations"][0].__setitem__("dtype", "fp16"), "activations[0].dtype"),
+            (lambda d: d["activations"][2].__setitem__("activation", "swish"), "activations[2].activation"),
+            (lambda d: d["activations"][3].pop("elements"), "activations[3].elements"),
             (lambda d: d.__setitem__("d2d_bw", "fast"), "d2d_bw"),
             (lambda d: d.pop("d2d_bw"), "d2d_bw"),
             (lambda d: d.pop("device"), "device"),
@@ -338,6 +360,7 @@ class BadInputs(Base):
             (lambda d: d["gemm"][1].__setitem__("seconds", 0), "gemm[1].seconds"),
             (lambda d: d["copies"][2].__setitem__("seconds", -1e-6), "copies[2].seconds"),
             (lambda d: d["dispatch"][0].__setitem__("seconds", 0.0), "dispatch[0].seconds"),
+            (lambda d: d["activations"][4].__setitem__("seconds", -1.0), "activations[4].seconds"),
             (lambda d: d["gemm_paths"]["points"][5]["tflops"].__setitem__("loop", -3.0), "gemm_paths.points[5].tflops.loop"),
             (lambda d: d["gemm_paths"]["points"][7].__setitem__("tflops", {"loop": 0, "strided_batched": 0, "grouped": 0}),
              "gemm_paths.points[7].tflops"),

@@ -311,7 +311,7 @@ void CpuBackend::copy(Stream& s, const Tensor& src, Tensor& dst) {
 void CpuBackend::fill_zero(Stream& s, Tensor& t) {
   void* d = t.raw();
   const std::size_t n = t.nbytes();
-  enqueue(s, "fill_zero", cost_copy(OpKind::elementwise, static_cast<std::int64_t>(n)), [=] {
+  enqueue(s, "fill_zero", cost_fill(static_cast<std::int64_t>(n)), [=] {
     if (n) std::memset(d, 0, n);
   });
 }

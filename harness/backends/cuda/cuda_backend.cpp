@@ -389,7 +389,7 @@ class CudaBackend final : public Backend {
   }
 
   void fill_zero(Stream& s, Tensor& t) override {
-    CudaOpScope op(*this, s, "fill_zero", cost_copy(OpKind::elementwise, static_cast<std::int64_t>(t.nbytes())));
+    CudaOpScope op(*this, s, "fill_zero", cost_fill(static_cast<std::int64_t>(t.nbytes())));
     if (t.nbytes() == 0) return;
     cuda_check(cudaMemsetAsync(t.raw(), 0, t.nbytes(), native(s)), "cudaMemsetAsync");
   }

@@ -18,6 +18,7 @@
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <thread>
 
 #include "harness/config/json_fields.hpp"
@@ -370,7 +371,7 @@ class SimBackendImpl final : public Backend {
     if (src.raw() && dst.raw() && src.dtype() == dst.dtype()) std::memmove(dst.raw(), src.raw(), src.nbytes());
   }
   void fill_zero(Stream& s, Tensor& t) override {
-    issue(s, memory_bound("fill_zero", cost_copy(OpKind::elementwise, static_cast<std::int64_t>(t.nbytes()))));
+    issue(s, memory_bound("fill_zero", cost_fill(static_cast<std::int64_t>(t.nbytes()))));
     if (t.raw()) std::memset(t.raw(), 0, t.nbytes());
   }
   void grouped_gemm(Stream& s, std::span<const GemmProblem> problems, const char* nm) override {
@@ -475,27 +476,29 @@ class SimBackendImpl final : public Backend {
                                                          static_cast<int>(g.topk_idx.dim(1)))));
   }
   void permute(Stream& s, const Tensor& x, const Tensor&, Tensor& out) override {
-    issue(s, memory_bound("permute", cost_rows(OpKind::permute, out.dim(0), out.dim(0), x.dim(1), x.dtype(), 0)));
+    issue(s, memory_bound("permute", cost_rows(OpKind::permute, out.dim(0), out.dim(0), x.dim(1), x.dtype(), 0),
+                          rows_rate(true)));
   }
   void permute_backward(Stream& s, const Tensor& d_out, const Tensor&, Tensor& dx) override {
-    issue(s, memory_bound("permute_bwd",
-                          cost_rows(OpKind::permute, d_out.dim(0), dx.dim(0), dx.dim(1), dx.dtype(), 1)));
+    issue(s, memory_bound("permute_bwd", cost_rows(OpKind::permute, d_out.dim(0), dx.dim(0), dx.dim(1), dx.dtype(), 1),
+                          rows_rate(false)));
   }
   void unpermute(Stream& s, const Tensor& y_perm, const Tensor&, const Tensor&, Tensor& y) override {
-    issue(s, memory_bound("unpermute", cost_rows(OpKind::permute, y_perm.dim(0), y.dim(0), y.dim(1), y.dtype(), 2)));
+    issue(s, memory_bound("unpermute", cost_rows(OpKind::permute, y_perm.dim(0), y.dim(0), y.dim(1), y.dtype(), 2),
+                          rows_rate(false)));
   }
   void unpermute_backward(Stream& s, const Tensor& dy, const Tensor& y_perm, const Tensor&, const Tensor&,
                           Tensor&, Tensor&) override {
-    issue(s, memory_bound("unpermute_bwd", cost_rows(OpKind::permute, dy.dim(0) + y_perm.dim(0), y_perm.dim(0),
-                                                     dy.dim(1), dy.dtype(), 3)));
+    issue(s, memory_bound("unpermute_bwd",
+                          cost_rows(OpKind::permute, dy.dim(0) + y_perm.dim(0), y_perm.dim(0), dy.dim(1), dy.dtype(), 3),
+                          rows_rate(true)));
   }
   void activation_forward(Stream& s, Activation a, const Tensor& in, Tensor&) override {
-    issue(s, memory_bound(activation_name(a),
-                          cost_activation_forward(a, in.numel(), in.dtype())));
+    issue(s, activation_task(activation_name(a), a, false, in, cost_activation_forward(a, in.numel(), in.dtype())));
   }
   void activation_backward(Stream& s, Activation a, const Tensor& in, const Tensor&, Tensor&) override {
-    issue(s, memory_bound(std::string(activation_name(a)) + "_bwd",
-                          cost_activation_backward(a, in.numel(), in.dtype())));
+    issue(s, activation_task(std::string(activation_name(a)) + "_bwd", a, true, in,
+                             cost_activation_backward(a, in.numel(), in.dtype())));
   }
 
 
@@ -689,13 +692,40 @@ class SimBackendImpl final : public Backend {
   // movement (copies, permutes, the gate) runs at the measured device-copy rate and
   // elementwise math (activations) at the measured elementwise rate: on a GPU both are
   // memory-bound and close, on a CPU the activation's erf makes the second much lower.
-  LocalTask memory_bound(std::string nm, const OpCost& cost) {
+  // `measured_bw`: the GEMM calibration's rate of this very kernel (KernelRates), which then
+  // replaces both.
+  LocalTask memory_bound(std::string nm, const OpCost& cost, std::optional<double> measured_bw = std::nullopt) {
     LocalTask t = op(std::move(nm), cost, sim::WorkClass::compute);
     const double bytes = cost.bytes_read + cost.bytes_written;
     const double hbm_bw = c_.opt.cluster.gpu.hbm_bw;
     double bw = topo_.mem_bw_effective();
     if (c_.opt.profile && cost.kind != OpKind::elementwise && c_.opt.profile->d2d_bw > 0) bw = c_.opt.profile->d2d_bw;
+    if (measured_bw) {
+      bw = *measured_bw;
+      t.detail = "at the calibration's measured rate";
+    }
     t.demands = {{topo_.hbm(rank()), bytes * hbm_bw / bw}};
+    return t;
+  }
+  // The dispatch kernels at the calibration's measured rates where it has them: the permute's
+  // for the gathers of token rows into slot order (permute, unpermute_bwd), the unpermute's
+  // for the gathers that sum a token's slots (unpermute, permute_bwd); docs/PERFORMANCE.md,
+  // "Kernel rates in the sim".
+  std::optional<double> rows_rate(bool into_slots) const {
+    const sim::KernelRates* k = topo_.kernel_rates();
+    if (!k) return std::nullopt;
+    return into_slots ? k->permute_bw : k->unpermute_bw;
+  }
+  // An activation: its bytes at the memory rate and, where the calibration measured this
+  // kernel, its elements at the measured rate, whichever binds (the engine takes the slower
+  // demand): a GPU's activation is memory-bound, a CPU's exact-erf GeLU bound by arithmetic.
+  LocalTask activation_task(std::string nm, Activation a, bool backward, const Tensor& in, const OpCost& cost) {
+    LocalTask t = memory_bound(std::move(nm), cost);
+    const sim::KernelRates* k = topo_.kernel_rates();
+    if (const sim::ActivationRate* r = k ? k->activation(a, backward, in.dtype()) : nullptr) {
+      t.demands.push_back({topo_.sm(rank()), static_cast<double>(in.numel()) / r->elements_per_s});
+      t.detail = "at most the calibration's measured elements/s";
+    }
     return t;
   }
   // Attention (forward or backward) as a GEMM of the same FLOPs: at the rate the cluster model
@@ -1070,6 +1100,7 @@ void SimCluster::Impl::evaluate() {
   // src, dst: world ranks. `nccl`: price the flow as one message of NCCL's grouped send/recv
   // (all-to-all): its protocol's per-call latency and link efficiencies (docs/PERFORMANCE.md,
   // "All-to-all as NCCL runs it"); extra_latency then holds its per-peer term.
+  const sim::ExchangeFit* self_exchange = nullptr;  // set for a one-rank all-to-all (below)
   auto flow = [&](int src, int dst, double bytes, int arrive_src, int arrive_dst, double extra_latency,
                   int done_src, int done_dst, const sim::P2pModel* nccl = nullptr) {
     sim::Task f;
@@ -1077,7 +1108,12 @@ void SimCluster::Impl::evaluate() {
     f.rank = src;
     f.gpu = src;
     f.cls = sim::WorkClass::comm;
-    if (src == dst) {
+    if (src == dst && self_exchange) {
+      // A one-rank all-to-all: the exchange with itself the calibration measured (t = latency +
+      // bytes / bw, bytes one way).
+      f.latency = self_exchange->latency;
+      f.demands = {{topo.hbm(src), bytes * opt.cluster.gpu.hbm_bw / self_exchange->bw}};
+    } else if (src == dst) {
       f.demands = {{topo.hbm(src), 2.0 * bytes}};
     } else {
       const sim::Route route = topo.p2p(src, dst);
@@ -1119,6 +1155,7 @@ void SimCluster::Impl::evaluate() {
     auto arrive = [&](int i) { return gid(w(i), part(i)->arrive); };
     auto done = [&](int i) { return gid(w(i), part(i)->done); };
     coll = collective_name(in.kind);
+    self_exchange = nullptr;
     if (in.kind == CollKind::p2p) {
       const int s = in.p2p_src, d = in.p2p_dst;
       flow(w(s), w(d), part(s)->bytes, arrive(s), arrive(d), 0.0, done(s), done(d));
@@ -1131,6 +1168,11 @@ void SimCluster::Impl::evaluate() {
       std::vector<int> node_of(static_cast<std::size_t>(m));
       for (int i = 0; i < m; ++i) node_of[static_cast<std::size_t>(i)] = opt.cluster.node_of(w(i));
       const A2aPositions pos = a2a_positions(node_of, bytes);
+      // A communicator of one rank: the calibration's fitted exchange with itself, where it was
+      // measured on a world of one (docs/PERFORMANCE.md, "Kernel rates in the sim").
+      if (const sim::KernelRates* k = topo.kernel_rates(); k && m == 1 && k->exchange &&
+          std::find(k->exchange->ranks.begin(), k->exchange->ranks.end(), 1) != k->exchange->ranks.end())
+        self_exchange = &*k->exchange;
       for (int s = 0; s < m; ++s)
         for (int d = 0; d < m; ++d) {
           const double b = bytes(s, d);
