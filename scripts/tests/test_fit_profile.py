@@ -420,3 +420,10 @@ class LoadedBySim(Base):
             with open(os.path.join(self.dir, "r.json")) as f:
                 res = json.load(f)
             self.assertEqual(res["metrics"]["floor_gemm_library"], "GEMM (cost model), strided-batched curve")
+            # The fitted kernel rates: the bf16 GeLU at most its measured elements/s (forward and
+            # backward were measured), the permutations at their measured rates.
+            detail = {e["name"]: e.get("args", {}).get("detail", "") for e in events if e.get("ph") == "X"}
+            self.assertIn("measured elements/s", detail["gelu"])
+            self.assertIn("measured elements/s", detail["gelu_bwd"])
+            self.assertIn("measured rate", detail["permute"])
+            self.assertIn("measured rate", detail["unpermute"])
