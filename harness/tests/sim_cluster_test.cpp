@@ -418,8 +418,10 @@ TEST_F(ClusterTest, BadCalibrationFiles) {
   a3["copies"] = {{"h2d", {{"bw", 5e10}, {"latency", 1e-5}}}};
   a3["interference"] = {{"compute_beside_memcpy", 0.94}};
   a3["overheads"] = {{"event_record", 2e-6}};
-  a3["dispatch"] = {{"permute_bw", 2e12}};
+  a3["dispatch"] = {{"permute_bw", 2e12}, {"source", "test"}};
   EXPECT_EQ(with_calibration("a3", a3), "<no error>");
+  a3["dispatch"].erase("source");  // the sim reads the dispatch rates: they name their source
+  EXPECT_HAS(with_calibration("a3", a3), "a3.json: missing field \"dispatch.source\"");
   a3["dispatch"] = 3;
   EXPECT_HAS(with_calibration("a3", a3), "a3.json: dispatch");
   json b = good;
