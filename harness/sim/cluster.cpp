@@ -375,21 +375,19 @@ std::optional<GemmPathPricing> parse_path_pricing(const Fields& f) {
 // A ratio of two measured rates (a kernel's rate over the memory rate): positive, not bounded by 1.
 double rate_ratio(const Fields& f, const char* key) { return in_range(f, key, Sign::positive, 1e-6, 1e6, "(a ratio)"); }
 
-// The optional "dispatch" object: {permute_bw, permute_latency?, permute_mem_efficiency?,
-// unpermute_bw, unpermute_latency?, unpermute_mem_efficiency?, exchange?: {bw, latency, ranks},
-// source, fit?}; and "activations": {source, rates: [{activation, direction, dtype,
-// elements_per_s, latency?}], fit?} (scripts/fit_gemm_efficiency.py --profile writes both).
+// The optional "dispatch" object: {permute_bw, permute_mem_efficiency?, unpermute_bw,
+// unpermute_mem_efficiency?, exchange?: {bw, latency, ranks}, source, fit?}; and
+// "activations": {source, rates: [{activation, direction, dtype, elements_per_s}], fit?}
+// (scripts/fit_gemm_efficiency.py --profile writes both).
 KernelRates parse_kernel_rates(const Fields& f) {
   KernelRates k;
   if (const json* d = f.find("dispatch")) {
     if (!d->is_object()) f.wrong_type("dispatch", *d, "an object {permute_bw, unpermute_bw, exchange, source}");
     Fields df(*d, f.origin(), "dispatch.",
-              {"permute_bw", "permute_latency", "permute_mem_efficiency", "unpermute_bw", "unpermute_latency",
-               "unpermute_mem_efficiency", "exchange", "source", "fit"});
+              {"permute_bw", "permute_mem_efficiency", "unpermute_bw", "unpermute_mem_efficiency", "exchange", "source",
+               "fit"});
     if (df.find("permute_bw")) k.permute_bw = bandwidth(df, "permute_bw");
     if (df.find("unpermute_bw")) k.unpermute_bw = bandwidth(df, "unpermute_bw");
-    for (const char* key : {"permute_latency", "unpermute_latency"})
-      if (df.find(key)) (void)latency(df, key);
     for (const char* key : {"permute_mem_efficiency", "unpermute_mem_efficiency"})
       if (df.find(key)) (void)rate_ratio(df, key);
     if (const json* x = df.find("exchange")) {
@@ -417,7 +415,7 @@ KernelRates parse_kernel_rates(const Fields& f) {
     (void)af.require("rates");
     for_each_object(af, "rates", "an array of {activation, direction, dtype, elements_per_s}",
                     [&](const json& e, const std::string& pre) {
-                      Fields rf(e, f.origin(), pre, {"activation", "direction", "dtype", "elements_per_s", "latency"});
+                      Fields rf(e, f.origin(), pre, {"activation", "direction", "dtype", "elements_per_s"});
                       ActivationRate r;
                       (void)rf.require("activation");
                       r.activation = parse_activation(rf.choice_or("activation", "gelu", {"gelu", "relu"}));
@@ -426,7 +424,6 @@ KernelRates parse_kernel_rates(const Fields& f) {
                       (void)rf.require("dtype");
                       r.dtype = parse_dtype(rf.choice_or("dtype", "fp32", {"fp32", "bf16"}));
                       r.elements_per_s = in_range(rf, "elements_per_s", Sign::positive, 1.0, limits::kMaxFlops, "elements/s");
-                      if (rf.find("latency")) (void)latency(rf, "latency");
                       if (k.activation(r.activation, r.backward, r.dtype))
                         fail(f.origin(), pre + "activation: a second rate for " + activation_name(r.activation) + " " +
                                              (r.backward ? "backward" : "forward") + " " + dtype_name(r.dtype));

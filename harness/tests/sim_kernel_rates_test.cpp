@@ -223,7 +223,6 @@ json calibration_json() {
           {"curves", {{"fp32", {{"gemm_max", 0.8}, {"gemm_half_dim", 64}, {"source", "test"}}}}},
           {"dispatch",
            {{"permute_bw", 3e11},
-            {"permute_latency", 2e-6},
             {"permute_mem_efficiency", 1.4},
             {"unpermute_bw", 2e11},
             {"exchange", {{"bw", 1e11}, {"latency", 1e-5}, {"ranks", {1}}}},
@@ -232,7 +231,7 @@ json calibration_json() {
           {"activations",
            {{"source", "test"},
             {"rates",
-             {{{"activation", "gelu"}, {"direction", "forward"}, {"dtype", "fp32"}, {"elements_per_s", 1.4e8}, {"latency", 0}},
+             {{{"activation", "gelu"}, {"direction", "forward"}, {"dtype", "fp32"}, {"elements_per_s", 1.4e8}},
               {{"activation", "gelu"}, {"direction", "backward"}, {"dtype", "fp32"}, {"elements_per_s", 9e7}}}}}},
           {"source", "test"}};
 }
@@ -271,6 +270,7 @@ TEST(SimKernelRates, BadRatesNameTheField) {
   fails([](json& j) { j["activations"]["rates"][1]["direction"] = "sideways"; }, "activations.rates[1].direction");
   fails([](json& j) { j["activations"]["rates"][1]["direction"] = "forward"; }, "a second rate for gelu forward fp32");
   fails([](json& j) { j["activations"]["rates"][0]["flops"] = 1; }, "activations.rates[0].flops");
+  fails([](json& j) { j["activations"]["rates"][0]["latency"] = 0; }, "activations.rates[0].latency");
   fails([](json& j) { j["activations"].erase("rates"); }, "activations.rates");
   fails([](json& j) { j["activations"].erase("source"); }, "activations.source");
   fails([](json& j) { j["dispatch"]["permute_bw"] = 0; }, "dispatch.permute_bw");
