@@ -384,7 +384,8 @@ json measure_dispatch(Backend& b, Stream& s, const Plan& plan, Communicator& com
 }
 
 // ---- activations ----------------------------------------------------------------------------------
-// Each activation kernel forward (in -> out) and backward (in, d_out -> d_in), per dtype, on
+// Each activation kernel (the erf GeLU, ReLU, the tanh GeLU) forward (in -> out) and backward
+// (in, d_out -> d_in), per dtype, on
 // uniform values in [-1, 1) at a few sizes: the sim prices an activation at the elements/s the
 // fit draws from these where it is slower than moving its bytes (on a CPU the exact-erf GeLU
 // is bound by arithmetic; docs/PERFORMANCE.md, "Kernel rates in the sim").
@@ -401,14 +402,14 @@ json measure_activations(Backend& b, Stream& s, const Plan& plan) {
       Tensor in = b.empty({n}, t, MemCategory::buffers, s), d_out = b.empty({n}, t, MemCategory::buffers, s);
       Tensor res = b.empty({n}, t, MemCategory::buffers, s);
       for (Tensor* x : {&in, &d_out}) fill_values(b, s, *x);
-      for (Activation a : {Activation::gelu, Activation::relu}) {
+      for (Activation a : {Activation::gelu, Activation::relu, Activation::gelu_tanh}) {
         const double fwd = time_per_call(b, plan.reps, target, [&] { b.activation_forward(s, a, in, res); });
         const double bwd = time_per_call(b, plan.reps, target, [&] { b.activation_backward(s, a, in, d_out, res); });
         for (const auto& [dir, sec] : {std::pair<const char*, double>{"forward", fwd}, {"backward", bwd}})
           out.push_back({{"activation", activation_name(a)}, {"direction", dir}, {"dtype", dtype_name(t)},
                          {"elements", n}, {"seconds", sec}});
         if (plan.print)
-          std::printf("activation %-4s %s %9lld elements  forward %8.3f Gelem/s  backward %8.3f Gelem/s\n",
+          std::printf("activation %-9s %s %9lld elements  forward %8.3f Gelem/s  backward %8.3f Gelem/s\n",
                       activation_name(a), dtype_name(t), static_cast<long long>(n), static_cast<double>(n) / fwd / 1e9,
                       static_cast<double>(n) / bwd / 1e9);
       }

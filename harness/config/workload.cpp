@@ -97,7 +97,7 @@ void expert_fields::read(const Fields& f, const std::string& d_model_path, Model
   if (m.capacity_factor > limits::kMaxCapacityFactor)
     f.bad_value("capacity_factor", "is too large (at most " + json_fields::number_text(limits::kMaxCapacityFactor) +
                                        ": a factor of num_experts / top_k already lets every expert take every token)");
-  m.activation = parse_activation(f.choice_or("activation", activation_name(m.activation), {"gelu", "relu"}));
+  m.activation = parse_activation(f.choice_or("activation", activation_name(m.activation), activation_names()));
   m.noisy_gate = f.boolean_or("noisy_gate", m.noisy_gate);
   m.renormalize = f.boolean_or("renormalize", m.renormalize);
   // One layer's experts, W1 [E,M,H] and W2 [E,H,M]: every tensor of the layer is smaller.

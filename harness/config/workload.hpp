@@ -9,6 +9,9 @@
 //     "tokens_per_rank": 1000, "steps": 5, "warmup": 1, "seed": 1,
 //     "expert_parallel": 0          // 0 or absent: the number of ranks launched
 //   }
+// "activation" is the experts' activation: "gelu" (the exact erf form, the default), "relu",
+// or "gelu_tanh" (GeLU's tanh approximation, which the cuda backend fuses into the experts'
+// GEMMs: Backend::grouped_gemm_epilogue).
 // Every problem (malformed JSON, a missing or mistyped field, a non-positive size, top_k
 // larger than num_experts, num_experts not divisible by the expert-parallel degree, ...)
 // throws ConfigError with one message naming the file, the field and the value. Sizes have

@@ -125,12 +125,18 @@ std::vector<GemmProblem> per_expert(const Chunk& ch, bool include_empty, F make)
 }
 }  // namespace
 
-void MoELayer::expert_gemm(Stream& c, const std::vector<GemmProblem>& ps, const char* name) {
+void MoELayer::expert_gemm(Stream& c, const std::vector<GemmProblem>& ps, const char* name, GemmEpilogue ep) {
+  const auto issue = [&](std::span<const GemmProblem> call) {
+    if (ep == GemmEpilogue::none)
+      b_.grouped_gemm(c, call, name);
+    else
+      b_.grouped_gemm_epilogue(c, call, ep, cfg_.activation, name);
+  };
   if (!gemm_per_expert_) {
-    b_.grouped_gemm(c, ps, name);
+    issue(ps);
     return;
   }
-  for (const GemmProblem& p : ps) b_.grouped_gemm(c, std::span<const GemmProblem>(&p, 1), name);
+  for (const GemmProblem& p : ps) issue(std::span<const GemmProblem>(&p, 1));
 }
 
 void MoELayer::host_wait(Stream& s, const std::string& what) {
@@ -253,24 +259,41 @@ void MoELayer::dispatch(Stream& s, Communicator& comm, const Tensor& t_i, const 
 }
 
 // ---- experts, forward: per local expert l, rows [off_l, off_l + r_l) ------------------------
-// T_M = T_DI·W1_l [r,H]; A = act(T_M) (a temporary); T_DO = A·W2_l [r,M].
+// T_M = T_DI·W1_l [r,H]; A = act(T_M) (a temporary); T_DO = A·W2_l [r,M]. With a fused
+// epilogue, FC1 writes T_M and A in one op.
 void MoELayer::experts(Stream& c, const Chunk& ch, const Tensor& t_di, Tensor& t_m, Tensor& t_do) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden, R = t_di.dim(0);
   PhaseScope ph(b_, "experts");
-  expert_fc1(c, ch, t_di, t_m);
-  expert_linear_done(c);
   Tensor a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
-  b_.activation_forward(c, cfg_.activation, t_m, a);
+  if (fused_epilogue()) {
+    // A's padding rows stay zero (act(0) = 0) whichever path FC1 takes: FC2 may read them.
+    if (ch.stride > 0) b_.fill_zero(c, a);
+    expert_fc1(c, ch, t_di, t_m, "fc1", &a);
+    expert_linear_done(c);
+  } else {
+    expert_fc1(c, ch, t_di, t_m);
+    expert_linear_done(c);
+    b_.activation_forward(c, cfg_.activation, t_m, a);
+  }
   expert_gemm(c, per_expert(ch, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{false, false, r, M, H, a.rows(o, r), expert_w2(l), t_do.rows(o, r), 1, 0};
   }), "fc2");
   expert_linear_done(c);
 }
 
-void MoELayer::expert_fc1(Stream& c, const Chunk& ch, const Tensor& t_di, Tensor& t_m, const char* name) {
+void MoELayer::expert_fc1(Stream& c, const Chunk& ch, const Tensor& t_di, Tensor& t_m, const char* name,
+                          Tensor* act) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
   PhaseScope ph(b_, "experts");
   if (offload_ == ExpertOffload::async && resident_.w1.defined()) b_.wait(c, *copies_done_);  // the experts' weights are in
+  if (act) {  // the epilogue: C = act(T_DI·W1) into act, the product itself into t_m (aux)
+    expert_gemm(c, per_expert(ch, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+      GemmProblem p{false, false, r, H, M, t_di.rows(o, r), expert_w1(l), act->rows(o, r), 1, 0};
+      p.aux = t_m.rows(o, r);
+      return p;
+    }), name, GemmEpilogue::act_aux);
+    return;
+  }
   expert_gemm(c, per_expert(ch, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
     return GemmProblem{false, false, r, H, M, t_di.rows(o, r), expert_w1(l), t_m.rows(o, r), 1, 0};
   }), name);
@@ -395,13 +418,17 @@ void MoELayer::experts_backward(Stream& c, const Chunk& ch, const Tensor& t_di, 
   Tensor d_a = b_.empty({R, H}, cfg_.dtype, MemCategory::buffers, c);
   if (ch.stride > 0) b_.fill_zero(c, d_a);  // its padding rows stay zero whichever path dA's GEMM takes
   // dA = dT_DO · W2^T                [r,M]x[M,H]
+  // (fused: dT_M = (dT_DO · W2^T) * act'(T_M) by the epilogue, into the same buffer)
+  const bool fused = fused_epilogue();
   expert_gemm(c, per_expert(ch, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
-    return GemmProblem{false, true, r, H, M, d_t_do.rows(o, r), params_.w2.select(l), d_a.rows(o, r), 1, 0};
-  }), "fc2_dgrad");
+    GemmProblem p{false, true, r, H, M, d_t_do.rows(o, r), params_.w2.select(l), d_a.rows(o, r), 1, 0};
+    if (fused) p.aux = t_m.rows(o, r);
+    return p;
+  }), "fc2_dgrad", fused ? GemmEpilogue::dact : GemmEpilogue::none);
   if (!defer) fc2_wgrad(c, ch, a, d_t_do);
   expert_linear_done(c);
   // dT_M = dA * act'(T_M), in place
-  b_.activation_backward(c, cfg_.activation, t_m, d_a, d_a);
+  if (!fused) b_.activation_backward(c, cfg_.activation, t_m, d_a, d_a);
   if (!defer) fc1_wgrad(c, ch, t_di, d_a);
   // dT_DI = dT_M · W1^T              [r,H]x[H,M]
   expert_gemm(c, per_expert(ch, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {

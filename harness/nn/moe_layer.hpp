@@ -240,7 +240,13 @@ class MoELayer {
   // The experts on chunk ch's rows: t_m [R_c,H] = T_DI·W1 (kept), t_do [R_c,M] = act(t_m)·W2.
   void experts(Stream& c, const Chunk& ch, const Tensor& t_di, Tensor& t_m, Tensor& t_do);
   // FC1 alone (t_m = T_DI·W1): the first GEMM of experts(), and MPipeMoE's recomputation.
-  void expert_fc1(Stream& c, const Chunk& ch, const Tensor& t_di, Tensor& t_m, const char* name = "fc1");
+  // With `act` given, act(t_m) is written there too, by the GEMM's epilogue (fused_epilogue()).
+  void expert_fc1(Stream& c, const Chunk& ch, const Tensor& t_di, Tensor& t_m, const char* name = "fc1",
+                  Tensor* act = nullptr);
+  // Whether the backend runs the activation in the experts' GEMM epilogues (Backend::
+  // fuses_gemm_epilogue: the tanh GeLU on cuBLASLt): FC1 then writes T_M and act(T_M) at once,
+  // and FC2's dgrad writes dT_M = dA · act'(T_M); no activation op of their own.
+  bool fused_epilogue() const { return b_.fuses_gemm_epilogue(cfg_.activation, cfg_.dtype); }
   // t_do [R_c,M] -> chunk ch's rows of t_o [N,M].
   void combine(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& t_do, Tensor& t_o);
   // y [T,M] = unpermute(T_O) with the gate weights.
@@ -280,7 +286,8 @@ class MoELayer {
   virtual void expert_linear_done(Stream&) {}
   // The per-expert GEMMs of one expert step: one grouped_gemm call, or (gemm_per_expert_) one
   // call per expert, as a loop of library calls over the experts issues them.
-  void expert_gemm(Stream& c, const std::vector<GemmProblem>& ps, const char* name);
+  void expert_gemm(Stream& c, const std::vector<GemmProblem>& ps, const char* name,
+                   GemmEpilogue ep = GemmEpilogue::none);
   bool gemm_per_expert_ = false;
   ExpertLayout layout_ = ExpertLayout::packed;  // set_expert_layout
   void fc2_wgrad(Stream& c, const Chunk& ch, const Tensor& a, const Tensor& d_t_do);     // dW2 += A^T·dT_DO

@@ -20,7 +20,14 @@ const char* stream_role_name(StreamRole r) {
   return "?";
 }
 
-const char* activation_name(Activation a) { return a == Activation::gelu ? "gelu" : "relu"; }
+const char* activation_name(Activation a) {
+  switch (a) {
+    case Activation::gelu: return "gelu";
+    case Activation::relu: return "relu";
+    case Activation::gelu_tanh: return "gelu_tanh";
+  }
+  return "?";
+}
 
 GemmProblem padded_problem(const GemmProblem& p) {
   GemmProblem q = p;
@@ -40,6 +47,7 @@ GemmProblem padded_problem(const GemmProblem& p) {
     q.m = S;
     q.a = p.a.widen_rows(S);
     q.c = p.c.widen_rows(S);
+    if (p.aux.defined()) q.aux = p.aux.widen_rows(S);
   }
   return q;
 }
@@ -52,10 +60,25 @@ std::int64_t common_token_stride(std::span<const GemmProblem> problems) {
   return S;
 }
 
+const char* gemm_epilogue_name(GemmEpilogue e) {
+  switch (e) {
+    case GemmEpilogue::none: return "none";
+    case GemmEpilogue::act_aux: return "act_aux";
+    case GemmEpilogue::dact: return "dact";
+  }
+  return "?";
+}
+
+const std::vector<std::string>& activation_names() {
+  static const std::vector<std::string> names{"gelu", "relu", "gelu_tanh"};
+  return names;
+}
+
 Activation parse_activation(const std::string& s) {
   if (s == "gelu") return Activation::gelu;
   if (s == "relu") return Activation::relu;
-  throw ConfigError("unknown activation \"" + s + "\" (expected gelu or relu)");
+  if (s == "gelu_tanh") return Activation::gelu_tanh;
+  throw ConfigError("unknown activation \"" + s + "\" (expected gelu, relu or gelu_tanh)");
 }
 
 const char* norm_name(NormKind k) { return k == NormKind::layernorm ? "layernorm" : "rmsnorm"; }
@@ -72,6 +95,39 @@ namespace {
   throw Unsupported(std::string(op) + " is not implemented on the " + b.name() + " backend");
 }
 }  // namespace
+void check_gemm_epilogue(std::span<const GemmProblem> problems, GemmEpilogue ep) {
+  MOELAB_CHECK(ep != GemmEpilogue::none, "grouped_gemm_epilogue: no epilogue (use grouped_gemm)");
+  for (const auto& p : problems) {
+    const std::string what = std::string("grouped_gemm_epilogue (") + gemm_epilogue_name(ep) + ")";
+    MOELAB_CHECK(p.alpha == 1.0f && p.beta == 0.0f, what + ": alpha 1 and beta 0 only");
+    MOELAB_CHECK(!p.trans_a, what + ": A transposed (a weight gradient) has no activation epilogue");
+    MOELAB_CHECK(p.c.defined() && p.aux.defined() && p.aux.dtype() == p.c.dtype() && p.aux.numel() == p.m * p.n &&
+                     p.c.numel() == p.m * p.n,
+                 what + ": C and aux must both hold the [" + std::to_string(p.m) + "x" + std::to_string(p.n) +
+                     "] product in one dtype: " + (p.c.defined() ? p.c.describe() : std::string("undefined")) +
+                     ", " + (p.aux.defined() ? p.aux.describe() : std::string("undefined")));
+  }
+}
+
+void Backend::grouped_gemm_epilogue(Stream& s, std::span<const GemmProblem> problems, GemmEpilogue ep,
+                                    Activation act, const char* name) {
+  check_gemm_epilogue(problems, ep);
+  std::vector<GemmProblem> ps(problems.begin(), problems.end());
+  if (ep == GemmEpilogue::act_aux)
+    for (auto& p : ps) std::swap(p.c, p.aux);  // the product into aux; C gets act(aux) below
+  grouped_gemm(s, ps, name);
+  for (const auto& p : ps) {
+    if (p.m == 0 || p.n == 0) continue;
+    if (ep == GemmEpilogue::act_aux) {
+      Tensor out = p.aux;  // the caller's C (swapped above)
+      activation_forward(s, act, p.c, out);
+    } else {
+      Tensor d = p.c;
+      activation_backward(s, act, p.aux, d, d);
+    }
+  }
+}
+
 void Backend::embedding_forward(Stream&, const Tensor&, const Tensor&, const Tensor&, std::int64_t, Tensor&,
                                 const VocabShard&) {
   not_on(*this, "embedding_forward");

@@ -65,6 +65,9 @@ struct GemmProblem {
   // same stride may be computed over the padded rows instead (padded_problem), one strided
   // batch of equal problems. 0: the problem's rows only.
   std::int64_t token_stride = 0;
+  // The epilogue's auxiliary matrix [m,n] in C's dtype, laid out as C (Backend::
+  // grouped_gemm_epilogue): the pre-activation it writes (act_aux) or reads (dact).
+  Tensor aux{};
 };
 
 // The problem over its token_stride rows: the token dimension set to token_stride and the
@@ -73,6 +76,8 @@ struct GemmProblem {
 GemmProblem padded_problem(const GemmProblem& p);
 // The token stride every problem of a call shares, or 0 (none, or not all alike).
 std::int64_t common_token_stride(std::span<const GemmProblem> problems);
+// Throws (MOELAB_CHECK) unless every problem is one grouped_gemm_epilogue takes (see there).
+void check_gemm_epilogue(std::span<const GemmProblem> problems, GemmEpilogue ep);
 
 // Top-k gate, forward. Capacity follows GShard's priority: every token's first choice is
 // placed before any second choice; within one choice rank, lower token index first. A slot
@@ -190,6 +195,19 @@ class Backend {
   virtual void fill_zero(Stream& s, Tensor& t) = 0;
   virtual void grouped_gemm(Stream& s, std::span<const GemmProblem> problems, const char* name) = 0;
   void gemm(Stream& s, const GemmProblem& p, const char* name) { grouped_gemm(s, {&p, 1}, name); }
+  // The grouped GEMM with the activation fused into its epilogue (GemmEpilogue): act_aux writes
+  // each problem's product to its aux and act(product) to its C; dact writes product ·
+  // act'(aux) to C. Every problem has alpha 1, beta 0, A not transposed (the token rows are m)
+  // and an aux of C's shape and dtype. This default runs it unfused, as ops of their own: the
+  // GEMMs (into aux for act_aux), then the activation over each problem's rows; a backend that
+  // runs it as one op (cuda: cuBLASLt's GELU epilogues, for gelu_tanh) overrides it and says so
+  // in fuses_gemm_epilogue, which a layer asks before it issues this instead of the pair.
+  virtual void grouped_gemm_epilogue(Stream& s, std::span<const GemmProblem> problems, GemmEpilogue ep,
+                                     Activation act, const char* name);
+  virtual bool fuses_gemm_epilogue(Activation act, DType t) const {
+    (void)act, (void)t;
+    return false;
+  }
 
   // logits = clean + eps * softplus(noise_raw)                       all [T,E] fp32
   virtual void noisy_logits(Stream& s, const Tensor& clean, const Tensor& noise_raw, const Tensor& eps,

@@ -71,13 +71,35 @@ OpCost cost_copy(OpKind kind, std::int64_t bytes) {
 OpCost cost_fill(std::int64_t bytes) { return {OpKind::elementwise, 0, 0, static_cast<double>(bytes), 0, 1}; }
 
 // GeLU (exact erf form): ~8 flops per element forward (erf counted as a few), 12 backward
-// (the cdf and the pdf); ReLU one compare. Backward reads the input and d_out.
+// (the cdf and the pdf); tanh GeLU: the cubic 4, tanh counted as a few, the rest 3 forward, and
+// 12 backward (1 - t², the cubic's derivative and the products); ReLU one compare. Backward reads
+// the input and d_out.
+double activation_flops(Activation a, bool backward) {
+  if (a == Activation::relu) return 1;
+  return backward ? 12 : 8;
+}
+
 OpCost cost_activation_forward(Activation a, std::int64_t elements, DType dtype) {
-  return cost_elementwise(elements, dtype, 1, 1, a == Activation::gelu ? 8 : 1);
+  return cost_elementwise(elements, dtype, 1, 1, activation_flops(a, false));
 }
 
 OpCost cost_activation_backward(Activation a, std::int64_t elements, DType dtype) {
-  return cost_elementwise(elements, dtype, 2, 1, a == Activation::gelu ? 12 : 1);
+  return cost_elementwise(elements, dtype, 2, 1, activation_flops(a, true));
+}
+
+// The GEMMs as cost_grouped_gemm counts them, plus the epilogue: per output element the
+// activation's flops, and the auxiliary [m,n] matrix in C's dtype, written (act_aux: the
+// pre-activation) or read (dact: the saved pre-activation). No activation pass of its own.
+OpCost cost_grouped_gemm_epilogue(std::span<const GemmProblem> problems, GemmEpilogue ep, Activation a) {
+  OpCost c = cost_grouped_gemm(problems);
+  if (ep == GemmEpilogue::none) return c;
+  for (const auto& p : problems) {
+    const double mn = static_cast<double>(p.m) * static_cast<double>(p.n);
+    const double ec = static_cast<double>(dtype_size(p.c.defined() ? p.c.dtype() : DType::f32));
+    c.flops += mn * activation_flops(a, ep == GemmEpilogue::dact);
+    (ep == GemmEpilogue::act_aux ? c.bytes_written : c.bytes_read) += mn * ec;
+  }
+  return c;
 }
 
 // ---- transformer-block ops (docs/PERFORMANCE.md, "Block ops") -------------------------------

@@ -42,6 +42,11 @@ OpCost cost_copy(OpKind kind, std::int64_t bytes);
 OpCost cost_fill(std::int64_t bytes);
 OpCost cost_activation_forward(Activation a, std::int64_t elements, DType dtype);
 OpCost cost_activation_backward(Activation a, std::int64_t elements, DType dtype);
+// Flops per element of an activation (forward) or of its derivative times d_out (backward).
+double activation_flops(Activation a, bool backward);
+// A grouped GEMM with its activation fused into the epilogue (Backend::grouped_gemm_epilogue):
+// the GEMMs, the epilogue's flops and its auxiliary matrix (written by act_aux, read by dact).
+OpCost cost_grouped_gemm_epilogue(std::span<const GemmProblem> problems, GemmEpilogue ep, Activation a);
 
 // Transformer-block ops (Backend, "transformer-block ops"; docs/PERFORMANCE.md, "Block ops").
 // T tokens, M width, V vocabulary.

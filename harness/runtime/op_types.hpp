@@ -3,12 +3,25 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace moelab {
 
-enum class Activation { gelu, relu };
-const char* activation_name(Activation a);
+// gelu: the exact erf form x·Φ(x); gelu_tanh: its tanh approximation (Hendrycks & Gimpel 2016,
+// §2; GPT-2's and PyTorch's gelu(approximate="tanh")), the GELU that cuBLASLt's epilogues
+// compute, so the experts' GEMMs can fuse it (Backend::grouped_gemm_epilogue); relu: max(x, 0).
+enum class Activation { gelu, relu, gelu_tanh };
+const char* activation_name(Activation a);          // "gelu", "relu", "gelu_tanh"
 Activation parse_activation(const std::string& s);  // throws ConfigError
+const std::vector<std::string>& activation_names();  // what parse_activation accepts
+
+// What a GEMM's epilogue does with its product P = op(A)·op(B) (Backend::grouped_gemm_epilogue;
+// cuBLASLt's CUBLASLT_EPILOGUE_GELU_AUX and CUBLASLT_EPILOGUE_DGELU):
+//   none     C = P
+//   act_aux  aux = P (the pre-activation, kept for backward); C = act(P)
+//   dact     C = P * act'(aux) (aux: the saved pre-activation; P is d_act, C is d_pre)
+enum class GemmEpilogue { none, act_aux, dact };
+const char* gemm_epilogue_name(GemmEpilogue e);  // "none", "act_aux", "dact"
 
 enum class NormKind { layernorm, rmsnorm };
 const char* norm_name(NormKind k);

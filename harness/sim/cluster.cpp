@@ -418,7 +418,7 @@ KernelRates parse_kernel_rates(const Fields& f) {
                       Fields rf(e, f.origin(), pre, {"activation", "direction", "dtype", "elements_per_s"});
                       ActivationRate r;
                       (void)rf.require("activation");
-                      r.activation = parse_activation(rf.choice_or("activation", "gelu", {"gelu", "relu"}));
+                      r.activation = parse_activation(rf.choice_or("activation", "gelu", activation_names()));
                       (void)rf.require("direction");
                       r.backward = rf.choice_or("direction", "forward", {"forward", "backward"}) == "backward";
                       (void)rf.require("dtype");
@@ -871,7 +871,7 @@ void parse_profile_samples(const Fields& f, Profile& p) {
                     Fields af(e, path, pre, {"activation", "direction", "dtype", "elements", "seconds"});
                     ActivationSample a;
                     (void)af.require("activation");
-                    a.activation = af.choice_or("activation", "", {"gelu", "relu"});
+                    a.activation = af.choice_or("activation", "", activation_names());
                     (void)af.require("direction");
                     a.direction = af.choice_or("direction", "", {"forward", "backward"});
                     (void)af.require("dtype");
@@ -1398,7 +1398,8 @@ double Topology::batched_gemm_seconds(std::span<const GemmProblem> problems, boo
   return seconds;
 }
 
-Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> problems, bool tf32) const {
+Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> problems, bool tf32,
+                                                  bool grouped_available) const {
   GroupedGemmPrice out;
   const auto ab_type = [](const GemmProblem& p) { return p.a.defined() ? p.a.dtype() : DType::f32; };
   const auto c_type = [](const GemmProblem& p) { return p.c.defined() ? p.c.dtype() : DType::f32; };
@@ -1424,7 +1425,8 @@ Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> p
       alike = alike && p.trans_a == f.trans_a && p.trans_b == f.trans_b && p.alpha == f.alpha && p.beta == f.beta &&
               ab_type(p) == ab && c_type(p) == c_type(f) && ((p.trans_a && !p.trans_b) ? p.m == f.m : p.k == f.k) &&
               p.n == f.n;
-    const GemmCall call = padded_gemm_call(problems, ab == DType::bf16 ? "bf16" : on_tf32 ? "tf32" : "fp32");
+    GemmCall call = padded_gemm_call(problems, ab == DType::bf16 ? "bf16" : on_tf32 ? "tf32" : "fp32");
+    call.grouped_available = grouped_available;
     const GemmCurve* curve = pricing.strided_batched.curve(call.precision);
     if (alike && curve && !call.problems.empty()) {
       const GemmPathChoice choice = choose_gemm_path(call, pricing.table);
@@ -1471,7 +1473,7 @@ Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> p
     for (const auto* p : list) call.problems.push_back({p->trans_a, p->trans_b, p->m, p->n, p->k});
     call.precision = ab == DType::bf16 ? "bf16" : on_tf32 ? "tf32" : "fp32";
     call.strided = equal;
-    call.grouped_available = true;
+    call.grouped_available = grouped_available;
     const GemmPathChoice choice = choose_gemm_path(call, pricing.table);
     std::string why = choice.why;
     const GemmCurve* curve = nullptr;

@@ -231,7 +231,7 @@ struct InterferenceSample {
   double alone_s = 0, together_s = 0, factor = 0;
 };
 struct ActivationSample {
-  std::string activation;  // "gelu", "relu"
+  std::string activation;  // "gelu", "relu", "gelu_tanh"
   std::string direction;   // "forward", "backward"
   std::string dtype;       // "fp32", "bf16"
   std::int64_t elements = 0;
@@ -329,7 +329,9 @@ class Topology {
     std::int64_t launches = 0;  // library calls (and k = 0 fills), each adding launch_latency()
     std::string detail;         // the path of each type combination and why; "" without per-path data
   };
-  GroupedGemmPrice grouped_gemm(std::span<const GemmProblem> problems, bool tf32) const;
+  // grouped_available false: the call cannot take the grouped path (a fused-epilogue call:
+  // cuBLASLt has no grouped matmul), as the cuda backend's chooser is told.
+  GroupedGemmPrice grouped_gemm(std::span<const GemmProblem> problems, bool tf32, bool grouped_available = true) const;
   // The GEMM floor's yardstick (Backend::time_batched_gemms): each run of consecutive equal
   // problems as one strided-batched call on the calibration's strided_batched curve, where it
   // has per-path data and a curve for the precision; otherwise (and a run of one) the loop's

@@ -121,6 +121,10 @@ TEST(Workload, ToJsonRoundTrips) {
   EXPECT_EQ(b.model.activation, Activation::relu);
   EXPECT_EQ(b.model.dtype, DType::bf16);
   EXPECT_TRUE(b.model.noisy_gate);
+  j["model"]["activation"] = "gelu_tanh";  // the tanh GeLU round-trips by its name
+  const WorkloadConfig tanh = parse_workload(to_json(parse_workload(j, "t.json")), "t2.json");
+  EXPECT_EQ(tanh.model.activation, Activation::gelu_tanh);
+  EXPECT_EQ(to_json(tanh)["model"]["activation"], "gelu_tanh");
   EXPECT_TRUE(b.model.renormalize);
   EXPECT_EQ(b.seed, 18446744073709551615ull);
   EXPECT_EQ(b.expert_parallel, 2);
@@ -203,7 +207,7 @@ const BadCase kBadCases[] = {
      {"model.capacity_factor: expected a number, got \"1.25\""}},
     {"UnknownActivation",
      [](json& j) { j["model"]["activation"] = "swish"; },
-     {"model.activation = \"swish\" is not one of gelu, relu"}},
+     {"model.activation = \"swish\" is not one of gelu, relu, gelu_tanh"}},
     {"UnknownDtype",
      [](json& j) { j["model"]["dtype"] = "fp16"; },
      {"model.dtype = \"fp16\" is not one of fp32, bf16"}},
@@ -764,7 +768,7 @@ TEST(ChoiceFields, SuggestTheClosestName) {
   json j = valid_workload();
   j["model"]["activation"] = "gleu";
   expect_contains(error_of([&] { parse_workload(j, "w.json"); }),
-                  {"w.json: model.activation = \"gleu\" is not one of gelu, relu (did you mean \"gelu\"?)"});
+                  {"w.json: model.activation = \"gleu\" is not one of gelu, relu, gelu_tanh (did you mean \"gelu\"?)"});
 }
 
 // ---- result files ---------------------------------------------------------------------------------

@@ -874,6 +874,10 @@ TEST_P(CudaActTest, ForwardBackward) {
     if (act == Activation::gelu) {
       f[i] = 0.5 * v * (1.0 + std::erf(v / std::sqrt(2.0)));
       d[i] = g[i] * (0.5 * (1.0 + std::erf(v / std::sqrt(2.0))) + v * std::exp(-0.5 * v * v) / std::sqrt(2.0 * std::numbers::pi));
+    } else if (act == Activation::gelu_tanh) {
+      const double c = std::sqrt(2.0 / std::numbers::pi), th = std::tanh(c * (v + 0.044715 * v * v * v));
+      f[i] = 0.5 * v * (1.0 + th);
+      d[i] = g[i] * (0.5 * (1.0 + th) + 0.5 * v * (1.0 - th * th) * c * (1.0 + 3.0 * 0.044715 * v * v));
     } else {
       f[i] = v > 0 ? v : 0.0;
       d[i] = v > 0 ? g[i] : 0.0;
@@ -885,7 +889,7 @@ TEST_P(CudaActTest, ForwardBackward) {
 
 INSTANTIATE_TEST_SUITE_P(All, CudaActTest,
                          ::testing::Combine(::testing::Values(DType::f32, DType::bf16),
-                                            ::testing::Values(Activation::gelu, Activation::relu)),
+                                            ::testing::Values(Activation::gelu, Activation::relu, Activation::gelu_tanh)),
                          [](const auto& tpi) {
                            return std::string(dtype_name(std::get<0>(tpi.param))) + "_" +
                                   activation_name(std::get<1>(tpi.param));
@@ -1008,6 +1012,87 @@ TEST_F(CudaTest, NcclWorldOfOne) {
   EXPECT_THROW(comm->send(*s, buf, 0), CommError);
   b->synchronize();
 }
+
+// The tanh GeLU in cuBLASLt's epilogues, on each path a fused call can take: E equal experts in
+// one buffer (a strided batch of cublasLtMatmul) and a loop of single matmuls, FC1 (GELU_AUX:
+// T_M and A) and FC2's dgrad (DGELU: dT_M), each against float64 from the values the device
+// holds; the op's detail names the epilogue, so a silent fallback to the unfused pair shows.
+class FusedEpilogue : public ::testing::TestWithParam<DType> {};
+
+TEST_P(FusedEpilogue, StridedAndLoopAgainstFloat64) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  const DType t = GetParam();
+  auto b = make_backend("cuda");
+  Stream& s = b->default_stream();
+  const std::int64_t E = 4, r = 64, M = 48, H = 96;
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const auto up = [&](std::vector<std::int64_t> shape, std::uint64_t salt) {
+    Tensor x = b->empty(shape, t, MemCategory::buffers, s);
+    b->upload(uniform(static_cast<std::size_t>(x.numel()), Rng::mix(seed, salt), -1.5, 1.5), x);
+    return x;
+  };
+  Tensor x = up({E * r, M}, 1), w1 = up({E, M, H}, 2), w2 = up({E, H, M}, 3), dy = up({E * r, M}, 4);
+  const auto host = [&](const Tensor& v) { return test::to_double(b->download(v)); };
+  const std::vector<double> hx = host(x), hw1 = host(w1), hw2 = host(w2), hdy = host(dy);
+  const double c = std::sqrt(2.0 / std::numbers::pi);
+  const auto gelu = [&](double v) { return 0.5 * v * (1.0 + std::tanh(c * (v + 0.044715 * v * v * v))); };
+  const auto dgelu = [&](double v) {
+    const double th = std::tanh(c * (v + 0.044715 * v * v * v));
+    return 0.5 * (1.0 + th) + 0.5 * v * (1.0 - th * th) * c * (1.0 + 3.0 * 0.044715 * v * v);
+  };
+  const double rtol = t == DType::bf16 ? 3e-2 : 1e-4;
+  for (std::optional<GemmPath> path : {std::optional<GemmPath>(GemmPath::strided_batched), std::optional<GemmPath>(GemmPath::loop)}) {
+    SCOPED_TRACE(gemm_path_name(*path));
+    Tensor t_m = b->empty({E * r, H}, t, MemCategory::buffers, s), a = b->empty({E * r, H}, t, MemCategory::buffers, s);
+    Tensor d_a = b->empty({E * r, H}, t, MemCategory::buffers, s);
+    std::vector<GemmProblem> fc1, dgrad;
+    for (std::int64_t l = 0; l < E; ++l) {
+      GemmProblem p{false, false, r, H, M, x.rows(l * r, r), w1.select(l), a.rows(l * r, r), 1, 0};
+      p.aux = t_m.rows(l * r, r);
+      fc1.push_back(p);
+      GemmProblem q{false, true, r, H, M, dy.rows(l * r, r), w2.select(l), d_a.rows(l * r, r), 1, 0};
+      q.aux = t_m.rows(l * r, r);
+      dgrad.push_back(q);
+    }
+    cuda_force_gemm_path(*b, path);
+    b->clear_timeline();
+    b->grouped_gemm_epilogue(s, fc1, GemmEpilogue::act_aux, Activation::gelu_tanh, "fc1");
+    b->grouped_gemm_epilogue(s, dgrad, GemmEpilogue::dact, Activation::gelu_tanh, "fc2_dgrad");
+    b->synchronize();
+    cuda_force_gemm_path(*b, std::nullopt);
+    const auto tl = b->timeline();
+    ASSERT_EQ(tl.size(), 2u);
+    EXPECT_NE(tl[0].detail.find("GELU_AUX"), std::string::npos) << tl[0].detail;
+    EXPECT_NE(tl[1].detail.find("DGELU"), std::string::npos) << tl[1].detail;
+    for (const auto& rec : tl) {
+      EXPECT_EQ(rec.detail.find("unfused"), std::string::npos) << rec.detail;
+      EXPECT_EQ(rec.detail.rfind(gemm_path_name(*path), 0), 0u) << rec.detail;
+    }
+    const std::vector<double> gm = host(t_m), ga = host(a), gda = host(d_a);
+    std::vector<double> want_m(gm.size()), want_a(gm.size()), want_da(gm.size());
+    for (std::int64_t l = 0; l < E; ++l)
+      for (std::int64_t i = 0; i < r; ++i)
+        for (std::int64_t j = 0; j < H; ++j) {
+          double pm = 0, pd = 0;
+          for (std::int64_t k = 0; k < M; ++k) {
+            pm += hx[static_cast<std::size_t>((l * r + i) * M + k)] * hw1[static_cast<std::size_t>((l * M + k) * H + j)];
+            pd += hdy[static_cast<std::size_t>((l * r + i) * M + k)] * hw2[static_cast<std::size_t>((l * H + j) * M + k)];
+          }
+          const auto at = static_cast<std::size_t>((l * r + i) * H + j);
+          want_m[at] = pm;
+          want_a[at] = gelu(pm);
+          want_da[at] = pd * dgelu(gm[at]);  // the epilogue reads T_M as the device holds it
+        }
+    const auto f = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
+    EXPECT_TRUE(all_close("T_M", f(gm), want_m, rtol));
+    EXPECT_TRUE(all_close("A", f(ga), want_a, rtol));
+    EXPECT_TRUE(all_close("dT_M", f(gda), want_da, rtol));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(DTypes, FusedEpilogue, ::testing::Values(DType::f32, DType::bf16),
+                         [](const auto& tp) { return std::string(dtype_name(tp.param)); });
 
 }  // namespace
 }  // namespace moelab

@@ -114,6 +114,10 @@ const Case kCases[] = {
     {"idle_experts", 5, 8, 12, 16, 1, 0.0, Activation::gelu, false, false},  // most experts get 0 tokens
     {"k_equals_E", 1, 9, 7, 3, 3, 0.0, Activation::gelu, true, true},
     {"wide", 203, 32, 64, 8, 2, 1.25, Activation::gelu, false, false},
+    // the tanh GeLU: fused into the experts' GEMMs (Backend::grouped_gemm_epilogue) on cpu and
+    // cuda; H = 32 takes cuBLASLt's GELU epilogues, H = 20 (not a multiple of 8) its fallback
+    {"tanh_fused", 61, 16, 32, 6, 2, 1.0, Activation::gelu_tanh, false, false},
+    {"tanh_ragged_noisy", 23, 12, 20, 5, 1, 0.0, Activation::gelu_tanh, true, false},
 };
 const Target kTargets[] = {
     {"cpu", DType::f32, 1e-4},
@@ -183,6 +187,27 @@ TEST(MoEReference, FiniteDifferences) {
   check("W_noise", P.wn, G.dwn);
   check("W1", P.w1, G.dw1);
   check("W2", P.w2, G.dw2);
+}
+
+// The reference's activations and their derivatives: act_grad against central differences of
+// act, and the two GeLUs close to each other (the tanh form approximates the erf form to within
+// about 5e-4 in absolute value: Hendrycks & Gimpel 2016), which a swapped formula would fail.
+TEST(MoEReference, ActivationDerivatives) {
+  Rng rng(test::fresh_seed());
+  for (Activation a : {Activation::gelu, Activation::relu, Activation::gelu_tanh})
+    for (int i = 0; i < 200; ++i) {
+      const double x = rng.uniform(-5, 5), h = 1e-6;
+      if (a == Activation::relu && std::abs(x) < 1e-3) continue;  // the kink
+      const double fd = (ref::act(a, x + h) - ref::act(a, x - h)) / (2 * h);
+      EXPECT_NEAR(ref::act_grad(a, x), fd, 1e-7 + 1e-6 * std::abs(fd)) << activation_name(a) << " at " << x;
+    }
+  double worst = 0;
+  for (int i = -5000; i <= 5000; ++i) {
+    const double x = i * 1e-3;
+    worst = std::max(worst, std::abs(ref::act(Activation::gelu_tanh, x) - ref::act(Activation::gelu, x)));
+  }
+  EXPECT_GT(worst, 1e-5);  // a different function
+  EXPECT_LT(worst, 1e-3);  // but an approximation of the erf GeLU
 }
 
 // The layer itself (fp32, cpu) against central differences of its own forward, along a

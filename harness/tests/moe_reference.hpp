@@ -41,12 +41,27 @@ struct Result {
   double min_topk_gap = 1e9;        // smallest p_(k) - p_(k+1) over tokens (near-tie detector)
 };
 
+// The tanh GeLU's inner function u(x) = sqrt(2/pi)·(x + 0.044715·x³) (Hendrycks & Gimpel 2016).
+inline double gelu_tanh_u(double x) { return std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x); }
 inline double act(Activation a, double x) {
-  return a == Activation::gelu ? 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0))) : (x > 0 ? x : 0.0);
+  switch (a) {
+    case Activation::gelu: return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
+    case Activation::gelu_tanh: return 0.5 * x * (1.0 + std::tanh(gelu_tanh_u(x)));
+    case Activation::relu: break;
+  }
+  return x > 0 ? x : 0.0;
 }
 inline double act_grad(Activation a, double x) {
-  if (a == Activation::relu) return x > 0 ? 1.0 : 0.0;
-  return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) + x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI);
+  switch (a) {
+    case Activation::gelu:
+      return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) + x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI);
+    case Activation::gelu_tanh: {
+      const double t = std::tanh(gelu_tanh_u(x));
+      return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * std::sqrt(2.0 / M_PI) * (1.0 + 3.0 * 0.044715 * x * x);
+    }
+    case Activation::relu: break;
+  }
+  return x > 0 ? 1.0 : 0.0;
 }
 
 // Forward, and (when g != nullptr) backward of L = <dy, y> + grad_aux * aux, accumulating

@@ -351,6 +351,37 @@ void check_gemm(const GemmProblem& p) {
                "gemm shapes: m=" + std::to_string(p.m) + " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k) +
                    " A" + p.a.describe() + " B" + p.b.describe() + " C" + p.c.describe());
 }
+constexpr float kInvSqrt2 = 0.70710678118654752f;
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;
+constexpr float kSqrt2OverPi = 0.79788456080286536f;  // the tanh GeLU's sqrt(2/pi)
+constexpr float kGeluTanhCubic = 0.044715f;            // and its cubic's coefficient
+
+// act(x) and d_out · act'(x), one element (the cuda kernels compute the same, in this order).
+float act_forward(Activation a, float x) {
+  switch (a) {
+    case Activation::gelu: return 0.5f * x * (1.0f + std::erf(x * kInvSqrt2));
+    case Activation::gelu_tanh: return 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * (x + kGeluTanhCubic * x * x * x)));
+    case Activation::relu: break;
+  }
+  return x > 0.0f ? x : 0.0f;
+}
+float act_backward(Activation a, float x, float dy) {
+  switch (a) {
+    case Activation::gelu: {
+      const float cdf = 0.5f * (1.0f + std::erf(x * kInvSqrt2));
+      const float pdf = kInvSqrt2Pi * std::exp(-0.5f * x * x);
+      return dy * (cdf + x * pdf);
+    }
+    case Activation::gelu_tanh: {
+      const float t = std::tanh(kSqrt2OverPi * (x + kGeluTanhCubic * x * x * x));
+      const float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluTanhCubic * x * x);
+      return dy * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du);
+    }
+    case Activation::relu: break;
+  }
+  return x > 0.0f ? dy : 0.0f;  // selects: an inf/NaN gradient at x <= 0 stays 0
+}
+
 struct GemmArgs {
   bool ta, tb;
   std::int64_t m, n, k;
@@ -380,6 +411,44 @@ void CpuBackend::grouped_gemm(Stream& s, std::span<const GemmProblem> problems, 
   }
   enqueue(s, name, cost_grouped_gemm(problems), [args = std::move(args)] {
     for (const auto& g : args) cpu_sgemm(g.ta, g.tb, g.m, g.n, g.k, g.alpha, g.a, g.b, g.beta, g.c);
+  });
+}
+
+// The epilogue in the same op as its GEMM: each problem's product, then the activation over its
+// rows while they are in cache (no separate op, as cuBLASLt's epilogue runs on the GPU). A padded
+// call runs over the padded rows, as grouped_gemm does.
+void CpuBackend::grouped_gemm_epilogue(Stream& s, std::span<const GemmProblem> problems, GemmEpilogue ep,
+                                       Activation act, const char* name) {
+  check_gemm_epilogue(problems, ep);
+  std::vector<GemmProblem> padded;
+  if (common_token_stride(problems) > 0 && !pad_only_wgrad_) {
+    for (const auto& p : problems) padded.push_back(padded_problem(p));
+    problems = padded;
+  }
+  struct Job {
+    GemmArgs g;
+    float* aux;
+  };
+  std::vector<Job> jobs;
+  for (const auto& p : problems) {
+    check_gemm(p);
+    cpu_require_f32(p.aux, "gemm epilogue aux");
+    jobs.push_back({{p.trans_a, p.trans_b, p.m, p.n, p.k, 1.0f, 0.0f, p.a.data<float>(), p.b.data<float>(),
+                     p.c.data<float>()},
+                    p.aux.data<float>()});
+  }
+  enqueue(s, name, cost_grouped_gemm_epilogue(problems, ep, act), [jobs = std::move(jobs), ep, act] {
+    for (const auto& j : jobs) {
+      const GemmArgs& g = j.g;
+      const std::int64_t n = g.m * g.n;
+      if (ep == GemmEpilogue::act_aux) {
+        cpu_sgemm(g.ta, g.tb, g.m, g.n, g.k, 1.0f, g.a, g.b, 0.0f, j.aux);
+        for (std::int64_t i = 0; i < n; ++i) g.c[i] = act_forward(act, j.aux[i]);
+      } else {
+        cpu_sgemm(g.ta, g.tb, g.m, g.n, g.k, 1.0f, g.a, g.b, 0.0f, g.c);
+        for (std::int64_t i = 0; i < n; ++i) g.c[i] = act_backward(act, j.aux[i], g.c[i]);
+      }
+    }
   });
 }
 
@@ -625,10 +694,6 @@ void CpuBackend::unpermute_backward(Stream& s, const Tensor& dy, const Tensor& y
   });
 }
 
-namespace {
-constexpr float kInvSqrt2 = 0.70710678118654752f;
-constexpr float kInvSqrt2Pi = 0.39894228040143268f;
-}  // namespace
 
 void CpuBackend::activation_forward(Stream& s, Activation a, const Tensor& in, Tensor& out) {
   cpu_require_f32(in, "activation");
@@ -636,10 +701,7 @@ void CpuBackend::activation_forward(Stream& s, Activation a, const Tensor& in, T
   float* y = out.data<float>();
   const std::int64_t n = in.numel();
   enqueue(s, std::string(activation_name(a)), cost_activation_forward(a, n, DType::f32), [=] {
-    if (a == Activation::gelu)
-      for (std::int64_t i = 0; i < n; ++i) y[i] = 0.5f * x[i] * (1.0f + std::erf(x[i] * kInvSqrt2));
-    else
-      for (std::int64_t i = 0; i < n; ++i) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+    for (std::int64_t i = 0; i < n; ++i) y[i] = act_forward(a, x[i]);
   });
 }
 
@@ -649,14 +711,7 @@ void CpuBackend::activation_backward(Stream& s, Activation a, const Tensor& in, 
   float* dx = d_in.data<float>();
   const std::int64_t n = in.numel();
   enqueue(s, std::string(activation_name(a)) + "_bwd", cost_activation_backward(a, n, DType::f32), [=] {
-    if (a == Activation::gelu)
-      for (std::int64_t i = 0; i < n; ++i) {
-        const float cdf = 0.5f * (1.0f + std::erf(x[i] * kInvSqrt2));
-        const float pdf = kInvSqrt2Pi * std::exp(-0.5f * x[i] * x[i]);
-        dx[i] = dy[i] * (cdf + x[i] * pdf);
-      }
-    else
-      for (std::int64_t i = 0; i < n; ++i) dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
+    for (std::int64_t i = 0; i < n; ++i) dx[i] = act_backward(a, x[i], dy[i]);
   });
 }
 

@@ -53,6 +53,11 @@ class CpuBackend final : public Backend {
   void copy(Stream& s, const Tensor& src, Tensor& dst) override;
   void fill_zero(Stream& s, Tensor& t) override;
   void grouped_gemm(Stream& s, std::span<const GemmProblem> problems, const char* name) override;
+  // The tanh GeLU in the GEMM's op, as the cuda backend fuses it (the other activations: the
+  // default's separate ops, which the layer then issues itself).
+  void grouped_gemm_epilogue(Stream& s, std::span<const GemmProblem> problems, GemmEpilogue ep, Activation act,
+                             const char* name) override;
+  bool fuses_gemm_epilogue(Activation act, DType) const override { return act == Activation::gelu_tanh; }
   void noisy_logits(Stream& s, const Tensor& clean, const Tensor& noise_raw, const Tensor& eps,
                     Tensor& logits) override;
   void noisy_logits_backward(Stream& s, const Tensor& d_logits, const Tensor& noise_raw, const Tensor& eps,

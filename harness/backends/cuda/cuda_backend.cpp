@@ -8,6 +8,7 @@
 // Host code only (compiled by the host compiler); the device code lives in the .cu files.
 #include "harness/backends/cuda/cuda_backend.hpp"
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -63,6 +64,15 @@ cuda_kernels::Elem elem_of(const Tensor& t) {
                     dtype_name(t.dtype()));
 }
 
+cuda_kernels::Act act_of(Activation a) {
+  switch (a) {
+    case Activation::gelu: return cuda_kernels::Act::gelu;
+    case Activation::relu: return cuda_kernels::Act::relu;
+    case Activation::gelu_tanh: return cuda_kernels::Act::gelu_tanh;
+  }
+  throw Unsupported("the cuda backend has no kernel for this activation");
+}
+
 int to_int(std::int64_t v, const char* what) {
   MOELAB_CHECK(v >= 0 && v <= std::numeric_limits<int>::max(), std::string(what) + " out of int range");
   return static_cast<int>(v);
@@ -98,6 +108,7 @@ class CudaStream final : public Stream {
   CudaStream(int id, StreamRole role, std::string name, cudaStream_t s) : Stream(id, role, std::move(name)), native(s) {}
   cudaStream_t native;
   cublasHandle_t blas = nullptr;  // one handle per stream: a handle's workspace is not shareable across streams
+  void* lt_workspace = nullptr;   // cuBLASLt's workspace for this stream's fused-epilogue GEMMs (cudaMalloc)
 };
 
 class CudaEvent final : public Event {
@@ -201,8 +212,10 @@ class CudaBackend final : public Backend {
     for (auto e : marker_events_) cudaEventDestroy(e);
     for (auto& s : streams_) {
       if (s->blas) cublasDestroy(s->blas);
+      if (s->lt_workspace) cudaFree(s->lt_workspace);
       cudaStreamDestroy(s->native);
     }
+    if (lt_) cublasLtDestroy(lt_);
     if (bare_blas_) cublasDestroy(bare_blas_);
     if (bare_stream_) cudaStreamDestroy(bare_stream_);
     for (auto& p : pending_) {
@@ -395,6 +408,13 @@ class CudaBackend final : public Backend {
   }
 
   void grouped_gemm(Stream& s, std::span<const GemmProblem> problems, const char* name) override;
+  // cuBLASLt's GELU epilogues (CUBLASLT_EPILOGUE_GELU_AUX, CUBLASLT_EPILOGUE_DGELU) compute the
+  // tanh GeLU: that activation is fused, the others run as the default's separate ops.
+  void grouped_gemm_epilogue(Stream& s, std::span<const GemmProblem> problems, GemmEpilogue ep, Activation act,
+                             const char* name) override;
+  bool fuses_gemm_epilogue(Activation act, DType t) const override {
+    return act == Activation::gelu_tanh && (t == DType::bf16 || t == DType::f32);
+  }
 
   void noisy_logits(Stream& s, const Tensor& clean, const Tensor& noise_raw, const Tensor& eps,
                     Tensor& logits) override {
@@ -537,7 +557,7 @@ class CudaBackend final : public Backend {
                  "activation " + in.describe() + " -> " + out.describe());
     CudaOpScope op(*this, s, std::string(activation_name(a)),
                    cost_activation_forward(a, in.numel(), in.dtype()));
-    cuda_kernels::activation_forward(native(s), elem_of(in), a == Activation::gelu, in.raw(), out.raw(), in.numel());
+    cuda_kernels::activation_forward(native(s), elem_of(in), act_of(a), in.raw(), out.raw(), in.numel());
   }
 
   void activation_backward(Stream& s, Activation a, const Tensor& in, const Tensor& d_out, Tensor& d_in) override {
@@ -546,7 +566,7 @@ class CudaBackend final : public Backend {
                  "activation_backward " + in.describe() + ", " + d_out.describe() + " -> " + d_in.describe());
     CudaOpScope op(*this, s, std::string(activation_name(a)) + "_bwd",
                    cost_activation_backward(a, in.numel(), in.dtype()));
-    cuda_kernels::activation_backward(native(s), elem_of(in), a == Activation::gelu, in.raw(), d_out.raw(),
+    cuda_kernels::activation_backward(native(s), elem_of(in), act_of(a), in.raw(), d_out.raw(),
                                       d_in.raw(), in.numel());
   }
 
@@ -858,6 +878,16 @@ class CudaBackend final : public Backend {
   bool padded_strided(cublasHandle_t h, std::span<const GemmProblem> problems, CudaOpScope& op,
                       const std::string& op_name);
   void note_path(const std::string& op, GemmPath path, const std::string& why);
+  // One cublasLtMatmul with the epilogue: `batch` problems from `p` at the given element
+  // strides (1: p alone). NOT_SUPPORTED when cuBLASLt has no kernel for it (the caller runs it
+  // unfused); the heuristic's answer is cached per shape, types, strides and alignments.
+  struct LtStrides {
+    int batch = 1;
+    std::int64_t a = 0, b = 0, c = 0, aux = 0;
+  };
+  cublasStatus_t lt_matmul(Stream& s, const GemmProblem& p, GemmEpilogue ep, const LtStrides& st);
+  // The same problem unfused: its GEMM (cublasGemmEx), then the activation kernel.
+  void unfused_epilogue(Stream& s, const GemmProblem& p, GemmEpilogue ep, Activation act);
   template <class F>
   double time_on_bare_stream(int reps, F&& run_all);
 
@@ -880,6 +910,8 @@ class CudaBackend final : public Backend {
   std::map<std::pair<std::string, int>, CudaGemmPathUse> path_uses_;  // (op name, path)
   cudaStream_t bare_stream_ = nullptr;
   cublasHandle_t bare_blas_ = nullptr;
+  cublasLtHandle_t lt_ = nullptr;  // created on the first fused-epilogue GEMM
+  std::map<std::vector<std::int64_t>, std::optional<cublasLtMatmulAlgo_t>> lt_algos_;  // under mu_
   std::vector<cudaEvent_t> marker_events_;  // idle completion markers of the host pool
   std::unique_ptr<HostPool> host_pool_;
 };
@@ -1157,6 +1189,267 @@ cublasStatus_t CudaBackend::gemm_grouped(cublasHandle_t h, cudaStream_t st, std:
       cuda_type(ct), ldc.data(), static_cast<int>(G), group_size.data(), compute_type(ab));
   cuda_check(cudaFreeAsync(dev, st), "cudaFreeAsync (gemm pointers)");
   return status;
+}
+
+// ---- GEMMs with a fused epilogue (cuBLASLt) -------------------------------------------
+//
+// cuBLASLt has no grouped matmul, so a call runs as one strided batch (its operands, aux
+// included, equally strided, or the padded layout's rows) or as a loop of single matmuls, as the
+// crossover table picks between those two; whatever cuBLASLt refuses (a leading dimension or
+// alignment its GELU kernels do not take, a type combination) runs unfused, that problem's
+// GEMM and then the activation kernel, and the op's detail says so.
+namespace {
+
+// The largest power of two (at most 256, cuBLASLt's default requirement) dividing `bytes`.
+std::uint32_t alignment_of(std::uint64_t bytes) {
+  std::uint32_t a = 256;
+  while (a > 1 && bytes % a != 0) a /= 2;
+  return a;
+}
+
+// cuBLAS's default workspace on Hopper (cuBLAS documentation, cublasSetWorkspace: 32 MiB for
+// Hopper, 4 MiB before it); the same for cuBLASLt's fused GEMMs, per stream.
+constexpr std::size_t kLtWorkspaceBytes = 32u << 20;
+
+struct LtLayouts {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  ~LtLayouts() {
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+cublasStatus_t lt_layout(cublasLtMatrixLayout_t* out, cudaDataType_t t, int rows, int cols, int ld, int batch,
+                         std::int64_t stride) {
+  cublasStatus_t st = cublasLtMatrixLayoutCreate(out, t, static_cast<std::uint64_t>(rows),
+                                                 static_cast<std::uint64_t>(cols), ld);
+  if (st != CUBLAS_STATUS_SUCCESS || batch <= 1) return st;
+  st = cublasLtMatrixLayoutSetAttribute(*out, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch, sizeof(batch));
+  if (st != CUBLAS_STATUS_SUCCESS) return st;
+  return cublasLtMatrixLayoutSetAttribute(*out, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride));
+}
+
+// The stride (elements) between consecutive aux matrices of `list`, or -1 when they are not
+// equally strided at whole elements of at least one product apart.
+std::int64_t aux_stride(std::span<const GemmProblem* const> list) {
+  if (list.size() < 2) return 0;
+  const auto addr = [](const GemmProblem* p) { return reinterpret_cast<std::uintptr_t>(p->aux.raw()); };
+  const std::size_t es = dtype_size(list.front()->aux.dtype());
+  const std::int64_t d = static_cast<std::int64_t>(addr(list[1])) - static_cast<std::int64_t>(addr(list[0]));
+  if (d % static_cast<std::int64_t>(es) != 0) return -1;
+  for (std::size_t i = 1; i < list.size(); ++i)
+    if (static_cast<std::int64_t>(addr(list[i])) - static_cast<std::int64_t>(addr(list[i - 1])) != d) return -1;
+  const std::int64_t stride = d / static_cast<std::int64_t>(es);
+  return stride >= list.front()->m * list.front()->n ? stride : -1;
+}
+
+}  // namespace
+
+cublasStatus_t CudaBackend::lt_matmul(Stream& s, const GemmProblem& p, GemmEpilogue ep, const LtStrides& sd) {
+  CudaStream& cs = cstream(s);
+  const ColMajor c = col_major(p);
+  // cuBLASLt's GELU aux: leading dimension and batch stride divisible by 8 (cublasLt.h,
+  // CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD / _AUX_BATCH_STRIDE).
+  if (c.ldc % 8 != 0 || (sd.batch > 1 && sd.aux % 8 != 0)) return CUBLAS_STATUS_NOT_SUPPORTED;
+  {
+    std::lock_guard lock(mu_);
+    if (!lt_) {
+      const cublasStatus_t st = cublasLtCreate(&lt_);
+      if (st != CUBLAS_STATUS_SUCCESS) return st;
+    }
+  }
+  if (!cs.lt_workspace) cuda_check(cudaMalloc(&cs.lt_workspace, kLtWorkspaceBytes), "cudaMalloc (cuBLASLt workspace)");
+  const DType ab = p.a.dtype(), ct = p.c.dtype();
+  const cublasComputeType_t compute = compute_type(ab);
+  LtLayouts L;
+  cublasStatus_t st = cublasLtMatmulDescCreate(&L.op, compute, CUDA_R_32F);
+  const cublasLtEpilogue_t epi = ep == GemmEpilogue::act_aux ? CUBLASLT_EPILOGUE_GELU_AUX : CUBLASLT_EPILOGUE_DGELU;
+  const void* aux_ptr = p.aux.raw();
+  const std::int64_t aux_ld = c.ldc;
+  const auto set = [&](cublasLtMatmulDescAttributes_t attr, const void* v, std::size_t n) {
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulDescSetAttribute(L.op, attr, v, n);
+  };
+  set(CUBLASLT_MATMUL_DESC_TRANSA, &c.op_first, sizeof(c.op_first));
+  set(CUBLASLT_MATMUL_DESC_TRANSB, &c.op_second, sizeof(c.op_second));
+  set(CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi));
+  set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux_ptr, sizeof(aux_ptr));
+  set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld));
+  if (sd.batch > 1) set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE, &sd.aux, sizeof(sd.aux));
+  // cuBLAS's first operand is our B, its second our A (col_major).
+  const bool first_n = c.op_first == CUBLAS_OP_N, second_n = c.op_second == CUBLAS_OP_N;
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = lt_layout(&L.a, cuda_type(p.b.dtype()), first_n ? c.m : c.k, first_n ? c.k : c.m, c.ld_first, sd.batch, sd.b);
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = lt_layout(&L.b, cuda_type(ab), second_n ? c.k : c.n, second_n ? c.n : c.k, c.ld_second, sd.batch, sd.a);
+  if (st == CUBLAS_STATUS_SUCCESS) st = lt_layout(&L.c, cuda_type(ct), c.m, c.n, c.ldc, sd.batch, sd.c);
+  if (st != CUBLAS_STATUS_SUCCESS) return st;
+
+  // The alignments the kernels may assume: each matrix's address and, in a batch, its stride.
+  const auto align = [&](const void* ptr, std::int64_t stride, DType t) {
+    std::uint32_t a = alignment_of(reinterpret_cast<std::uintptr_t>(ptr));
+    if (sd.batch > 1) a = std::min(a, alignment_of(static_cast<std::uint64_t>(stride) * dtype_size(t)));
+    return a;
+  };
+  const std::uint32_t al_a = align(p.b.raw(), sd.b, p.b.dtype()), al_b = align(p.a.raw(), sd.a, ab),
+                      al_c = align(p.c.raw(), sd.c, ct), al_aux = align(aux_ptr, sd.aux, ct);
+  const std::vector<std::int64_t> key{static_cast<int>(ep), static_cast<int>(ab), static_cast<int>(ct), compute,
+                                      c.op_first, c.op_second, c.m, c.n, c.k, c.ld_first, c.ld_second, c.ldc,
+                                      sd.batch, sd.a, sd.b, sd.c, sd.aux, al_a, al_b, al_c, al_aux};
+  std::optional<cublasLtMatmulAlgo_t> algo;
+  bool known = false;
+  {
+    std::lock_guard lock(mu_);
+    if (auto it = lt_algos_.find(key); it != lt_algos_.end()) {
+      known = true;
+      algo = it->second;
+    }
+  }
+  if (!known) {
+    cublasLtMatmulPreference_t pref = nullptr;
+    st = cublasLtMatmulPreferenceCreate(&pref);
+    if (st != CUBLAS_STATUS_SUCCESS) return st;
+    const std::uint64_t ws = kLtWorkspaceBytes;
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a));
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b));
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c));
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c));
+    cublasLtMatmulHeuristicResult_t result{};
+    int returned = 0;
+    st = cublasLtMatmulAlgoGetHeuristic(lt_, L.op, L.a, L.b, L.c, L.c, pref, 1, &result, &returned);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (st == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS) algo = result.algo;
+    else if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE)
+      return st;
+    std::lock_guard lock(mu_);
+    lt_algos_[key] = algo;
+  }
+  if (!algo) return CUBLAS_STATUS_NOT_SUPPORTED;
+  const float alpha = 1.0f, beta = 0.0f;
+  return cublasLtMatmul(lt_, L.op, &alpha, p.b.raw(), L.a, p.a.raw(), L.b, &beta, p.c.raw(), L.c, p.c.raw(), L.c,
+                        &*algo, cs.lt_workspace, kLtWorkspaceBytes, cs.native);
+}
+
+void CudaBackend::unfused_epilogue(Stream& s, const GemmProblem& p, GemmEpilogue ep, Activation act) {
+  cublasHandle_t h = blas(s);
+  const std::int64_t n = p.m * p.n;
+  if (ep == GemmEpilogue::act_aux) {
+    GemmProblem q = p;
+    q.c = p.aux;
+    gemm_one(h, q);
+    cuda_kernels::activation_forward(native(s), elem_of(p.c), act_of(act), p.aux.raw(), p.c.raw(), n);
+  } else {
+    gemm_one(h, p);
+    cuda_kernels::activation_backward(native(s), elem_of(p.c), act_of(act), p.aux.raw(), p.c.raw(), p.c.raw(), n);
+  }
+}
+
+void CudaBackend::grouped_gemm_epilogue(Stream& s, std::span<const GemmProblem> problems, GemmEpilogue ep,
+                                        Activation act, const char* name) {
+  check_gemm_epilogue(problems, ep);
+  for (const auto& p : problems) check_problem(p);
+  if (act != Activation::gelu_tanh) {  // cuBLASLt's GELU is the tanh form: the rest run unfused
+    Backend::grouped_gemm_epilogue(s, problems, ep, act, name);
+    return;
+  }
+  const std::string op_name = name ? name : "gemm";
+  CudaOpScope op(*this, s, op_name, cost_grouped_gemm_epilogue(problems, ep, act));
+  const std::string fused = std::string(" + ") + activation_name(act) + " epilogue (cuBLASLt " +
+                            (ep == GemmEpilogue::act_aux ? "GELU_AUX" : "DGELU") + ")";
+  const auto lt_ok = [&](cublasStatus_t st) {
+    if (st == CUBLAS_STATUS_SUCCESS) return true;
+    if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) return false;
+    cublas_check(st, "cublasLtMatmul");
+    return false;
+  };
+  const auto precision = [&](DType ab) { return gemm_precision(ab, ab == DType::f32 && (opt_.allow_tf32 || allow_tf32_)); };
+
+  // The padded layout: one batch over the padded rows when the table picks the strided path.
+  if (problems.size() > 1 && common_token_stride(problems) > 0) {
+    std::vector<GemmProblem> padded;
+    for (const auto& p : problems) padded.push_back(padded_problem(p));
+    std::vector<const GemmProblem*> list;
+    for (const auto& p : padded) list.push_back(&p);
+    const std::vector<StridedRun> runs = strided_runs(operands_of(list));
+    const std::int64_t sa = aux_stride(list);
+    GemmCall call = padded_gemm_call(problems, precision(padded.front().a.dtype()));
+    call.grouped_available = false;
+    if (runs.size() == 1 && sa >= 0 && !call.problems.empty()) {
+      GemmPathChoice choice = choose_gemm_path(call, gemm_paths_);
+      if (forced_path_ && *forced_path_ == GemmPath::strided_batched) {
+        choice.why = "strided_batched over " + std::to_string(call.padded_rows) + " padded rows (forced); the table's choice: " + choice.why;
+        choice.path = GemmPath::strided_batched;
+      }
+      const StridedRun& r = runs.front();
+      if (choice.path == GemmPath::strided_batched &&
+          lt_ok(lt_matmul(s, padded.front(), ep, {static_cast<int>(list.size()), r.stride_a, r.stride_b, r.stride_c, sa}))) {
+        note_path(op_name, GemmPath::strided_batched, choice.why + fused);
+        op.set_detail(choice.why + fused);
+        return;
+      }
+    }
+  }
+
+  std::vector<const GemmProblem*> live;
+  for (const auto& p : problems) {
+    if (p.m == 0 || p.n == 0) continue;
+    if (p.k > 0) {
+      live.push_back(&p);
+      continue;
+    }
+    // k == 0: the product is zero, and so are GeLU(0) and 0 · GeLU'(aux).
+    const std::size_t bytes = static_cast<std::size_t>(p.m * p.n) * dtype_size(p.c.dtype());
+    cuda_check(cudaMemsetAsync(p.c.raw(), 0, bytes, native(s)), "cudaMemsetAsync (gemm k=0)");
+    if (ep == GemmEpilogue::act_aux)
+      cuda_check(cudaMemsetAsync(p.aux.raw(), 0, bytes, native(s)), "cudaMemsetAsync (gemm k=0)");
+  }
+  std::map<std::pair<int, int>, std::vector<const GemmProblem*>> by_type;
+  for (const auto* p : live) by_type[{static_cast<int>(p->a.dtype()), static_cast<int>(p->c.dtype())}].push_back(p);
+  std::string detail;
+  for (auto& [types, list] : by_type) {
+    const DType ab = static_cast<DType>(types.first);
+    GemmPathChoice choice;
+    choice.path = GemmPath::loop;
+    choice.why = "one problem: one cublasLtMatmul";
+    const std::vector<StridedRun> runs = strided_runs(operands_of(list));
+    const std::int64_t sa = aux_stride(list);
+    if (list.size() > 1) {
+      GemmCall call;
+      for (const auto* p : list) call.problems.push_back({p->trans_a, p->trans_b, p->m, p->n, p->k});
+      call.precision = precision(ab);
+      call.strided = runs.size() == 1 && sa >= 0;
+      call.grouped_available = false;  // cuBLASLt has no grouped matmul
+      choice = choose_gemm_path(call, gemm_paths_);
+      if (forced_path_ && *forced_path_ != GemmPath::grouped && (*forced_path_ == GemmPath::loop || call.strided)) {
+        choice.why = std::string(gemm_path_name(*forced_path_)) + " (forced); the table's choice: " + choice.why;
+        choice.path = *forced_path_;
+      }
+    }
+    GemmPath ran = choice.path;
+    int unfused = 0;
+    if (ran == GemmPath::strided_batched) {
+      const StridedRun& r = runs.front();
+      if (!lt_ok(lt_matmul(s, *list.front(), ep, {static_cast<int>(list.size()), r.stride_a, r.stride_b, r.stride_c, sa})))
+        ran = GemmPath::loop;
+    }
+    if (ran == GemmPath::loop)
+      for (const auto* p : list)
+        if (!lt_ok(lt_matmul(s, *p, ep, {}))) {
+          unfused_epilogue(s, *p, ep, act);
+          ++unfused;
+        }
+    std::string why = choice.why + fused;
+    if (ran != choice.path) why = "loop (cuBLASLt refused the batch); " + why;
+    if (unfused > 0)
+      why += "; " + std::to_string(unfused) + " of " + std::to_string(list.size()) +
+             " unfused (cuBLASLt has no GELU kernel for them: cublasGemmEx, then the activation kernel)";
+    note_path(op_name, ran, why);
+    detail += (detail.empty() ? "" : " | ") + why;
+  }
+  if (!detail.empty()) op.set_detail(std::move(detail));
 }
 
 // ---- transformer-block ops -----------------------------------------------------------

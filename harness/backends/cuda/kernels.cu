@@ -326,29 +326,39 @@ __global__ void unpermute_backward_kernel(const T_* __restrict__ dy, const T_* y
 constexpr float kInvSqrt2 = 0.70710678118654752440f;
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
 
-__device__ __forceinline__ float act(bool gelu, float x) {
-  return gelu ? 0.5f * x * (1.0f + erff(x * kInvSqrt2)) : fmaxf(x, 0.0f);
+constexpr float kSqrt2OverPi = 0.79788456080286536f;  // the tanh GeLU's sqrt(2/pi)
+constexpr float kGeluTanhCubic = 0.044715f;            // and its cubic's coefficient
+
+__device__ __forceinline__ float act(Act a, float x) {
+  if (a == Act::gelu) return 0.5f * x * (1.0f + erff(x * kInvSqrt2));
+  if (a == Act::gelu_tanh) return 0.5f * x * (1.0f + tanhf(kSqrt2OverPi * (x + kGeluTanhCubic * x * x * x)));
+  return fmaxf(x, 0.0f);
 }
 // d_out * act'(x), in the cpu backend's order of operations; ReLU selects rather than
 // multiplies so that an inf/NaN gradient at x <= 0 stays 0.
-__device__ __forceinline__ float act_backward(bool gelu, float x, float dy) {
-  if (!gelu) return x > 0.0f ? dy : 0.0f;
+__device__ __forceinline__ float act_backward(Act a, float x, float dy) {
+  if (a == Act::relu) return x > 0.0f ? dy : 0.0f;
+  if (a == Act::gelu_tanh) {
+    const float t = tanhf(kSqrt2OverPi * (x + kGeluTanhCubic * x * x * x));
+    const float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluTanhCubic * x * x);
+    return dy * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du);
+  }
   const float cdf = 0.5f * (1.0f + erff(x * kInvSqrt2));
   const float pdf = kInvSqrt2Pi * expf(-0.5f * x * x);
   return dy * (cdf + x * pdf);
 }
 
 template <class T_>
-__global__ void activation_forward_kernel(bool gelu, const T_* __restrict__ in, T_* __restrict__ out, i64 n) {
+__global__ void activation_forward_kernel(Act a, const T_* __restrict__ in, T_* __restrict__ out, i64 n) {
   for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < n; i += static_cast<i64>(gridDim.x) * blockDim.x)
-    st(out + i, act(gelu, ld(in + i)));
+    st(out + i, act(a, ld(in + i)));
 }
 
 // d_in may alias d_out: no __restrict__ on those two.
 template <class T_>
-__global__ void activation_backward_kernel(bool gelu, const T_* __restrict__ in, const T_* d_out, T_* d_in, i64 n) {
+__global__ void activation_backward_kernel(Act a, const T_* __restrict__ in, const T_* d_out, T_* d_in, i64 n) {
   for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < n; i += static_cast<i64>(gridDim.x) * blockDim.x)
-    st(d_in + i, act_backward(gelu, ld(in + i), ld(d_out + i)));
+    st(d_in + i, act_backward(a, ld(in + i), ld(d_out + i)));
 }
 
 }  // namespace
@@ -521,28 +531,28 @@ void unpermute_backward(cudaStream_t stream, Elem e, const void* dy, const void*
   check_launch("unpermute_backward kernel");
 }
 
-void activation_forward(cudaStream_t stream, Elem e, bool gelu, const void* in, void* out, std::int64_t n) {
+void activation_forward(cudaStream_t stream, Elem e, Act a, const void* in, void* out, std::int64_t n) {
   if (n <= 0) return;
   const unsigned grid = grid_for(n, kElemThreads);
   if (e == Elem::f32)
-    activation_forward_kernel<<<grid, kElemThreads, 0, stream>>>(gelu, static_cast<const float*>(in),
+    activation_forward_kernel<<<grid, kElemThreads, 0, stream>>>(a, static_cast<const float*>(in),
                                                                  static_cast<float*>(out), n);
   else
-    activation_forward_kernel<<<grid, kElemThreads, 0, stream>>>(gelu, static_cast<const __nv_bfloat16*>(in),
+    activation_forward_kernel<<<grid, kElemThreads, 0, stream>>>(a, static_cast<const __nv_bfloat16*>(in),
                                                                  static_cast<__nv_bfloat16*>(out), n);
   check_launch("activation_forward kernel");
 }
 
-void activation_backward(cudaStream_t stream, Elem e, bool gelu, const void* in, const void* d_out, void* d_in,
+void activation_backward(cudaStream_t stream, Elem e, Act a, const void* in, const void* d_out, void* d_in,
                          std::int64_t n) {
   if (n <= 0) return;
   const unsigned grid = grid_for(n, kElemThreads);
   if (e == Elem::f32)
-    activation_backward_kernel<<<grid, kElemThreads, 0, stream>>>(gelu, static_cast<const float*>(in),
+    activation_backward_kernel<<<grid, kElemThreads, 0, stream>>>(a, static_cast<const float*>(in),
                                                                   static_cast<const float*>(d_out),
                                                                   static_cast<float*>(d_in), n);
   else
-    activation_backward_kernel<<<grid, kElemThreads, 0, stream>>>(gelu, static_cast<const __nv_bfloat16*>(in),
+    activation_backward_kernel<<<grid, kElemThreads, 0, stream>>>(a, static_cast<const __nv_bfloat16*>(in),
                                                                   static_cast<const __nv_bfloat16*>(d_out),
                                                                   static_cast<__nv_bfloat16*>(d_in), n);
   check_launch("activation_backward kernel");

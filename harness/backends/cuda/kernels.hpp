@@ -14,6 +14,8 @@ namespace moelab::cuda_kernels {
 
 // Element type of row data (activations, dispatch buffers). Gate tensors are always fp32.
 enum class Elem { f32, bf16 };
+// The activation (moelab::Activation's order): the exact erf GeLU, ReLU, the tanh GeLU.
+enum class Act { gelu, relu, gelu_tanh };
 
 // logits = clean + eps * softplus(noise_raw), n elements.
 void noisy_logits(cudaStream_t stream, const float* clean, const float* noise_raw, const float* eps, float* logits,
@@ -68,8 +70,8 @@ void unpermute_backward(cudaStream_t stream, Elem e, const void* dy, const void*
                         std::int64_t width, std::int64_t rows_n);
 
 // out = act(in); d_in = d_out * act'(in) (d_in may alias d_out). n elements.
-void activation_forward(cudaStream_t stream, Elem e, bool gelu, const void* in, void* out, std::int64_t n);
-void activation_backward(cudaStream_t stream, Elem e, bool gelu, const void* in, const void* d_out, void* d_in,
+void activation_forward(cudaStream_t stream, Elem e, Act a, const void* in, void* out, std::int64_t n);
+void activation_backward(cudaStream_t stream, Elem e, Act a, const void* in, const void* d_out, void* d_in,
                          std::int64_t n);
 
 // out = in converted from `from` to the other element type (fp32 <-> bf16), n elements,

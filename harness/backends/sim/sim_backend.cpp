@@ -385,6 +385,28 @@ class SimBackendImpl final : public Backend {
     t.detail = price.detail;
     issue(s, std::move(t));
   }
+  // A GEMM with its activation in the epilogue, as the cuda backend fuses the tanh GeLU
+  // (cuBLASLt, no grouped path): the GEMM's price on the path the cuda backend would take,
+  // with the aux matrix's bytes in its memory demand; the epilogue's arithmetic (about ten
+  // flops per output element against the main loop's 2k) is not priced (docs/PERFORMANCE.md,
+  // "Fused epilogues in the sim").
+  bool fuses_gemm_epilogue(Activation act, DType) const override { return act == Activation::gelu_tanh; }
+  void grouped_gemm_epilogue(Stream& s, std::span<const GemmProblem> problems, GemmEpilogue ep, Activation act,
+                             const char* nm) override {
+    check_gemm_epilogue(problems, ep);
+    if (act != Activation::gelu_tanh) {
+      Backend::grouped_gemm_epilogue(s, problems, ep, act, nm);
+      return;
+    }
+    const OpCost cost = cost_grouped_gemm_epilogue(problems, ep, act);
+    LocalTask t = op(nm, cost, sim::WorkClass::compute);
+    const sim::Topology::GroupedGemmPrice price = topo_.grouped_gemm(problems, allow_tf32_, false);
+    t.latency = topo_.launch_latency() * static_cast<double>(std::max<std::int64_t>(price.launches, 1));
+    t.demands = {{topo_.sm(rank()), price.seconds}, {topo_.hbm(rank()), cost.bytes_read + cost.bytes_written}};
+    t.detail = (price.detail.empty() ? std::string() : price.detail + "; ") + activation_name(act) +
+               (ep == GemmEpilogue::act_aux ? " in the epilogue" : "'s gradient in the epilogue");
+    issue(s, std::move(t));
+  }
   // The floor: strided-batched runs on the calibration's strided curve where it has one
   // (Topology::batched_gemm_seconds), else one by one as time_bare_gemms.
   double time_batched_gemms(std::span<const GemmProblem> problems, int) override {
