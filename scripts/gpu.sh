@@ -58,7 +58,7 @@ set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${BUILD_DIR:-$root/build-gpu}"
 # The test binaries that run on the cuda backend (their tests skip without a device).
-TESTS=(cuda_backend_test cuda_blocks_test host_pool_test moe_layer_test model_test)
+TESTS=(cuda_backend_test cuda_blocks_test gemm_epilogue_test host_pool_test moe_layer_test model_test)
 
 die() { echo "gpu.sh: $*" >&2; exit 2; }
 

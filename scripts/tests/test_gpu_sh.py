@@ -20,7 +20,7 @@ import unittest
 import fixtures
 
 GPU_SH = os.path.join(fixtures.SCRIPTS, "gpu.sh")
-TESTS = ("cuda_backend_test", "cuda_blocks_test", "host_pool_test", "moe_layer_test", "model_test")
+TESTS = ("cuda_backend_test", "cuda_blocks_test", "gemm_epilogue_test", "host_pool_test", "moe_layer_test", "model_test")
 TEMPLATE = os.path.join(fixtures.ROOT, "results", "measured", "cuda", "nvidia-h100-80gb-hbm3",
                         "small-fastmoe-np1.json")
 
