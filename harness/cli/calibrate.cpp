@@ -22,8 +22,10 @@
 //               keeps (alone / together)
 //   dispatch    the single-device dispatch path: the token permutation (scatter to expert
 //               order) and the exchange of one rank with itself, against size
-//   activations each activation kernel (GeLU, ReLU) forward and backward, per dtype, against
-//               size (the profile's elementwise bandwidth: the fp32 GeLU forward's largest)
+//   activations each activation kernel (GeLU, ReLU, tanh GeLU) forward and backward, per dtype,
+//               against size (the profile's elementwise bandwidth: the fp32 GeLU forward's largest)
+//   epilogues   where the backend fuses the tanh GeLU into a GEMM: one expert's FC1 and FC2
+//               dgrad as the GEMM alone, the GEMM then the activation, and the fused op
 //   comm        with several ranks (mpirun), all-to-all-v of several sizes: recorded for
 //               reference (the cluster models keep the link figures)
 #include <algorithm>
@@ -418,6 +420,66 @@ json measure_activations(Backend& b, Stream& s, const Plan& plan) {
   return out;
 }
 
+// ---- fused epilogues --------------------------------------------------------------------------
+// Where the backend fuses the tanh GeLU into a GEMM (Backend::fuses_gemm_epilogue; docs/GPU.md,
+// "Fused epilogues"): one expert's FC1 (X·W1, then GeLU) and FC2 dgrad (dY·W2ᵀ, then GeLU'), each
+// timed three ways at a few rows: the GEMM alone, the unfused pair (the GEMM, then the activation
+// op), and the fused op. What the fusion saves per call, and how close the fused op comes to its
+// GEMM alone (the sim prices it as the GEMM plus its auxiliary matrix's bytes: docs/PERFORMANCE.md,
+// "Fused epilogues in the sim").
+json measure_epilogues(Backend& b, Stream& s, const Plan& plan) {
+  json out = json::array();
+  const Activation act = Activation::gelu_tanh;
+  const std::int64_t M = plan.cpu ? 256 : 2048, H = plan.cpu ? 1024 : 8192;
+  std::vector<std::int64_t> rows = plan.cpu ? std::vector<std::int64_t>{256, 1024} : std::vector<std::int64_t>{1024, 8192};
+  if (plan.quick) rows = {rows.front()};
+  const double target = plan.cpu ? 0.02 : 2e-3;
+  std::vector<DType> types = {DType::f32};
+  if (b.supports(DType::bf16)) types.insert(types.begin(), DType::bf16);
+  for (DType t : types) {
+    if (!b.fuses_gemm_epilogue(act, t)) continue;
+    Tensor w1 = b.empty({M, H}, t, MemCategory::buffers, s), w2 = b.empty({H, M}, t, MemCategory::buffers, s);
+    fill_values(b, s, w1);
+    fill_values(b, s, w2);
+    for (std::int64_t r : rows) {
+      Tensor x = b.empty({r, M}, t, MemCategory::buffers, s), dy = b.empty({r, M}, t, MemCategory::buffers, s);
+      Tensor pre = b.empty({r, H}, t, MemCategory::buffers, s), y = b.empty({r, H}, t, MemCategory::buffers, s);
+      for (Tensor* v : {&x, &dy}) fill_values(b, s, *v);
+      GemmProblem fwd{false, false, r, H, M, x, w1, pre, 1, 0};
+      GemmProblem dgrad{false, true, r, H, M, dy, w2, y, 1, 0};
+      GemmProblem fwd_fused = fwd, dgrad_fused = dgrad;
+      fwd_fused.c = y;
+      fwd_fused.aux = pre;
+      dgrad_fused.aux = pre;
+      b.gemm(s, fwd, "fc1");  // pre = X·W1: the dgrad's saved pre-activation
+      for (const bool backward : {false, true}) {
+        const GemmProblem& plain = backward ? dgrad : fwd;
+        const GemmProblem& fused = backward ? dgrad_fused : fwd_fused;
+        const double gemm_s = time_per_call(b, plan.reps, target, [&] { b.gemm(s, plain, "gemm"); });
+        const double unfused_s = time_per_call(b, plan.reps, target, [&] {
+          b.gemm(s, plain, "gemm");
+          if (backward)
+            b.activation_backward(s, act, pre, y, y);
+          else
+            b.activation_forward(s, act, pre, y);
+        });
+        const double fused_s = time_per_call(b, plan.reps, target, [&] {
+          b.grouped_gemm_epilogue(s, {&fused, 1}, backward ? GemmEpilogue::dact : GemmEpilogue::act_aux, act, "fused");
+        });
+        out.push_back({{"op", backward ? "dgrad" : "fwd"}, {"activation", activation_name(act)}, {"dtype", dtype_name(t)},
+                       {"rows", r}, {"d_model", M}, {"d_hidden", H}, {"gemm_s", gemm_s}, {"unfused_s", unfused_s},
+                       {"fused_s", fused_s}});
+        if (plan.print)
+          std::printf("epilogue %-5s %s %6lld rows  gemm %8.3f ms  gemm+%s %8.3f ms  fused %8.3f ms\n",
+                      backward ? "dgrad" : "fwd", dtype_name(t), static_cast<long long>(r), gemm_s * 1e3,
+                      activation_name(act), unfused_s * 1e3, fused_s * 1e3);
+      }
+    }
+  }
+  b.clear_timeline();
+  return out;
+}
+
 }  // namespace
 
 int calibrate_command(const std::vector<std::string>& args) {
@@ -443,7 +505,9 @@ int calibrate_command(const std::vector<std::string>& args) {
           "on each library path against rows per expert, copy bandwidth against size, launch, event\n"
           "and synchronisation overheads, copy/GEMM interference, the single-device dispatch path\n"
           "(permutation and the exchange with itself), each activation's rate forward and backward\n"
-          "(the GeLU's gives the elementwise bandwidth), all-to-all-v under mpirun, and writes a calibration profile for `moelab run --backend sim --profile FILE`,\n"
+          "(the GeLU's gives the elementwise bandwidth), the fused GEMM epilogue against the GEMM and\n"
+          "the GEMM-then-activation pair (where the backend fuses), all-to-all-v under mpirun, and\n"
+          "writes a calibration profile for `moelab run --backend sim --profile FILE`,\n"
           "`moelab run --backend cuda --profile FILE` (its GEMM-path table) and\n"
           "scripts/fit_gemm_efficiency.py --profile FILE (a fitted GEMM calibration).");
       return 0;
@@ -544,6 +608,7 @@ int calibrate_command(const std::vector<std::string>& args) {
   const json interference = measure_interference(*b, s, plan);
   const json dispatch = measure_dispatch(*b, s, plan, *comm);
   const json activations = measure_activations(*b, s, plan);
+  const json epilogues = measure_epilogues(*b, s, plan);
   // The profile's elementwise bandwidth: the fp32 GeLU forward at its largest size (one read,
   // one write of 4 bytes per element).
   double elementwise = 0;
@@ -595,7 +660,8 @@ int calibrate_command(const std::vector<std::string>& args) {
                   {"overheads", overheads},
                   {"interference", interference},
                   {"dispatch", dispatch},
-                  {"activations", activations}};
+                  {"activations", activations},
+                  {"epilogues", epilogues}};
   outputs.stage(out, profile);
   outputs.commit();
   std::printf("profile %s\n", out.c_str());

@@ -880,6 +880,26 @@ void parse_profile_samples(const Fields& f, Profile& p) {
                     a.seconds = seconds(af, "seconds");
                     p.activations.push_back(a);
                   });
+  for_each_object(f, "epilogues",
+                  "an array of {op, activation, dtype, rows, d_model, d_hidden, gemm_s, unfused_s, fused_s}",
+                  [&](const json& e, const std::string& pre) {
+                    Fields ef(e, path, pre,
+                              {"op", "activation", "dtype", "rows", "d_model", "d_hidden", "gemm_s", "unfused_s", "fused_s"});
+                    EpilogueSample x;
+                    (void)ef.require("op");
+                    x.op = ef.choice_or("op", "", {"fwd", "dgrad"});
+                    (void)ef.require("activation");
+                    x.activation = ef.choice_or("activation", "", activation_names());
+                    (void)ef.require("dtype");
+                    x.dtype = ef.choice_or("dtype", "", {"fp32", "bf16"});
+                    x.rows = ef.integer("rows", 1, limits::kMaxTokensPerRank);
+                    x.d_model = ef.integer("d_model", 1, limits::kMaxDModel);
+                    x.d_hidden = ef.integer("d_hidden", 1, limits::kMaxHidden);
+                    x.gemm_s = seconds(ef, "gemm_s");
+                    x.unfused_s = seconds(ef, "unfused_s");
+                    x.fused_s = seconds(ef, "fused_s");
+                    p.epilogues.push_back(x);
+                  });
 }
 
 Profile parse_profile(const json& j, const std::string& path) {
@@ -887,7 +907,7 @@ Profile parse_profile(const json& j, const std::string& path) {
   Fields f(j, path, "",
            {"schema", "name", "mode", "backend", "device", "date", "commit", "gemm", "h2d_bw", "d2h_bw", "d2d_bw",
             "elementwise_bw", "launch_latency", "collectives", "gemm_paths", "copies", "overheads", "interference",
-            "dispatch", "activations"});
+            "dispatch", "activations", "epilogues"});
   check_schema(f, kProfileSchema, true);
   Profile p;
   p.origin = path;
@@ -1084,6 +1104,20 @@ nlohmann::json to_json(const Profile& p) {
                    {"elements", x.elements},
                    {"seconds", x.seconds}});
     j["activations"] = a;
+  }
+  if (!p.epilogues.empty()) {
+    json a = json::array();
+    for (const auto& x : p.epilogues)
+      a.push_back({{"op", x.op},
+                   {"activation", x.activation},
+                   {"dtype", x.dtype},
+                   {"rows", x.rows},
+                   {"d_model", x.d_model},
+                   {"d_hidden", x.d_hidden},
+                   {"gemm_s", x.gemm_s},
+                   {"unfused_s", x.unfused_s},
+                   {"fused_s", x.fused_s}});
+    j["epilogues"] = a;
   }
   return j;
 }

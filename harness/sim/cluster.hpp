@@ -245,6 +245,18 @@ struct DispatchSample {
   double bytes = 0, seconds = 0;
 };
 
+// One fused-epilogue GEMM (moelab calibrate, "epilogues"): one expert's FC1 ("fwd") or FC2
+// dgrad ("dgrad") of rows x d_model x d_hidden, timed as the GEMM alone, the GEMM then its
+// activation op, and the fused op. Recorded, not used by the time model: what the fusion saves,
+// and how far the fused op is from the sim's price for it (its GEMM).
+struct EpilogueSample {
+  std::string op;          // "fwd", "dgrad"
+  std::string activation;  // the fused activation ("gelu_tanh")
+  std::string dtype;       // "fp32", "bf16"
+  std::int64_t rows = 0, d_model = 0, d_hidden = 0;
+  double gemm_s = 0, unfused_s = 0, fused_s = 0;
+};
+
 struct Profile {
   std::string name, device, date, commit, origin;
   std::vector<GemmSample> gemm;
@@ -261,6 +273,7 @@ struct Profile {
   std::vector<InterferenceSample> interference;
   std::vector<DispatchSample> dispatch;
   std::vector<ActivationSample> activations;
+  std::vector<EpilogueSample> epilogues;
 };
 Profile load_profile(const std::string& path);  // ConfigError on bad files
 nlohmann::json to_json(const Profile& p);

@@ -303,5 +303,40 @@ TEST(SimKernelRates, ProfileActivationSamples) {
   }
 }
 
+// A profile's fused-epilogue samples (moelab calibrate, "epilogues"): read, written back, and
+// each field checked by name.
+TEST(SimKernelRates, ProfileEpilogueSamples) {
+  TempDir t;
+  const json sample = {{"op", "dgrad"},  {"activation", "gelu_tanh"}, {"dtype", "bf16"},
+                       {"rows", 8192},   {"d_model", 2048},           {"d_hidden", 8192},
+                       {"gemm_s", 3e-4}, {"unfused_s", 4e-4},         {"fused_s", 3.1e-4}};
+  json p = {{"schema", "moelab.profile/1"}, {"device", "toy"}, {"epilogues", json::array({sample})}};
+  const sim::Profile got = sim::load_profile(t.write("p.json", p));
+  ASSERT_EQ(got.epilogues.size(), 1u);
+  EXPECT_EQ(got.epilogues[0].op, "dgrad");
+  EXPECT_EQ(got.epilogues[0].activation, "gelu_tanh");
+  EXPECT_EQ(got.epilogues[0].rows, 8192);
+  EXPECT_DOUBLE_EQ(got.epilogues[0].unfused_s, 4e-4);
+  EXPECT_EQ(sim::to_json(got)["epilogues"], p["epilogues"]);
+  EXPECT_FALSE(sim::to_json(sim::load_profile(t.write("none.json", {{"schema", "moelab.profile/1"}, {"device", "toy"}})))
+                   .contains("epilogues"));
+  const auto fails = [&](const std::function<void(json&)>& edit, const std::string& part) {
+    json bad = p;
+    edit(bad["epilogues"][0]);
+    try {
+      (void)sim::load_profile(t.write("bad.json", bad));
+      ADD_FAILURE() << "accepted; expected a message naming " << part;
+    } catch (const ConfigError& e) {
+      EXPECT_HAS(std::string(e.what()), part);
+    }
+  };
+  fails([](json& e) { e["op"] = "wgrad"; }, "epilogues[0].op");
+  fails([](json& e) { e["activation"] = "swish"; }, "epilogues[0].activation");
+  fails([](json& e) { e["fused_s"] = 0; }, "epilogues[0].fused_s");
+  fails([](json& e) { e.erase("gemm_s"); }, "epilogues[0].gemm_s");
+  fails([](json& e) { e["rows"] = -1; }, "epilogues[0].rows");
+  fails([](json& e) { e["speedup"] = 1.2; }, "epilogues[0].speedup");
+}
+
 }  // namespace
 }  // namespace moelab
