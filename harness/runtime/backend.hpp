@@ -228,7 +228,8 @@ class Backend {
   virtual void unpermute_backward(Stream& s, const Tensor& dy, const Tensor& y_perm, const Tensor& slot,
                                   const Tensor& w, Tensor& d_y_perm, Tensor& dw) = 0;
 
-  // out = act(in);  d_in = d_out * act'(in)  (d_in may alias d_out). GeLU is the exact erf form.
+  // out = act(in);  d_in = d_out * act'(in)  (d_in may alias d_out). gelu is the exact erf form,
+  // gelu_tanh its tanh approximation (op_types.hpp).
   virtual void activation_forward(Stream& s, Activation a, const Tensor& in, Tensor& out) = 0;
   virtual void activation_backward(Stream& s, Activation a, const Tensor& in, const Tensor& d_out,
                                    Tensor& d_in) = 0;
