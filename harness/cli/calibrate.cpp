@@ -387,10 +387,10 @@ json measure_dispatch(Backend& b, Stream& s, const Plan& plan, Communicator& com
 
 // ---- activations ----------------------------------------------------------------------------------
 // Each activation kernel (the erf GeLU, ReLU, the tanh GeLU) forward (in -> out) and backward
-// (in, d_out -> d_in), per dtype, on
-// uniform values in [-1, 1) at a few sizes: the sim prices an activation at the elements/s the
-// fit draws from these where it is slower than moving its bytes (on a CPU the exact-erf GeLU
-// is bound by arithmetic; docs/PERFORMANCE.md, "Kernel rates in the sim").
+// (in, d_out -> d_in), per dtype, on uniform values in [-1, 1) at a few sizes: the sim prices
+// an activation at the elements/s the fit draws from these where it is slower than moving its
+// bytes (on a CPU the exact-erf GeLU is bound by arithmetic; docs/PERFORMANCE.md, "Kernel rates
+// in the sim").
 json measure_activations(Backend& b, Stream& s, const Plan& plan) {
   std::vector<std::int64_t> sizes = plan.cpu ? std::vector<std::int64_t>{1 << 20, 1 << 22, 1 << 24}
                                              : std::vector<std::int64_t>{1 << 22, 1 << 24, 1 << 26};

@@ -69,15 +69,22 @@ const char* gemm_epilogue_name(GemmEpilogue e) {
   return "?";
 }
 
+namespace {
+constexpr Activation kActivations[] = {Activation::gelu, Activation::relu, Activation::gelu_tanh};
+}  // namespace
+
 const std::vector<std::string>& activation_names() {
-  static const std::vector<std::string> names{"gelu", "relu", "gelu_tanh"};
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> v;
+    for (Activation a : kActivations) v.emplace_back(activation_name(a));
+    return v;
+  }();
   return names;
 }
 
 Activation parse_activation(const std::string& s) {
-  if (s == "gelu") return Activation::gelu;
-  if (s == "relu") return Activation::relu;
-  if (s == "gelu_tanh") return Activation::gelu_tanh;
+  for (Activation a : kActivations)
+    if (s == activation_name(a)) return a;
   throw ConfigError("unknown activation \"" + s + "\" (expected gelu, relu or gelu_tanh)");
 }
 

@@ -873,10 +873,20 @@ class CudaBackend final : public Backend {
   void gemm_one(cublasHandle_t h, const GemmProblem& p);
   cublasStatus_t gemm_strided(cublasHandle_t h, std::span<const GemmProblem* const> run, const StridedRun& r);
   cublasStatus_t gemm_grouped(cublasHandle_t h, cudaStream_t st, std::span<const GemmProblem* const> list);
+  // The path of a call of several problems of one type combination (A/B in `ab`): the table's
+  // choice among the paths that can run (strided: one equal batch; grouped: the library has it
+  // for these types), or the forced path (force_gemm_path) where it can run.
+  GemmPathChoice choose_path(std::span<const GemmProblem* const> list, DType ab, bool strided, bool grouped);
   // A padded call (harness/runtime/backend.hpp, GemmProblem::token_stride) as one strided batch
-  // over its padded rows when the chooser picks that: true when it ran so.
-  bool padded_strided(cublasHandle_t h, std::span<const GemmProblem> problems, CudaOpScope& op,
-                      const std::string& op_name);
+  // over its padded rows, when the table (or a forced strided path) picks that: the padded
+  // problems, their run and why; nullopt: the problems' own rows, as for any call.
+  struct PaddedBatch {
+    std::vector<GemmProblem> problems;
+    std::vector<const GemmProblem*> list;  // into problems
+    StridedRun run;
+    std::string why;
+  };
+  std::optional<PaddedBatch> padded_batch(std::span<const GemmProblem> problems, bool grouped_available);
   void note_path(const std::string& op, GemmPath path, const std::string& why);
   // One cublasLtMatmul with the epilogue: `batch` problems from `p` at the given element
   // strides (1: p alone). NOT_SUPPORTED when cuBLASLt has no kernel for it (the caller runs it
@@ -971,6 +981,29 @@ std::string gemm_precision(DType ab, bool tf32) {
   return tf32 ? "tf32" : "fp32";
 }
 
+// The problems that multiply (m, n, k > 0); `empty_product(p)` is called for each with an output
+// but nothing to multiply (k = 0).
+template <class F>
+std::vector<const GemmProblem*> live_problems(std::span<const GemmProblem> problems, F&& empty_product) {
+  std::vector<const GemmProblem*> live;
+  for (const auto& p : problems) {
+    if (p.m == 0 || p.n == 0) continue;
+    if (p.k > 0)
+      live.push_back(&p);
+    else
+      empty_product(p);
+  }
+  return live;
+}
+
+// The problems by (A/B type, C type): the grouped, strided-batched and cuBLASLt calls take one
+// type combination each.
+std::map<std::pair<int, int>, std::vector<const GemmProblem*>> by_types(const std::vector<const GemmProblem*>& list) {
+  std::map<std::pair<int, int>, std::vector<const GemmProblem*>> out;
+  for (const auto* p : list) out[{static_cast<int>(p->a.dtype()), static_cast<int>(p->c.dtype())}].push_back(p);
+  return out;
+}
+
 }  // namespace
 
 void CudaBackend::gemm_one(cublasHandle_t h, const GemmProblem& p) {
@@ -990,17 +1023,26 @@ void CudaBackend::grouped_gemm(Stream& s, std::span<const GemmProblem> problems,
   // A padded layout (every problem with the same token stride, MoELayer::set_expert_layout): one
   // strided batch over the padded rows when the table's estimate for it wins (padding waste
   // within max_padding_waste); otherwise the problems' own rows below, as for any call.
-  if (problems.size() > 1 && common_token_stride(problems) > 0 && padded_strided(h, problems, op, name ? name : "gemm"))
-    return;
+  const std::string op_name = name ? name : "gemm";
+  if (problems.size() > 1 && common_token_stride(problems) > 0)
+    if (std::optional<PaddedBatch> pb = padded_batch(problems, true)) {
+      const GemmProblem& f = pb->problems.front();
+      const std::pair<int, int> types{static_cast<int>(f.a.dtype()), static_cast<int>(f.c.dtype())};
+      const cublasStatus_t status = gemm_strided(h, pb->list, pb->run);
+      if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
+        std::lock_guard lock(mu_);
+        strided_unsupported_.insert(types);
+      }
+      if (status != CUBLAS_STATUS_NOT_SUPPORTED && status != CUBLAS_STATUS_INVALID_VALUE) {
+        cublas_check(status, "cublasGemmStridedBatchedEx (padded)");
+        note_path(op_name, GemmPath::strided_batched, pb->why);
+        op.set_detail(pb->why);
+        return;
+      }
+    }
 
   // k == 0: C = beta * C (nothing to multiply). beta == 0 must not read C (it may hold NaN).
-  std::vector<const GemmProblem*> live;
-  for (const auto& p : problems) {
-    if (p.m == 0 || p.n == 0) continue;
-    if (p.k > 0) {
-      live.push_back(&p);
-      continue;
-    }
+  const std::vector<const GemmProblem*> live = live_problems(problems, [&](const GemmProblem& p) {
     const std::size_t bytes = static_cast<std::size_t>(p.m * p.n) * dtype_size(p.c.dtype());
     if (p.beta == 0.0f) {
       cuda_check(cudaMemsetAsync(p.c.raw(), 0, bytes, st), "cudaMemsetAsync (gemm k=0)");
@@ -1008,40 +1050,25 @@ void CudaBackend::grouped_gemm(Stream& s, std::span<const GemmProblem> problems,
       cublas_check(cublasScalEx_64(h, p.m * p.n, &p.beta, CUDA_R_32F, p.c.raw(), cuda_type(p.c.dtype()), 1, CUDA_R_32F),
                    "cublasScalEx (gemm k=0)");
     }
-  }
+  });
   if (live.empty()) return;
 
-  // One choice per (A/B type, C type): the grouped and strided-batched calls take one type
-  // combination each.
-  std::map<std::pair<int, int>, std::vector<const GemmProblem*>> by_type;
-  for (const auto* p : live) by_type[{static_cast<int>(p->a.dtype()), static_cast<int>(p->c.dtype())}].push_back(p);
+  // One choice per (A/B type, C type).
   std::string detail;
-  const std::string op_name = name ? name : "gemm";
-  for (auto& [types, list] : by_type) {
+  for (auto& [types, list] : by_types(live)) {
     if (list.size() == 1) {  // the chooser's answer, without its work (every dense GEMM comes here)
       gemm_one(h, *list.front());
       note_path(op_name, GemmPath::loop, "one problem: one cublasGemmEx");
       continue;
     }
-    const DType ab = static_cast<DType>(types.first);
-    GemmCall call;
-    for (const auto* p : list) call.problems.push_back({p->trans_a, p->trans_b, p->m, p->n, p->k});
-    call.precision = gemm_precision(ab, ab == DType::f32 && (opt_.allow_tf32 || allow_tf32_));
     const std::vector<StridedRun> runs = strided_runs(operands_of(list));
-    GemmPathChoice choice;
+    bool strided = false, grouped = false;
     {
       std::lock_guard lock(mu_);
-      call.strided = runs.size() == 1 && list.size() > 1 && strided_unsupported_.count(types) == 0;
-      call.grouped_available = grouped_unsupported_.count(types) == 0;
-      choice = choose_gemm_path(call, gemm_paths_);
-      const bool can = !forced_path_ || (*forced_path_ == GemmPath::loop) ||
-                       (*forced_path_ == GemmPath::strided_batched && call.strided) ||
-                       (*forced_path_ == GemmPath::grouped && call.grouped_available && list.size() > 1);
-      if (forced_path_ && can && *forced_path_ != choice.path) {
-        choice.path = *forced_path_;
-        choice.why = std::string(gemm_path_name(choice.path)) + " (forced); the table's choice: " + choice.why;
-      }
+      strided = runs.size() == 1 && strided_unsupported_.count(types) == 0;
+      grouped = grouped_unsupported_.count(types) == 0;
     }
+    const GemmPathChoice choice = choose_path(list, static_cast<DType>(types.first), strided, grouped);
     // Not every type combination has a grouped or strided kernel (bf16 inputs with an fp32 C,
     // say): a refusal runs the loop instead (cublasGemmEx rejects loudly whatever is really
     // invalid), and a type combination refused as unsupported is not tried again.
@@ -1071,42 +1098,51 @@ void CudaBackend::grouped_gemm(Stream& s, std::span<const GemmProblem> problems,
   if (!detail.empty()) op.set_detail(std::move(detail));
 }
 
-bool CudaBackend::padded_strided(cublasHandle_t h, std::span<const GemmProblem> problems, CudaOpScope& op,
-                                 const std::string& op_name) {
-  std::vector<GemmProblem> padded;
-  for (const auto& p : problems) padded.push_back(padded_problem(p));
-  std::vector<const GemmProblem*> list;
-  for (const auto& p : padded) list.push_back(&p);
-  const std::vector<StridedRun> runs = strided_runs(operands_of(list));
-  if (runs.size() != 1) return false;  // not one equally strided batch: the problems' own rows
-  const std::pair<int, int> types{static_cast<int>(padded.front().a.dtype()), static_cast<int>(padded.front().c.dtype())};
-  const DType ab = padded.front().a.dtype();
+GemmPathChoice CudaBackend::choose_path(std::span<const GemmProblem* const> list, DType ab, bool strided,
+                                        bool grouped) {
+  GemmCall call;
+  for (const auto* p : list) call.problems.push_back({p->trans_a, p->trans_b, p->m, p->n, p->k});
+  call.precision = gemm_precision(ab, ab == DType::f32 && (opt_.allow_tf32 || allow_tf32_));
+  call.strided = strided && list.size() > 1;
+  call.grouped_available = grouped;
+  std::lock_guard lock(mu_);
+  GemmPathChoice choice = choose_gemm_path(call, gemm_paths_);
+  const bool can = !forced_path_ || (*forced_path_ == GemmPath::loop) ||
+                   (*forced_path_ == GemmPath::strided_batched && call.strided) ||
+                   (*forced_path_ == GemmPath::grouped && call.grouped_available && list.size() > 1);
+  if (forced_path_ && can && *forced_path_ != choice.path) {
+    choice.path = *forced_path_;
+    choice.why = std::string(gemm_path_name(choice.path)) + " (forced); the table's choice: " + choice.why;
+  }
+  return choice;
+}
+
+std::optional<CudaBackend::PaddedBatch> CudaBackend::padded_batch(std::span<const GemmProblem> problems,
+                                                                  bool grouped_available) {
+  PaddedBatch pb;
+  for (const auto& p : problems) pb.problems.push_back(padded_problem(p));
+  for (const auto& p : pb.problems) pb.list.push_back(&p);
+  const std::vector<StridedRun> runs = strided_runs(operands_of(pb.list));
+  if (runs.size() != 1) return std::nullopt;  // not one equally strided batch: the problems' own rows
+  const GemmProblem& f = pb.problems.front();
+  const std::pair<int, int> types{static_cast<int>(f.a.dtype()), static_cast<int>(f.c.dtype())};
+  const DType ab = f.a.dtype();
   GemmCall call = padded_gemm_call(problems, gemm_precision(ab, ab == DType::f32 && (opt_.allow_tf32 || allow_tf32_)));
-  if (call.problems.empty()) return false;
-  GemmPathChoice choice;
-  {
-    std::lock_guard lock(mu_);
-    if (strided_unsupported_.count(types)) return false;
-    call.grouped_available = grouped_unsupported_.count(types) == 0;
-    choice = choose_gemm_path(call, gemm_paths_);
-    if (forced_path_) {
-      if (*forced_path_ != GemmPath::strided_batched) return false;  // the forced path runs the problems' own rows
-      if (choice.path != GemmPath::strided_batched)
-        choice.why = "strided_batched over " + std::to_string(call.padded_rows) + " padded rows (forced); the table's choice: " + choice.why;
-      choice.path = GemmPath::strided_batched;
-    }
+  if (call.problems.empty()) return std::nullopt;
+  std::lock_guard lock(mu_);
+  if (strided_unsupported_.count(types)) return std::nullopt;
+  call.grouped_available = grouped_available && grouped_unsupported_.count(types) == 0;
+  GemmPathChoice choice = choose_gemm_path(call, gemm_paths_);
+  if (forced_path_) {
+    if (*forced_path_ != GemmPath::strided_batched) return std::nullopt;  // the forced path runs the problems' own rows
+    if (choice.path != GemmPath::strided_batched)
+      choice.why = "strided_batched over " + std::to_string(call.padded_rows) + " padded rows (forced); the table's choice: " + choice.why;
+    choice.path = GemmPath::strided_batched;
   }
-  if (choice.path != GemmPath::strided_batched) return false;
-  const cublasStatus_t status = gemm_strided(h, list, runs.front());
-  if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
-    std::lock_guard lock(mu_);
-    strided_unsupported_.insert(types);
-  }
-  if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE) return false;
-  cublas_check(status, "cublasGemmStridedBatchedEx (padded)");
-  note_path(op_name, GemmPath::strided_batched, choice.why);
-  op.set_detail(choice.why);
-  return true;
+  if (choice.path != GemmPath::strided_batched) return std::nullopt;
+  pb.run = runs.front();
+  pb.why = choice.why;
+  return pb;
 }
 
 void CudaBackend::note_path(const std::string& op, GemmPath path, const std::string& why) {
@@ -1365,69 +1401,37 @@ void CudaBackend::grouped_gemm_epilogue(Stream& s, std::span<const GemmProblem> 
     cublas_check(st, "cublasLtMatmul");
     return false;
   };
-  const auto precision = [&](DType ab) { return gemm_precision(ab, ab == DType::f32 && (opt_.allow_tf32 || allow_tf32_)); };
 
-  // The padded layout: one batch over the padded rows when the table picks the strided path.
-  if (problems.size() > 1 && common_token_stride(problems) > 0) {
-    std::vector<GemmProblem> padded;
-    for (const auto& p : problems) padded.push_back(padded_problem(p));
-    std::vector<const GemmProblem*> list;
-    for (const auto& p : padded) list.push_back(&p);
-    const std::vector<StridedRun> runs = strided_runs(operands_of(list));
-    const std::int64_t sa = aux_stride(list);
-    GemmCall call = padded_gemm_call(problems, precision(padded.front().a.dtype()));
-    call.grouped_available = false;
-    if (runs.size() == 1 && sa >= 0 && !call.problems.empty()) {
-      GemmPathChoice choice = choose_gemm_path(call, gemm_paths_);
-      if (forced_path_ && *forced_path_ == GemmPath::strided_batched) {
-        choice.why = "strided_batched over " + std::to_string(call.padded_rows) + " padded rows (forced); the table's choice: " + choice.why;
-        choice.path = GemmPath::strided_batched;
-      }
-      const StridedRun& r = runs.front();
-      if (choice.path == GemmPath::strided_batched &&
-          lt_ok(lt_matmul(s, padded.front(), ep, {static_cast<int>(list.size()), r.stride_a, r.stride_b, r.stride_c, sa}))) {
-        note_path(op_name, GemmPath::strided_batched, choice.why + fused);
-        op.set_detail(choice.why + fused);
+  // The padded layout: one batch over the padded rows when the table picks the strided path
+  // (cuBLASLt has no grouped matmul to weigh against it).
+  if (problems.size() > 1 && common_token_stride(problems) > 0)
+    if (std::optional<PaddedBatch> pb = padded_batch(problems, false)) {
+      const std::int64_t sa = aux_stride(pb->list);
+      const StridedRun& r = pb->run;
+      if (sa >= 0 && lt_ok(lt_matmul(s, pb->problems.front(), ep,
+                                     {static_cast<int>(pb->list.size()), r.stride_a, r.stride_b, r.stride_c, sa}))) {
+        note_path(op_name, GemmPath::strided_batched, pb->why + fused);
+        op.set_detail(pb->why + fused);
         return;
       }
     }
-  }
 
-  std::vector<const GemmProblem*> live;
-  for (const auto& p : problems) {
-    if (p.m == 0 || p.n == 0) continue;
-    if (p.k > 0) {
-      live.push_back(&p);
-      continue;
-    }
-    // k == 0: the product is zero, and so are GeLU(0) and 0 · GeLU'(aux).
+  // k == 0: the product is zero, and so are GeLU(0) and 0 · GeLU'(aux).
+  const std::vector<const GemmProblem*> live = live_problems(problems, [&](const GemmProblem& p) {
     const std::size_t bytes = static_cast<std::size_t>(p.m * p.n) * dtype_size(p.c.dtype());
     cuda_check(cudaMemsetAsync(p.c.raw(), 0, bytes, native(s)), "cudaMemsetAsync (gemm k=0)");
     if (ep == GemmEpilogue::act_aux)
       cuda_check(cudaMemsetAsync(p.aux.raw(), 0, bytes, native(s)), "cudaMemsetAsync (gemm k=0)");
-  }
-  std::map<std::pair<int, int>, std::vector<const GemmProblem*>> by_type;
-  for (const auto* p : live) by_type[{static_cast<int>(p->a.dtype()), static_cast<int>(p->c.dtype())}].push_back(p);
+  });
   std::string detail;
-  for (auto& [types, list] : by_type) {
-    const DType ab = static_cast<DType>(types.first);
+  for (auto& [types, list] : by_types(live)) {
     GemmPathChoice choice;
     choice.path = GemmPath::loop;
     choice.why = "one problem: one cublasLtMatmul";
     const std::vector<StridedRun> runs = strided_runs(operands_of(list));
     const std::int64_t sa = aux_stride(list);
-    if (list.size() > 1) {
-      GemmCall call;
-      for (const auto* p : list) call.problems.push_back({p->trans_a, p->trans_b, p->m, p->n, p->k});
-      call.precision = precision(ab);
-      call.strided = runs.size() == 1 && sa >= 0;
-      call.grouped_available = false;  // cuBLASLt has no grouped matmul
-      choice = choose_gemm_path(call, gemm_paths_);
-      if (forced_path_ && *forced_path_ != GemmPath::grouped && (*forced_path_ == GemmPath::loop || call.strided)) {
-        choice.why = std::string(gemm_path_name(*forced_path_)) + " (forced); the table's choice: " + choice.why;
-        choice.path = *forced_path_;
-      }
-    }
+    if (list.size() > 1)  // no grouped path: cuBLASLt has no grouped matmul
+      choice = choose_path(list, static_cast<DType>(types.first), runs.size() == 1 && sa >= 0, false);
     GemmPath ran = choice.path;
     int unfused = 0;
     if (ran == GemmPath::strided_batched) {
