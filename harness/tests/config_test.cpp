@@ -156,7 +156,7 @@ TEST(Workload, CapacityIsCeilOfFactorTimesFairShare) {
 }
 
 TEST(Workload, ShippedWorkloadsLoad) {
-  const fs::path dir = fs::path(__FILE__).parent_path() / ".." / ".." / "experiments" / "workloads";
+  const fs::path dir = fs::path(sim::experiments_dir()) / "workloads";
   if (!fs::is_directory(dir)) GTEST_SKIP() << "no " << dir;
   int n = 0;
   for (const auto& e : fs::directory_iterator(dir)) {

@@ -15,6 +15,7 @@
 
 #include "harness/config/model.hpp"
 #include "harness/runtime/error.hpp"
+#include "harness/sim/cluster.hpp"
 #include "harness/tests/config_test_util.hpp"
 
 namespace moelab {
@@ -28,7 +29,8 @@ using test::expect_contains;
 using test::expect_rejected;
 using test::TempDir;
 
-const fs::path kModels = fs::path(__FILE__).parent_path() / ".." / ".." / "experiments" / "models";
+// The catalogue the program reads (MOELAB_EXPERIMENTS, else the source tree), wherever the test runs.
+const fs::path kModels = fs::path(sim::experiments_dir()) / "models";
 
 std::string model_path(const std::string& stem) { return (kModels / (stem + ".json")).string(); }
 

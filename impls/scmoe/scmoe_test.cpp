@@ -465,7 +465,7 @@ struct SimRun {
 };
 SimRun sim_pair(const std::string& path_override_slot, ShortcutPosition position = ShortcutPosition::pos2) {
   TransformerConfig cfg = load_transformer(
-      (std::filesystem::path(__FILE__).parent_path() / ".." / ".." / "experiments" / "models" / "gpt2-moe-small-scmoe.json")
+      (std::filesystem::path(sim::experiments_dir()) / "models" / "gpt2-moe-small-scmoe.json")
           .string());
   if (!path_override_slot.empty()) cfg.scmoe.expert_slot = std::stoi(path_override_slot);
   cfg.scmoe.position = position;
@@ -511,7 +511,7 @@ SimRun sim_pair(const std::string& path_override_slot, ShortcutPosition position
 // (attention, top-2 MoE), unpipelined, blocks one after the other.
 SimRun sim_top2_pair() {
   TransformerConfig cfg = load_transformer(
-      (std::filesystem::path(__FILE__).parent_path() / ".." / ".." / "experiments" / "models" / "gpt2-moe-small.json").string());
+      (std::filesystem::path(sim::experiments_dir()) / "models" / "gpt2-moe-small.json").string());
   SimOptions o;
   o.cluster = sim::load_cluster("pcie-a30x1");
   SimCluster cluster(o);
