@@ -890,7 +890,9 @@ class CudaBackend final : public Backend {
   void note_path(const std::string& op, GemmPath path, const std::string& why);
   // One cublasLtMatmul with the epilogue: `batch` problems from `p` at the given element
   // strides (1: p alone). NOT_SUPPORTED when cuBLASLt has no kernel for it (the caller runs it
-  // unfused); the heuristic's answer is cached per shape, types, strides and alignments.
+  // unfused); the heuristic's answer is cached per shape, types, strides and alignments. The
+  // descriptor and layouts are made per call, as PyTorch's cuBLASLt calls make theirs
+  // (aten/src/ATen/cuda/CUDABlas.cpp), which also ask the heuristic every call.
   struct LtStrides {
     int batch = 1;
     std::int64_t a = 0, b = 0, c = 0, aux = 0;
