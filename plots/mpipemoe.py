@@ -110,7 +110,8 @@ def main():
                 ax.set_xlabel("tokens per GPU (B); n = partitions chosen by the search ("
                               + "/".join(sy for sy in systems if any(sy in p["results"] for p in dp)) + ")")
                 ax.set_title(f"{dtype}: speed-up per MoE layer step", loc="left", fontsize=10)
-                ax.legend(fontsize=7, loc="upper left", ncol=2, frameon=False)
+                if ax.get_legend_handles_labels()[0]:  # a panel with no runs has no bars to name
+                    ax.legend(fontsize=7, loc="upper left", ncol=2, frameon=False)
                 if notes:
                     ax.text(0.01, 0.86, "\n".join(notes), transform=ax.transAxes, ha="left", va="top",
                             fontsize=7, color="#d62728")
@@ -137,7 +138,8 @@ def main():
                 ax.set_ylabel("peak device memory (GiB)")
                 ax.set_xlabel("tokens per GPU (B)")
                 ax.set_title(f"{dtype}: peak memory of the highest rank", loc="left", fontsize=10)
-                ax.legend(fontsize=7, loc="upper left", ncol=len(impls), frameon=False)
+                if impls:
+                    ax.legend(fontsize=7, loc="upper left", ncol=len(impls), frameon=False)
                 if notes:
                     ax.text(0.01, 0.86, "\n".join(notes), transform=ax.transAxes, ha="left", va="top",
                             fontsize=7, color="#d62728")

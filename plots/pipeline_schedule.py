@@ -175,7 +175,7 @@ def main():
     handles = [Patch(facecolor=COLOURS[k], edgecolor="black", label=names[k]) for k in "FBWR" if k in seen]
     if any(p[1].get("chunks", 1) > 1 for p in panels):
         handles.append(Patch(facecolor=lighten(COLOURS["F"], 0.45), edgecolor="black", label="lighter: odd chunks"))
-    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.01, top), ncol=len(handles), fontsize=8,
+    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.01, top), ncol=max(1, len(handles)), fontsize=8,
                frameon=False)
     top -= 0.35 / fig.get_figheight()
     fig.tight_layout(rect=(0, 0, 1, top))

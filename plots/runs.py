@@ -89,7 +89,7 @@ def main():
     fig.suptitle(f"suite {s['suite']} ({s['subset']} run), commit {s.get('commit') or 'unknown'}, {s['date'][:10]}",
                  x=0.01, ha="left", fontsize=10)
     fig.legend(handles=[Patch(facecolor=PHASE_COLOURS.get(p, "#17becf"), edgecolor="black", label=p) for p in seen],
-               loc="upper right", ncol=len(seen), fontsize=8, frameon=False)
+               loc="upper right", ncol=max(1, len(seen)), fontsize=8, frameon=False)
     note = ""
     if skipped:
         note = "not run here: " + "; ".join(sorted({f"{r['id']} ({r['skipped'].split(' (')[0]})" for r in skipped}))

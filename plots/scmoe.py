@@ -329,7 +329,7 @@ def figure_timeline(a, plt):
     title = timeline.provenance_title(a.title, a.traces[0]) if a.title else ""
     fig.suptitle(title, x=0.01, y=0.995, ha="left", va="top", fontsize=10)
     fig.legend(handles=[Patch(facecolor=colours[p], edgecolor="black", label=p) for p in seen],
-               loc="lower center", ncol=len(seen), fontsize=8, frameon=False)
+               loc="lower center", ncol=max(1, len(seen)), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.08, 1, 0.93))
     return fig
 

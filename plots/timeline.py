@@ -131,7 +131,7 @@ def main():
         fig.suptitle(provenance_title(a.title, a.traces[0]), x=0.01, y=0.995, ha="left", va="top", fontsize=10)
         top -= 0.35 / fig.get_figheight()
     fig.legend(handles=[Patch(facecolor=colours[p], edgecolor="black", label=f"phase: {p}") for p in seen],
-               loc="upper left", bbox_to_anchor=(0.01, top), ncol=len(seen), fontsize=9, frameon=False)
+               loc="upper left", bbox_to_anchor=(0.01, top), ncol=max(1, len(seen)), fontsize=9, frameon=False)
     top -= 0.35 / fig.get_figheight()
     fig.tight_layout(rect=(0, 0, 1, top))
     mr.save_figure(fig, a.out, 130)

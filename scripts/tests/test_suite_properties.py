@@ -487,6 +487,21 @@ class ResultFiles(OneLine):
                     self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
 
 
+    def test_the_figures_of_a_cluster_without_results(self):
+        # Found by the property above: a point with no results (valid: every run of it failed or
+        # was skipped) left plots/mpipemoe.py a memory panel of no bars, and matplotlib's legend
+        # of zero columns raised.
+        s = fixtures.summary()
+        s["points"][0].update(results={}, speedup={}, memory_saving={})  # the only point of its cluster
+        with tempfile.TemporaryDirectory() as d:
+            path = write(d, "summary.json", s)
+            for script, args in [("mpipemoe.py", ["--out-dir", d]), ("runs.py", ["--out", os.path.join(d, "r.png")])]:
+                p = subprocess.run([sys.executable, os.path.join(PLOTS, script), "--summary", path] + args,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                self.assertEqual(p.returncode, 0, p.stderr)
+                self.assertNotIn("Traceback", p.stderr)
+            self.assertTrue(os.path.exists(os.path.join(d, "mpipemoe-M.png")))
+
 class SummaryFindings(OneLine):
     """Summaries the checks used to accept and plots/report.py, scripts/claims.py or
     mr.claim_rows then failed on with a traceback."""
