@@ -52,8 +52,9 @@ TransformerConfig tiny(bool scmoe) {
 // 4% of fresh seeds failed at tp = 2 or ep = 4: for seed 4498064427244337 at tp = 2,
 // embedding.wpe[122]'s gradient was -8.32e-7 against one rank's -8.59e-7 (δg 2.8e-8, about
 // 2e-6 of the tensor's largest gradient, 1.2e-2), which moved its first step by 0.8% of lr,
-// twice the tolerance. At eps 1e-4 the same δg moves a step by at most 0.03% of lr, and
-// gradients of the model's scale (1e-3 and up) still take Adam's normalised step.
+// twice the tolerance. At eps 1e-4 the same δg moves a step by at most 0.03% of lr, and a
+// gradient of 1e-3 or more (that tensor's largest was 1.2e-2) still takes at least 0.9 of
+// Adam's normalised step.
 OptimizerConfig adam() {
   OptimizerConfig oc;
   oc.lr = 1e-3f;
