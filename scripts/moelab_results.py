@@ -818,6 +818,9 @@ def pipeline_figures(res):
                                               "predicted_overhead") if k in off}
         out["offload"]["stage_bytes_per_step"] = [x.get("bytes_per_step", 0) for x in off.get("stages", [])]
         out["offload"]["stage_peak_host_bytes"] = [x.get("peak_host_bytes", 0) for x in off.get("stages", [])]
+        # the (microbatch, chunk) offloads asked for and those the gap and lifespan rules kept
+        out["offload"]["planned"] = sum(x.get("planned", 0) for x in off.get("stages", []))
+        out["offload"]["kept"] = sum(x.get("kept", 0) for x in off.get("stages", []))
     tps = (res.get("metrics") or {}).get("tokens_per_s")
     if isinstance(tps, dict):
         tps = tps.get("median")
@@ -1253,10 +1256,25 @@ def point_name(row):
                                      row.get("model")) if x) + (f" [{row['layers']}]" if row.get("layers") else "")
 
 
+def offload_note(row):
+    """What a pipelined run with offload really moved, for a claim's list of points: " (19 of 32
+    planned offloads kept)"; a claim that offloading costs little or saves much is only as good
+    as the share the gap and lifespan rules kept. "" for a run without offload or a summary
+    written before the counts were (docs/RESULTS-SCHEMA.md)."""
+    off = (row.get("results") or {}).get("offload")
+    if not isinstance(off, dict):
+        return ""
+    kept, planned = off.get("kept"), off.get("planned")
+    if any(isinstance(x, bool) or not isinstance(x, int) for x in (kept, planned)) or planned <= 0:
+        return ""
+    return f" ({kept} of {planned} planned offloads kept)"
+
+
 def run_comparisons(runs, systems, versus, metric, sel=None):
     """[(point name, value)] of a metric over the whole-model run rows (with results) of the
     systems' labels that the selection takes: for speedup and memory_saving each paired with
-    versus's run of the same run_key; otherwise the system's own figure."""
+    versus's run of the same run_key; otherwise the system's own figure. A run with offload
+    names the share of its planned offloads it kept (offload_note)."""
     done = [r for r in runs if "results" in r and r.get("run_mode") and selected(r, sel)]
     base = {run_key(r): r for r in done if r.get("label") == versus}
     out = []
@@ -1282,7 +1300,7 @@ def run_comparisons(runs, systems, versus, metric, sel=None):
         else:
             v = f.get(metric)
         if v is not None:
-            out.append((point_name(r) + (f" {r['label']}" if len(systems) > 1 else ""), v))
+            out.append((point_name(r) + (f" {r['label']}" if len(systems) > 1 else "") + offload_note(r), v))
     return out
 
 

@@ -372,12 +372,33 @@ class PipelineRuns(unittest.TestCase):
                    {"peak_activation_bytes": 10, "peak_device_bytes": 30, "expected_peak_activation_ma": 1.0},
                    {"peak_activation_bytes": 40, "peak_device_bytes": 50, "expected_peak_activation_ma": 0.5}],
                    "offload": {"chunks": 1, "k": 0.5, "saved_bytes_per_layer": 7, "stages": [
-                       {"bytes_per_step": 0, "peak_host_bytes": 0}, {"bytes_per_step": 9, "peak_host_bytes": 3}]}}}
+                       {"bytes_per_step": 0, "peak_host_bytes": 0, "planned": 8, "kept": 2},
+                       {"bytes_per_step": 9, "peak_host_bytes": 3, "planned": 8, "kept": 5}]}}}
         f = mr.pipeline_figures(res)
         self.assertEqual((f["peak_activation_bytes"], f["stage_expected_peak_activation_ma"], f["tokens_per_s"]),
                          (40, [1.0, 0.5], 1000.0))
         self.assertEqual(f["offload"]["stage_bytes_per_step"], [0, 9])
         self.assertEqual(f["offload"]["saved_bytes_per_layer"], 7)
+        self.assertEqual((f["offload"]["kept"], f["offload"]["planned"]), (7, 16))
+
+    def test_a_claim_names_the_share_of_offloads_each_run_kept(self):
+        """A run whose offloads the gap rule skipped says so beside its figure: "negligible
+        overhead" at a point that moved nothing is no evidence for the claim."""
+        runs = [fixtures.model_row("base", "m", "c", 1.0), fixtures.model_row("off", "m", "c", 1.0),
+                fixtures.model_row("base", "n", "c", 1.0), fixtures.model_row("off", "n", "c", 1.25)]
+        runs[1]["results"]["offload"] = {"chunks": 3, "stage_bytes_per_step": [0, 0], "planned": 48, "kept": 0}
+        runs[3]["results"]["offload"] = {"chunks": 3, "stage_bytes_per_step": [0, 9], "planned": 48, "kept": 30}
+        s = fixtures.model_suite()
+        (t,) = run_suite.claims_table({**s, "claims": {"size_tolerance": 0.05, "items": [
+            {"on": "runs", "system": "off", "versus": "base", "stat": "min", "text": "t", "source": "s",
+             "id": "t", "metric": "relative_throughput", "paper": 1.0}]}}, [], runs)
+        self.assertEqual(sorted(t["ours"]["runs"]["used"]),
+                         ["c training m (0 of 48 planned offloads kept): 1.00x",
+                          "c training n (30 of 48 planned offloads kept): 0.80x"])
+        # a summary written before the counts, or a run without offload: no note
+        del runs[3]["results"]["offload"]["kept"]
+        self.assertEqual(mr.offload_note(runs[3]), "")
+        self.assertEqual(mr.offload_note(runs[0]), "")
 
     def test_relative_throughput_and_activation_saving(self):
         def row(label, step, act):
