@@ -268,7 +268,8 @@ def check_destinations(suite, jobs, quick):
             i = next(k for k, r in enumerate(suite["runs"]) if r["id"] == j["run"])
             raise mr.field_error(suite["_path"], f"runs[{i}]" + (".quick" if quick and isinstance(
                 suite["runs"][i].get("quick"), dict) and "path" in suite["runs"][i]["quick"] else "") + ".path",
-                f"{mr.show(j['path_template'])} gives {dest}.json to two runs (of {seen[dest]} and {j['run']}): "
+                f"{mr.show(j['path_template'])} gives {mr.show(dest + '.json')} to two runs (of {mr.show(seen[dest])} and "
+                f"{mr.show(j['run'])}): "
                 f"name what tells them apart ({', '.join('{' + f + '}' for f in mr.PATH_FIELDS)})")
         seen[dest] = j["run"]
 

@@ -22,7 +22,7 @@ std::unique_ptr<Backend> make_backend(const std::string& name) {
   if (name == "cuda") {
 #ifdef MOELAB_HAVE_CUDA
     if (!cuda_device_present()) throw ConfigError("--backend cuda: no CUDA device is available on this machine");
-    return make_cuda_backend(0);
+    return make_cuda_backend(local_device());  // one device per process of a node
 #else
     throw ConfigError("--backend cuda: this build has no cuda backend (nvcc or NCCL was not found at configure time)");
 #endif

@@ -8,13 +8,16 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <numbers>
 #include <numeric>
 #include <optional>
 #include <ostream>
+#include <string>
 #include <tuple>
 
 #include "harness/backends/cuda/cuda_backend.hpp"
@@ -76,6 +79,34 @@ TEST(CudaPresence, NoDeviceMeansUnsupported) {
     EXPECT_THROW(make_cuda_backend(1 << 20), Unsupported);
   } else {
     EXPECT_THROW(make_cuda_backend(0), Unsupported);
+  }
+}
+
+// The device of each process of a node (no device needed): the launcher's node-local rank
+// modulo the devices; the first launcher's variable that is set wins; a bad value is named.
+TEST(CudaLocalDevice, TheLaunchersLocalRankModuloTheDevices) {
+  static std::map<std::string, std::string> env;
+  const auto lookup = [](const char* name) -> const char* {
+    const auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  };
+  env = {};
+  EXPECT_EQ(local_device(8, lookup), 0);  // no launcher
+  env = {{"OMPI_COMM_WORLD_LOCAL_RANK", "5"}};
+  EXPECT_EQ(local_device(8, lookup), 5);
+  EXPECT_EQ(local_device(4, lookup), 1);  // more processes than devices: shared round robin
+  EXPECT_EQ(local_device(1, lookup), 0);  // one visible device each (CUDA_VISIBLE_DEVICES)
+  EXPECT_EQ(local_device(0, lookup), 0);
+  env = {{"SLURM_LOCALID", "3"}, {"LOCAL_RANK", "6"}};
+  EXPECT_EQ(local_device(8, lookup), 3);  // Slurm's before torchrun's
+  env = {{"MPI_LOCALRANKID", "2"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "7"}};
+  EXPECT_EQ(local_device(8, lookup), 7);  // Open MPI's first
+  env = {{"LOCAL_RANK", "two"}};
+  try {
+    local_device(8, lookup);
+    ADD_FAILURE() << "a bad local rank was taken";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("LOCAL_RANK=\"two\""), std::string::npos) << e.what();
   }
 }
 
@@ -269,14 +300,27 @@ class CudaGemmTest : public CudaTest, public ::testing::WithParamInterface<GemmC
     return h;
   }
 
+  // The calls the backend recorded for `op` on `path` (the path that really ran).
+  std::int64_t calls_on(const std::string& op, GemmPath path) const {
+    for (const auto& u : cuda_gemm_path_uses(*b))
+      if (u.op == op && u.path == path) return u.calls;
+    return 0;
+  }
+
   // Runs the problems as one grouped call (on `path` where it can run) and checks every C.
+  // must_run: the forced path must have run (a library refusal falls back to the loop with the
+  // right numbers, so only the recorded path shows it).
   void run_and_check(std::vector<GemmProblem>& problems, const std::vector<Host>& hosts,
-                     std::optional<GemmPath> path) {
+                     std::optional<GemmPath> path, bool must_run = false, const std::string& op = "gemm_test") {
     const GemmCase gc = GetParam();
+    const std::int64_t before = path ? calls_on(op, *path) : 0;
     cuda_force_gemm_path(*b, path);
-    b->grouped_gemm(*s, problems, "gemm_test");
+    b->grouped_gemm(*s, problems, op.c_str());
     b->synchronize();
     cuda_force_gemm_path(*b, std::nullopt);
+    if (must_run && path) {
+      EXPECT_EQ(calls_on(op, *path), before + 1) << "forced " << gemm_path_name(*path) << " did not run";
+    }
     for (std::size_t q = 0; q < problems.size(); ++q) {
       const auto got = b->download(problems[q].c);
       const auto ref = reference(hosts[q], gc.ta, gc.tb);
@@ -294,7 +338,7 @@ class CudaGemmTest : public CudaTest, public ::testing::WithParamInterface<GemmC
 
   // Problems in tensors of their own.
   void run(const std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, float, float, bool>>& shapes,
-           std::optional<GemmPath> path = std::nullopt) {
+           std::optional<GemmPath> path = std::nullopt, bool must_run = false) {
     const GemmCase gc = GetParam();
     const std::uint64_t seed = fresh_seed();
     std::vector<Host> hosts;
@@ -316,7 +360,7 @@ class CudaGemmTest : public CudaTest, public ::testing::WithParamInterface<GemmC
       problems.push_back(p);
       hosts.push_back(std::move(h));
     }
-    run_and_check(problems, hosts, path);
+    run_and_check(problems, hosts, path, must_run);
   }
 
   // E equal problems laid out as the MoE layer lays out equal experts: each operand the
@@ -361,14 +405,49 @@ TEST_P(CudaGemmTest, Grouped) {
 }
 
 // The same awkward call on every path: forced where the path can run, the choice elsewhere.
+// Each problem in tensors of its own (aligned allocations): the grouped call has kernels for
+// A, B and C of one type (bf16 or fp32), so there it must really run.
 TEST_P(CudaGemmTest, GroupedOnEveryPath) {
+  const GemmCase gc = GetParam();
   for (GemmPath path : {GemmPath::loop, GemmPath::strided_batched, GemmPath::grouped})
     run({{37, 33, 19, 1.0f, 0.0f, false},
          {0, 33, 19, 1.0f, 0.0f, false},
          {37, 33, 19, 1.0f, 1.0f, false},
          {5, 33, 19, 0.5f, 1.0f, false},
          {8, 33, 0, 1.0f, 0.5f, false}},
-        path);
+        path, path != GemmPath::strided_batched && gc.ab == gc.c);
+}
+
+// Row views that do not start on 16 bytes (rows of 18 elements at row offsets 9 and 17, as the
+// MoE layer's buffers have for a narrow width): the grouped call reads its pointers from device
+// memory and cuBLAS requires them aligned, so a forced grouped path does not run there; the
+// call takes another path and its numbers hold.
+TEST_P(CudaGemmTest, GroupedRefusesMisalignedRowViews) {
+  const GemmCase gc = GetParam();
+  const std::int64_t m = 8, n = 18, k = 8;
+  const std::vector<std::int64_t> offsets = {0, 9, 17};
+  const std::uint64_t seed = fresh_seed();
+  std::vector<Host> hosts;
+  std::vector<float> c(static_cast<std::size_t>(26 * n), 0.0f);
+  for (std::size_t e = 0; e < offsets.size(); ++e) {
+    hosts.push_back(host_values(m, n, k, 1.0f, 1.0f, false, seed, e));
+    std::copy(hosts.back().c0.begin(), hosts.back().c0.end(), c.begin() + offsets[e] * n);
+  }
+  Tensor C = make({26, n}, gc.c, c);
+  std::vector<GemmProblem> problems;
+  for (std::size_t e = 0; e < offsets.size(); ++e) {
+    const Host& h = hosts[e];
+    Tensor A = make(gc.ta ? std::vector<std::int64_t>{k, m} : std::vector<std::int64_t>{m, k}, gc.ab, h.a);
+    Tensor B = make(gc.tb ? std::vector<std::int64_t>{n, k} : std::vector<std::int64_t>{k, n}, gc.ab, h.b);
+    problems.push_back({gc.ta, gc.tb, m, n, k, A, B, C.rows(offsets[e], m), 1.0f, 1.0f});
+  }
+  ASSERT_NE(reinterpret_cast<std::uintptr_t>(problems[1].c.raw()) % 16, 0u);
+  run_and_check(problems, hosts, GemmPath::grouped, false, "gemm_misaligned");
+  EXPECT_EQ(calls_on("gemm_misaligned", GemmPath::grouped), 0);
+  std::int64_t ran = 0;
+  for (const auto& u : cuda_gemm_path_uses(*b))
+    if (u.op == "gemm_misaligned") ran += u.calls;
+  EXPECT_EQ(ran, 1);
 }
 
 // Equal experts in one tensor per operand: one strided batch covers them, on every path
@@ -440,8 +519,17 @@ TEST_P(CudaGemmTest, PaddedExpertsOnEveryPath) {
       p.token_stride = S;
       problems.push_back(p);
     }
-    // The reference of the empty expert is nothing (m = 0) or C0 (k = 0, beta = 1).
-    run_and_check(problems, hosts, path);
+    // The reference of the empty expert is nothing (m = 0) or C0 (k = 0, beta = 1). Forced
+    // strided, the batch runs over the padded rows (cuBLAS has the kernel where A, B and C
+    // share a type).
+    const bool padded = path == GemmPath::strided_batched && gc.ab == gc.c;
+    run_and_check(problems, hosts, path, padded, "gemm_padded");
+    if (padded) {
+      for (const auto& u : cuda_gemm_path_uses(*b))
+        if (u.op == "gemm_padded" && u.path == GemmPath::strided_batched) {
+          EXPECT_NE(u.last_why.find("padded"), std::string::npos) << u.last_why;
+        }
+    }
   }
 }
 
@@ -1056,6 +1144,15 @@ TEST_P(FusedEpilogue, StridedAndLoopAgainstFloat64) {
       q.aux = t_m.rows(l * r, r);
       dgrad.push_back(q);
     }
+    // The path each op really ran on, as the backend records it (the op's detail names every
+    // path the chooser weighed, so it cannot tell a silent fallback to the loop).
+    const auto calls_on = [&](const char* op) {
+      std::int64_t n = 0;
+      for (const auto& u : cuda_gemm_path_uses(*b))
+        if (u.op == op && u.path == *path) n = u.calls;
+      return n;
+    };
+    const std::int64_t fc1_before = calls_on("fc1"), dgrad_before = calls_on("fc2_dgrad");
     cuda_force_gemm_path(*b, path);
     b->clear_timeline();
     b->grouped_gemm_epilogue(s, fc1, GemmEpilogue::act_aux, Activation::gelu_tanh, "fc1");
@@ -1073,7 +1170,10 @@ TEST_P(FusedEpilogue, StridedAndLoopAgainstFloat64) {
       if (t == DType::bf16) {
         EXPECT_EQ(rec.detail.find("unfused"), std::string::npos) << rec.detail;
       }
-      EXPECT_NE(rec.detail.find(gemm_path_name(*path)), std::string::npos) << rec.detail;
+    }
+    if (t == DType::bf16) {  // fp32 may fall back; bf16 must run on the forced path
+      EXPECT_EQ(calls_on("fc1"), fc1_before + 1) << tl[0].detail;
+      EXPECT_EQ(calls_on("fc2_dgrad"), dgrad_before + 1) << tl[1].detail;
     }
     const std::vector<double> gm = host(t_m), ga = host(a), gda = host(d_a);
     std::vector<double> want_m(gm.size()), want_a(gm.size()), want_da(gm.size());

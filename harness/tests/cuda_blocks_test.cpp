@@ -290,6 +290,17 @@ TEST_P(CudaNorm, ForwardBackward) {
   if (ln) {
     EXPECT_TRUE(all_close("d_beta (accumulated)", b->download(db), ref_db, tol_backward(dt)));
   }
+
+  // In place (dx over dy, as the cpu backend allows): the parameter gradients read dy before
+  // dx overwrites it, so both come out as above.
+  Tensor dyx = make({T, M}, dt, dy);
+  Tensor dg2 = make({M}, dt, dg0, MemCategory::gradients), db2 = ln ? make({M}, dt, db0, MemCategory::gradients) : Tensor();
+  b->norm_backward(*s, kind, tx, tg, mean, rstd, dyx, dyx, dg2, db2);
+  EXPECT_TRUE(all_close("dx (in place over dy)", b->download(dyx), ref_dx, tol_backward(dt)));
+  EXPECT_TRUE(all_close("d_gamma (dx over dy)", b->download(dg2), ref_dg, tol_backward(dt)));
+  if (ln) {
+    EXPECT_TRUE(all_close("d_beta (dx over dy)", b->download(db2), ref_db, tol_backward(dt)));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaNorm,
@@ -297,7 +308,10 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaNorm,
                                             ::testing::Values(std::pair<i64, i64>{1, 7},
                                                               std::pair<i64, i64>{37, 1000},
                                                               std::pair<i64, i64>{130, 7},
-                                                              std::pair<i64, i64>{130, 1000}),
+                                                              std::pair<i64, i64>{130, 1000},
+                                                              // more rows than one pass of the capped
+                                                              // grid (8192 blocks of 8 warps) covers
+                                                              std::pair<i64, i64>{65536 + 37, 7}),
                                             ::testing::Values(DType::f32, DType::bf16)),
                          [](const auto& i) {
                            return std::string(norm_name(std::get<0>(i.param))) + "_T" +
@@ -470,7 +484,10 @@ TEST_P(CudaElementwise, ScaleInPlace) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaElementwise,
                          ::testing::Combine(::testing::Values(std::pair<i64, i64>{1, 7}, std::pair<i64, i64>{37, 1000},
-                                                              std::pair<i64, i64>{130, 7}),
+                                                              std::pair<i64, i64>{130, 7},
+                                                              // over 2^21 elements: a second pass of the
+                                                              // capped grid (8192 blocks of 256 threads)
+                                                              std::pair<i64, i64>{2100, 1000}),
                                             ::testing::Values(DType::f32, DType::bf16)),
                          [](const auto& i) {
                            return "T" + std::to_string(std::get<0>(i.param).first) + "_F" +
@@ -515,7 +532,11 @@ TEST_P(CudaCrossEntropy, ForwardBackwardIgnoringNegativeTargets) {
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaCrossEntropy,
                          ::testing::Combine(::testing::Values(std::pair<i64, i64>{1, 7}, std::pair<i64, i64>{37, 1000},
                                                               std::pair<i64, i64>{130, 7},
-                                                              std::pair<i64, i64>{130, 1000}),
+                                                              std::pair<i64, i64>{130, 1000},
+                                                              // more rows than the capped grid's 8192
+                                                              // blocks: a block reuses its shared
+                                                              // merge buffer for a second row
+                                                              std::pair<i64, i64>{8192 + 37, 7}),
                                             ::testing::Values(DType::f32, DType::bf16)),
                          [](const auto& i) {
                            return "T" + std::to_string(std::get<0>(i.param).first) + "_V" +

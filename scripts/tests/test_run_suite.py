@@ -260,7 +260,7 @@ class ModelRuns(unittest.TestCase):
             run_suite.expand(mr.load_suite(path), False)
         msg = str(cm.exception)
         self.assertIn('field "runs[0].path"', msg)
-        self.assertIn("gives simulated/tiny-moe-top2.json to two runs (of base and base)", msg)
+        self.assertIn("gives \"simulated/tiny-moe-top2.json\" to two runs (of \"base\" and \"base\")", msg)
 
     def test_suite_checks_of_model_runs(self):
         cases = [

@@ -309,6 +309,28 @@ void norm_backward(cudaStream_t stream, Elem e, bool rms, const void* x, const v
                    std::int64_t width) {
   if (tokens <= 0 || width <= 0) return;
   if (rms) d_beta = nullptr;  // rmsnorm has no shift
+  // The parameter gradients first: they read dy, which dx may alias (as on the cpu backend).
+  if (d_gamma || d_beta) {
+    // About 64 rows per group, at most 128 groups: enough blocks to fill the device, and the
+    // partials (2 * groups * M floats) stay small next to x.
+    const i64 groups = std::min<i64>(128, (tokens + 63) / 64);
+    const i64 rows_per_group = (tokens + groups - 1) / groups;
+    const std::size_t b_part = align_up(sizeof(float) * static_cast<std::size_t>(groups * width));
+    Workspace ws(2 * b_part, stream);  // freed stream-ordered, after its two kernels
+    auto* part_gamma = reinterpret_cast<float*>(ws.get());
+    auto* part_beta = reinterpret_cast<float*>(ws.get() + b_part);
+    const dim3 grid(static_cast<unsigned>((width + kColX - 1) / kColX), static_cast<unsigned>(groups));
+    with_elem(e, [&](auto tag) {
+      using T_ = decltype(tag);
+      norm_backward_params_partial_kernel<<<grid, dim3(kColX, kColY), 0, stream>>>(
+          rms, static_cast<const T_*>(x), mean, rstd, static_cast<const T_*>(dy), tokens, width, rows_per_group,
+          part_gamma, part_beta);
+      check_launch("norm_backward (parameter partials) kernel");
+      norm_backward_params_final_kernel<<<grid_for(width, kElemThreads), kElemThreads, 0, stream>>>(
+          part_gamma, part_beta, static_cast<int>(groups), width, static_cast<T_*>(d_gamma), static_cast<T_*>(d_beta));
+    });
+    check_launch("norm_backward (parameters) kernel");
+  }
   with_elem(e, [&](auto tag) {
     using T_ = decltype(tag);
     norm_backward_dx_kernel<<<grid_for(tokens, kRowWarpsPerBlock), kRowWarpsPerBlock * kWarp, 0, stream>>>(
@@ -316,27 +338,6 @@ void norm_backward(cudaStream_t stream, Elem e, bool rms, const void* x, const v
         static_cast<T_*>(dx), tokens, width);
   });
   check_launch("norm_backward (input) kernel");
-  if (!d_gamma && !d_beta) return;
-
-  // About 64 rows per group, at most 128 groups: enough blocks to fill the device, and the
-  // partials (2 * groups * M floats) stay small next to x.
-  const i64 groups = std::min<i64>(128, (tokens + 63) / 64);
-  const i64 rows_per_group = (tokens + groups - 1) / groups;
-  const std::size_t b_part = align_up(sizeof(float) * static_cast<std::size_t>(groups * width));
-  Workspace ws(2 * b_part, stream);
-  auto* part_gamma = reinterpret_cast<float*>(ws.get());
-  auto* part_beta = reinterpret_cast<float*>(ws.get() + b_part);
-  const dim3 grid(static_cast<unsigned>((width + kColX - 1) / kColX), static_cast<unsigned>(groups));
-  with_elem(e, [&](auto tag) {
-    using T_ = decltype(tag);
-    norm_backward_params_partial_kernel<<<grid, dim3(kColX, kColY), 0, stream>>>(
-        rms, static_cast<const T_*>(x), mean, rstd, static_cast<const T_*>(dy), tokens, width, rows_per_group,
-        part_gamma, part_beta);
-    check_launch("norm_backward (parameter partials) kernel");
-    norm_backward_params_final_kernel<<<grid_for(width, kElemThreads), kElemThreads, 0, stream>>>(
-        part_gamma, part_beta, static_cast<int>(groups), width, static_cast<T_*>(d_gamma), static_cast<T_*>(d_beta));
-  });
-  check_launch("norm_backward (parameters) kernel");
 }
 
 // ==== rotary position embedding ===========================================================

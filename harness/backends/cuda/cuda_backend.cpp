@@ -15,7 +15,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -873,6 +875,8 @@ class CudaBackend final : public Backend {
   void gemm_one(cublasHandle_t h, const GemmProblem& p);
   cublasStatus_t gemm_strided(cublasHandle_t h, std::span<const GemmProblem* const> run, const StridedRun& r);
   cublasStatus_t gemm_grouped(cublasHandle_t h, cudaStream_t st, std::span<const GemmProblem* const> list);
+  // Whether every matrix of the problems starts on 16 bytes, as the grouped call needs.
+  static bool grouped_pointers_aligned(std::span<const GemmProblem* const> list);
   // The path of a call of several problems of one type combination (A/B in `ab`): the table's
   // choice among the paths that can run (strided: one equal batch; grouped: the library has it
   // for these types), or the forced path (force_gemm_path) where it can run.
@@ -1068,7 +1072,7 @@ void CudaBackend::grouped_gemm(Stream& s, std::span<const GemmProblem> problems,
     {
       std::lock_guard lock(mu_);
       strided = runs.size() == 1 && strided_unsupported_.count(types) == 0;
-      grouped = grouped_unsupported_.count(types) == 0;
+      grouped = grouped_unsupported_.count(types) == 0 && grouped_pointers_aligned(list);
     }
     const GemmPathChoice choice = choose_path(list, static_cast<DType>(types.first), strided, grouped);
     // Not every type combination has a grouped or strided kernel (bf16 inputs with an fp32 C,
@@ -1166,6 +1170,20 @@ cublasStatus_t CudaBackend::gemm_strided(cublasHandle_t h, std::span<const GemmP
                                     c.ld_second, r.stride_a, &p.beta, p.c.raw(), cuda_type(p.c.dtype()), c.ldc,
                                     r.stride_c, to_int(static_cast<std::int64_t>(run.size()), "gemm batch"),
                                     compute_type(p.a.dtype()), CUBLAS_GEMM_DEFAULT);
+}
+
+// cublasGemmGroupedBatchedEx reads its matrix pointers from device memory, so it cannot check
+// their alignment as cublasGemmEx and the strided-batched call do; for 16-bit types and the
+// FAST compute types cuBLAS documents that they must be aligned (ideally to 16 bytes) or the
+// kernels may fault with a misaligned access, a sticky error that ends the process's CUDA
+// context. Row views of the MoE layer's buffers start at row offsets that are not 16-byte
+// aligned when a row is not a multiple of 16 bytes (a width of 20 in bf16, say): such a call
+// takes the loop or the strided batch instead, whatever the types (fp32 rows of a width that
+// is a multiple of 4 are always aligned, so nothing is lost there).
+bool CudaBackend::grouped_pointers_aligned(std::span<const GemmProblem* const> list) {
+  const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
+  return std::all_of(list.begin(), list.end(),
+                     [&](const GemmProblem* p) { return aligned(p->a.raw()) && aligned(p->b.raw()) && aligned(p->c.raw()); });
 }
 
 // The problems (one type combination) as one cublasGemmGroupedBatchedEx, one group per
@@ -1350,11 +1368,20 @@ cublasStatus_t CudaBackend::lt_matmul(Stream& s, const GemmProblem& p, GemmEpilo
     st = cublasLtMatmulPreferenceCreate(&pref);
     if (st != CUBLAS_STATUS_SUCCESS) return st;
     const std::uint64_t ws = kLtWorkspaceBytes;
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a));
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b));
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c));
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c));
+    // Every preference must hold: the alignments default to 256 bytes, and a heuristic asked
+    // without ours could answer with a kernel that assumes more alignment than a row view has.
+    const auto pref_set = [&](cublasLtMatmulPreferenceAttributes_t attr, const void* v, std::size_t n) {
+      if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulPreferenceSetAttribute(pref, attr, v, n);
+    };
+    pref_set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+    pref_set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a));
+    pref_set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b));
+    pref_set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c));
+    pref_set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c));
+    if (st != CUBLAS_STATUS_SUCCESS) {
+      cublasLtMatmulPreferenceDestroy(pref);
+      return st;
+    }
     cublasLtMatmulHeuristicResult_t result{};
     int returned = 0;
     st = cublasLtMatmulAlgoGetHeuristic(lt_, L.op, L.a, L.b, L.c, L.c, pref, 1, &result, &returned);
@@ -1484,7 +1511,8 @@ void check_shard(const VocabShard& shard, std::int64_t rows, const char* op) {
 }
 
 // What the tiled attention kernels serve (block_kernels.cu): head_dim up to 128 (a lane keeps
-// 4 output columns in registers), at most 65535 sequences (a grid dimension).
+// 4 output columns in registers), at most 65535 sequences and 65535 query heads (grid
+// dimensions).
 void check_attention(const AttentionShape& a, const char* op) {
   if (a.head_dim > cuda_kernels::kMaxHeadDim)
     throw Unsupported(std::string(op) + " on the cuda backend: head_dim " + std::to_string(a.head_dim) +
@@ -1492,6 +1520,9 @@ void check_attention(const AttentionShape& a, const char* op) {
   if (a.batch > 65535)
     throw Unsupported(std::string(op) + " on the cuda backend: batch " + std::to_string(a.batch) +
                       " exceeds 65535 sequences per call (a grid dimension)");
+  if (a.heads > 65535)
+    throw Unsupported(std::string(op) + " on the cuda backend: " + std::to_string(a.heads) +
+                      " query heads exceed 65535 per call (a grid dimension)");
   MOELAB_CHECK(a.batch >= 0 && a.seq >= 0 && a.head_dim >= 1 && a.heads >= 1 && a.kv_heads >= 1 &&
                    a.heads % a.kv_heads == 0,
                std::string(op) + ": bad attention shape (batch " + std::to_string(a.batch) + ", seq " +
@@ -1821,6 +1852,30 @@ bool cuda_device_present() {
     return false;
   }
   return n > 0;
+}
+
+int local_device(int devices, const char* (*getenv)(const char*)) {
+  if (devices <= 1) return 0;
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
+                          "LOCAL_RANK"}) {
+    const char* v = getenv(var);
+    if (!v || !*v) continue;
+    char* end = nullptr;
+    const long r = std::strtol(v, &end, 10);
+    if (*end != '\0' || r < 0)
+      throw ConfigError(std::string(var) + "=\"" + v + "\": expected the process's node-local rank (a non-negative integer)");
+    return static_cast<int>(r % devices);
+  }
+  return 0;
+}
+
+int local_device() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    n = 0;
+  }
+  return local_device(n, [](const char* name) -> const char* { return std::getenv(name); });
 }
 
 std::unique_ptr<Backend> make_cuda_backend(int device) {

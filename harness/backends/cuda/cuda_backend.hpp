@@ -31,6 +31,15 @@ struct CudaOptions {
 // no; never throws.
 bool cuda_device_present();
 
+// The device a process of a multi-process run takes: its node-local rank, as the launcher
+// exports it (Open MPI's OMPI_COMM_WORLD_LOCAL_RANK, MPICH's MPI_LOCALRANKID, MVAPICH's
+// MV2_COMM_WORLD_LOCAL_RANK, Slurm's SLURM_LOCALID, torchrun's LOCAL_RANK; the first one set),
+// modulo the visible devices; 0 without a launcher, or where the launcher gives each process
+// one device through CUDA_VISIBLE_DEVICES (devices = 1). `getenv` is the lookup (a test's).
+int local_device(int devices, const char* (*getenv)(const char*));
+// The same with the process's environment and this machine's device count.
+int local_device();
+
 // Throws Unsupported (with the CUDA error's text) when there is no usable device.
 std::unique_ptr<Backend> make_cuda_backend(int device = 0);
 std::unique_ptr<Backend> make_cuda_backend(const CudaOptions& options);

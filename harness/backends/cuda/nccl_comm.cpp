@@ -357,8 +357,14 @@ std::unique_ptr<Communicator> make_nccl_communicator(Backend& cuda_backend, cons
   std::memcpy(uid.internal, id.data(), id.size());
   ncclComm_t comm = nullptr;
   const ncclResult_t r = ncclCommInitRank(&comm, size, uid, rank);
-  if (r != ncclSuccess)
-    throw CommError("rank " + std::to_string(rank) + ": ncclCommInitRank failed: " + ncclGetErrorString(r));
+  if (r != ncclSuccess) {
+    // NCCL's own reason (ncclGetLastError takes a null communicator for a failed init): a
+    // duplicate GPU, a version mismatch between ranks, a network setup failure.
+    const char* last = ncclGetLastError(nullptr);
+    throw CommError("rank " + std::to_string(rank) + ": ncclCommInitRank on device " + std::to_string(device) +
+                    " failed: " + ncclGetErrorString(r) + (last && *last ? std::string(" (") + last + ")" : "") +
+                    " (run with NCCL_DEBUG=WARN for details)");
+  }
   std::vector<int> world(static_cast<std::size_t>(size));
   std::iota(world.begin(), world.end(), 0);
   return std::make_unique<NcclCommunicator>(cuda_backend, comm, rank, size, std::move(world));
