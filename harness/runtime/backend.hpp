@@ -292,8 +292,9 @@ class Backend {
   //   G = 1: c_a = sigmoid(z[t,0]), c_b = 1;     G = 2: (c_a, c_b) = softmax(z[t,0], z[t,1])
   //   out[t] = c_a·a[t] + c_b·b[t]                a, b, out [T,M] (out may alias a or b)
   virtual void gated_combine_forward(Stream& s, const Tensor& z, const Tensor& a, const Tensor& b, Tensor& out);
-  // da = c_a·d_out, db = c_b·d_out [T,M] (overwritten; with G = 1, db may be undefined: it would
-  // be d_out, and b is then not read); dz [T,G] fp32 (overwritten), with p_i = <d_out[t], x_i[t]>:
+  // da = c_a·d_out, db = c_b·d_out [T,M] (overwritten; either may alias d_out; with G = 1, db may
+  // be undefined: it would be d_out, and b is then not read); dz [T,G] fp32 (overwritten), with
+  // p_i = <d_out[t], x_i[t]>:
   //   G = 1: dz = c_a·(1 − c_a)·p_a;              G = 2: dz_i = c_i·(p_i − c_a·p_a − c_b·p_b)
   virtual void gated_combine_backward(Stream& s, const Tensor& z, const Tensor& a, const Tensor& b,
                                       const Tensor& d_out, Tensor& da, Tensor& db, Tensor& dz);

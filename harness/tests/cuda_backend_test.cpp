@@ -22,6 +22,7 @@
 
 #include "harness/backends/cuda/cuda_backend.hpp"
 #include "harness/backends/cuda/nccl_comm.hpp"
+#include "harness/comm/groups.hpp"
 #include "harness/runtime/error.hpp"
 #include "harness/tests/test_util.hpp"
 
@@ -1099,6 +1100,27 @@ TEST_F(CudaTest, NcclWorldOfOne) {
   const std::vector<Segment> bad{{1, 0, 4}};
   EXPECT_THROW(comm->all_to_all_v(*s, send, bad, recv, bad), CommError);
   EXPECT_THROW(comm->send(*s, buf, 0), CommError);
+  b->synchronize();
+
+  // Splits as the training runs make them (ncclCommSplit): a rank that leaves gets none, a
+  // colour other than 0 and a split of a split work, and the process groups of a layout are
+  // six splits of the world, each an NCCL communicator of this one rank.
+  EXPECT_EQ(comm->split(-1, 0), nullptr);
+  auto part = comm->split(7, 3);
+  ASSERT_TRUE(part);
+  EXPECT_EQ(part->size(), 1);
+  EXPECT_EQ(part->rank(), 0);
+  EXPECT_EQ(part->world_ranks(), std::vector<int>{0});
+  auto sub = part->split(0, 0);
+  ASSERT_TRUE(sub);
+  Tensor buf3 = make({33}, DType::f32, a);
+  sub->all_reduce(*s, buf3);
+  EXPECT_EQ(b->download(buf3), a);
+  ProcessGroups groups(*comm, check_layout(ParallelLayout{}, 1, 1, std::nullopt), gather_nodes(*comm));
+  for (Group g : kAllGroups) {
+    EXPECT_EQ(groups.group(g).kind(), "nccl");
+    EXPECT_EQ(groups.group(g).size(), 1);
+  }
   b->synchronize();
 }
 

@@ -464,6 +464,15 @@ TEST_P(CudaElementwise, GatedCombineForwardBackward) {
       EXPECT_TRUE(all_close("db", b->download(db), rdb, tol_backward(dt)));
     }
     EXPECT_TRUE(all_close("dz", b->download(dz), rdz, tol_backward(dt)));
+
+    // In place, as the backend allows: out over a, and da (db) over d_out.
+    Tensor a2 = make({T, M}, dt, a), do2 = make({T, M}, dt, d_out), dz2 = poisoned({T, G}, DType::f32);
+    b->gated_combine_forward(*s, tz, a2, tb, a2);
+    EXPECT_EQ(b->download(a2), b->download(out));
+    Tensor a3 = make({T, M}, dt, a);
+    b->gated_combine_backward(*s, tz, a3, G == 2 ? tb : none, do2, do2, G == 2 ? db : none, dz2);
+    EXPECT_EQ(b->download(do2), b->download(da));
+    EXPECT_EQ(b->download(dz2), b->download(dz));
   }
 }
 
@@ -487,7 +496,10 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaElementwise,
                                                               std::pair<i64, i64>{130, 7},
                                                               // over 2^21 elements: a second pass of the
                                                               // capped grid (8192 blocks of 256 threads)
-                                                              std::pair<i64, i64>{2100, 1000}),
+                                                              std::pair<i64, i64>{2100, 1000},
+                                                              // over 8192 rows: a block of the combine
+                                                              // kernels takes a second row
+                                                              std::pair<i64, i64>{9000, 7}),
                                             ::testing::Values(DType::f32, DType::bf16)),
                          [](const auto& i) {
                            return "T" + std::to_string(std::get<0>(i.param).first) + "_F" +
