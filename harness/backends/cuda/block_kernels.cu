@@ -920,8 +920,18 @@ __global__ void __launch_bounds__(kLossThreads) cross_entropy_forward_kernel(con
                                                                              i64 start, i64 total) {
   for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
     const T_* row = logits + t * V;
+    // The thread's own pass: one expf per logit (merge's two would make the kernel bound by
+    // arithmetic at a large vocabulary); a -inf logit adds nothing, a NaN makes the sum NaN.
     MaxSum v{-INFINITY, 0.0f};
-    for (i64 c = threadIdx.x; c < V; c += blockDim.x) v = merge(v, {ld(row + c), 1.0f});
+    for (i64 c = threadIdx.x; c < V; c += blockDim.x) {
+      const float x = ld(row + c);
+      if (x > v.m) {
+        v.s = v.s * expf(v.m - x) + 1.0f;  // the first: 0 * expf(-inf) + 1
+        v.m = x;
+      } else if (x != -INFINITY) {
+        v.s += expf(x - v.m);
+      }
+    }
     v = block_merge(v);
     if (threadIdx.x == 0) {
       const float row_lse = v.m + logf(v.s);
