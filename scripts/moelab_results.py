@@ -414,6 +414,11 @@ def check_result(res, path):
                     for p, n in paths.items()):
                 c.fail(f"metrics.gemm_paths_taken.{op}",
                        "expected {path: calls} with paths loop, strided_batched, grouped and calls > 0")
+    # cuda: what the timed steps asked of the pinned host pool, and of the driver.
+    if "host_pool" in m:
+        hp = c.obj(m, "host_pool", "metrics")
+        for k in ("timed_requests", "timed_driver_allocations", "timed_driver_releases", "peak_bytes_held"):
+            c.integer(hp, k, "metrics.host_pool", minimum=0)
     for k in ("expert_vs_floor_ratio", "layer_vs_floor_ratio"):
         c.number(m, k, "metrics", required=False, minimum=0, null=True)
     c.numbers_map(m, "phases_s", "metrics")

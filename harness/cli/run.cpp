@@ -359,6 +359,42 @@ void add_gemm_path_metrics(json& metrics, const Backend& b) {
 #endif
 }
 
+void warn_host_pool(const Backend& b, const HostPoolMark& start, const HostPoolMark& end) {
+  if (!start.valid || !end.valid) return;
+  const std::uint64_t allocs = end.raw_allocs - start.raw_allocs, releases = end.raw_releases - start.raw_releases;
+  if (allocs > 0 || releases > 0)
+    std::fprintf(stderr,
+                 "moelab: warning (rank %d): the pinned host pool called the driver in the timed steps (%llu "
+                 "cudaHostAlloc, %llu cudaFreeHost): the warm-up left it short, and the step times include "
+                 "page-locking (more --warmup steps avoid it)\n",
+                 b.rank(), static_cast<unsigned long long>(allocs), static_cast<unsigned long long>(releases));
+}
+
+HostPoolMark host_pool_mark(const Backend& b) {
+  HostPoolMark m;
+#ifdef MOELAB_HAVE_CUDA
+  if (!is_cuda_backend(b)) return m;
+  const HostPool::Stats st = cuda_host_pool_stats(b);
+  m = {true, st.requests, st.raw_allocs, st.raw_releases};
+#else
+  (void)b;
+#endif
+  return m;
+}
+
+void add_host_pool_metrics(json& metrics, const Backend& b, const HostPoolMark& start, const HostPoolMark& end) {
+#ifdef MOELAB_HAVE_CUDA
+  if (!start.valid || !end.valid || !is_cuda_backend(b)) return;
+  const std::uint64_t allocs = end.raw_allocs - start.raw_allocs, releases = end.raw_releases - start.raw_releases;
+  metrics["host_pool"] = {{"timed_requests", end.requests - start.requests},
+                          {"timed_driver_allocations", allocs},
+                          {"timed_driver_releases", releases},
+                          {"peak_bytes_held", cuda_host_pool_stats(b).peak_bytes_held}};
+#else
+  (void)metrics, (void)b, (void)start, (void)end;
+#endif
+}
+
 std::string floor_gemm_library(const Backend& b) {
   if (b.name() == "cuda") return "cublasGemmStridedBatchedEx";
   if (b.prices_gemm_paths()) return "GEMM (cost model), strided-batched curve";
@@ -478,6 +514,7 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
     backend->clear_timeline();
     backend->memory().reset_peak();  // the current use (weights, gradients, inputs) stays the base
     backend->reset_device_pool_peak();
+    const HostPoolMark pool_start = host_pool_mark(*backend);
     const double window_start = backend->now();
     std::vector<double> step_s;
     for (int i = 0; i < w.steps; ++i) {
@@ -488,6 +525,8 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
       step_s.push_back(backend->now() - t0);
       if (!opt.record_routing.empty()) routed.push_back(impl->routing().routed_per_expert);
     }
+    const HostPoolMark pool_end = host_pool_mark(*backend);
+    warn_host_pool(*backend, pool_start, pool_end);
 
     if (preflight) return 0;
 
@@ -607,6 +646,7 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
     json metrics = metrics_json(fig, ranks, tokens_per_s, library, floor_gemm_library(*backend),
                                 static_cast<int>(dtype_size(m.dtype)));
     add_gemm_path_metrics(metrics, *backend);
+    add_host_pool_metrics(metrics, *backend, pool_start, pool_end);
 
     json result;
     result["schema"] = "moelab.result/1";

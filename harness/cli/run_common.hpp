@@ -85,7 +85,21 @@ std::string gemm_library(const Backend& b);
 std::string floor_gemm_library(const Backend& b);
 // cuda: metrics.gemm_path_table (the crossover table's source) and metrics.gemm_paths_taken
 // ({op name: {path: calls}}, warm-up included: harness/runtime/gemm_paths.hpp); others: nothing.
-void add_gemm_path_metrics(nlohmann::json& metrics, const Backend& b);  // what Backend::time_batched_gemms issues
+void add_gemm_path_metrics(nlohmann::json& metrics, const Backend& b);
+// cuda: the pinned host pool's counters (harness/runtime/host_pool.hpp) at the start and the
+// end of the timed window, and from them metrics.host_pool (this rank's, rank 0's in the
+// result): the pinned allocations the timed steps asked for, how many of them the pool had to
+// get from the driver (cudaHostAlloc) and how many blocks it gave back (cudaFreeHost, which
+// synchronises the device), and the most it held. A steady state gets nothing from the driver;
+// a count above 0 (also warned on stderr, by every rank) says the warm-up left the pool short
+// and the step times include page-locking. Others: nothing.
+struct HostPoolMark {
+  bool valid = false;
+  std::uint64_t requests = 0, raw_allocs = 0, raw_releases = 0;
+};
+HostPoolMark host_pool_mark(const Backend& b);
+void warn_host_pool(const Backend& b, const HostPoolMark& start, const HostPoolMark& end);
+void add_host_pool_metrics(nlohmann::json& metrics, const Backend& b, const HostPoolMark& start, const HostPoolMark& end);  // what Backend::time_batched_gemms issues
 // The GEMM floor of one MoE layer's last forward+backward (MoELayer::expert_floor_problems,
 // timed by Backend::time_batched_gemms), scaled to `layer_flops`, the FLOPs of its
 // expert_gemm_problems: the floor's time for exactly the layer's expert FLOPs. 0 without rows.

@@ -434,10 +434,18 @@ void PipelineStage::offload(const Node& n, Slot& x) {
   found.push_back(x.input_storage);
   x.made.clear();
   x.input_storage.reset();
+  // Nor a tensor a send still holds (pending_): today's schedules offload right after the F,
+  // before its send, but a schedule that sent first would otherwise move bytes the send may
+  // not have read yet.
+  const auto sending = [&](const Storage* st) {
+    for (const auto& [pos, ps] : pending_)
+      if (ps.t.defined() && ps.t.storage().get() == st) return true;
+    return false;
+  };
   std::size_t bytes = 0;
   for (auto& w : found) {
     std::shared_ptr<Storage> st = w.lock();
-    if (!st || st.get() == out || st.get() == loss || st->space != MemSpace::device ||
+    if (!st || st.get() == out || st.get() == loss || sending(st.get()) || st->space != MemSpace::device ||
         st->category != MemCategory::activations || st->microbatch != n.microbatch || st->bytes == 0)
       continue;
     if (std::find(x.away.begin(), x.away.end(), st) != x.away.end()) continue;

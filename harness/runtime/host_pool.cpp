@@ -36,13 +36,19 @@ void* HostPool::allocate(std::size_t bytes) {
   const std::size_t cls = size_class(bytes);
   std::lock_guard lock(mu_);
   void* p = nullptr;
-  auto it = free_.find(cls);
-  if (it != free_.end()) {
+  std::size_t got = cls;  // the class of the block handed out
+  // Its own class first, then the next two: a size that moves across a class boundary from
+  // step to step (routing-dependent rows) reuses what it held instead of pinning more.
+  std::size_t c = cls;
+  for (int k = 0; k < 1 + kLargerClasses && !p; ++k, c = size_class(c + 1)) {
+    auto it = free_.find(c);
+    if (it == free_.end()) continue;
     auto& blocks = it->second;
     for (auto b = blocks.begin(); b != blocks.end(); ++b) {
       if (b->marker && !cb_.done(b->marker)) continue;  // the device may still use it
       if (b->marker) cb_.drop(b->marker);
       p = b->ptr;
+      got = c;
       blocks.erase(b);
       break;
     }
@@ -58,8 +64,8 @@ void* HostPool::allocate(std::size_t bytes) {
     stats_.bytes_held += cls;
     stats_.peak_bytes_held = std::max(stats_.peak_bytes_held, stats_.bytes_held);
   }
-  in_use_.emplace(p, cls);
-  stats_.bytes_in_use += cls;
+  in_use_.emplace(p, got);  // free() returns it to its own class
+  stats_.bytes_in_use += got;
   ++stats_.requests;
   return p;
 }

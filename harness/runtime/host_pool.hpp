@@ -18,8 +18,10 @@
 //
 // Size classes: the next power of two up to 1 MiB (at least 512 B); above, the next of four
 // equal steps between two powers of two (at most 25 % slack, instead of up to 100 % for
-// large offload buffers). A block serves only its own class (no splitting, no larger
-// blocks for smaller requests): what a step holds is what it used, class by class.
+// large offload buffers). A request takes a ready block of its own class, else one of the
+// next kLargerClasses classes (no splitting): a buffer whose size moves across a class
+// boundary from step to step (an MoE layer's routed rows) reuses its block instead of pinning
+// another, at the cost of some slack (at most 4x below 1 MiB, about 1.6x above).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -73,6 +75,7 @@ class HostPool {
 
   Stats stats() const;
   static std::size_t size_class(std::size_t bytes);
+  static constexpr int kLargerClasses = 2;  // how many classes above its own a request may take
 
  private:
   struct Cached {
@@ -84,7 +87,7 @@ class HostPool {
   Callbacks cb_;
   mutable std::mutex mu_;
   std::map<std::size_t, std::vector<Cached>> free_;   // class size -> cached blocks, oldest first
-  std::unordered_map<void*, std::size_t> in_use_;      // pointer -> class size
+  std::unordered_map<void*, std::size_t> in_use_;      // pointer -> its block's class size
   Stats stats_;
 };
 

@@ -82,8 +82,32 @@ TEST(HostPool, ReusesBySizeClass) {
   void* q = pool.allocate(1000);     // p is in use: a new block
   EXPECT_NE(q, p);
   pool.free(q, nullptr);
-  EXPECT_NE(pool.allocate(5000), q);  // another class never takes q
+  EXPECT_NE(pool.allocate(5000), q);  // a smaller block never serves a larger request
   EXPECT_EQ(d.allocs, 3);
+}
+
+// A size that moves across class boundaries (an MoE layer's routed rows from step to step)
+// takes a ready block of up to two classes above its own before going to the driver, and the
+// block goes back to its own class; three classes above is too far.
+TEST(HostPool, TakesABlockOfUpToTwoLargerClasses) {
+  FakeDriver d;
+  HostPool pool(d.callbacks());
+  const std::size_t big = 5u << 20;  // 5 MiB: the classes below it are 4, 3.5 and 3 MiB
+  void* p = pool.allocate(big);
+  pool.free(p, nullptr);
+  void* q = pool.allocate((7u << 19) - 100);  // the 3.5 MiB class, whose next two are 4 and 5 MiB
+  EXPECT_EQ(q, p);
+  EXPECT_EQ(pool.stats().bytes_in_use, big);  // counted at the block's own class
+  pool.free(q, nullptr);
+  EXPECT_EQ(pool.allocate(big), p);           // back in its own class
+  pool.free(p, nullptr);
+  void* r = pool.allocate(3u << 20);          // 3 MiB: three classes below 5 MiB
+  EXPECT_NE(r, p);
+  EXPECT_EQ(d.allocs, 2);
+  // Its own class first: with a ready block of each, the exact one is taken.
+  pool.free(r, nullptr);
+  EXPECT_EQ(pool.allocate(3u << 20), r);
+  EXPECT_EQ(pool.allocate(big), p);
 }
 
 TEST(HostPool, NoReuseBeforeTheMarkerCompletes) {

@@ -389,7 +389,9 @@ class ReuseBackward final : public ChunkHooks {
       ev_.after(c_, di_back_[static_cast<std::size_t>(p)]);
       ev_.after(c_, m_back_[static_cast<std::size_t>(p)]);
       ev_.after(c_, at(e.out, p - 2));  // S'_{p-2} has sent dT_DI[p%2]
-      // S3, S4: T_M recomputed from the restored T_DI by the forward's FC1, bit for bit
+      // S3, S4: T_M recomputed from the restored T_DI by the forward's FC1: bit for bit where
+      // the forward ran FC1 alone; to rounding where it fused the activation into the GEMM's
+      // epilogue (cuBLASLt's GELU_AUX, gelu_tanh on cuda: another kernel for the same product)
       if (recomp_) {
         ChunkTensors t = tensors(p);
         L_.expert_fc1(c_, sv_.plan.chunks[static_cast<std::size_t>(p)], t.t_di, t.t_m, "fc1_recompute");

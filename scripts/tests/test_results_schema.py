@@ -114,6 +114,18 @@ class ResultSchema(unittest.TestCase):
         r["metrics"]["gemm_path_table"] = 3
         self.rejected(r, 'field "metrics.gemm_path_table"')
 
+    def test_host_pool_is_optional_and_checked(self):
+        r = fixtures.result("measured")
+        r["metrics"]["host_pool"] = {"timed_requests": 48, "timed_driver_allocations": 0, "timed_driver_releases": 0,
+                                     "peak_bytes_held": 1 << 30}
+        self.assertEqual(mr.load_result(self.write(r)), r)
+        r["metrics"]["host_pool"]["timed_driver_allocations"] = -1
+        self.rejected(r, 'field "metrics.host_pool.timed_driver_allocations"')
+        del r["metrics"]["host_pool"]["timed_driver_allocations"]
+        self.rejected(r, 'field "metrics.host_pool.timed_driver_allocations"')
+        r["metrics"]["host_pool"] = [0]
+        self.rejected(r, 'field "metrics.host_pool"')
+
     def test_unknown_schema(self):
         r = fixtures.result()
         r["schema"] = "moelab.result/9"

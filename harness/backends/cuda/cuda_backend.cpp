@@ -791,11 +791,21 @@ class CudaBackend final : public Backend {
   // The stream a tensor's allocation is ordered on (blocking transfers use it).
   cudaStream_t tensor_stream(const Tensor& t) { return t.stream() ? native(*t.stream()) : clock_stream_; }
 
-  // Blocking transfers order themselves after everything issued so far: set-up and checks
-  // only, so a device-wide wait is the simple correct choice.
+  // Blocking transfers wait for the work issued on the tensor's own stream, as backend.hpp
+  // states and the cpu and sim backends do; work on other streams is the caller's to order.
+  // Not a device-wide wait: the MoE layer downloads its routing counts in every forward, and
+  // waiting for every stream there would drain the offload copies and pipeline transfers in
+  // flight (exposing what the schedule overlaps). A tensor without a stream waits for all.
+  void wait_for_tensor(const Tensor& t, const char* what) {
+    if (!t.stream()) {
+      synchronize();
+      return;
+    }
+    cuda_check(cudaStreamSynchronize(native(*t.stream())), what);
+  }
   void write_blocking(Tensor& dst, const void* src) {
     if (dst.nbytes() == 0) return;
-    synchronize();
+    wait_for_tensor(dst, "upload (waiting for the tensor's stream)");
     if (dst.space() == MemSpace::host_pinned) {
       std::memcpy(dst.raw(), src, dst.nbytes());
       return;
@@ -806,7 +816,7 @@ class CudaBackend final : public Backend {
   }
   void read_blocking(const Tensor& src, void* dst) {
     if (src.nbytes() == 0) return;
-    synchronize();
+    wait_for_tensor(src, "download (waiting for the tensor's stream)");
     if (src.space() == MemSpace::host_pinned) {
       std::memcpy(dst, src.raw(), src.nbytes());
       return;
