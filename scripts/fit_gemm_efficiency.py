@@ -791,13 +791,13 @@ def build_from_profile(path, peaks, peaks_text, name):
         mc = [f for v, a, f in prof["interference"] if v in ("h2d", "d2h") and a == "compute"]
         inter = {}
         if cm:
-            inter["compute_beside_memcpy"] = rd(min(cm))
+            inter["compute_beside_memcpy"] = rd(min(1.0, min(cm)))  # > 1 is noise; the cluster needs (0, 1]
         if mc:
             inter["memcpy_beside_compute"] = rd(min(1.0, min(mc)))
         if inter:
             inter["source"] = (f"{path} interference (factor = time alone / time together): compute_beside_memcpy the least over "
                                "the compute victim beside h2d/d2h copies, memcpy_beside_compute the least over h2d/d2h victims "
-                               "beside compute, capped at 1")
+                               "beside compute, each capped at 1")
             doc["interference"] = inter
         else:
             notes.append("interference: no compute/copy pair: not fitted")

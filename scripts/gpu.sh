@@ -2,6 +2,7 @@
 # scripts/gpu.sh — the cuda backend's tests and measurements on a lent GPU machine, in one call.
 #
 #   scripts/gpu.sh bundle                  # here (the build machine): build build-gpu, fill build-gpu/bundle/
+#                                          # and pack it as build-gpu/bundle.tar.gz (what the device call carries)
 #   scripts/gpu.sh run [OUTDIR]            # on the GPU machine: every step below -> OUTDIR/gpu-results.tar.gz
 #   scripts/gpu.sh run OUTDIR --only tests,validate,peers   # some steps only (tests, validate, suites, peers, compare)
 #   scripts/gpu.sh run OUTDIR --only suites --run gpu  # suites step with run_suite.py --run gpu (repeatable)
@@ -14,8 +15,12 @@
 # $CUDA_ARCHS) in $BUILD_DIR (default build-gpu), nice'd with $JOBS (default 2) jobs; copies
 # moelab and the test binaries that exercise the cuda backend into build-gpu/bundle/ with a
 # MANIFEST (commit, flags, binaries, sizes, the shared libraries they need); checks that they
-# need nothing but cuBLAS, NCCL and the C/C++ runtime, and that the bundle is well under the
-# device tool's 64 MiB; prints the device call. docs/GPU.md describes the whole procedure.
+# need nothing but cuBLAS, NCCL and the C/C++ runtime; packs the folder as build-gpu/bundle.tar.gz
+# and checks that the working tree and that archive stay under the device tool's 64 MiB in all
+# (what travels); prints the device calls. docs/GPU.md describes the whole procedure.
+#
+# run unpacks BUNDLE.tar.gz (default build-gpu/bundle.tar.gz, carried) into BUNDLE first when
+# it is there.
 #
 # run: finds cuBLAS and NCCL (the toolkit's default location, else a Python environment's
 # site-packages/nvidia/*/lib) and puts them on LD_LIBRARY_PATH; prints nvidia-smi and
@@ -25,9 +30,10 @@
 #   validate  scripts/validate_sim.sh --backend cuda into OUTDIR/validation/<device class>/
 #   suites    scripts/run_suite.py --backends cuda --out OUTDIR/results --run ID... (every suite's
 #             runs on the cuda backend, or those given with --run; no suite summary is written);
-#             with the validate step's profile of this GPU when it ran first (--cuda-profile: the
-#             runs choose their GEMM paths by its measured table); cut off by its budget, the runs
-#             that finished are kept
+#             with the validate step's profile of this GPU when it ran first, else the profile of
+#             a device of this name in the working tree (results/validation/<device class>/, an
+#             earlier call's, unpacked) (--cuda-profile: the runs choose their GEMM paths by its
+#             measured table); cut off by its budget, the runs that finished are kept
 #   peers     scripts/peers/torch_moe.py, the PyTorch peer on the same shapes, when a python3
 #             imports torch -> OUTDIR/results/measured/cuda/<device class>/peers/torch-moe.jsonl
 #   compare   plots/mpipemoe_gpu.py: the measured MPipeMoE runs against their simulated
@@ -43,10 +49,11 @@
 # `scripts/gpu.sh unpack OUTDIR/gpu-results.tar.gz`.
 # Time: the device tool stops a command at 600 s, so the run keeps to $GPU_RUN_BUDGET seconds
 # (default 570, packing included) and each step to its budget, $GPU_BUDGET_<STEP> (defaults
-# from the times measured on one H100 at e25e2a0, docs/GPU.md): tests 60 (measured 4; each
-# binary at most $TEST_TIMEOUT, default 30), validate 180 (61 before calibrate measured the GEMM paths, copies by size, overheads, interference and dispatch, and the fit: about 25 s more expected), peers 90, compare 30; suites
+# from the times measured on one H100 at e25e2a0, docs/GPU.md): tests 120 (measured 4 for two of
+# the six binaries; each binary at most $TEST_TIMEOUT, default 45), validate 180 (61 before calibrate measured the GEMM paths, copies by size, overheads, interference and dispatch, and the fit: about 25 s more expected), peers 90, compare 30; suites
 # and memcheck get what is left after the budgets of the steps still to come. A step or test binary that runs out of time is stopped
-# and reported TIMEOUT; one with no time left is not started.
+# and reported TIMEOUT; one with no time left is not started. What a validate or peers step
+# that failed or ran out of time wrote is renamed *.incomplete, which unpack leaves out.
 # Without a CUDA device every step says so and skips (exit code 0). Exit code 1 if any step
 # failed or ran out of time. Everything printed is also in OUTDIR/gpu-run.log.
 #
@@ -122,12 +129,24 @@ bundle() {
   bytes="$(du -sb "$b" | cut -f1)"
   echo "total:    $bytes bytes" >>"$b/MANIFEST"
   cat "$b/MANIFEST"
-  [ "$bytes" -lt $((48 * 1024 * 1024)) ] || die "the bundle is $bytes bytes: too close to the device tool's 64 MiB"
+
+  # What travels is the working tree (tracked and untracked-not-ignored files) and the carried
+  # paths, 64 MiB in all: the binaries go as one compressed archive (they share the static CUDA
+  # runtime, GoogleTest and the kernels), which gpu.sh run unpacks into build-gpu/bundle/.
+  local tgz="$build/bundle.tar.gz" packed tree
+  tar -C "$b" -cf - . | gzip -9 >"$tgz.tmp" && mv -f "$tgz.tmp" "$tgz"
+  packed="$(stat -c %s "$tgz")"
+  tree="$(cd "$root" && git ls-files -z --cached --others --exclude-standard |
+          xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')"
   echo
-  echo "bundle: ${b#"$root"/} ($((bytes / 1024)) KiB of the device tool's 64 MiB)"
+  echo "bundle: ${b#"$root"/} ($((bytes / 1024)) KiB), packed as ${tgz#"$root"/} ($((packed / 1024)) KiB)"
+  echo "travels: the working tree $((tree / 1024)) KiB + the archive $((packed / 1024)) KiB = $(((tree + packed) / 1024)) KiB of the device tool's 65536 KiB"
+  [ $((tree + packed)) -lt $((60 * 1024 * 1024)) ] ||
+    die "the working tree ($tree bytes) and ${tgz#"$root"/} ($packed bytes) are too close to the device tool's 64 MiB in all"
   case "$commit" in *-dirty) echo "note: built from a tree with uncommitted changes; results will say $commit" ;; esac
-  echo "device call (docs/GPU.md): carry [\"${b#"$root"/}\"], command \"scripts/gpu.sh run \$OUT\""
-  echo "  split over calls: \"scripts/gpu.sh run \$OUT --only tests,validate,peers\", then \"scripts/gpu.sh run \$OUT --only suites\""
+  echo "device calls (docs/GPU.md): carry [\"${tgz#"$root"/}\"], commands"
+  echo "  \"scripts/gpu.sh run \$OUT --only tests,validate,suites,peers --run cuda --run gpu-stage --run gpu-stage-offall\""
+  echo "  then, after scripts/gpu.sh unpack of the first archive: \"scripts/gpu.sh run \$OUT --only suites --run gpu\""
 }
 
 # ---- run ------------------------------------------------------------------------------------
@@ -143,7 +162,7 @@ WROTE=()  # what the run wrote under OUTDIR (top-level names): packed, then remo
 # Time budgets in seconds (docs/GPU.md has the measured times they come from). 0: what is left.
 RUN_BUDGET="${GPU_RUN_BUDGET:-570}"
 PACK_RESERVE=15
-declare -A BUDGET=([tests]="${GPU_BUDGET_TESTS:-60}" [validate]="${GPU_BUDGET_VALIDATE:-180}"
+declare -A BUDGET=([tests]="${GPU_BUDGET_TESTS:-120}" [validate]="${GPU_BUDGET_VALIDATE:-180}"
                    [suites]="${GPU_BUDGET_SUITES:-0}" [peers]="${GPU_BUDGET_PEERS:-90}"
                    [compare]="${GPU_BUDGET_COMPARE:-30}" [memcheck]="${GPU_BUDGET_MEMCHECK:-0}")
 STEPS=(tests validate suites peers compare memcheck)
@@ -276,7 +295,7 @@ step_tests() {
     t0=$SECONDS
     if [ ! -x "$BUNDLE/$t" ]; then record "tests/$t" FAILED "not in the bundle" 0; continue; fi
     b=$((end - SECONDS))
-    [ "${TEST_TIMEOUT:-30}" -lt "$b" ] && b="${TEST_TIMEOUT:-30}"  # one binary that hangs leaves time to the rest
+    [ "${TEST_TIMEOUT:-45}" -lt "$b" ] && b="${TEST_TIMEOUT:-45}"  # one binary that hangs leaves time to the rest
     if [ "$b" -lt 2 ]; then record "tests/$t" TIMEOUT "not started: the tests' time budget is spent" 0; continue; fi
     timeout -k 5 "$b" "$BUNDLE/$t" --gtest_output="xml:$OUTDIR/tests/$t.xml" >"$OUTDIR/tests/$t.log" 2>&1
     rc=$?
@@ -327,6 +346,7 @@ step_validate() {
   dir="$OUTDIR/validation/$DEVICE_SLUG"
   wrote validation
   b="$(step_budget validate)"
+  if [ "$b" -lt 10 ]; then record validate TIMEOUT "not started: $b s left of the run's budget" 0; return; fi
   MOELAB="$BUNDLE/moelab" PYTHON="$PY" timeout -k 5 "$b" "$root/scripts/validate_sim.sh" --backend cuda --out "$dir"
   rc=$?
   if [ "$rc" = 0 ]; then
@@ -340,9 +360,12 @@ PY
 )"
     record validate passed "$VALIDATION; validation/$DEVICE_SLUG/" $((SECONDS - t0))
   elif timed_out "$rc"; then
-    record validate TIMEOUT "stopped after its $b s budget; what it wrote: validation/$DEVICE_SLUG/" $((SECONDS - t0))
+    # Not a validation (gpu.sh unpack leaves it out), and no profile for the suites step.
+    [ -d "$dir" ] && rm -rf "$dir.incomplete" && mv "$dir" "$dir.incomplete"
+    record validate TIMEOUT "stopped after its $b s budget; what it wrote: validation/$DEVICE_SLUG.incomplete/" $((SECONDS - t0))
   else
-    record validate FAILED "scripts/validate_sim.sh failed (above)" $((SECONDS - t0))
+    [ -d "$dir" ] && rm -rf "$dir.incomplete" && mv "$dir" "$dir.incomplete"
+    record validate FAILED "scripts/validate_sim.sh failed (above); what it wrote: validation/$DEVICE_SLUG.incomplete/" $((SECONDS - t0))
   fi
 }
 
@@ -359,10 +382,20 @@ print("\n".join(sorted({r["id"] for p in mr.registered_suites() for r in mr.load
   for id in "${ids[@]}"; do args+=(--run "$id"); done
   # The validate step's profile of this GPU (when it ran first in this run): the cuda runs
   # choose their GEMM paths by its measured table rather than the built-in H100 one.
-  local prof="$OUTDIR/validation/$DEVICE_SLUG/profile.json"
+  # Else the one an earlier call's validate step left, unpacked into the working tree here
+  # (results/validation/<device class>/), when it was measured on a device of this name.
+  local prof="$OUTDIR/validation/$DEVICE_SLUG/profile.json" tree_prof="$root/results/validation/$DEVICE_SLUG/profile.json"
+  if ! [ -f "$prof" ] && [ -n "$DEVICE_SLUG" ] && [ -f "$tree_prof" ] && "$PY" -c '
+import json, sys
+p = json.load(open(sys.argv[1]))
+sys.exit(0 if p.get("device") == sys.argv[2] and "gemm_paths" in p else 1)' "$tree_prof" "$DEVICE" 2>/dev/null; then
+    prof="$tree_prof"
+  fi
   if [ -f "$prof" ] && grep -q '"gemm_paths"' "$prof"; then
     args+=(--cuda-profile "$prof")
-    echo "suites: the cuda runs choose their GEMM paths by validation/$DEVICE_SLUG/profile.json"
+    echo "suites: the cuda runs choose their GEMM paths by ${prof#"$OUTDIR"/}"
+  else
+    echo "suites: no profile of this GPU with a GEMM-path table: the cuda runs choose by the built-in table"
   fi
   wrote results run_suite.log
   b="$(step_budget suites)"
@@ -415,17 +448,19 @@ step_peers() {
   b="$(step_budget peers)"
   if [ "$b" -lt 10 ]; then record peers TIMEOUT "not started: $b s left of the run's budget" 0; return; fi
   echo "$tpy scripts/peers/torch_moe.py --out ${out#"$OUTDIR"/} (budget $b s)"
-  PYTHONUNBUFFERED=1 timeout -k 5 "$b" "$tpy" "$root/scripts/peers/torch_moe.py" --out "$out" --commit "$COMMIT" \
-    2>&1 | tee "$OUTDIR/peers.log"
+  PYTHONUNBUFFERED=1 LD_LIBRARY_PATH="$ORIG_LD_LIBRARY_PATH" timeout -k 5 "$b" "$tpy" "$root/scripts/peers/torch_moe.py" \
+    --out "$out" --commit "$COMMIT" 2>&1 | tee "$OUTDIR/peers.log"
   rc=${PIPESTATUS[0]}
   lines="$([ -f "$out" ] && wc -l <"$out" || echo 0)"
   if [ "$rc" = 0 ] && [ "$lines" = 0 ] && grep -q '^torch_moe.py: skipped: ' "$OUTDIR/peers.log"; then
     record peers skipped "$(sed -n 's/^torch_moe.py: skipped: //p' "$OUTDIR/peers.log" | head -n 1)" $((SECONDS - t0))
   elif [ "$rc" = 0 ]; then
-    record peers passed "$lines shape(s) into ${out#"$OUTDIR"/} ($("$tpy" -c 'import torch; print("PyTorch", torch.__version__)' 2>&1))" $((SECONDS - t0))
+    record peers passed "$lines shape(s) into ${out#"$OUTDIR"/} (PyTorch $(sed -n 's/.*"torch": *"\([^"]*\)".*/\1/p' "$out" | head -n 1))" $((SECONDS - t0))
   elif timed_out "$rc"; then
-    record peers TIMEOUT "stopped after its $b s budget; $lines shape(s) done; log: peers.log" $((SECONDS - t0))
+    [ -f "$out" ] && mv -f "$out" "$out.incomplete"  # gpu.sh unpack leaves it out
+    record peers TIMEOUT "stopped after its $b s budget; $lines shape(s) done (kept as .incomplete); log: peers.log" $((SECONDS - t0))
   else
+    [ -f "$out" ] && mv -f "$out" "$out.incomplete"
     record peers FAILED "scripts/peers/torch_moe.py exit code $rc; log: peers.log" $((SECONDS - t0))
   fi
 }
@@ -433,6 +468,7 @@ step_peers() {
 step_compare() {
   local t0=$SECONDS b rc
   b="$(step_budget compare)"
+  if [ "$b" -lt 1 ]; then record compare TIMEOUT "not started: $b s left of the run's budget" 0; return; fi  # timeout 0: no limit
   timeout -k 5 "$b" "$PY" "$root/plots/mpipemoe_gpu.py" --results "$OUTDIR/results" --simulated "$root/results"
   rc=$?
   if [ "$rc" = 0 ]; then
@@ -520,7 +556,13 @@ run() {
   case ",$ONLY," in *,suites,*) case ",$ONLY," in *,compare,*) ;; *) ONLY="$ONLY,compare" ;; esac ;; esac
   mkdir -p "$OUTDIR" || die "cannot create $OUTDIR"
   OUTDIR="$(cd "$OUTDIR" && pwd)"
-  [ -d "$BUNDLE" ] || die "no bundle at $BUNDLE: run scripts/gpu.sh bundle on the build machine and carry it (docs/GPU.md)"
+  # The carried archive (gpu.sh bundle: BUNDLE.tar.gz) replaces whatever bundle folder an
+  # earlier call left on this machine.
+  if [ -f "$BUNDLE.tar.gz" ]; then
+    rm -rf "$BUNDLE" && mkdir -p "$BUNDLE" && tar -xzf "$BUNDLE.tar.gz" -C "$BUNDLE" ||
+      die "cannot unpack $BUNDLE.tar.gz into $BUNDLE"
+  fi
+  [ -d "$BUNDLE" ] || die "no bundle at $BUNDLE (or $BUNDLE.tar.gz): run scripts/gpu.sh bundle on the build machine and carry it (docs/GPU.md)"
   BUNDLE="$(cd "$BUNDLE" && pwd)"
   [ -x "$BUNDLE/moelab" ] || die "no moelab in $BUNDLE"
   exec > >(tee -a "$OUTDIR/gpu-run.log") 2>&1
@@ -534,8 +576,14 @@ run() {
   fi
   PY="$(find_python)" || { echo "gpu.sh: no python3 (3.8+) found: the validate, suites and compare steps need one"; PY=python3; }
   echo "python: $PY ($("$PY" --version 2>&1))"
-  TORCH_PY="$(find_torch_python)" || TORCH_PY=""
-  echo "torch:  ${TORCH_PY:-no python3 here imports torch (the peers step skips)}"
+  TORCH_PY=""
+  case ",$ONLY," in
+    *,peers,*) TORCH_PY="$(find_torch_python)" || TORCH_PY=""
+               echo "torch:  ${TORCH_PY:-no python3 here imports torch (the peers step skips)}" ;;
+  esac
+  # PyTorch loads the CUDA libraries of its own wheels: it runs with the library path it was
+  # found with, not the one find_libs sets for the bundle.
+  ORIG_LD_LIBRARY_PATH="${LD_LIBRARY_PATH-}"
   export MOELAB_EXPERIMENTS="$root/experiments" PYTHONDONTWRITEBYTECODE=1
   echo "== CUDA libraries"
   find_libs
@@ -605,6 +653,12 @@ unpack() {
   trap "rm -rf '$tmp'" EXIT
   tar -xzf "$archive" -C "$tmp" || die "unpack: $archive is not a readable .tar.gz"
   [ -f "$tmp/summary.txt" ] && cat "$tmp/summary.txt" && echo
+  # A step that failed or ran out of time marked what it left as incomplete: never over the
+  # complete files of an earlier run.
+  while IFS= read -r n; do
+    echo "not unpacked (incomplete): ${n#"$tmp"/}"
+    rm -rf "$n"
+  done < <(find "$tmp" -name '*.incomplete' -prune 2>/dev/null)
   for d in "$tmp"/results/measured/cuda/*/ "$tmp"/validation/*/; do
     [ -d "$d" ] || continue
     cls="$(basename "$d")"

@@ -84,9 +84,14 @@ PY
   dtype=fp32
 else
   if [ -z "$cluster" ]; then
-    case "$("$moelab" list | grep 'cuda   available' || true)" in
+    # The node models of the catalogue whose datasheet peaks are this GPU's: another part (an
+    # H100 PCIe or NVL, an A100) would be fitted against the wrong peaks, so it must be named.
+    gpu_line="$("$moelab" list | grep 'cuda   available' || true)"
+    case "$gpu_line" in
       *H200*) cluster=h200x1 ;;
-      *) cluster=h100x1 ;;
+      *"H100 80GB HBM3"*) cluster=h100x1 ;;
+      *) echo "validate_sim.sh: no catalogue node model for this GPU (${gpu_line#*available: }): give --cluster FILE or NAME" >&2
+         exit 2 ;;
     esac
   fi
   configs=("1024 4096 8 8192" "2048 8192 8 8192" "2048 8192 64 16384" "1024 4096 16 16384" "4096 16384 8 4096" "768 3072 32 32768")
@@ -171,6 +176,12 @@ json.dump(c, open(out_path, "w"), indent=2)
 PY
 )
 
+# On cuda the measured runs choose their GEMM paths by the table calibrate measured on this GPU,
+# as the sim does from the same profile: the comparison then judges the cost model, not two
+# different choices of cuBLAS path.
+measure_args=()
+if [ "$backend" = cuda ] && grep -q '"gemm_paths"' "$out/profile.json"; then measure_args=(--profile "$out/profile.json"); fi
+
 i=0
 for c in "${configs[@]}"; do
   read -r M H E T <<<"$c"
@@ -179,7 +190,8 @@ for c in "${configs[@]}"; do
   printf '{"name":"c%d-M%s-H%s-E%s-T%s","model":{"d_model":%s,"d_hidden":%s,"num_experts":%s,"top_k":1,"capacity_factor":0,"activation":"gelu","dtype":"%s"},"tokens_per_rank":%s,"steps":5,"warmup":2,"seed":%d}\n' \
     "$i" "$M" "$H" "$E" "$T" "$M" "$H" "$E" "$dtype" "$T" "$i" >"$w"
   echo "== [$i/${#configs[@]}] M=$M H=$H E=$E T=$T"
-  "$moelab" run --workload "$w" --impl fastmoe --backend "$backend" --record-routing "$out/measured/c$i.routing.json" \
+  "$moelab" run --workload "$w" --impl fastmoe --backend "$backend" ${measure_args[@]+"${measure_args[@]}"} \
+    --record-routing "$out/measured/c$i.routing.json" \
     --out "$out/measured/c$i.json" >/dev/null
   # The sim replays the measured run's own routing, so only the cost model is being judged.
   # From the output folder: the cluster model names its calibration as calibration.json there.

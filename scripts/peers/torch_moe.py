@@ -112,7 +112,9 @@ class Peer:
         gate_w, expert = probs.topk(self.k, dim=-1)                      # [T, k], [T, k]
         flat = expert.reshape(-1)                                        # [T*k]
         order = torch.argsort(flat, stable=True)                         # [T*k] grouped by expert
-        counts = torch.bincount(flat, minlength=self.E)                  # [E]
+        # per-expert counts without a host sync (CUDA bincount reads its maximum back to size its
+        # output): the grouped layer's step stays on the device, as torchtitan's does
+        counts = torch.zeros(self.E, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
         token = order // self.k                                          # [T*k]
         weight = gate_w.reshape(-1)[order].to(x.dtype)                   # [T*k]
         return token, weight, counts

@@ -188,6 +188,50 @@ class GpuSh(unittest.TestCase):
         self.assertEqual(u.returncode, 2)
         self.assertIn("not a readable .tar.gz", u.stdout)
 
+    def test_a_carried_archive_replaces_the_bundle_folder(self):
+        """What travels is build-gpu/bundle.tar.gz (gpu.sh bundle): run unpacks it over whatever
+        bundle folder an earlier call left on the machine."""
+        with tarfile.open(self.bundle + ".tar.gz", "w:gz") as t:
+            for n in os.listdir(self.bundle):
+                t.add(os.path.join(self.bundle, n), arcname=n)
+        self.make_bundle(model_test=FAILS)  # the stale folder: model_test fails there
+        with open(os.path.join(self.bundle, "stale"), "w") as f:
+            f.write("left by an earlier call")
+        p = self.run_gpu("--only", "tests")
+        self.assertEqual(p.returncode, 0, p.stdout)
+        self.assertEqual(self.row("tests/model_test")[1], "passed")
+        self.assertFalse(os.path.exists(os.path.join(self.bundle, "stale")))
+        with open(self.bundle + ".tar.gz", "w") as f:
+            f.write("not an archive")
+        p = self.run_gpu("--only", "tests")
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("cannot unpack", p.stdout)
+
+    def test_unpack_leaves_out_what_is_incomplete(self):
+        """A validate or peers step that failed or ran out of time renamed what it wrote
+        *.incomplete: unpack never puts it over the complete files of an earlier run."""
+        src = os.path.join(self.dir, "src")
+        files = {"validation/gpu-a/profile.json": "{}", "validation/gpu-a/comparison.json": "{}",
+                 "validation/gpu-b.incomplete/profile.json": "{}",
+                 "results/measured/cuda/gpu-a/peers/torch-moe.jsonl.incomplete": "{}\n",
+                 "results/measured/cuda/gpu-a/mpipemoe/run.json": "{}", "summary.txt": "s\n"}
+        for n, text in files.items():
+            os.makedirs(os.path.dirname(os.path.join(src, n)), exist_ok=True)
+            with open(os.path.join(src, n), "w") as f:
+                f.write(text)
+        archive = os.path.join(self.dir, "a.tar.gz")
+        with tarfile.open(archive, "w:gz") as t:
+            for n in ("validation", "results", "summary.txt"):
+                t.add(os.path.join(src, n), arcname=n)
+        dest = os.path.join(self.dir, "dest")
+        u = self.gpu_sh("unpack", archive, dest)
+        self.assertEqual(u.returncode, 0, u.stdout)
+        self.assertIn("not unpacked (incomplete): validation/gpu-b.incomplete", u.stdout)
+        self.assertIn("not unpacked (incomplete): results/measured/cuda/gpu-a/peers/torch-moe.jsonl.incomplete", u.stdout)
+        got = sorted(os.path.relpath(os.path.join(d, f), dest) for d, _, fs in os.walk(dest) for f in fs)
+        self.assertEqual(got, ["measured/cuda/gpu-a/mpipemoe/run.json", "validation/gpu-a/comparison.json",
+                               "validation/gpu-a/profile.json"])
+
     def test_bad_options(self):
         p = self.run_gpu("--only", "tests,bogus")
         self.assertEqual(p.returncode, 2)
