@@ -6,6 +6,7 @@
 #   scripts/gpu.sh run [OUTDIR]            # on the GPU machine: every step below -> OUTDIR/gpu-results.tar.gz
 #   scripts/gpu.sh run OUTDIR --only tests,validate,peers   # some steps only (tests, validate, suites, peers, compare)
 #   scripts/gpu.sh run OUTDIR --only suites --run gpu  # suites step with run_suite.py --run gpu (repeatable)
+#   scripts/gpu.sh run OUTDIR --only suites --run gpu --workload W   # only those runs' jobs of workload W (repeatable)
 #   scripts/gpu.sh run OUTDIR --only memcheck           # the optional step: the tests under compute-sanitizer
 #   scripts/gpu.sh run OUTDIR --keep                    # also leave the unpacked files in OUTDIR
 #   scripts/gpu.sh unpack ARCHIVE [DEST]   # here: a run's cuda results into DEST (default results/)
@@ -380,6 +381,7 @@ print("\n".join(sorted({r["id"] for p in mr.registered_suites() for r in mr.load
     [ ${#ids[@]} -gt 0 ] || { record suites FAILED "no cuda runs found in experiments/*/suite.json" 0; return; }
   fi
   for id in "${ids[@]}"; do args+=(--run "$id"); done
+  for id in "${WORKLOADS[@]}"; do args+=(--workload "$id"); done
   # The validate step's profile of this GPU (when it ran first in this run): the cuda runs
   # choose their GEMM paths by its measured table rather than the built-in H100 one.
   # Else the one an earlier call's validate step left, unpacked into the working tree here
@@ -429,7 +431,7 @@ PY
   if [ "$rc" = 0 ]; then
     record suites passed "$note" $((SECONDS - t0))
   elif timed_out "$rc"; then
-    record suites TIMEOUT "stopped after its $b s budget: $CUDA_RUNS ($kept kept from results/candidate/); rerun the rest with --only suites --run ID" $((SECONDS - t0))
+    record suites TIMEOUT "stopped after its $b s budget: $CUDA_RUNS ($kept kept from results/candidate/); rerun the rest with --only suites --run ID [--workload W]" $((SECONDS - t0))
   else
     record suites FAILED "run_suite.py exit code $rc; $CUDA_RUNS; log: run_suite.log" $((SECONDS - t0))
   fi
@@ -530,12 +532,14 @@ run() {
   ONLY="tests,validate,suites,peers,compare"
   BUNDLE="$root/build-gpu/bundle"
   RUN_IDS=()
+  WORKLOADS=()
   KEEP=0
   while [ $# -gt 0 ]; do
     case "$1" in
       --only) ONLY="$2"; shift ;;
       --only=*) ONLY="${1#--only=}" ;;
       --run) RUN_IDS+=("$2"); shift ;;
+      --workload) WORKLOADS+=("$2"); shift ;;
       --bundle) BUNDLE="$2"; shift ;;
       --keep) KEEP=1 ;;
       -h|--help) usage; exit 0 ;;
@@ -545,6 +549,7 @@ run() {
     shift
   done
   [ -n "$OUTDIR" ] || die "run: give OUTDIR (or set OUT)"
+  [ ${#WORKLOADS[@]} -eq 0 ] || [ ${#RUN_IDS[@]} -gt 0 ] || die "run: --workload selects among the jobs of --run ID: give the run id too"
   local s
   for s in ${ONLY//,/ }; do
     case "$s" in tests|validate|suites|peers|compare|memcheck) ;; *) die "--only: unknown step \"$s\" (${STEPS[*]})" ;; esac

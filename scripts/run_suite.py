@@ -29,7 +29,9 @@ OUT/candidate/ and the difference is printed, unless --update-baseline is given.
 never written over one of a larger subset (quick < full < extended). Exit code 1 when something differs or failed.
 With --run ID (repeatable) only the suites' runs of that id go (the grid and the other runs do
 not), and no summary is written: a summary describes a whole suite run, and a partial one
-would replace it. The results are merged as above. One run at a time per OUT: a second
+would replace it; --workload NAME (repeatable) then keeps only those runs' jobs of that
+workload (or model file), to split one id's runs over several calls on a lent GPU. The results
+are merged as above. One run at a time per OUT: a second
 run_suite.py into the same folder stops at once (OUT/.run_suite.lock names the first's pid),
 since both would stage under OUT/candidate/.
 
@@ -310,6 +312,19 @@ def select_runs(plan, ids, quick, extended=False):
         known = sorted({f"{s['name']}:{r['id']}" for s, _ in plan for r in s.get("runs", [])})
         raise mr.SchemaError(f"--run {rid}: no run with this id in the selected suites (runs: {', '.join(known)})")
     return kept
+
+
+def select_workloads(plan, names):
+    """Keeps only the jobs of these workloads (a run's workload, or a model run's model file:
+    --workload, with --run), so that the runs of one id can be split over several calls; drops
+    suites left without any. Raises SchemaError for a name no selected job has."""
+    kept = [(s, [j for j in jobs if j["workload"] in names]) for s, jobs in plan]
+    have = sorted({j["workload"] for _, jobs in plan for j in jobs})
+    for n in names:
+        if n not in have:
+            raise mr.SchemaError(f"--workload {mr.show(n)}: no selected run has this workload "
+                                 f"(they have: {', '.join(have) or 'none'})")
+    return [(s, jobs) for s, jobs in kept if jobs]
 
 
 def hostfile_slots(path):
@@ -851,9 +866,14 @@ def main():
     ap.add_argument("--list", action="store_true", help="print the runs and exit")
     ap.add_argument("--run", action="append", metavar="ID",
                     help="only the runs with this id (repeatable); the grid is left out and no summary is written")
+    ap.add_argument("--workload", action="append", metavar="NAME",
+                    help="with --run: only those runs' jobs of this workload or model file (repeatable), to split "
+                         "the runs of one id over several calls")
     a = ap.parse_args()
     if a.quick and a.extended:
         ap.error("--quick and --extended: choose one (quick is a subset of the default run, extended a superset)")
+    if a.workload and not a.run:
+        ap.error("--workload selects among the jobs of --run ID: give the run id too")
 
     backends = [b for b in a.backends.split(",") if b]
     for b in backends:
@@ -866,6 +886,8 @@ def main():
         plan = [(s, expand(s, a.quick, a.extended)) for s in suites]
         if a.run:
             plan = select_runs(plan, a.run, a.quick, a.extended)
+            if a.workload:
+                plan = select_workloads(plan, a.workload)
             suites = [s for s, _ in plan]
     except mr.SchemaError as e:
         die(str(e))

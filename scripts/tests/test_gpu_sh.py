@@ -239,6 +239,9 @@ class GpuSh(unittest.TestCase):
         p = self.run_gpu(GPU_BUDGET_TESTS="soon")
         self.assertEqual(p.returncode, 2)
         self.assertIn("GPU_BUDGET_TESTS=soon", p.stdout)
+        p = self.run_gpu("--only", "suites", "--workload", "w")
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("--workload selects among the jobs of --run ID", p.stdout)
         self.assertEqual(self.gpu_sh("frobnicate").returncode, 2)
         self.assertFalse(os.path.exists(os.path.join(self.out, "gpu-results.tar.gz")))
 

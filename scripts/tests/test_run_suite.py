@@ -105,6 +105,19 @@ class Expand(unittest.TestCase):
             run_suite.select_runs([(s, run_suite.expand(s, True))], ["gpu"], True)
         self.assertIn("not in the quick subset", str(cm.exception))
 
+    def test_select_workloads_splits_a_run(self):
+        """--workload keeps the jobs of one run id's workloads, so that a run too long for one
+        call on a lent GPU goes in parts."""
+        s = mr.load_suite(fake_suite(self.tmp()))
+        plan = run_suite.select_runs([(s, run_suite.expand(s, False))], ["sim"], False)
+        names = sorted({j["workload"] for _, js in plan for j in js})
+        kept = run_suite.select_workloads(plan, names[:1])
+        self.assertEqual({j["workload"] for _, js in kept for j in js}, set(names[:1]))
+        with self.assertRaises(mr.SchemaError) as cm:
+            run_suite.select_workloads(plan, ["nope"])
+        self.assertIn("--workload \"nope\": no selected run has this workload", str(cm.exception))
+        self.assertIn(names[0], str(cm.exception))
+
     def test_extended_runs_only_on_request(self):
         def mark(s):
             s["runs"][0]["extended"] = True
