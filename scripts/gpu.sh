@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# scripts/gpu.sh — the cuda backend's tests and measurements on a lent GPU machine, in one call.
+# scripts/gpu.sh — the cuda backend's tests and measurements on a lent GPU machine, in two calls
+# of the device tool (docs/GPU.md §2).
 #
 #   scripts/gpu.sh bundle                  # here (the build machine): build build-gpu, fill build-gpu/bundle/
 #                                          # and pack it as build-gpu/bundle.tar.gz (what the device call carries)
@@ -360,12 +361,13 @@ print("median step error %.1f%%, worst %.1f%% (%s, %s calibration, %d configurat
 PY
 )"
     record validate passed "$VALIDATION; validation/$DEVICE_SLUG/" $((SECONDS - t0))
-  elif timed_out "$rc"; then
-    # Not a validation (gpu.sh unpack leaves it out), and no profile for the suites step.
-    [ -d "$dir" ] && rm -rf "$dir.incomplete" && mv "$dir" "$dir.incomplete"
+    return
+  fi
+  # Not a validation (gpu.sh unpack leaves it out), and no profile for the suites step.
+  [ -d "$dir" ] && rm -rf "$dir.incomplete" && mv "$dir" "$dir.incomplete"
+  if timed_out "$rc"; then
     record validate TIMEOUT "stopped after its $b s budget; what it wrote: validation/$DEVICE_SLUG.incomplete/" $((SECONDS - t0))
   else
-    [ -d "$dir" ] && rm -rf "$dir.incomplete" && mv "$dir" "$dir.incomplete"
     record validate FAILED "scripts/validate_sim.sh failed (above); what it wrote: validation/$DEVICE_SLUG.incomplete/" $((SECONDS - t0))
   fi
 }
@@ -458,12 +460,13 @@ step_peers() {
     record peers skipped "$(sed -n 's/^torch_moe.py: skipped: //p' "$OUTDIR/peers.log" | head -n 1)" $((SECONDS - t0))
   elif [ "$rc" = 0 ]; then
     record peers passed "$lines shape(s) into ${out#"$OUTDIR"/} (PyTorch $(sed -n 's/.*"torch": *"\([^"]*\)".*/\1/p' "$out" | head -n 1))" $((SECONDS - t0))
-  elif timed_out "$rc"; then
-    [ -f "$out" ] && mv -f "$out" "$out.incomplete"  # gpu.sh unpack leaves it out
-    record peers TIMEOUT "stopped after its $b s budget; $lines shape(s) done (kept as .incomplete); log: peers.log" $((SECONDS - t0))
   else
-    [ -f "$out" ] && mv -f "$out" "$out.incomplete"
-    record peers FAILED "scripts/peers/torch_moe.py exit code $rc; log: peers.log" $((SECONDS - t0))
+    [ -f "$out" ] && mv -f "$out" "$out.incomplete"  # gpu.sh unpack leaves it out
+    if timed_out "$rc"; then
+      record peers TIMEOUT "stopped after its $b s budget; $lines shape(s) done (kept as .incomplete); log: peers.log" $((SECONDS - t0))
+    else
+      record peers FAILED "scripts/peers/torch_moe.py exit code $rc; log: peers.log" $((SECONDS - t0))
+    fi
   fi
 }
 

@@ -359,15 +359,18 @@ void add_gemm_path_metrics(json& metrics, const Backend& b) {
 #endif
 }
 
-void warn_host_pool(const Backend& b, const HostPoolMark& start, const HostPoolMark& end) {
-  if (!start.valid || !end.valid) return;
-  const std::uint64_t allocs = end.raw_allocs - start.raw_allocs, releases = end.raw_releases - start.raw_releases;
-  if (allocs > 0 || releases > 0)
+HostPoolMark host_pool_window(const HostPoolMark& start, const HostPoolMark& end) {
+  if (!start.valid || !end.valid) return {};
+  return {true, end.requests - start.requests, end.raw_allocs - start.raw_allocs, end.raw_releases - start.raw_releases};
+}
+
+void warn_host_pool(const Backend& b, const HostPoolMark& w) {
+  if (w.valid && (w.raw_allocs > 0 || w.raw_releases > 0))
     std::fprintf(stderr,
                  "moelab: warning (rank %d): the pinned host pool called the driver in the timed steps (%llu "
                  "cudaHostAlloc, %llu cudaFreeHost): the warm-up left it short, and the step times include "
                  "page-locking (more --warmup steps avoid it)\n",
-                 b.rank(), static_cast<unsigned long long>(allocs), static_cast<unsigned long long>(releases));
+                 b.rank(), static_cast<unsigned long long>(w.raw_allocs), static_cast<unsigned long long>(w.raw_releases));
 }
 
 HostPoolMark host_pool_mark(const Backend& b) {
@@ -382,16 +385,15 @@ HostPoolMark host_pool_mark(const Backend& b) {
   return m;
 }
 
-void add_host_pool_metrics(json& metrics, const Backend& b, const HostPoolMark& start, const HostPoolMark& end) {
+void add_host_pool_metrics(json& metrics, const Backend& b, const HostPoolMark& w) {
 #ifdef MOELAB_HAVE_CUDA
-  if (!start.valid || !end.valid || !is_cuda_backend(b)) return;
-  const std::uint64_t allocs = end.raw_allocs - start.raw_allocs, releases = end.raw_releases - start.raw_releases;
-  metrics["host_pool"] = {{"timed_requests", end.requests - start.requests},
-                          {"timed_driver_allocations", allocs},
-                          {"timed_driver_releases", releases},
+  if (!w.valid || !is_cuda_backend(b)) return;
+  metrics["host_pool"] = {{"timed_requests", w.requests},
+                          {"timed_driver_allocations", w.raw_allocs},
+                          {"timed_driver_releases", w.raw_releases},
                           {"peak_bytes_held", cuda_host_pool_stats(b).peak_bytes_held}};
 #else
-  (void)metrics, (void)b, (void)start, (void)end;
+  (void)metrics, (void)b, (void)w;
 #endif
 }
 
@@ -525,8 +527,8 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
       step_s.push_back(backend->now() - t0);
       if (!opt.record_routing.empty()) routed.push_back(impl->routing().routed_per_expert);
     }
-    const HostPoolMark pool_end = host_pool_mark(*backend);
-    warn_host_pool(*backend, pool_start, pool_end);
+    const HostPoolMark pool_window = host_pool_window(pool_start, host_pool_mark(*backend));
+    warn_host_pool(*backend, pool_window);
 
     if (preflight) return 0;
 
@@ -646,7 +648,7 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
     json metrics = metrics_json(fig, ranks, tokens_per_s, library, floor_gemm_library(*backend),
                                 static_cast<int>(dtype_size(m.dtype)));
     add_gemm_path_metrics(metrics, *backend);
-    add_host_pool_metrics(metrics, *backend, pool_start, pool_end);
+    add_host_pool_metrics(metrics, *backend, pool_window);
 
     json result;
     result["schema"] = "moelab.result/1";

@@ -98,8 +98,10 @@ struct HostPoolMark {
   std::uint64_t requests = 0, raw_allocs = 0, raw_releases = 0;
 };
 HostPoolMark host_pool_mark(const Backend& b);
-void warn_host_pool(const Backend& b, const HostPoolMark& start, const HostPoolMark& end);
-void add_host_pool_metrics(nlohmann::json& metrics, const Backend& b, const HostPoolMark& start, const HostPoolMark& end);  // what Backend::time_batched_gemms issues
+// What the pool did between two marks (invalid unless both are).
+HostPoolMark host_pool_window(const HostPoolMark& start, const HostPoolMark& end);
+void warn_host_pool(const Backend& b, const HostPoolMark& window);
+void add_host_pool_metrics(nlohmann::json& metrics, const Backend& b, const HostPoolMark& window);
 // The GEMM floor of one MoE layer's last forward+backward (MoELayer::expert_floor_problems,
 // timed by Backend::time_batched_gemms), scaled to `layer_flops`, the FLOPs of its
 // expert_gemm_problems: the floor's time for exactly the layer's expert FLOPs. 0 without rows.

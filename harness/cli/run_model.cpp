@@ -671,8 +671,8 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       loss_curve.push_back(mean_loss());
       if (due() || (i + 1 == steps && opt.eval_every > 0)) evaluate();  // and after the last step
     }
-    const HostPoolMark pool_end = host_pool_mark(b);
-    warn_host_pool(b, pool_start, pool_end);
+    const HostPoolMark pool_window = host_pool_window(pool_start, host_pool_mark(b));
+    warn_host_pool(b, pool_window);
 
     if (preflight) return 0;
 
@@ -870,7 +870,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     json metrics = metrics_json(fig, ranks, tokens_per_s, library, floor_gemm_library(b),
                                 static_cast<int>(dtype_size(cfg.dtype)));
     add_gemm_path_metrics(metrics, b);
-    add_host_pool_metrics(metrics, b, pool_start, pool_end);
+    add_host_pool_metrics(metrics, b, pool_window);
     metrics["model_flops_per_step"] = model_flops;
     metrics["model_tflops_per_device"] = model_tflops;
     metrics["mfu"] = mfu > 0 ? json(mfu) : json(nullptr);

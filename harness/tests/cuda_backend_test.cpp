@@ -248,6 +248,14 @@ TEST_F(CudaTest, EventsOrderStreams) {
 
 // ---- GEMM ------------------------------------------------------------------------------
 
+// The calls the backend recorded for `op` on `path`: the path that really ran (an op's detail
+// names every path the chooser weighed, so it cannot tell a silent fallback to the loop).
+std::int64_t calls_on(const Backend& b, const std::string& op, GemmPath path) {
+  for (const auto& u : cuda_gemm_path_uses(b))
+    if (u.op == op && u.path == path) return u.calls;
+  return 0;
+}
+
 struct GemmCase {
   DType ab, c;
   bool ta, tb;
@@ -301,26 +309,19 @@ class CudaGemmTest : public CudaTest, public ::testing::WithParamInterface<GemmC
     return h;
   }
 
-  // The calls the backend recorded for `op` on `path` (the path that really ran).
-  std::int64_t calls_on(const std::string& op, GemmPath path) const {
-    for (const auto& u : cuda_gemm_path_uses(*b))
-      if (u.op == op && u.path == path) return u.calls;
-    return 0;
-  }
-
   // Runs the problems as one grouped call (on `path` where it can run) and checks every C.
   // must_run: the forced path must have run (a library refusal falls back to the loop with the
   // right numbers, so only the recorded path shows it).
   void run_and_check(std::vector<GemmProblem>& problems, const std::vector<Host>& hosts,
                      std::optional<GemmPath> path, bool must_run = false, const std::string& op = "gemm_test") {
     const GemmCase gc = GetParam();
-    const std::int64_t before = path ? calls_on(op, *path) : 0;
+    const std::int64_t before = path ? calls_on(*b, op, *path) : 0;
     cuda_force_gemm_path(*b, path);
     b->grouped_gemm(*s, problems, op.c_str());
     b->synchronize();
     cuda_force_gemm_path(*b, std::nullopt);
     if (must_run && path) {
-      EXPECT_EQ(calls_on(op, *path), before + 1) << "forced " << gemm_path_name(*path) << " did not run";
+      EXPECT_EQ(calls_on(*b, op, *path), before + 1) << "forced " << gemm_path_name(*path) << " did not run";
     }
     for (std::size_t q = 0; q < problems.size(); ++q) {
       const auto got = b->download(problems[q].c);
@@ -444,7 +445,7 @@ TEST_P(CudaGemmTest, GroupedRefusesMisalignedRowViews) {
   }
   ASSERT_NE(reinterpret_cast<std::uintptr_t>(problems[1].c.raw()) % 16, 0u);
   run_and_check(problems, hosts, GemmPath::grouped, false, "gemm_misaligned");
-  EXPECT_EQ(calls_on("gemm_misaligned", GemmPath::grouped), 0);
+  EXPECT_EQ(calls_on(*b, "gemm_misaligned", GemmPath::grouped), 0);
   std::int64_t ran = 0;
   for (const auto& u : cuda_gemm_path_uses(*b))
     if (u.op == "gemm_misaligned") ran += u.calls;
@@ -1166,15 +1167,7 @@ TEST_P(FusedEpilogue, StridedAndLoopAgainstFloat64) {
       q.aux = t_m.rows(l * r, r);
       dgrad.push_back(q);
     }
-    // The path each op really ran on, as the backend records it (the op's detail names every
-    // path the chooser weighed, so it cannot tell a silent fallback to the loop).
-    const auto calls_on = [&](const char* op) {
-      std::int64_t n = 0;
-      for (const auto& u : cuda_gemm_path_uses(*b))
-        if (u.op == op && u.path == *path) n = u.calls;
-      return n;
-    };
-    const std::int64_t fc1_before = calls_on("fc1"), dgrad_before = calls_on("fc2_dgrad");
+    const std::int64_t fc1_before = calls_on(*b, "fc1", *path), dgrad_before = calls_on(*b, "fc2_dgrad", *path);
     cuda_force_gemm_path(*b, path);
     b->clear_timeline();
     b->grouped_gemm_epilogue(s, fc1, GemmEpilogue::act_aux, Activation::gelu_tanh, "fc1");
@@ -1194,8 +1187,8 @@ TEST_P(FusedEpilogue, StridedAndLoopAgainstFloat64) {
       }
     }
     if (t == DType::bf16) {  // fp32 may fall back; bf16 must run on the forced path
-      EXPECT_EQ(calls_on("fc1"), fc1_before + 1) << tl[0].detail;
-      EXPECT_EQ(calls_on("fc2_dgrad"), dgrad_before + 1) << tl[1].detail;
+      EXPECT_EQ(calls_on(*b, "fc1", *path), fc1_before + 1) << tl[0].detail;
+      EXPECT_EQ(calls_on(*b, "fc2_dgrad", *path), dgrad_before + 1) << tl[1].detail;
     }
     const std::vector<double> gm = host(t_m), ga = host(a), gda = host(d_a);
     std::vector<double> want_m(gm.size()), want_a(gm.size()), want_da(gm.size());

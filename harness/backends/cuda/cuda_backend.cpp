@@ -1854,15 +1854,19 @@ double CudaBackend::time_batched_gemms(std::span<const GemmProblem> problems, in
 
 // ---- public functions ----------------------------------------------------------------
 
-bool cuda_device_present() {
+namespace {
+// The visible devices; 0 on any CUDA error (no driver, driver too old), which is cleared.
+int device_count() {
   int n = 0;
-  const cudaError_t err = cudaGetDeviceCount(&n);
-  if (err != cudaSuccess) {
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
     cudaGetLastError();  // leave no sticky error behind for whoever calls CUDA next
-    return false;
+    return 0;
   }
-  return n > 0;
+  return n;
 }
+}  // namespace
+
+bool cuda_device_present() { return device_count() > 0; }
 
 int local_device(int devices, const char* (*getenv)(const char*)) {
   if (devices <= 1) return 0;
@@ -1880,12 +1884,7 @@ int local_device(int devices, const char* (*getenv)(const char*)) {
 }
 
 int local_device() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    n = 0;
-  }
-  return local_device(n, [](const char* name) -> const char* { return std::getenv(name); });
+  return local_device(device_count(), [](const char* name) -> const char* { return std::getenv(name); });
 }
 
 std::unique_ptr<Backend> make_cuda_backend(int device) {
