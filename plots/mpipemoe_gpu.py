@@ -7,7 +7,7 @@
 Pairs every measured result of the mpipemoe suite's "gpu" run,
 RESULTS/measured/cuda/<device>/mpipemoe/<workload>-<impl>.json, with its simulated counterpart
 of the "gpu-sim" run for the same device class, SIMULATED/simulated/<cluster>/mpipemoe/<same
-name>.json (H100 -> h100x1, H200 -> h200x1; --cluster to name another), and writes
+name>.json (H100 SXM -> h100x1, H200 SXM -> h200x1; --cluster to name another), and writes
 RESULTS/measured/cuda/<device>/mpipemoe/comparison.json ("moelab.gpu-comparison/1") with, per
 implementation:
 
@@ -34,13 +34,16 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import moelab_results as mr  # noqa: E402
 
 SCHEMA = "moelab.gpu-comparison/1"
-CLUSTERS = (("h200", "h200x1"), ("h100", "h100x1"))  # device class slug contains -> cluster model
+# Device class slug -> the catalogue's node model whose datasheet peaks are that part's (the
+# same rule as scripts/validate_sim.sh): the SXM parts only. An H100 PCIe or NVL, or an H200
+# NVL, has other clocks and power limits, so its runs are compared only with --cluster named.
+CLUSTERS = (("nvidia-h200", "h200x1"), ("nvidia-h100-80gb-hbm3", "h100x1"))
 GiB = 2.0 ** 30
 
 
 def cluster_for(device_slug):
     for key, cluster in CLUSTERS:
-        if key in device_slug:
+        if device_slug == key or (device_slug.startswith(key + "-") and "nvl" not in device_slug.split("-")):
             return cluster
     return None
 

@@ -85,14 +85,15 @@ PY
 else
   if [ -z "$cluster" ]; then
     # The node models of the catalogue whose datasheet peaks are this GPU's: another part (an
-    # H100 PCIe or NVL, an A100) would be fitted against the wrong peaks, so it must be named.
+    # H100 PCIe or NVL, an H200 NVL, an A100) would be fitted against the wrong peaks, so it
+    # must be named.
     gpu_line="$("$moelab" list | grep 'cuda   available' || true)"
     case "$gpu_line" in
+      *"H200 NVL"*) ;;
       *H200*) cluster=h200x1 ;;
       *"H100 80GB HBM3"*) cluster=h100x1 ;;
-      *) echo "validate_sim.sh: no catalogue node model for this GPU (${gpu_line#*available: }): give --cluster FILE or NAME" >&2
-         exit 2 ;;
     esac
+    [ -n "$cluster" ] || { echo "validate_sim.sh: no catalogue node model for this GPU (${gpu_line#*available: }): give --cluster FILE or NAME" >&2; exit 2; }
   fi
   configs=("1024 4096 8 8192" "2048 8192 8 8192" "2048 8192 64 16384" "1024 4096 16 16384" "4096 16384 8 4096" "768 3072 32 32768")
   dtype=bf16

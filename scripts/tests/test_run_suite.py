@@ -180,6 +180,15 @@ class Expand(unittest.TestCase):
         self.assertEqual(sim["path"], "simulated/{cluster}/mpipemoe/{workload}-{impl}")
         self.assertFalse(sim.get("quick", False))
 
+    def test_mpipemoe_gpu_compares_only_the_parts_a_node_model_describes(self):
+        """The SXM H100 and H200 pair with h100x1 and h200x1; PCIe and NVL parts need --cluster."""
+        sys.path.insert(0, os.path.join(os.path.dirname(fixtures.SCRIPTS), "plots"))
+        import mpipemoe_gpu
+        for device, cluster in (("NVIDIA H100 80GB HBM3", "h100x1"), ("NVIDIA H200", "h200x1"),
+                                ("NVIDIA H100 PCIe", None), ("NVIDIA H100 NVL", None), ("NVIDIA H200 NVL", None),
+                                ("NVIDIA A100-SXM4-80GB", None)):
+            self.assertEqual(mpipemoe_gpu.cluster_for(mr.slug(mr.device_class(device + " (79.1 GiB)"))), cluster, device)
+
     def tmp(self):
         d = tempfile.TemporaryDirectory()
         self.addCleanup(d.cleanup)
