@@ -178,6 +178,11 @@ class Backend {
   };
   virtual std::optional<DevicePoolPeak> device_pool_peak() const { return std::nullopt; }
   virtual void reset_device_pool_peak() {}
+  // Waits for every stream, then gives the cached pinned host blocks back to the driver (cuda:
+  // HostPool::empty_cache; releasing pinned memory synchronises the device anyway, so call it
+  // only where a one-off stall is acceptable, e.g. after a search's trial runs). Blocks in use
+  // stay. cpu and sim cache no pinned memory: nothing to do, and no wait.
+  virtual void release_cached_host_memory() {}
 
   // Blocking host<->tensor transfers for set-up, checks and tests (fp32 on the host side;
   // converted to/from the tensor's dtype). Each first waits for the work already issued on

@@ -21,6 +21,8 @@
 #include <tuple>
 
 #include "harness/backends/cuda/cuda_backend.hpp"
+#include "harness/comm/communicator.hpp"
+#include "harness/nn/moe_impl.hpp"
 #include "harness/runtime/error.hpp"
 #include "harness/tests/blocks_reference.hpp"
 #include "harness/tests/cuda_blocks_reference.hpp"
@@ -750,10 +752,41 @@ TEST_F(CudaBlocks, PinnedPoolSecondOffloadStepAllocatesNothing) {
   EXPECT_GE(second.bytes_held, logical);
   EXPECT_EQ(b->memory().peak_per_category()[static_cast<std::size_t>(MemCategory::host_pinned)], logical);
 
-  cuda_host_pool_empty_cache(*b);
+  b->release_cached_host_memory();
   const auto emptied = cuda_host_pool_stats(*b);
   EXPECT_EQ(emptied.bytes_held, emptied.bytes_in_use);
   EXPECT_EQ(emptied.raw_releases - before.raw_releases, warm.raw_allocs - before.raw_allocs);
+}
+
+// MPipeMoE's granularity search times a forward at every candidate n; with an offloading
+// strategy each trial pins buffers of its own n's sizes, and they return to the pool when the
+// next trial begins. Once the search has chosen, the layer gives the pool's cache back: after
+// the searching forward the pool holds only what its saved state still uses.
+TEST_F(CudaBlocks, MPipeMoESearchGivesItsTrialsPinnedMemoryBack) {
+  register_builtin_impls();
+  auto comm = make_self_communicator(*b);
+  ModelConfig m;
+  m.d_model = 64;
+  m.d_hidden = 128;
+  m.num_experts = 4;
+  m.top_k = 2;
+  m.dtype = DType::f32;
+  const i64 T = 512;  // min_partition_tokens 64: n = 1, 2, 4, 8 are candidates
+  auto layer = make_impl("mpipemoe", *b, *comm, m, {{"partitions", "auto"}, {"strategy", "S1"}});
+  layer->init_parameters(fresh_seed());
+  Tensor x = make({T, m.d_model}, DType::f32, uniform(T * m.d_model, fresh_seed()));
+  const auto before = cuda_host_pool_stats(*b);
+  Tensor y = layer->forward(x);
+  b->synchronize();
+  const nlohmann::json search = layer->report()["granularity_search"];
+  ASSERT_NE(search.dump().find("\"how\":\"trials\""), std::string::npos) << search.dump();
+  const auto after = cuda_host_pool_stats(*b);
+  EXPECT_GT(after.raw_allocs, before.raw_allocs) << "the S1 trials pinned nothing: " << search.dump();
+  EXPECT_GT(after.bytes_in_use, 0u) << "the chosen forward's offloaded buffers";
+  EXPECT_EQ(after.bytes_held, after.bytes_in_use) << "the trials' blocks stayed cached: " << search.dump();
+  layer->backward(y, 0.1f);
+  b->synchronize();
+  EXPECT_EQ(cuda_host_pool_stats(*b).bytes_in_use, 0u);
 }
 
 }  // namespace

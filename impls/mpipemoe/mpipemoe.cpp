@@ -112,17 +112,28 @@ class MPipeMoELayer final : public MoELayer {
     check_input(x);
     const std::int64_t T = x.dim(0);
     int n = fixed_n_;
+    bool searched = false;  // this forward ran trials
     if (n <= 0) {
       // Ranks may hold different token counts; the search and its bounds must see one value on
       // every rank, or they would run different numbers of trials: the smallest count. Trials
       // are forwards of this very work (its key: the gate noise is the forward's).
       const auto B = static_cast<std::int64_t>(-comm_.all_reduce_max(-static_cast<double>(T)));
+      const std::size_t decided = search_.decisions().size();
       n = search_.choose(B, [&](int trial_n) { return trial(x, key, trial_n); });
+      searched = search_.decisions().size() > decided && search_.decisions().back().how == "trials";
     }
     if (n > std::max<std::int64_t>(T, 1))
       throw ConfigError("mpipemoe: partitions = " + std::to_string(n) + " leaves partitions without a token for " +
                         std::to_string(T) + " tokens per rank");
-    return pipelined_forward(x, key, n);
+    Forwarded f = pipelined_forward(x, key, n);
+    if (searched) {
+      // The trials' offload buffers (pinned host memory for S1/S3, of every trial n's sizes)
+      // went back to the backend's host pool, which caches them for reuse: gigabytes for a
+      // large layer that no later step of this n asks for. Give them back to the driver once,
+      // here, where the search has already synchronised the device several times.
+      b_.release_cached_host_memory();
+    }
+    return f;
   }
 
   const StrategyOptions& options() const { return so_; }

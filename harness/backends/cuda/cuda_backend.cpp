@@ -718,6 +718,10 @@ class CudaBackend final : public Backend {
 
  public:
   HostPool& host_pool() { return *host_pool_; }
+  void release_cached_host_memory() override {
+    synchronize();  // every block freed so far is then ready: none stays cached for a pending copy
+    host_pool_->empty_cache();
+  }
   const HostPool& host_pool() const { return *host_pool_; }
 
  private:
@@ -1919,12 +1923,6 @@ HostPool::Stats cuda_host_pool_stats(const Backend& b) {
   auto* cb = dynamic_cast<const CudaBackend*>(&b);
   if (!cb) throw std::invalid_argument("not a cuda backend: " + b.name());
   return cb->host_pool().stats();
-}
-
-void cuda_host_pool_empty_cache(Backend& b) {
-  auto* cb = dynamic_cast<CudaBackend*>(&b);
-  if (!cb) throw std::invalid_argument("not a cuda backend: " + b.name());
-  cb->host_pool().empty_cache();
 }
 
 cudaStream_t cuda_native_stream(Stream& s) {

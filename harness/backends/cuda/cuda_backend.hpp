@@ -53,10 +53,9 @@ cudaStream_t cuda_native_stream(Stream& s);  // throws std::invalid_argument if 
 // ---- the pinned host pool ----------------------------------------------------------------
 // MemSpace::host_pinned tensors come from a caching pool: after a warm-up step, a step that
 // repeats its pattern of pinned allocations makes no cudaHostAlloc and no cudaFreeHost
-// (which would synchronise the device). Both throw std::invalid_argument if not a cuda backend.
+// (which would synchronise the device). Its counters; throws std::invalid_argument if not a
+// cuda backend. (Backend::release_cached_host_memory empties its cache.)
 HostPool::Stats cuda_host_pool_stats(const Backend& b);
-// Returns the idle cached blocks to the driver (cudaFreeHost).
-void cuda_host_pool_empty_cache(Backend& b);
 
 // ---- the GEMM paths of grouped_gemm (harness/runtime/gemm_paths.hpp, docs/GPU.md) ---------------
 // Each grouped_gemm call runs its problems as a loop of cublasGemmEx, one
