@@ -765,12 +765,7 @@ TEST_F(CudaBlocks, PinnedPoolSecondOffloadStepAllocatesNothing) {
 TEST_F(CudaBlocks, MPipeMoESearchGivesItsTrialsPinnedMemoryBack) {
   register_builtin_impls();
   auto comm = make_self_communicator(*b);
-  ModelConfig m;
-  m.d_model = 64;
-  m.d_hidden = 128;
-  m.num_experts = 4;
-  m.top_k = 2;
-  m.dtype = DType::f32;
+  const ModelConfig m{.d_model = 64, .d_hidden = 128, .num_experts = 4, .top_k = 2, .dtype = DType::f32};
   const i64 T = 512;  // min_partition_tokens 64: n = 1, 2, 4, 8 are candidates
   auto layer = make_impl("mpipemoe", *b, *comm, m, {{"partitions", "auto"}, {"strategy", "S1"}});
   layer->init_parameters(fresh_seed());
