@@ -1,9 +1,12 @@
 // harness/comm/world.cpp — see world.hpp.
 #include "harness/comm/world.hpp"
 
+#include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <string>
 
+#include "harness/comm/watchdog.hpp"
 #include "harness/runtime/error.hpp"
 
 #ifdef MOELAB_HAVE_MPI
@@ -102,7 +105,16 @@ std::unique_ptr<Communicator> make_world_communicator(Backend& backend) {
     std::array<char, 128> id{};
     if (world_rank() == 0) id = nccl_unique_id();
     MPI_Bcast(id.data(), static_cast<int>(id.size()), MPI_BYTE, 0, MPI_COMM_WORLD);
-    return make_nccl_communicator(backend, id, world_rank(), size);
+    // A collective that cannot complete leaves every rank waiting on its device for ever: the
+    // watchdog's thread reports it and stops the world (harness/comm/watchdog.hpp).
+    NcclWatch watch;
+    watch.timeout_s = collective_timeout_from_env();
+    watch.on_failure = [rank = world_rank()](const std::string& message) {
+      std::fprintf(stderr, "moelab: error (rank %d): %s; stopping every rank\n", rank, message.c_str());
+      std::fflush(stderr);
+      abort_world(1);
+    };
+    return make_nccl_communicator(backend, id, world_rank(), size, std::move(watch));
 #endif
   }
 #endif

@@ -8,16 +8,21 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cmath>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <numbers>
 #include <numeric>
 #include <optional>
 #include <ostream>
 #include <string>
+#include <thread>
 #include <tuple>
 
 #include "harness/backends/cuda/cuda_backend.hpp"
@@ -1047,6 +1052,50 @@ TEST_F(CudaTest, TimelineHasOneRecordPerOp) {
 }
 
 // ---- NCCL in a world of one --------------------------------------------------------------
+
+// The collective watchdog on a real communicator: an all_reduce held back on its stream (a host
+// function that blocks until the test lets it go) is reported once it has been pending past
+// the timeout, with the op and the communicator named; ops that complete are not.
+TEST_F(CudaTest, NcclWatchdogReportsAnOpThatDoesNotComplete) {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::string> failures;
+  NcclWatch watch;
+  watch.timeout_s = 0.3;
+  watch.on_failure = [&](const std::string& m) {
+    std::lock_guard lock(mu);
+    failures.push_back(m);
+    cv.notify_all();
+  };
+  auto comm = make_nccl_communicator(*b, nccl_unique_id(), 0, 1, std::move(watch));
+  Tensor buf = make({33}, DType::f32, uniform(33, fresh_seed()));
+  comm->all_reduce(*s, buf);
+  comm->barrier();
+  b->synchronize();
+  std::this_thread::sleep_for(std::chrono::milliseconds(700));  // past the timeout: they completed
+  {
+    std::lock_guard lock(mu);
+    EXPECT_TRUE(failures.empty()) << failures.front();
+  }
+
+  std::atomic<bool> release{false};
+  auto hold = [](void* flag) {
+    while (!static_cast<std::atomic<bool>*>(flag)->load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  ASSERT_EQ(cudaLaunchHostFunc(cuda_native_stream(*s), hold, &release), cudaSuccess);
+  comm->all_reduce(*s, buf);
+  {
+    std::unique_lock lock(mu);
+    EXPECT_TRUE(cv.wait_for(lock, std::chrono::seconds(20), [&] { return !failures.empty(); }));
+  }
+  release = true;
+  b->synchronize();
+  std::lock_guard lock(mu);
+  ASSERT_EQ(failures.size(), 1u);
+  EXPECT_NE(failures[0].find("all_reduce on the NCCL communicator rank 0 of 1 (world ranks 0)"), std::string::npos)
+      << failures[0];
+  EXPECT_NE(failures[0].find("has not completed"), std::string::npos) << failures[0];
+}
 
 TEST_F(CudaTest, NcclWorldOfOne) {
   auto comm = make_nccl_communicator(*b, nccl_unique_id(), 0, 1);

@@ -7,6 +7,9 @@
 //
 // Control plane: small blocking exchanges through a private stream and a device scratch
 // buffer; they are metadata (token counts, timings), never on the critical path of a step.
+//
+// With a watchdog (NcclWatch: the world communicator of several ranks and its splits), an event
+// recorded after every op, data or control plane, lets its thread see ops that never complete.
 #include "harness/backends/cuda/nccl_comm.hpp"
 
 #include <cuda_runtime.h>
@@ -14,10 +17,14 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
+#include <mutex>
 #include <numeric>
 #include <utility>
+#include <vector>
 
 #include "harness/backends/cuda/cuda_backend.hpp"
+#include "harness/comm/watchdog.hpp"
 #include "harness/runtime/error.hpp"
 
 namespace moelab {
@@ -36,11 +43,58 @@ ncclDataType_t nccl_type(DType t) {
   return ncclChar;
 }
 
+// CUDA events for the watchdog's ops, reused: one is recorded after every op of a watched
+// communicator and comes back once the watchdog has seen it complete (from its thread).
+class EventRecycler {
+ public:
+  ~EventRecycler() {
+    for (cudaEvent_t e : free_) cudaEventDestroy(e);
+  }
+  // On the calling thread's current device (the communicator's).
+  cudaEvent_t take() {
+    {
+      std::lock_guard lock(mu_);
+      if (!free_.empty()) {
+        cudaEvent_t e = free_.back();
+        free_.pop_back();
+        return e;
+      }
+    }
+    cudaEvent_t e = nullptr;
+    const cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    if (err != cudaSuccess) throw CommError(std::string("cudaEventCreate (collective watchdog) failed: ") + cudaGetErrorString(err));
+    return e;
+  }
+  void give(cudaEvent_t e) {
+    std::lock_guard lock(mu_);
+    free_.push_back(e);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<cudaEvent_t> free_;
+};
+
+// What the watchdog polls: NCCL's asynchronous error of the communicator ("" while healthy).
+std::string nccl_async_error(ncclComm_t comm) {
+  ncclResult_t st = ncclSuccess;
+  const ncclResult_t r = ncclCommGetAsyncError(comm, &st);
+  if (r != ncclSuccess) return std::string("ncclCommGetAsyncError failed: ") + ncclGetErrorString(r);
+  if (st == ncclSuccess || st == ncclInProgress) return "";
+  std::string m = ncclGetErrorString(st);
+  const char* last = ncclGetLastError(comm);
+  if (last && *last) m += std::string(" (") + last + ")";
+  return m + " (run with NCCL_DEBUG=WARN for details)";
+}
+
 class NcclCommunicator final : public Communicator {
  public:
   // Takes ownership of `comm`. world_ranks: the world rank of each member, by rank in `comm`.
-  NcclCommunicator(Backend& b, ncclComm_t comm, int rank, int size, std::vector<int> world_ranks)
-      : b_(b), device_(cuda_device_of(b)), comm_(comm), rank_(rank), size_(size), world_ranks_(std::move(world_ranks)) {
+  // watchdog: shared with the communicator it was split from, or null (none).
+  NcclCommunicator(Backend& b, ncclComm_t comm, int rank, int size, std::vector<int> world_ranks,
+                   std::shared_ptr<CollectiveWatchdog> watchdog)
+      : b_(b), device_(cuda_device_of(b)), comm_(comm), rank_(rank), size_(size), world_ranks_(std::move(world_ranks)),
+        watchdog_(std::move(watchdog)) {
     try {
       cuda(cudaSetDevice(device_), "cudaSetDevice");
       cuda(cudaStreamCreateWithFlags(&ctrl_, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -48,9 +102,18 @@ class NcclCommunicator final : public Communicator {
       ncclCommDestroy(comm_);  // the destructor does not run for a throwing constructor
       throw;
     }
+    if (watchdog_) watch_handle_ = watchdog_->watch(describe(), [c = comm_] { return nccl_async_error(c); });
   }
   ~NcclCommunicator() override {
+    if (watchdog_) watchdog_->unwatch(watch_handle_);  // before the communicator goes
     cudaSetDevice(device_);
+    // Destroyed while an error unwinds: a collective this rank issued may never be matched by
+    // the others, and ncclCommDestroy (and every stream synchronisation after it) would wait
+    // for it for ever, before main could abort the world. ncclCommAbort ends what is pending.
+    if (comm_ && std::uncaught_exceptions() > 0) {
+      ncclCommAbort(comm_);
+      comm_ = nullptr;
+    }
     if (ctrl_) cudaStreamSynchronize(ctrl_);
     if (scratch_) cudaFree(scratch_);
     if (ctrl_) cudaStreamDestroy(ctrl_);
@@ -97,7 +160,7 @@ class NcclCommunicator final : public Communicator {
            std::to_string(nccl_rank) + " of " + std::to_string(nccl_size) + ", expected " + std::to_string(me) +
            " of " + std::to_string(members.size()));
     }
-    return std::make_unique<NcclCommunicator>(b_, c, me, static_cast<int>(members.size()), std::move(world));
+    return std::make_unique<NcclCommunicator>(b_, c, me, static_cast<int>(members.size()), std::move(world), watchdog_);
   }
   std::vector<int> world_ranks() const override { return world_ranks_; }
 
@@ -160,6 +223,7 @@ class NcclCommunicator final : public Communicator {
              "ncclSend");
     keep(ncclGroupEnd(), "ncclGroupEnd");  // always close the group, even after a failed call
     nccl(first, first_call);
+    watched("all_to_all_v", st);
   }
 
   void all_gather(Stream& s, const Tensor& send, Tensor& recv) override {
@@ -171,6 +235,7 @@ class NcclCommunicator final : public Communicator {
     CudaOpScope op(b_, s, "all_gather", cost_collective(n * (size_ - 1), n));
     nccl(ncclAllGather(send.raw(), recv.raw(), send.nbytes(), ncclChar, comm_, cuda_native_stream(s)),
          "ncclAllGather");
+    watched("all_gather", cuda_native_stream(s));
   }
 
   void reduce_scatter(Stream& s, const Tensor& send, Tensor& recv) override {
@@ -183,6 +248,7 @@ class NcclCommunicator final : public Communicator {
     nccl(ncclReduceScatter(send.raw(), recv.raw(), static_cast<std::size_t>(recv.numel()), nccl_type(recv.dtype()),
                            ncclSum, comm_, cuda_native_stream(s)),
          "ncclReduceScatter");
+    watched("reduce_scatter", cuda_native_stream(s));
   }
 
   void all_reduce(Stream& s, Tensor& buf) override {
@@ -193,6 +259,7 @@ class NcclCommunicator final : public Communicator {
     nccl(ncclAllReduce(buf.raw(), buf.raw(), static_cast<std::size_t>(buf.numel()), nccl_type(buf.dtype()), ncclSum,
                        comm_, cuda_native_stream(s)),
          "ncclAllReduce");
+    watched("all_reduce", cuda_native_stream(s));
   }
 
   void send(Stream& s, const Tensor& t, int peer) override {
@@ -200,6 +267,7 @@ class NcclCommunicator final : public Communicator {
     set_device();
     CudaOpScope op(b_, s, "send", cost_collective(static_cast<double>(t.nbytes()), 0));
     nccl(ncclSend(t.raw(), t.nbytes(), ncclChar, peer, comm_, cuda_native_stream(s)), "ncclSend");
+    watched("send", cuda_native_stream(s));
   }
 
   void recv(Stream& s, Tensor& t, int peer) override {
@@ -207,6 +275,7 @@ class NcclCommunicator final : public Communicator {
     set_device();
     CudaOpScope op(b_, s, "recv", cost_collective(0, static_cast<double>(t.nbytes())));
     nccl(ncclRecv(t.raw(), t.nbytes(), ncclChar, peer, comm_, cuda_native_stream(s)), "ncclRecv");
+    watched("recv", cuda_native_stream(s));
   }
 
   // ---- control plane -------------------------------------------------------------------
@@ -216,6 +285,7 @@ class NcclCommunicator final : public Communicator {
     void* d = scratch(sizeof(int));
     cuda(cudaMemsetAsync(d, 0, sizeof(int), ctrl_), "cudaMemsetAsync");
     nccl(ncclAllReduce(d, d, 1, ncclInt32, ncclSum, comm_, ctrl_), "ncclAllReduce (barrier)");
+    watched("barrier", ctrl_);
     sync_ctrl();
   }
 
@@ -231,6 +301,7 @@ class NcclCommunicator final : public Communicator {
     cuda(cudaMemcpyAsync(d, send.data(), bytes, cudaMemcpyHostToDevice, ctrl_), "cudaMemcpyAsync");
     nccl(ncclAlltoAll(d, d + bytes, send.size() / static_cast<std::size_t>(size_), ncclInt64, comm_, ctrl_),
          "ncclAlltoAll (exchange_counts)");
+    watched("exchange_counts", ctrl_);
     cuda(cudaMemcpyAsync(out.data(), d + bytes, bytes, cudaMemcpyDeviceToHost, ctrl_), "cudaMemcpyAsync");
     sync_ctrl();
     return out;
@@ -251,6 +322,7 @@ class NcclCommunicator final : public Communicator {
     char* d = static_cast<char*>(scratch(longest * (n + 1)));
     cuda(cudaMemcpyAsync(d, padded.data(), longest, cudaMemcpyHostToDevice, ctrl_), "cudaMemcpyAsync");
     nccl(ncclAllGather(d, d + longest, longest, ncclChar, comm_, ctrl_), "ncclAllGather (strings)");
+    watched("all_gather_strings", ctrl_);
     cuda(cudaMemcpyAsync(all.data(), d + longest, longest * n, cudaMemcpyDeviceToHost, ctrl_), "cudaMemcpyAsync");
     sync_ctrl();
     std::vector<std::string> out;
@@ -302,6 +374,25 @@ class NcclCommunicator final : public Communicator {
     return scratch_;
   }
   void sync_ctrl() const { cuda(cudaStreamSynchronize(ctrl_), "cudaStreamSynchronize (control plane)"); }
+  // Hands the op just issued on `st` to the watchdog: an event recorded after it tells it when
+  // the op has completed.
+  void watched(const char* op, cudaStream_t st) {
+    if (!watchdog_) return;
+    cudaEvent_t ev = events_->take();
+    cuda(cudaEventRecord(ev, st), "cudaEventRecord (collective watchdog)");
+    watchdog_->issued(
+        watch_handle_, op, [ev] { return cudaEventQuery(ev) != cudaErrorNotReady; },
+        [events = events_, ev] { events->give(ev); });
+  }
+  // "NCCL communicator rank 1 of 4 (world ranks 1, 3, 5, 7) on device 1", for messages.
+  std::string describe() const {
+    std::string w;
+    for (std::size_t i = 0; i < world_ranks_.size() && i < 8; ++i)
+      w += (i ? ", " : "") + std::to_string(world_ranks_[i]);
+    if (world_ranks_.size() > 8) w += ", ...";
+    return "NCCL communicator rank " + std::to_string(rank_) + " of " + std::to_string(size_) + " (world ranks " + w +
+           ") on device " + std::to_string(device_);
+  }
   // Every rank's `mine` (the same count on each), concatenated in rank order.
   std::vector<std::int64_t> all_gather_i64(const std::vector<std::int64_t>& mine) {
     const std::size_t bytes = mine.size() * sizeof(std::int64_t);
@@ -309,6 +400,7 @@ class NcclCommunicator final : public Communicator {
     char* d = static_cast<char*>(scratch(bytes * (static_cast<std::size_t>(size_) + 1)));
     cuda(cudaMemcpyAsync(d, mine.data(), bytes, cudaMemcpyHostToDevice, ctrl_), "cudaMemcpyAsync");
     nccl(ncclAllGather(d, d + bytes, mine.size(), ncclInt64, comm_, ctrl_), "ncclAllGather (int64)");
+    watched("all_gather (int64)", ctrl_);
     cuda(cudaMemcpyAsync(out.data(), d + bytes, out.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost, ctrl_),
          "cudaMemcpyAsync");
     sync_ctrl();
@@ -319,6 +411,7 @@ class NcclCommunicator final : public Communicator {
     void* d = scratch(sizeof(double));
     cuda(cudaMemcpyAsync(d, &v, sizeof v, cudaMemcpyHostToDevice, ctrl_), "cudaMemcpyAsync");
     nccl(ncclAllReduce(d, d, 1, ncclFloat64, op, comm_, ctrl_), call);
+    watched(op == ncclMax ? "all_reduce_max" : "all_reduce_sum", ctrl_);
     cuda(cudaMemcpyAsync(&v, d, sizeof v, cudaMemcpyDeviceToHost, ctrl_), "cudaMemcpyAsync");
     sync_ctrl();
     return v;
@@ -332,6 +425,9 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t ctrl_ = nullptr;
   void* scratch_ = nullptr;
   std::size_t scratch_bytes_ = 0;
+  std::shared_ptr<CollectiveWatchdog> watchdog_;
+  std::uint64_t watch_handle_ = 0;
+  std::shared_ptr<EventRecycler> events_ = std::make_shared<EventRecycler>();
 };
 
 }  // namespace
@@ -346,7 +442,7 @@ std::array<char, 128> nccl_unique_id() {
 }
 
 std::unique_ptr<Communicator> make_nccl_communicator(Backend& cuda_backend, const std::array<char, 128>& id, int rank,
-                                                     int size) {
+                                                     int size, NcclWatch watch) {
   if (!is_cuda_backend(cuda_backend))
     throw CommError("rank " + std::to_string(rank) + ": the NCCL communicator needs the cuda backend, not " +
                     cuda_backend.name());
@@ -367,7 +463,16 @@ std::unique_ptr<Communicator> make_nccl_communicator(Backend& cuda_backend, cons
   }
   std::vector<int> world(static_cast<std::size_t>(size));
   std::iota(world.begin(), world.end(), 0);
-  return std::make_unique<NcclCommunicator>(cuda_backend, comm, rank, size, std::move(world));
+  std::shared_ptr<CollectiveWatchdog> watchdog;
+  if (watch.on_failure) {
+    CollectiveWatchdog::Options o;
+    o.timeout_s = watch.timeout_s;
+    o.on_thread_start = [device] { cudaSetDevice(device); };  // else CUDA would open a context on device 0
+    watchdog = std::make_shared<CollectiveWatchdog>(std::move(o), std::move(watch.on_failure));
+  }
+  auto c = std::make_unique<NcclCommunicator>(cuda_backend, comm, rank, size, std::move(world), watchdog);
+  if (watchdog) watchdog->start();
+  return c;
 }
 
 }  // namespace moelab
