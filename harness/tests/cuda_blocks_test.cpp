@@ -207,9 +207,12 @@ class CudaBlocks : public ::testing::Test {
 struct EmbedCase {
   i64 B, S, M;
   bool learned;
+  int skew_pct = 0;  // this share of the tokens (percent) is one id: a run across several 256-token segments
 };
 std::ostream& operator<<(std::ostream& o, const EmbedCase& c) {
-  return o << "B" << c.B << "_S" << c.S << "_M" << c.M << (c.learned ? "_learned" : "_nopos");
+  o << "B" << c.B << "_S" << c.S << "_M" << c.M << (c.learned ? "_learned" : "_nopos");
+  if (c.skew_pct) o << "_skew" << c.skew_pct;
+  return o;
 }
 class CudaEmbedding : public CudaBlocks, public ::testing::WithParamInterface<std::tuple<EmbedCase, DType>> {};
 
@@ -219,7 +222,8 @@ TEST_P(CudaEmbedding, ForwardBackward) {
   const i64 T = c.B * c.S, V = 50, P = c.S + 3;  // V small: ids repeat, the backward's runs are long
   Rng r(seed);
   std::vector<std::int32_t> ids(static_cast<std::size_t>(T));
-  for (auto& id : ids) id = static_cast<std::int32_t>(r.next() % V);
+  for (auto& id : ids)
+    id = static_cast<std::int32_t>(static_cast<int>(r.next() % 100) < c.skew_pct ? 3 : r.next() % V);
   ids.front() = static_cast<std::int32_t>(V - 1);
   const auto wte = stored(uniform(V * c.M, seed + 1), dt), wpe = stored(uniform(P * c.M, seed + 2), dt);
   const auto d_out = stored(uniform(T * c.M, seed + 3), dt);
@@ -246,7 +250,9 @@ TEST_P(CudaEmbedding, ForwardBackward) {
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaEmbedding,
                          ::testing::Combine(::testing::Values(EmbedCase{1, 1, 7, true}, EmbedCase{3, 37, 1000, true},
                                                               EmbedCase{1, 130, 7, false},
-                                                              EmbedCase{3, 130, 1000, false}),
+                                                              EmbedCase{3, 130, 1000, false},
+                                                              EmbedCase{4, 300, 300, false, 60},
+                                                              EmbedCase{2, 1024, 33, true, 20}),
                                             ::testing::Values(DType::f32, DType::bf16)),
                          [](const auto& i) {
                            std::ostringstream o;
