@@ -11,7 +11,11 @@
 // 3 out of memory (the run cannot fit: found before any work where it can be, else an
 // allocation that failed); 1 a failure during the run, after which every rank is aborted (a
 // rank left waiting in a collective would hang). An error found before any work is agreed by
-// every rank, so every rank exits with the same status and rank 0 alone prints it.
+// every rank, so every rank exits with the same status and rank 0 alone prints it. A failure
+// during the run of one process among several is printed and aborts the world at once
+// (cli::abort_run), before the run's objects wait on the device; a rank stopped by a signal
+// (mpirun's SIGTERM after another rank's abort, Ctrl-C) first removes the output locks, staged
+// files and folders it made (RunOutputs).
 #include <algorithm>
 #include <cstdio>
 #include <exception>

@@ -491,9 +491,11 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
   const int rank = c.rank(), world = c.size();
   backend->set_allow_tf32(w.model.allow_tf32);
 
-  // From here on every rank has accepted the input; an error is a failure of the run.
+  // From here on every rank has accepted the input; an error is a failure of the run. The
+  // layer outlives the handler below (abort_run): its destructor waits for the device.
+  std::unique_ptr<MoEImpl> impl;
   try {
-    auto impl = make_impl(opt.impl, *backend, *comm, w.model, opt.impl_options);
+    impl = make_impl(opt.impl, *backend, *comm, w.model, opt.impl_options);
     impl->init_parameters(w.seed);
     const Tensor x = random_tokens(*backend, w, rank, 1);   // [T,M]
     const Tensor dy = random_tokens(*backend, w, rank, 2);  // [T,M]
@@ -689,14 +691,12 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
     if (!opt.trace.empty()) std::printf("trace           %s\n", opt.trace.c_str());
     std::printf("result          %s\n", opt.out.c_str());
     return 0;
-  } catch (const ConfigError& e) {
+  } catch (const std::exception& e) {
     // Past validation, a process among several may fail alone: exit 2 is only safe when every
-    // rank agrees, so the run is stopped (exit 1). The ranks of a simulated cluster are threads
-    // of one process, which stops as one: there the error stays what it is (exit 2).
-    if (world > 1 && b.name() != "sim") throw std::runtime_error(e.what());
-    throw;
-  } catch (const Unsupported& e) {
-    if (world > 1 && b.name() != "sim") throw std::runtime_error(e.what());
+    // rank agrees, so every rank is stopped now (exit 1; 3 out of memory). The ranks of a
+    // simulated cluster are threads of one process, which stops as one: there the error stays
+    // what it is (a ConfigError exits 2).
+    if (world > 1 && b.name() != "sim") abort_run(rank, e, outputs);
     throw;
   }
 }

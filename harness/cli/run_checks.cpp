@@ -6,6 +6,7 @@
 // Exercised through the command line by harness/tests/cli_bad_input_test.sh (exit codes,
 // colliding and unwritable outputs, a held lock, a run too large for host memory).
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -14,9 +15,13 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <new>
 #include <random>
 #include <sstream>
 #include <string>
@@ -135,6 +140,66 @@ void RunOutputs::check(const RunOptions& opt) {
   }
 }
 
+// ---- cleaning up when the process is stopped by a signal --------------------------------------
+// Another rank's failure stops this one with SIGTERM (MPI_Abort: mpirun terminates every rank),
+// and a user may press Ctrl-C: the outputs' locks, staged files and new folders would stay
+// behind, as no destructor runs. So RunOutputs keeps their paths in a table that a signal
+// handler can read (fixed storage; only async-signal-safe calls: unlink, rmdir, sigaction,
+// raise), and the handler removes them, then lets the signal take its previous action.
+namespace {
+constexpr int kMaxCleanup = 64;
+constexpr std::size_t kCleanupPathMax = 4096;
+struct CleanupEntry {
+  char path[kCleanupPathMax];
+  bool folder;
+};
+CleanupEntry g_cleanup[kMaxCleanup];
+std::atomic<int> g_cleanup_count{0};
+constexpr int kCleanupSignals[] = {SIGTERM, SIGINT, SIGHUP};
+struct sigaction g_previous[std::size(kCleanupSignals)];
+bool g_handlers_installed = false;
+
+extern "C" void cleanup_on_signal(int sig) {
+  const int n = g_cleanup_count.load();
+  for (int i = 0; i < n; ++i) {
+    if (g_cleanup[i].folder)
+      ::rmdir(g_cleanup[i].path);  // only when empty
+    else
+      ::unlink(g_cleanup[i].path);
+  }
+  for (std::size_t i = 0; i < std::size(kCleanupSignals); ++i)
+    if (kCleanupSignals[i] == sig) ::sigaction(sig, &g_previous[i], nullptr);
+  ::raise(sig);  // delivered once the handler returns, with the previous action
+}
+}  // namespace
+
+void RunOutputs::publish() const {
+  g_cleanup_count.store(0);
+  int n = 0;
+  auto add = [&](const std::string& p, bool folder) {
+    if (p.empty() || n >= kMaxCleanup || p.size() >= kCleanupPathMax) return;
+    std::memcpy(g_cleanup[n].path, p.c_str(), p.size() + 1);
+    g_cleanup[n].folder = folder;
+    ++n;
+  };
+  for (const auto& [tmp, dest] : staged_) add(tmp, false);
+  for (const auto& h : locks_) add(h.path, false);
+  for (const auto& d : created_) add(d.string(), true);  // deepest first, after the files in them
+  g_cleanup_count.store(n);
+  if (n > 0 && !g_handlers_installed) {
+    struct sigaction sa {};
+    sa.sa_handler = cleanup_on_signal;
+    sigemptyset(&sa.sa_mask);
+    for (std::size_t i = 0; i < std::size(kCleanupSignals); ++i) {
+      ::sigaction(kCleanupSignals[i], &sa, &g_previous[i]);
+      // A signal the process was started ignoring (nohup, a background job's SIGINT) stays
+      // ignored: the run goes on, and so must its locks.
+      if (g_previous[i].sa_handler == SIG_IGN) ::sigaction(kCleanupSignals[i], &g_previous[i], nullptr);
+    }
+    g_handlers_installed = true;
+  }
+}
+
 void RunOutputs::lock(const RunOptions& opt) {
   for (const auto& o : output_paths(opt)) {
     const std::string head = std::string(o.flag) + " " + shown(o.given) + ": ";
@@ -178,6 +243,7 @@ void RunOutputs::lock(const RunOptions& opt) {
           // The pid is only for the message of a second run; the lock holds without it.
         }
         locks_.push_back({path, fd});
+        publish();
         break;
       }
       ::close(fd);
@@ -190,6 +256,7 @@ void RunOutputs::stage(const std::string& path, const nlohmann::json& j, int ind
   const fs::path folder = dest.has_parent_path() ? dest.parent_path() : fs::path(".");
   const std::string tmp = unique_name(folder, dest.filename().string(), "staged");
   staged_.emplace_back(tmp, path);  // first, so that a write failing half-way is still removed
+  publish();
   write_json_atomic(tmp, j, indent);
 }
 
@@ -202,17 +269,34 @@ void RunOutputs::commit() {
   }
   staged_.clear();
   created_.clear();  // the folders now hold the run's files
+  publish();
 }
 
-RunOutputs::~RunOutputs() {
+RunOutputs::~RunOutputs() { abandon(); }
+
+void RunOutputs::abandon() {
   for (const auto& [tmp, dest] : staged_)
     if (!tmp.empty()) ::unlink(tmp.c_str());
+  staged_.clear();
   // Removed while still locked: a run waiting on it then finds a new file (see lock()).
   for (const auto& h : locks_) {
     ::unlink(h.path.c_str());
     ::close(h.fd);
   }
+  locks_.clear();
   for (const auto& d : created_) ::rmdir(d.c_str());  // only when empty: another run's files stay
+  created_.clear();
+  publish();
+}
+
+void abort_run(int rank, const std::exception& e, RunOutputs* outputs) {
+  const bool no_host_memory = dynamic_cast<const std::bad_alloc*>(&e) != nullptr;
+  const bool oom = no_host_memory || dynamic_cast<const OutOfMemory*>(&e) != nullptr;
+  std::fprintf(stderr, "moelab: error (rank %d): %s\n", rank,
+               no_host_memory ? "out of host memory: an allocation failed (std::bad_alloc)" : e.what());
+  std::fflush(stderr);
+  if (outputs) outputs->abandon();
+  abort_world(oom ? 3 : 1);
 }
 
 // ---- the simulated world and the preflight ---------------------------------------------------

@@ -115,6 +115,14 @@ std::string shown(const std::string& value);
 // every rank, or AgreedOutOfMemory (exit 3) when the first failing rank's error was
 // `out_of_memory`. Rank 0 alone prints (main.cpp).
 void agree_on_errors(Communicator& comm, const std::string& local_error, bool out_of_memory = false);
+// A failure during the run of one process among several (cpu or cuda under mpirun): prints it
+// naming the rank and aborts every rank at once (exit 3 if out of memory, else 1), before the
+// run's objects are destroyed: their destructors wait for the device, which may be waiting in
+// a collective the other ranks will never join. Call it from a handler whose try block does
+// not own those objects. outputs (rank 0's, or null): its staged files, locks and new folders
+// are removed first, as its destructor would.
+class RunOutputs;
+[[noreturn]] void abort_run(int rank, const std::exception& e, RunOutputs* outputs);
 // Found before any work and agreed by every rank: exit 3 everywhere, no abort, one message.
 struct AgreedOutOfMemory : OutOfMemory {
   using OutOfMemory::OutOfMemory;
@@ -143,8 +151,13 @@ class RunOutputs {
   void lock(const RunOptions& opt);
   void stage(const std::string& path, const nlohmann::json& j, int indent = 2);
   void commit();
+  // Removes what was staged and not committed, the locks and the folders lock() made (empty
+  // ones only); the destructor does the same.
+  void abandon();
 
  private:
+  // Hands the paths to remove to the handler of SIGTERM, SIGINT and SIGHUP (run_checks.cpp).
+  void publish() const;
   struct Held {
     std::string path;
     int fd;

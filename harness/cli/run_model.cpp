@@ -455,8 +455,11 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
   mo.first_layer = opt.first_layer;
   mo.last_layer = opt.last_layer;
   const std::int64_t S = cfg.seq_len, T = opt.micro_batch * S, M = cfg.d_model;
+  // The model and its optimizer outlive the handler below (abort_run): their destructors wait
+  // for the device.
+  Trainee model;
+  std::unique_ptr<Optimizer> optimizer;
   try {
-    Trainee model;
     pipeline::OffloadPlan offload_plan;
     // Ranks that read different tokens (data parallelism), and whose tokens this rank reads.
     int replicas = world, data_rank = rank;
@@ -516,7 +519,6 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
         model.model->set_grad_sync(model.sync.get());
       }
     }
-    std::unique_ptr<Optimizer> optimizer;
     if (opt.optimizer != "none" && !opt.inference) {
       OptimizerConfig oc;
       oc.kind = parse_optimizer(opt.optimizer);
@@ -957,13 +959,11 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
     if (!opt.trace.empty()) std::printf("trace           %s\n", opt.trace.c_str());
     std::printf("result          %s\n", opt.out.c_str());
     return 0;
-  } catch (const ConfigError& e) {
-    // Past validation a process among several may fail alone (exit 1 stops them all); the
-    // threads of a simulated cluster stop as one process, which keeps exit 2.
-    if (world > 1 && b.name() != "sim") throw std::runtime_error(e.what());
-    throw;
-  } catch (const Unsupported& e) {
-    if (world > 1 && b.name() != "sim") throw std::runtime_error(e.what());
+  } catch (const std::exception& e) {
+    // Past validation a process among several may fail alone: every rank is stopped now (exit
+    // 1; 3 out of memory); the threads of a simulated cluster stop as one process, which keeps
+    // exit 2 for a ConfigError.
+    if (world > 1 && b.name() != "sim") abort_run(rank, e, outputs);
     throw;
   }
 }

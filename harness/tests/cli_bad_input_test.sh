@@ -220,6 +220,43 @@ else
   elif [ -e "$work/$name/out" ]; then fail $name "$work/$name/out was created"
   else pass $name
   fi
+  # The same failure on one rank of two under mpirun (only rank 1 is limited): that rank says
+  # so and stops the world at once (exit 3); rank 0, stopped by mpirun's SIGTERM while it waits
+  # in a collective, removes the output folder and lock it made.
+  if command -v mpirun >/dev/null; then
+    name=bad_alloc_one_rank
+    valid_with $name 's/"d_model": 16/"d_model": 4096/; s/"tokens_per_rank": 64/"tokens_per_rank": 16384/'
+    timeout 300 mpirun --oversubscribe -n 2 bash -c 'if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then ulimit -v 2000000; fi
+      exec "$@"' rank "$moelab" run --workload "$work/$name/w.json" --impl fastmoe --backend cpu \
+      --out "$work/$name/out/result.json" >"$work/$name/stdout" 2>"$work/$name/stderr"
+    rc=$?
+    if [ $rc -ne 3 ]; then fail $name "exit status $rc, expected 3"
+    elif ! grep -qF "moelab: error (rank 1): out of host memory" "$work/$name/stderr"; then
+      fail $name "stderr does not say that rank 1 is out of memory"
+    elif [ -e "$work/$name/out" ]; then fail $name "$work/$name/out was left: $(find "$work/$name/out" | tr '\n' ' ')"
+    else pass $name
+    fi
+  fi
+fi
+
+# ---- a run stopped by a signal: its lock and the folders it made go -------------------------------
+name=sigterm
+valid_with $name 's/"d_model": 16/"d_model": 1024/; s/"tokens_per_rank": 64/"tokens_per_rank": 8192/; s/"steps": 1/"steps": 200/'
+"$moelab" run --workload "$work/$name/w.json" --impl fastmoe --backend cpu --out "$work/$name/out/deep/result.json" \
+  >"$work/$name/stdout" 2>"$work/$name/stderr" &
+pid=$!
+for _ in $(seq 200); do [ -e "$work/$name/out/deep/result.json.lock" ] && break; sleep 0.1; done
+if [ ! -e "$work/$name/out/deep/result.json.lock" ]; then
+  kill $pid 2>/dev/null; wait $pid
+  fail $name "the run made no lock within 20 s"
+else
+  kill -TERM $pid
+  wait $pid
+  rc=$?
+  if [ $rc -ne 143 ]; then fail $name "exit status $rc, expected 143 (SIGTERM)"
+  elif [ -e "$work/$name/out" ]; then fail $name "$work/$name/out was left: $(find "$work/$name/out" | tr '\n' ' ')"
+  else pass $name
+  fi
 fi
 
 # ---- output paths ---------------------------------------------------------------------------------
