@@ -16,11 +16,12 @@ CollectiveWatchdog::CollectiveWatchdog(Options o, std::function<void(const std::
 
 CollectiveWatchdog::~CollectiveWatchdog() {
   {
-    std::lock_guard lock(mu_);
+    std::lock_guard lock(stop_mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  stop_cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  if (monitor_.joinable()) monitor_.join();
   for (auto& [h, src] : sources_)
     for (auto& op : src.ops) op.drop();
 }
@@ -104,24 +105,50 @@ std::size_t CollectiveWatchdog::pending() const {
 }
 
 void CollectiveWatchdog::start() {
-  std::lock_guard lock(mu_);
+  std::lock_guard lock(stop_mu_);
   if (thread_.joinable()) return;
   thread_ = std::thread([this] { run(); });
+  if (opt_.timeout_s > 0) monitor_ = std::thread([this] { monitor(); });
+}
+
+void CollectiveWatchdog::fail(const std::string& message) {
+  if (!failed_.exchange(true)) on_failure_(message);
 }
 
 void CollectiveWatchdog::run() {
   if (opt_.on_thread_start) opt_.on_thread_start();
-  std::unique_lock lock(mu_);
+  std::unique_lock lock(stop_mu_);
   while (!stop_) {
-    cv_.wait_for(lock, opt_.period, [this] { return stop_; });
-    if (stop_) return;
+    stop_cv_.wait_for(lock, opt_.period, [this] { return stop_; });
+    if (stop_ || failed_) return;
     lock.unlock();
+    poll_began_ = Clock::now().time_since_epoch().count();
     const std::string failure = check(Clock::now());
+    poll_began_ = 0;
     if (!failure.empty()) {
-      on_failure_(failure);
+      fail(failure);
       return;
     }
     lock.lock();
+  }
+}
+
+void CollectiveWatchdog::monitor() {
+  std::unique_lock lock(stop_mu_);
+  while (!stop_) {
+    stop_cv_.wait_for(lock, opt_.period, [this] { return stop_; });
+    if (stop_ || failed_) return;
+    const Clock::rep began = poll_began_;
+    if (began == 0) continue;
+    const double age = std::chrono::duration<double>(Clock::now().time_since_epoch() - Clock::duration(began)).count();
+    if (age < opt_.timeout_s) continue;
+    lock.unlock();
+    char secs[32];
+    std::snprintf(secs, sizeof secs, "%.0f", age);
+    fail(std::string("the collective watchdog's poll has not returned in ") + secs +
+         " s: the device runtime is blocked (a collective that cannot complete, while the host waits on the device) "
+         "(MOELAB_COLLECTIVE_TIMEOUT_S sets the limit, 0 disables it)");
+    return;
   }
 }
 

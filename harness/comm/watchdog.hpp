@@ -9,6 +9,11 @@
 //   - an op has not completed `timeout_s` after it was issued: a peer process that died or hangs
 //     where no network notices it (NVLink and shared-memory transports never report one), or a
 //     rank that skipped a collective the others issued.
+// The polls themselves call into the device runtime (cudaEventQuery), which may block while
+// another thread holds its lock waiting for the stuck device (a cudaFree, a cudaFreeHost), as
+// PyTorch found (its "heartbeat monitor"). So a second thread, which calls nothing but the
+// clock, checks that polls keep completing: one that has not returned `timeout_s` after it
+// began is a failure too.
 // Either way it calls on_failure(message) once, from its thread, with a message naming the
 // communicator (its rank, its size, its world ranks) and the op. moelab's handler
 // (make_world_communicator, harness/comm/world.cpp) prints it and aborts every rank
@@ -18,6 +23,7 @@
 // (harness/tests/watchdog_test.cpp drives it with fakes; harness/backends/cuda/nccl_comm.cpp
 // with NCCL and CUDA events).
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -62,7 +68,8 @@ class CollectiveWatchdog {
   std::string check(Clock::time_point now);
 
   // Starts the thread: check() every period; at the first failure, on_failure(message) once,
-  // then the thread ends. Without start(), nothing polls (tests call check()).
+  // then the thread ends. With a timeout, also the monitor of the polls. Without start(),
+  // nothing polls (tests call check()).
   void start();
 
   std::size_t pending() const;  // ops not yet seen completed
@@ -80,15 +87,22 @@ class CollectiveWatchdog {
     std::vector<Op> ops;  // in issue order
   };
   void run();
+  void monitor();
+  void fail(const std::string& message);  // on_failure once, whichever thread finds it first
 
   Options opt_;
   std::function<void(const std::string&)> on_failure_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
+  mutable std::mutex mu_;  // sources_ and next_; held while a poll calls done() and async_error()
+  // The threads sleep on their own lock: the monitor must not wait for a poll stuck under mu_.
+  std::mutex stop_mu_;
+  std::condition_variable stop_cv_;
   bool stop_ = false;
   std::uint64_t next_ = 1;
   std::map<std::uint64_t, Source> sources_;
-  std::thread thread_;
+  std::thread thread_, monitor_;
+  std::atomic<bool> failed_{false};
+  // When the poll in progress began (steady clock ticks), or 0 between polls.
+  std::atomic<Clock::rep> poll_began_{0};
 };
 
 // The timeout from the environment: MOELAB_COLLECTIVE_TIMEOUT_S (seconds, >= 0; 0 disables

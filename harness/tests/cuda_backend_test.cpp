@@ -1082,6 +1082,11 @@ TEST_F(CudaTest, NcclWatchdogReportsAnOpThatDoesNotComplete) {
   auto hold = [](void* flag) {
     while (!static_cast<std::atomic<bool>*>(flag)->load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   };
+  // Whatever happens below, the stream is let go before the backend waits for it.
+  struct Release {
+    std::atomic<bool>& flag;
+    ~Release() { flag = true; }
+  } guard{release};
   ASSERT_EQ(cudaLaunchHostFunc(cuda_native_stream(*s), hold, &release), cudaSuccess);
   comm->all_reduce(*s, buf);
   {

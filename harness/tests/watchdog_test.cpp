@@ -2,7 +2,7 @@
 // fake communicators and ops: completed ops are dropped once each; an asynchronous error and
 // an op pending past the timeout are failures whose message names the communicator and the
 // op; nothing is reported early; unwatching drops what is pending; the thread reports a
-// failure once.
+// failure once, and a poll that never returns is reported by the monitor.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "harness/comm/watchdog.hpp"
 #include "harness/runtime/error.hpp"
@@ -146,6 +147,41 @@ TEST(CollectiveWatchdog, TheThreadReportsAFailureOnce) {
   EXPECT_EQ(calls, 1);
   EXPECT_TRUE(started.load());
   EXPECT_NE(message.find("all_to_all_v on the comm F has not completed"), std::string::npos) << message;
+}
+
+// A poll stuck in the device runtime (done() blocking, as cudaEventQuery can while another
+// thread waits on a stuck device) is found by the monitor, which calls nothing that can block.
+TEST(CollectiveWatchdog, AStuckPollIsReportedByTheMonitor) {
+  std::mutex mu;
+  std::condition_variable cv;
+  int calls = 0;
+  std::string message;
+  std::atomic<bool> release{false};
+  {
+    CollectiveWatchdog w(options(0.1), [&](const std::string& m) {
+      std::lock_guard lock(mu);
+      ++calls;
+      message = m;
+      cv.notify_all();
+    });
+    const auto h = w.watch("comm G", [] { return std::string(); });
+    w.issued(
+        h, "all_reduce",
+        [&] {
+          while (!release) std::this_thread::sleep_for(1ms);
+          return true;
+        },
+        [] {}, Clock::now() + 1h);  // the op itself is never late
+    w.start();
+    {
+      std::unique_lock lock(mu);
+      EXPECT_TRUE(cv.wait_for(lock, 10s, [&] { return calls > 0; })) << "the stuck poll was not reported";
+    }
+    release = true;  // the poll returns; the watchdog stops as it goes
+  }
+  std::lock_guard lock(mu);
+  EXPECT_EQ(calls, 1);
+  EXPECT_NE(message.find("poll has not returned"), std::string::npos) << message;
 }
 
 TEST(CollectiveWatchdog, TimeoutFromTheEnvironment) {
