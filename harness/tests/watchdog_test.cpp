@@ -9,6 +9,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -120,50 +121,51 @@ TEST(CollectiveWatchdog, UnwatchDropsPendingOpsAndLaterOnes) {
   EXPECT_EQ(kept->drops.load(), 1) << "the destructor drops what is still pending";
 }
 
-TEST(CollectiveWatchdog, TheThreadReportsAFailureOnce) {
+// What the watchdog's thread reported: every call of on_failure, waited for with a limit.
+struct Reports {
   std::mutex mu;
   std::condition_variable cv;
   int calls = 0;
   std::string message;
+  std::function<void(const std::string&)> handler() {
+    return [this](const std::string& m) {
+      std::lock_guard lock(mu);
+      ++calls;
+      message = m;
+      cv.notify_all();
+    };
+  }
+  bool wait_first() {
+    std::unique_lock lock(mu);
+    return cv.wait_for(lock, 10s, [&] { return calls > 0; });
+  }
+};
+
+TEST(CollectiveWatchdog, TheThreadReportsAFailureOnce) {
+  Reports r;
   std::atomic<bool> started{false};
   CollectiveWatchdog::Options o = options(0.05);
   o.on_thread_start = [&] { started = true; };
-  CollectiveWatchdog w(o, [&](const std::string& m) {
-    std::lock_guard lock(mu);
-    ++calls;
-    message = m;
-    cv.notify_all();
-  });
+  CollectiveWatchdog w(o, r.handler());
   const auto h = w.watch("comm F", [] { return std::string(); });
   auto op = std::make_shared<FakeOp>();
   issue(w, h, "all_to_all_v", op, Clock::now());
   w.start();
-  {
-    std::unique_lock lock(mu);
-    ASSERT_TRUE(cv.wait_for(lock, 10s, [&] { return calls > 0; })) << "no failure reported";
-  }
+  ASSERT_TRUE(r.wait_first()) << "no failure reported";
   std::this_thread::sleep_for(50ms);
-  std::lock_guard lock(mu);
-  EXPECT_EQ(calls, 1);
+  std::lock_guard lock(r.mu);
+  EXPECT_EQ(r.calls, 1);
   EXPECT_TRUE(started.load());
-  EXPECT_NE(message.find("all_to_all_v on the comm F has not completed"), std::string::npos) << message;
+  EXPECT_NE(r.message.find("all_to_all_v on the comm F has not completed"), std::string::npos) << r.message;
 }
 
 // A poll stuck in the device runtime (done() blocking, as cudaEventQuery can while another
 // thread waits on a stuck device) is found by the monitor, which calls nothing that can block.
 TEST(CollectiveWatchdog, AStuckPollIsReportedByTheMonitor) {
-  std::mutex mu;
-  std::condition_variable cv;
-  int calls = 0;
-  std::string message;
+  Reports r;
   std::atomic<bool> release{false};
   {
-    CollectiveWatchdog w(options(0.1), [&](const std::string& m) {
-      std::lock_guard lock(mu);
-      ++calls;
-      message = m;
-      cv.notify_all();
-    });
+    CollectiveWatchdog w(options(0.1), r.handler());
     const auto h = w.watch("comm G", [] { return std::string(); });
     w.issued(
         h, "all_reduce",
@@ -173,15 +175,12 @@ TEST(CollectiveWatchdog, AStuckPollIsReportedByTheMonitor) {
         },
         [] {}, Clock::now() + 1h);  // the op itself is never late
     w.start();
-    {
-      std::unique_lock lock(mu);
-      EXPECT_TRUE(cv.wait_for(lock, 10s, [&] { return calls > 0; })) << "the stuck poll was not reported";
-    }
+    EXPECT_TRUE(r.wait_first()) << "the stuck poll was not reported";
     release = true;  // the poll returns; the watchdog stops as it goes
   }
-  std::lock_guard lock(mu);
-  EXPECT_EQ(calls, 1);
-  EXPECT_NE(message.find("poll has not returned"), std::string::npos) << message;
+  std::lock_guard lock(r.mu);
+  EXPECT_EQ(r.calls, 1);
+  EXPECT_NE(r.message.find("poll has not returned"), std::string::npos) << r.message;
 }
 
 TEST(CollectiveWatchdog, TimeoutFromTheEnvironment) {
