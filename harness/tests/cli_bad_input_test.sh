@@ -250,6 +250,7 @@ if [ ! -e "$work/$name/out/deep/result.json.lock" ]; then
   kill $pid 2>/dev/null; wait $pid
   fail $name "the run made no lock within 20 s"
 else
+  sleep 0.5  # the lock file appears a moment before its path is handed to the signal handler
   kill -TERM $pid
   wait $pid
   rc=$?
