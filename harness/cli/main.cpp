@@ -169,10 +169,7 @@ int main(int argc, char** argv) {
   } catch (const std::bad_alloc&) {
     // An allocation the preflight did not foresee (memory other processes took meanwhile,
     // say): still out of memory, exit 3, not a crash.
-    std::fprintf(stderr,
-                 "moelab: error (rank %d): out of host memory: an allocation failed (std::bad_alloc); the run needs "
-                 "more memory than this machine could give it\n",
-                 world_rank());
+    std::fprintf(stderr, "moelab: error (rank %d): %s\n", world_rank(), cli::kBadAllocMessage);
     std::fflush(stderr);
     if (world_size() > 1) abort_world(3);
     code = 3;

@@ -153,20 +153,25 @@ struct CleanupEntry {
   char path[kCleanupPathMax];
   bool folder;
 };
-CleanupEntry g_cleanup[kMaxCleanup];
-std::atomic<int> g_cleanup_count{0};
+struct CleanupTable {
+  CleanupEntry entries[kMaxCleanup];
+  int n = 0;
+};
+// Two tables: publish() fills the one the handler is not reading, then switches to it.
+CleanupTable g_tables[2];
+std::atomic<const CleanupTable*> g_cleanup{nullptr};
 constexpr int kCleanupSignals[] = {SIGTERM, SIGINT, SIGHUP};
 struct sigaction g_previous[std::size(kCleanupSignals)];
 bool g_handlers_installed = false;
 
 extern "C" void cleanup_on_signal(int sig) {
-  const int n = g_cleanup_count.load();
-  for (int i = 0; i < n; ++i) {
-    if (g_cleanup[i].folder)
-      ::rmdir(g_cleanup[i].path);  // only when empty
-    else
-      ::unlink(g_cleanup[i].path);
-  }
+  if (const CleanupTable* t = g_cleanup.load())
+    for (int i = 0; i < t->n; ++i) {
+      if (t->entries[i].folder)
+        ::rmdir(t->entries[i].path);  // only when empty
+      else
+        ::unlink(t->entries[i].path);
+    }
   for (std::size_t i = 0; i < std::size(kCleanupSignals); ++i)
     if (kCleanupSignals[i] == sig) ::sigaction(sig, &g_previous[i], nullptr);
   ::raise(sig);  // delivered once the handler returns, with the previous action
@@ -174,27 +179,30 @@ extern "C" void cleanup_on_signal(int sig) {
 }  // namespace
 
 void RunOutputs::publish() const {
-  g_cleanup_count.store(0);
-  int n = 0;
+  CleanupTable& t = g_cleanup.load() == &g_tables[0] ? g_tables[1] : g_tables[0];
+  t.n = 0;
   auto add = [&](const std::string& p, bool folder) {
-    if (p.empty() || n >= kMaxCleanup || p.size() >= kCleanupPathMax) return;
-    std::memcpy(g_cleanup[n].path, p.c_str(), p.size() + 1);
-    g_cleanup[n].folder = folder;
-    ++n;
+    if (p.empty() || t.n >= kMaxCleanup || p.size() >= kCleanupPathMax) return;
+    std::memcpy(t.entries[t.n].path, p.c_str(), p.size() + 1);
+    t.entries[t.n].folder = folder;
+    ++t.n;
   };
-  for (const auto& [tmp, dest] : staged_) add(tmp, false);
+  for (const auto& [tmp, dest] : staged_) {
+    add(tmp, false);
+    add(write_json_atomic_temp(tmp), false);  // what the write of tmp goes through
+  }
   for (const auto& h : locks_) add(h.path, false);
   for (const auto& d : created_) add(d.string(), true);  // deepest first, after the files in them
-  g_cleanup_count.store(n);
-  if (n > 0 && !g_handlers_installed) {
+  g_cleanup.store(&t);
+  if (t.n > 0 && !g_handlers_installed) {
     struct sigaction sa {};
     sa.sa_handler = cleanup_on_signal;
     sigemptyset(&sa.sa_mask);
     for (std::size_t i = 0; i < std::size(kCleanupSignals); ++i) {
-      ::sigaction(kCleanupSignals[i], &sa, &g_previous[i]);
       // A signal the process was started ignoring (nohup, a background job's SIGINT) stays
       // ignored: the run goes on, and so must its locks.
-      if (g_previous[i].sa_handler == SIG_IGN) ::sigaction(kCleanupSignals[i], &g_previous[i], nullptr);
+      ::sigaction(kCleanupSignals[i], nullptr, &g_previous[i]);
+      if (g_previous[i].sa_handler != SIG_IGN) ::sigaction(kCleanupSignals[i], &sa, nullptr);
     }
     g_handlers_installed = true;
   }
@@ -217,6 +225,11 @@ void RunOutputs::lock(const RunOptions& opt) {
         throw ConfigError(head + "cannot create folder " + shown(o.resolved.parent_path().string()) + " (" +
                           ec.message() + ")");
       created_.insert(created_.end(), missing.begin(), missing.end());
+      // Deepest first over all outputs (--out new/r.json --trace new/sub/t.json): a folder's
+      // path is longer than its parent's.
+      std::stable_sort(created_.begin(), created_.end(), [](const fs::path& a, const fs::path& b) {
+        return a.native().size() > b.native().size();
+      });
       const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
       if (fd < 0 && errno == ENOENT && attempt < 8) continue;  // another run's failure removed the folder just now
       if (fd < 0) throw ConfigError(head + "cannot create " + shown(path) + " (" + errno_text(errno) + ")");
@@ -275,25 +288,29 @@ void RunOutputs::commit() {
 RunOutputs::~RunOutputs() { abandon(); }
 
 void RunOutputs::abandon() {
-  for (const auto& [tmp, dest] : staged_)
-    if (!tmp.empty()) ::unlink(tmp.c_str());
+  // The signal handler's table is emptied first: once a lock is gone, its path may be another
+  // run's new lock.
+  const auto staged = std::move(staged_);
+  const auto locks = std::move(locks_);
+  const auto created = std::move(created_);
   staged_.clear();
+  locks_.clear();
+  created_.clear();
+  publish();
+  for (const auto& [tmp, dest] : staged)
+    if (!tmp.empty()) ::unlink(tmp.c_str());
   // Removed while still locked: a run waiting on it then finds a new file (see lock()).
-  for (const auto& h : locks_) {
+  for (const auto& h : locks) {
     ::unlink(h.path.c_str());
     ::close(h.fd);
   }
-  locks_.clear();
-  for (const auto& d : created_) ::rmdir(d.c_str());  // only when empty: another run's files stay
-  created_.clear();
-  publish();
+  for (const auto& d : created) ::rmdir(d.c_str());  // only when empty: another run's files stay
 }
 
 void abort_run(int rank, const std::exception& e, RunOutputs* outputs) {
   const bool no_host_memory = dynamic_cast<const std::bad_alloc*>(&e) != nullptr;
   const bool oom = no_host_memory || dynamic_cast<const OutOfMemory*>(&e) != nullptr;
-  std::fprintf(stderr, "moelab: error (rank %d): %s\n", rank,
-               no_host_memory ? "out of host memory: an allocation failed (std::bad_alloc)" : e.what());
+  std::fprintf(stderr, "moelab: error (rank %d): %s\n", rank, no_host_memory ? kBadAllocMessage : e.what());
   std::fflush(stderr);
   if (outputs) outputs->abandon();
   abort_world(oom ? 3 : 1);

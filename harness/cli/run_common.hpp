@@ -123,6 +123,10 @@ void agree_on_errors(Communicator& comm, const std::string& local_error, bool ou
 // are removed first, as its destructor would.
 class RunOutputs;
 [[noreturn]] void abort_run(int rank, const std::exception& e, RunOutputs* outputs);
+// What a std::bad_alloc is reported as (main.cpp, abort_run).
+inline constexpr const char* kBadAllocMessage =
+    "out of host memory: an allocation failed (std::bad_alloc); the run needs more memory than this machine could "
+    "give it";
 // Found before any work and agreed by every rank: exit 3 everywhere, no abort, one message.
 struct AgreedOutOfMemory : OutOfMemory {
   using OutOfMemory::OutOfMemory;

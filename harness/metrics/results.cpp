@@ -38,6 +38,8 @@ namespace {
 
 }  // namespace
 
+std::string write_json_atomic_temp(const std::string& path) { return path + ".tmp." + std::to_string(::getpid()); }
+
 void write_json_atomic(const std::string& path, const nlohmann::json& j, int indent) {
   namespace fs = std::filesystem;
   // Invalid UTF-8 (a device name, say) is replaced rather than making the whole write fail.
@@ -49,7 +51,7 @@ void write_json_atomic(const std::string& path, const nlohmann::json& j, int ind
   fs::create_directories(folder, ec);
   if (ec) write_failed(path, "cannot create folder " + folder.string() + " (" + ec.message() + ")", 0);
 
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const std::string tmp = write_json_atomic_temp(path);
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) write_failed(path, "cannot create " + tmp, errno);
 

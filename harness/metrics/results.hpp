@@ -17,5 +17,7 @@ std::string build_commit();      // the commit the binary was built from ("-dirt
 // files such as traces); creates parent folders. Throws std::runtime_error naming the path on
 // any failure, leaving no file behind.
 void write_json_atomic(const std::string& path, const nlohmann::json& j, int indent = 2);
+// The temporary file write_json_atomic(path, …) writes before renaming it to path.
+std::string write_json_atomic_temp(const std::string& path);
 
 }  // namespace moelab
