@@ -349,8 +349,24 @@ TEST(Norm, ForwardAndBackwardMatchReference) {
                                     std::abs(dy[static_cast<std::size_t>(t * M + c)] * g[static_cast<std::size_t>(c)]));
         const auto gdx = cpu.get(tdx);
         EXPECT_TRUE(within("dx", gdx, dx, 1e-5 * terms));
-        EXPECT_TRUE(all_close("d_gamma", cpu.get(tdg), dg, 5e-6));
-        EXPECT_TRUE(all_close("d_beta", cpu.get(tdb), db, 5e-6));
+        // d_gamma and d_beta are sums over the T rows (plus what they held), which may cancel to
+        // far less than their terms: judged against the sum of the terms' sizes, as fp32
+        // summation errs (at M = 1 a d_beta of 0.014 from terms of size ~1 once failed a
+        // relative tolerance with an error of 2e-7).
+        double g_terms = 0, b_terms = 0;
+        for (std::int64_t c = 0; c < M; ++c) {
+          double sg = std::abs(dg0[static_cast<std::size_t>(c)]), sb = std::abs(db0[static_cast<std::size_t>(c)]);
+          for (std::int64_t t = 0; t < T; ++t) {
+            const auto i = static_cast<std::size_t>(t * M + c), r = static_cast<std::size_t>(t);
+            const double mean = kind == NormKind::layernorm ? ref.mean[r] : 0.0;
+            sg += std::abs(dy[i] * (x[i] - mean) * ref.rstd[r]);
+            sb += std::abs(dy[i]);
+          }
+          g_terms = std::max(g_terms, sg);
+          b_terms = std::max(b_terms, sb);
+        }
+        EXPECT_TRUE(within("d_gamma", cpu.get(tdg), dg, 5e-6 * g_terms));
+        EXPECT_TRUE(within("d_beta", cpu.get(tdb), db, 5e-6 * b_terms));
       }
 }
 
