@@ -111,7 +111,11 @@ void print_run_help(std::FILE* to) {
       "                    expert offloading), sync (in the compute stream's path) or none (default)\n"
       "  --help            this text\n"
       "\n"
-      "Exit status: 0 success, 2 bad input (nothing written), 1 failure during the run.\n",
+      "Exit status: 0 success, 2 bad input (nothing written), 3 out of memory, 1 failure during the run\n"
+      "(under mpirun, a failure on one rank stops every rank).\n"
+      "\n"
+      "Environment: MOELAB_COLLECTIVE_TIMEOUT_S  cuda under mpirun: an NCCL op pending this many seconds\n"
+      "                    stops every rank (default 600; 0: no limit)\n",
       to);
 }
 
