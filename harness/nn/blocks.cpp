@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "harness/runtime/error.hpp"
+#include "harness/runtime/parallel.hpp"
 #include "harness/runtime/random.hpp"
 
 namespace moelab {
@@ -30,7 +31,11 @@ void init_normal(Backend& b, Param& p, std::uint64_t seed, std::uint64_t tag, do
   MOELAB_CHECK(!split || p.value.ndim() == 2, p.name + ": a split parameter is a matrix");
   const std::int64_t n = split ? p.value.numel() / p.shard.local() * p.shard.full : p.value.numel();
   std::vector<float> v(static_cast<std::size_t>(n));
-  for (auto& x : v) x = static_cast<float>(rng.normal() * stddev);
+  parallel_for(v.size(), std::size_t{1} << 16, [&](std::size_t begin, std::size_t end) {
+    Rng r = rng;
+    r.skip(2 * begin);  // normal() draws two
+    for (std::size_t i = begin; i < end; ++i) v[i] = static_cast<float>(r.normal() * stddev);
+  });
   if (split) {  // the full tensor's draw, then this rank's part of it
     const std::int64_t rows = p.shard.dim == 0 ? p.shard.full : p.value.dim(0);
     v = take_shard(v, rows, n / rows, p.shard, p.shard.rank);

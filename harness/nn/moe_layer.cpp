@@ -8,6 +8,7 @@
 
 #include "harness/runtime/error.hpp"
 #include "harness/runtime/gemm_paths.hpp"
+#include "harness/runtime/parallel.hpp"
 #include "harness/runtime/random.hpp"
 
 namespace moelab {
@@ -83,7 +84,11 @@ void MoELayer::init_parameters(std::uint64_t seed) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden, E = cfg_.num_experts, El = local_experts_;
   auto fill = [](std::vector<float>& v, std::size_t at, std::size_t n, Rng rng, double fan_in) {
     const double a = 1.0 / std::sqrt(fan_in);
-    for (std::size_t i = 0; i < n; ++i) v[at + i] = static_cast<float>(rng.uniform(-a, a));
+    parallel_for(n, std::size_t{1} << 16, [&](std::size_t begin, std::size_t end) {
+      Rng r = rng;
+      r.skip(begin);  // uniform() draws one
+      for (std::size_t i = begin; i < end; ++i) v[at + i] = static_cast<float>(r.uniform(-a, a));
+    });
   };
   std::vector<float> g(static_cast<std::size_t>(M * E));
   fill(g, 0, g.size(), Rng(Rng::mix(seed, 1)), static_cast<double>(M));

@@ -26,6 +26,10 @@ class Rng {
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
     return z ^ (z >> 31);
   }
+  // The stream as it is after n more next() calls (SplitMix64's state advances by a constant):
+  // a loop can start anywhere in a stream, so a long draw can be split over threads.
+  // uniform() takes one next(), normal() two.
+  void skip(std::uint64_t n) { s_ += n * 0x9e3779b97f4a7c15ULL; }
   double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
   double uniform(double lo, double hi) { return lo + (hi - lo) * uniform(); }
   double normal() {  // Box-Muller

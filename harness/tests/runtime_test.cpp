@@ -8,6 +8,7 @@
 #include "harness/backends/cpu/cpu_backend.hpp"
 #include "harness/comm/communicator.hpp"
 #include "harness/runtime/error.hpp"
+#include "harness/runtime/parallel.hpp"
 #include "harness/runtime/random.hpp"
 #include "harness/tests/test_util.hpp"
 
@@ -183,6 +184,43 @@ TEST(Tensor, ViewsShareStorage) {
   EXPECT_EQ(t.rows(1, 2).numel(), 12);
   EXPECT_THROW(t.rows(3, 2), std::logic_error);
   EXPECT_THROW(b.empty({2}, DType::bf16, MemCategory::buffers, s), Unsupported);
+}
+
+// ---- random streams and the parallel loop that draws them -------------------------------------
+
+// skip(n) leaves a stream where n next() calls would: a draw split at any point over threads
+// gives the values of one serial draw, bit for bit.
+TEST(Rng, SkipIsNDraws) {
+  const std::uint64_t seed = test::fresh_seed();
+  for (std::uint64_t n : {0ull, 1ull, 2ull, 7ull, 1000ull, 123457ull}) {
+    Rng serial(seed), skipped(seed);
+    for (std::uint64_t i = 0; i < n; ++i) serial.next();
+    skipped.skip(n);
+    EXPECT_EQ(serial.next(), skipped.next()) << n;
+    EXPECT_EQ(serial.normal(), skipped.normal()) << n;
+  }
+}
+
+TEST(ParallelFor, CoversEveryIndexOnceAndMatchesASerialDraw) {
+  const std::uint64_t seed = test::fresh_seed();
+  for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{5}, std::size_t{4096}, std::size_t{100003}})
+    for (std::size_t grain : {std::size_t{1}, std::size_t{64}, std::size_t{1} << 16}) {
+      std::vector<int> hits(n, 0);
+      std::vector<double> drawn(n);
+      parallel_for(n, grain, [&](std::size_t b, std::size_t e) {
+        Rng r(seed);
+        r.skip(2 * b);
+        for (std::size_t i = b; i < e; ++i) {
+          ++hits[i];
+          drawn[i] = r.normal();
+        }
+      });
+      Rng r(seed);
+      for (std::size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(hits[i], 1) << "n " << n << " grain " << grain << " index " << i;
+        ASSERT_EQ(drawn[i], r.normal()) << "n " << n << " grain " << grain << " index " << i;
+      }
+    }
 }
 
 }  // namespace
