@@ -10,6 +10,16 @@
 #include "harness/runtime/error.hpp"
 
 namespace moelab {
+namespace {
+
+// "42 s ... (MOELAB_COLLECTIVE_TIMEOUT_S sets the limit, 0 disables it)": the tail of a timeout.
+std::string after_seconds(double age, const std::string& what) {
+  char secs[32];
+  std::snprintf(secs, sizeof secs, "%.0f", age);
+  return secs + (" s" + what) + " (MOELAB_COLLECTIVE_TIMEOUT_S sets the limit, 0 disables it)";
+}
+
+}  // namespace
 
 CollectiveWatchdog::CollectiveWatchdog(Options o, std::function<void(const std::string&)> on_failure)
     : opt_(std::move(o)), on_failure_(std::move(on_failure)) {}
@@ -83,13 +93,9 @@ std::string CollectiveWatchdog::check(Clock::time_point now) {
         for (const auto& op : src.ops)
           if (op.at < oldest->at) oldest = &op;
         const double age = std::chrono::duration<double>(now - oldest->at).count();
-        if (age >= opt_.timeout_s) {
-          char secs[32];
-          std::snprintf(secs, sizeof secs, "%.0f", age);
-          failure = oldest->name + " on the " + src.name + " has not completed " + secs +
-                    " s after it was issued: a peer rank has failed or is not taking part in it "
-                    "(MOELAB_COLLECTIVE_TIMEOUT_S sets the limit, 0 disables it)";
-        }
+        if (age >= opt_.timeout_s)
+          failure = oldest->name + " on the " + src.name + " has not completed " +
+                    after_seconds(age, " after it was issued: a peer rank has failed or is not taking part in it");
       }
     }
   }
@@ -115,40 +121,32 @@ void CollectiveWatchdog::fail(const std::string& message) {
   if (!failed_.exchange(true)) on_failure_(message);
 }
 
+bool CollectiveWatchdog::next_period() {
+  std::unique_lock lock(stop_mu_);
+  stop_cv_.wait_for(lock, opt_.period, [this] { return stop_; });
+  return !stop_ && !failed_;
+}
+
 void CollectiveWatchdog::run() {
   if (opt_.on_thread_start) opt_.on_thread_start();
-  std::unique_lock lock(stop_mu_);
-  while (!stop_) {
-    stop_cv_.wait_for(lock, opt_.period, [this] { return stop_; });
-    if (stop_ || failed_) return;
-    lock.unlock();
-    poll_began_ = Clock::now().time_since_epoch().count();
-    const std::string failure = check(Clock::now());
+  while (next_period()) {
+    const Clock::time_point now = Clock::now();
+    poll_began_ = now.time_since_epoch().count();
+    const std::string failure = check(now);
     poll_began_ = 0;
-    if (!failure.empty()) {
-      fail(failure);
-      return;
-    }
-    lock.lock();
+    if (!failure.empty()) return fail(failure);
   }
 }
 
 void CollectiveWatchdog::monitor() {
-  std::unique_lock lock(stop_mu_);
-  while (!stop_) {
-    stop_cv_.wait_for(lock, opt_.period, [this] { return stop_; });
-    if (stop_ || failed_) return;
+  while (next_period()) {
     const Clock::rep began = poll_began_;
     if (began == 0) continue;
     const double age = std::chrono::duration<double>(Clock::now().time_since_epoch() - Clock::duration(began)).count();
-    if (age < opt_.timeout_s) continue;
-    lock.unlock();
-    char secs[32];
-    std::snprintf(secs, sizeof secs, "%.0f", age);
-    fail(std::string("the collective watchdog's poll has not returned in ") + secs +
-         " s: the device runtime is blocked (a collective that cannot complete, while the host waits on the device) "
-         "(MOELAB_COLLECTIVE_TIMEOUT_S sets the limit, 0 disables it)");
-    return;
+    if (age >= opt_.timeout_s)
+      return fail("the collective watchdog's poll has not returned in " +
+                  after_seconds(age, ": the device runtime is blocked (a collective that cannot complete, while the "
+                                     "host waits on the device)"));
   }
 }
 

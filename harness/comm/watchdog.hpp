@@ -88,6 +88,7 @@ class CollectiveWatchdog {
   };
   void run();
   void monitor();
+  bool next_period();  // sleeps one period; false once stopping or failed
   void fail(const std::string& message);  // on_failure once, whichever thread finds it first
 
   Options opt_;

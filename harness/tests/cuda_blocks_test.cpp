@@ -784,6 +784,8 @@ TEST_F(CudaBlocks, MPipeMoESearchGivesItsTrialsPinnedMemoryBack) {
   const auto after = cuda_host_pool_stats(*b);
   EXPECT_GT(after.raw_allocs, before.raw_allocs) << "the S1 trials pinned nothing: " << search.dump();
   EXPECT_GT(after.bytes_in_use, 0u) << "the chosen forward's offloaded buffers";
+  // The trials held more than the chosen forward keeps: what the release below must give back.
+  EXPECT_GT(after.peak_bytes_held, after.bytes_in_use) << search.dump();
   EXPECT_EQ(after.bytes_held, after.bytes_in_use) << "the trials' blocks stayed cached: " << search.dump();
   layer->backward(y, 0.1f);
   b->synchronize();

@@ -118,9 +118,10 @@ class MPipeMoELayer final : public MoELayer {
       // every rank, or they would run different numbers of trials: the smallest count. Trials
       // are forwards of this very work (its key: the gate noise is the forward's).
       const auto B = static_cast<std::int64_t>(-comm_.all_reduce_max(-static_cast<double>(T)));
-      const std::size_t decided = search_.decisions().size();
-      n = search_.choose(B, [&](int trial_n) { return trial(x, key, trial_n); });
-      searched = search_.decisions().size() > decided && search_.decisions().back().how == "trials";
+      n = search_.choose(B, [&](int trial_n) {
+        searched = true;
+        return trial(x, key, trial_n);
+      });
     }
     if (n > std::max<std::int64_t>(T, 1))
       throw ConfigError("mpipemoe: partitions = " + std::to_string(n) + " leaves partitions without a token for " +

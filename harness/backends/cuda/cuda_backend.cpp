@@ -718,11 +718,11 @@ class CudaBackend final : public Backend {
 
  public:
   HostPool& host_pool() { return *host_pool_; }
+  const HostPool& host_pool() const { return *host_pool_; }
   void release_cached_host_memory() override {
     synchronize();  // every block freed so far is then ready: none stays cached for a pending copy
     host_pool_->empty_cache();
   }
-  const HostPool& host_pool() const { return *host_pool_; }
 
  private:
   // The pinned host pool's driver (harness/runtime/host_pool.hpp): cudaHostAlloc /
