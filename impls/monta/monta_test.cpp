@@ -203,6 +203,89 @@ TEST(TimeModel, CandidatesAndTheAutomaticChunks) {
   EXPECT_FALSE(none.known());
 }
 
+// A prediction's volumes (bytes per exchange), times of each part alone and the whole (seconds).
+void expect_prediction(const monta::Prediction& p, double intra, double nic, double gather, double all_to_all_s,
+                       double all_gather_s, double experts_s, double seconds) {
+  EXPECT_DOUBLE_EQ(p.a2a.intra, intra);
+  EXPECT_DOUBLE_EQ(p.a2a.nic, nic);
+  EXPECT_DOUBLE_EQ(p.gather.intra, gather);
+  EXPECT_DOUBLE_EQ(p.all_to_all_s, all_to_all_s);
+  EXPECT_DOUBLE_EQ(p.all_gather_s, all_gather_s);
+  EXPECT_DOUBLE_EQ(p.experts_s, experts_s);
+  EXPECT_DOUBLE_EQ(p.seconds, seconds);
+}
+
+// The time model by hand, on round numbers: 2 nodes of 4 GPUs with 2 NICs each (a GPU's NIC is
+// shared by 2), NVLink 64 B/s + 1 s a step, NIC 32 B/s + 2 s a message, 32768 FLOP/s, 0.25 s a
+// launch. Rank 0 with TP t = 2 and the EP group {0, 2, 4, 6}: one peer on its node, two off it.
+// E = 8 (2 local), C = 10, M = 16, H = 32, bf16.
+TEST(TimeModel, PredictionsByHand) {
+  const monta::Links k{.gpus_per_node = 4, .intra_bw = 64, .intra_latency = 1, .nic_bw = 32, .nic_latency = 2,
+                       .nics = 2, .gemm_flops = 32768, .gemm_flops_at = {}, .launch = 0.25};
+  monta::Layer l{.E = 8, .C = 10, .M = 16, .H = 32, .bytes = 2, .t = 2, .ep_ranks = {0, 2, 4, 6}, .rank = 0};
+  // Flat: 2 experts × 10 rows × 16 × 2 B = 640 B to each peer. One exchange: NVLink 1 + 640/64
+  // = 11 s beside the NICs' 2 + 1280 · 2 / 32 = 82 s -> 82 s. The experts: 2 × 2 FLOPs × 80
+  // rows × 16 × 32 / 32768 = 5 s + 2 × 2 launches = 6 s. A pass (one chunk): dispatch 82, the
+  // experts 6, combine 82 = 170 s; backward with twice the experts' work 176 s.
+  expect_prediction(monta::predict(l, k, monta::Strategy::flat, 1), 640, 1280, 0, 82, 0, 6, 170 + 176);
+  // Two-level: the NIC's rows for the other local index cross NVLink first, (g-1)/g = 1/2 of
+  // them: 640 + 640 B over NVLink (1 + 20 = 21 s), then the NICs (82 s), one after the other.
+  expect_prediction(monta::predict(l, k, monta::Strategy::hierarchical, 1), 1280, 1280, 0, 103, 0, 6,
+                    (2 * 103 + 6) + (2 * 103 + 12));
+  // Deduplicated in 2 chunks: C padded to t·n = 4 -> 12, each TP rank sends its 6 rows per
+  // expert: 384 B to each peer, a chunk half of it. A chunk's exchange: NVLink 1 + 192/64 = 4 s,
+  // NICs 2 + 384 · 2 / 32 = 26 s -> 26 s. Its all-gather: (t-1) = 1 step, 8 experts × 6 rows ×
+  // 16 × 2 B = 1536 B, a chunk's 768 B: 1 + 12 = 13 s. Its experts: 2 × 4 × 6 / 2 = 24 rows:
+  // 1.5 s + 1 s of launches. Forward: dispatches end at 26 and 52; chunk 0's experts 26–28.5,
+  // its combine 52–78, its gather 78–91; chunk 1's experts 52–54.5, combine 78–104, gather
+  // 104–117. Backward (experts 5 s): the same ends, 117.
+  EXPECT_EQ(monta::padded_capacity(l, monta::Strategy::dedup, 2), 12);
+  expect_prediction(monta::predict(l, k, monta::Strategy::dedup, 2), 384, 768, 1536, 52, 26, 5, 117 + 117);
+  // Experts that outlast the exchanges: at 32768 / 16 FLOP/s a chunk's experts take 24 + 1 s
+  // forward. Chunk 0's run 26–51, chunk 1's wait for its dispatch: 52–77; the combines 52–78 and
+  // 78–104, the last gather 104–117. Backward, 50 s each: chunk 0's 26–76, its combine 76–102,
+  // chunk 1's 76–126, its combine 126–152, its gather 152–165.
+  monta::Links slow = k;
+  slow.gemm_flops = 32768.0 / 16;
+  EXPECT_DOUBLE_EQ(monta::predict(l, slow, monta::Strategy::dedup, 2).seconds, 117 + 165);
+  // The ring all-gather over t = 4 ranks pays t - 1 steps: EP group {0, 4}, 2 of the 8 experts
+  // local, C = 10 padded to 12, 3 rows each per TP rank: 3 × 8 × 3 × 16 × 2 B = 2304 B,
+  // 3 · 1 + 2304 / 64 = 39 s.
+  l.t = 4;
+  l.ep_ranks = {0, 4};
+  EXPECT_DOUBLE_EQ(monta::predict(l, k, monta::Strategy::dedup, 1).all_gather_s, 39);
+}
+
+// One layout's figures by hand: 4 GPUs of one node, E = 4, M = 1024, H = 2048, 4096 tokens
+// top-2 at capacity factor 1 (C = 2048), bf16, 3 MoE layers. TP must divide the 2 KV heads: no
+// TP 4.
+TEST(TimeModel, LayoutTermsByHand) {
+  monta::LayoutQuery q{.world = 4, .heads = 8, .kv_heads = 2, .E = 4, .M = 1024, .H = 2048, .tokens = 4096,
+                       .top_k = 2, .capacity_factor = 1.0, .bytes = 2, .device_memory = 0, .moe_layers = 3};
+  monta::Links k = a800x2_links();
+  const auto r = monta::rank_layouts(q, k);
+  ASSERT_EQ(r.size(), 2u * 3u);  // tp 1, 2 × ep 1, 2, 4
+  const monta::LayoutPrediction* p = nullptr;
+  for (const auto& x : r) {
+    EXPECT_NE(x.tp, 4);
+    if (x.tp == 2 && x.ep == 2) p = &x;
+  }
+  ASSERT_NE(p, nullptr);
+  // Its best candidate is the layer's: EP group {0, 1}, TP 2, C = 2048.
+  const monta::Layer l{.E = 4, .C = 2048, .M = 1024, .H = 2048, .bytes = 2, .t = 2, .ep_ranks = {0, 1}};
+  EXPECT_DOUBLE_EQ(p->best.seconds, monta::candidates(l, k, q.max_chunks).front().seconds);
+  ASSERT_EQ(p->best.strategy, monta::Strategy::dedup);
+  // A TP group of 2 routes the 4096 tokens once for both ranks: 2 GPU-seconds per step.
+  EXPECT_DOUBLE_EQ(p->seconds_per_token, p->best.seconds * 2 / 4096);
+  // Memory: 2 experts of 2 × 1024 × 2048 weights in 3 layers at 2 + 2 + 12 bytes each (bf16
+  // weights and gradients, Adam's fp32 master, m and v); the padded rows (2048 of each of 4
+  // experts) for the input, the all-gather and T_DI, [8192, 1024] bf16 each; T_M [4096, 2048]
+  // for this TP rank's half of the rows.
+  EXPECT_DOUBLE_EQ(p->memory_bytes, 3.0 * 2 * 2 * 1024 * 2048 * 16 + 3.0 * 8192 * 1024 * 2 + 4096.0 * 2048 * 2);
+  q.kv_heads = 4;
+  EXPECT_EQ(monta::rank_layouts(q, k).size(), 3u * 3u);
+}
+
 // The layouts "where asked": every TP degree of a node and EP degree of the world, ranked by
 // the MoE layer's GPU time per token; with TP > 1 deduplication wins; a device too small for
 // the experts' states fits nothing.

@@ -18,8 +18,10 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
                H = static_cast<double>(in.H), n = in.n, eb = in.elem_bytes;
   const bool reuse = in.strategy != "none";
   const double b = B / n;  // the paper's partition
+  // The layer cuts the tokens into n parts (plan_chunks), so its largest partition holds the k
+  // rows of ceil(T/n) tokens: more than ceil(B/n) when n does not divide T.
   const double b_max = in.b_max > 0 ? static_cast<double>(in.b_max)
-                                    : static_cast<double>((static_cast<std::int64_t>(B) + in.n - 1) / in.n);
+                                    : static_cast<double>((in.T + in.n - 1) / in.n * in.top_k);
   p.B = B;
   p.m_act_pipe = p.m_buf_pipe = 4 * B * M + B * H;  // Eq. 4
   if (reuse) {

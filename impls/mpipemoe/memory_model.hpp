@@ -26,7 +26,7 @@ struct MemoryModelInput {
   int n = 1;                   // partitions
   std::string strategy = "none";  // "none" (no reuse) or S1..S4 (reuse)
   double elem_bytes = 4;       // bytes per element of the layer's dtype
-  std::int64_t b_max = 0;      // rows of the largest partition; 0: ceil(B/n)
+  std::int64_t b_max = 0;      // rows of the largest partition; 0: ceil(T/n)·top_k
   std::int64_t local_experts = 1;  // experts on this rank (Eq. 1 counts one expert per GPU)
   int t_m_buffers = 1;         // 1: the paper's one T_M buffer; 2: double-buffered T_M (S1, S2 only)
 };

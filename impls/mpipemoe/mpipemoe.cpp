@@ -186,6 +186,14 @@ class MPipeMoELayer final : public MoELayer {
   std::map<std::int64_t, Rates> rates_;  // by partition rows
   std::int64_t rates_key_ = 0;           // of the last forward
   MemoryPrediction memory_;              // the memory model of the last forward's strategy
+  // The memory model of strategy s for T tokens on this rank; b_max: the largest partition's
+  // rows (0: the model's ceil(T/n)·k, before the routing is known).
+  MemoryPrediction predict(const std::string& s, std::int64_t T, int n, std::int64_t b_max = 0) const {
+    return predict_memory({.T = T, .top_k = cfg_.top_k, .E = cfg_.num_experts, .M = cfg_.d_model,
+                           .H = cfg_.d_hidden, .n = n, .strategy = s,
+                           .elem_bytes = static_cast<double>(dtype_size(cfg_.dtype)), .b_max = b_max,
+                           .local_experts = local_experts_, .t_m_buffers = so_.t_m_buffers});
+  }
 };
 
 // ---- 1. the partition plan ----------------------------------------------------------------
@@ -465,9 +473,21 @@ Forwarded MPipeMoELayer::pipelined_forward(const Tensor& x, const WorkKey& key, 
   last_n_ = n;
   auto saved = std::make_unique<MPipeSaved>(key, n, strategy_);
   MPipeSaved& sv = *saved;
-  if (sv.strategy == "none") return run_forward(x, std::move(saved));
-  ReuseForward hooks(*this, sv);
-  return run_forward(x, std::move(saved), &hooks);
+  Forwarded f;
+  if (sv.strategy == "none") {
+    f = run_forward(x, std::move(saved));
+  } else {
+    ReuseForward hooks(*this, sv);
+    f = run_forward(x, std::move(saved), &hooks);
+  }
+  // The report's prediction for the partitions the routing made: the rows this rank's experts
+  // received in the largest one (a sim run without data splits each expert's rows evenly,
+  // the rounding of every expert in the last partition; a multi-rank run receives what the
+  // peers route), not the model's ceil(T/n)·k.
+  std::int64_t r_max = 0;
+  for (const Chunk& P : sv.plan.chunks) r_max = std::max(r_max, P.R);
+  if (r_max > 0) memory_ = predict(strategy_, x.dim(0), n, r_max);
+  return f;
 }
 
 Tensor MPipeMoELayer::backward_pass(MoESaved& s, const Tensor& dy, float grad_aux, bool) {
@@ -484,11 +504,7 @@ void MPipeMoELayer::resolve_strategy(std::int64_t T_local, int n) {
   // the ranks agree on (rates_for); a fixed strategy needs no agreement.
   const bool agree = so_.strategy == "auto" && comm_.size() > 1;
   const std::int64_t T = agree ? static_cast<std::int64_t>(comm_.all_reduce_max(static_cast<double>(T_local))) : T_local;
-  auto need = [&](const std::string& s, std::int64_t tokens) {
-    return predict_memory({.T = tokens, .top_k = cfg_.top_k, .E = cfg_.num_experts, .M = M, .H = H, .n = n,
-                           .strategy = s, .elem_bytes = static_cast<double>(dtype_size(cfg_.dtype)),
-                           .local_experts = local_experts_, .t_m_buffers = so_.t_m_buffers});
-  };
+  auto need = [&](const std::string& s, std::int64_t tokens) { return predict(s, tokens, n); };
   strategy_ = so_.strategy;
   costs_.clear();
   if (strategy_ == "none") {

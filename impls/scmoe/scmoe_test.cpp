@@ -373,6 +373,16 @@ TEST(Placement, PassEstimateAndChunks) {
   const auto c = scmoe::choose_chunks(longer, 1, longer, 1);
   EXPECT_GT(c.chunks, 1);
   EXPECT_LT(c.estimate[2], c.estimate[0]);
+  // One pass that does not fit is enough for chunks: a forward that fits, a backward that does not.
+  EXPECT_GT(scmoe::choose_chunks(t, 1, longer, 1).chunks, 1);
+  EXPECT_GT(scmoe::choose_chunks(longer, 1, t, 1).chunks, 1);
+  // Slot 2, nothing after the experts: compute to 8, experts 8..10, the combine 10..13 ends it.
+  EXPECT_DOUBLE_EQ(scmoe::estimate_pass(t, 2, 1), 13);
+  // Two chunks with 0.5 s of overhead each: dispatches of 1.5 + 0.5 end at 2 and 4, experts 8..9
+  // and 9..10, combines (1.5 + 0.5) 9..11 and 11..13.
+  scmoe::PassTimes halves = t;
+  halves.chunk_overhead = 0.5;
+  EXPECT_DOUBLE_EQ(scmoe::estimate_pass(halves, 2, 2), 13);
 }
 
 // ---- 5. a ScMoE model ---------------------------------------------------------------------------
