@@ -504,6 +504,11 @@ TEST(Offload, FreeTransfersOffloadEveryChosenChunkAndChangeNoTime) {
             for (std::size_t q = j + 1; q < next; ++q)
               EXPECT_TRUE(l[q].kind == NodeKind::reload || l[q].kind == NodeKind::recv_act || l[q].kind == NodeKind::recv_grad)
                   << describe(l[q]);
+            // ... and before all of that node's receives: none just before the reloads.
+            std::size_t first = j;
+            while (l[first - 1].kind == NodeKind::reload) --first;
+            EXPECT_FALSE(l[first - 1].kind == NodeKind::recv_act || l[first - 1].kind == NodeKind::recv_grad)
+                << describe(l[j]) << " at " << j << " follows " << describe(l[first - 1]);
           }
         }
       }
@@ -584,6 +589,55 @@ TEST(Offload, TheLifespanRuleKeepsThePeakAndDropsTheRest) {
 // GPipe on one stage with both microbatches offloaded by hand: the d2h stream runs the two
 // offloads one after the other, the reloads wait for them, the Bs for the reloads.
 //   F0 [0,1] o0 [1,6] F1 [1,2] o1 [6,11] r1 [11,13] B1 [13,14] W1 [14,15] r0 [15,17] B0 [17,18] W0 [18,19]
+// Which transfers the lifespan rule drops: it tries the shortest-lived first. Interleaved 1F1B,
+// 4 stages, 8 microbatches, 2 chunks, chunk 0 offloaded with copies of 0.1 (F 1, B 2, W 0). On
+// the last stage the gap rule keeps all 8; the lifespan rule drops microbatches 0 and 1 (they
+// lower no peak) and one of 4 and 5, which can each be dropped without raising the stage's
+// peak, but not both: 5, off the device for less time than 4 (its F's end to the end of the
+// node before its reload, in the schedule's estimate without transfers).
+TEST(Offload, TheLifespanRuleDropsTheShortestLivedFirst) {
+  const NodeCosts c{1, 2, 0, 0};
+  const int st = 3;
+  const Schedule s0 = make_schedule("interleaved", 4, 8, 2);
+  Schedule all = s0, few = s0;
+  add_offload(all, offload_options(1, false, 0.1, c));
+  const OffloadPlan plan = add_offload(few, offload_options(1, true, 0.1, c));
+  auto offloaded = [&](const Schedule& s) {
+    std::vector<int> mbs;
+    for (const Node& x : s.nodes[st])
+      if (x.kind == NodeKind::offload) mbs.push_back(x.microbatch);
+    std::sort(mbs.begin(), mbs.end());
+    return mbs;
+  };
+  EXPECT_EQ(offloaded(all), (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7}));
+  EXPECT_EQ(offloaded(few), (std::vector<int>{2, 3, 4, 6, 7}));
+  // Time off the device, from the estimate of the schedule without transfers.
+  const auto& t = estimate(s0, c).times[st];
+  std::map<int, double> off;
+  std::map<int, std::size_t> f_at;
+  std::size_t i = 0;  // position in s0's list
+  for (const Node& x : all.nodes[st]) {
+    if (x.kind == NodeKind::reload) off[x.microbatch] = t[i - 1].second - t[f_at.at(x.microbatch)].second;
+    if (x.kind == NodeKind::offload || x.kind == NodeKind::reload) continue;
+    if (x.kind == NodeKind::forward && x.chunk == 0) f_at[x.microbatch] = i;
+    ++i;
+  }
+  EXPECT_LT(off.at(5), off.at(4));
+  // Keeping the transfers of `keep` only: the stage's peak.
+  auto peak_keeping = [&](const std::vector<int>& keep) {
+    Schedule s = all;
+    std::erase_if(s.nodes[st], [&](const Node& x) {
+      return (x.kind == NodeKind::offload || x.kind == NodeKind::reload) &&
+             std::find(keep.begin(), keep.end(), x.microbatch) == keep.end();
+    });
+    return validate(s).peak_resident[st];
+  };
+  EXPECT_EQ(peak_keeping({2, 3, 4, 6, 7}), plan.peak_resident[st]);
+  EXPECT_EQ(peak_keeping({2, 3, 5, 6, 7}), plan.peak_resident[st]);
+  EXPECT_GT(peak_keeping({2, 3, 6, 7}), plan.peak_resident[st]);
+  EXPECT_EQ(peak_keeping({2, 3, 4, 5, 6, 7}), plan.peak_resident[st]);
+}
+
 TEST(Offload, TheEstimateQueuesCopiesAndExposesTheirWait) {
   Schedule s;
   s.name = "hand";
