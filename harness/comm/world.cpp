@@ -23,7 +23,15 @@ namespace moelab {
 #ifdef MOELAB_HAVE_MPI
 namespace {
 bool g_mpi_initialised_here = false;
+
+// Whether an MPI launcher started this process: mpirun / orted (Open MPI), a PMIx launcher (srun
+// with PMIx, prterun) or a PMI one (MPICH's hydra, srun with PMI-2) sets one of these.
+bool launched_by_mpi() {
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"})
+    if (std::getenv(v) != nullptr) return true;
+  return false;
 }
+}  // namespace
 #endif
 
 void init_world(int* argc, char*** argv) {
@@ -31,6 +39,9 @@ void init_world(int* argc, char*** argv) {
   int inited = 0;
   MPI_Initialized(&inited);
   if (inited) return;
+  // A process no launcher started is a world of one: MPI_Init would only start Open MPI's
+  // singleton daemon (a fork, and a failure of its own when the daemon cannot start).
+  if (!launched_by_mpi()) return;
   int provided = 0;
   MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
   g_mpi_initialised_here = true;

@@ -9,8 +9,9 @@
 
 namespace moelab {
 
-// MPI_Init_thread(MPI_THREAD_MULTIPLE) when built with MPI (every stream may issue MPI
-// calls from its own worker thread); a no-op otherwise. Errors on communicators return
+// MPI_Init_thread(MPI_THREAD_MULTIPLE) when built with MPI and started by an MPI launcher
+// (mpirun, srun: every stream may issue MPI calls from its own worker thread); a no-op
+// otherwise, the process then being a world of one. Errors on communicators return
 // codes (MPI_ERRORS_RETURN) so that a failed collective becomes a CommError naming the rank.
 void init_world(int* argc, char*** argv);
 void finalize_world();
