@@ -7,7 +7,7 @@ the script writes the change into this checkout, rebuilds those test targets in 
 folder, runs them, and puts the file back; a mutant is killed when a test fails. Survivors the
 list explains ("survives": why) are reported but pass; any other survivor fails the run.
 
-    /usr/bin/python3 scripts/mutation.py                       # every mutant, build/ (about 7 min on 2 cores, built)
+    /usr/bin/python3 scripts/mutation.py                       # every mutant, in build/ (minutes: docs/FUZZING.md)
     /usr/bin/python3 scripts/mutation.py --build /tmp/b m1 n4  # only these ids
 
 Needs a configured build folder with the tests (scripts/test.sh makes one). The files are put

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <vector>
 
+#include "harness/runtime/backend.hpp"
 #include "harness/runtime/gemm_paths.hpp"
 
 namespace moelab {
@@ -365,6 +366,26 @@ TEST(StridedRuns, BreaksWhereShapeScalarsTypesOrStridesChange) {
   std::swap(backwards[0], backwards[1]);
   EXPECT_EQ(strided_runs(backwards).front().size(), 1u);
   EXPECT_TRUE(strided_runs(std::vector<GemmOperands>{}).empty());
+}
+
+// A padded call as the chooser sees it: the problems that multiply (an expert without rows has
+// none: m = 0 in forward, k = 0 in a weight gradient), the stride, and the whole padded batch.
+TEST(PaddedGemmCall, KeepsTheProblemsThatMultiplyAndCountsTheWholeBatch) {
+  std::vector<GemmProblem> ps(4);
+  for (auto& p : ps) p.token_stride = 64;
+  ps[0].m = 40, ps[0].n = 768, ps[0].k = 3072;                      // forward, 40 rows
+  ps[1].m = 0, ps[1].n = 768, ps[1].k = 3072;                       // forward, no rows
+  ps[2].trans_a = true, ps[2].m = 768, ps[2].n = 3072, ps[2].k = 0;  // weight gradient, no rows
+  ps[3].trans_a = true, ps[3].m = 768, ps[3].n = 3072, ps[3].k = 64; // weight gradient, 64 rows
+  const GemmCall c = padded_gemm_call(ps, "bf16");
+  ASSERT_EQ(c.problems.size(), 2u);
+  EXPECT_EQ(c.problems[0], (GemmShape{false, false, 40, 768, 3072}));
+  EXPECT_EQ(c.problems[1], (GemmShape{true, false, 768, 3072, 64}));
+  EXPECT_EQ(c.padded_rows, 64);
+  EXPECT_EQ(c.padded_batch, 4);
+  EXPECT_FALSE(c.strided);
+  EXPECT_EQ(c.precision, "bf16");
+  EXPECT_EQ(padded_gemm_call({}, "fp32").padded_rows, 0);
 }
 
 TEST(GemmPathNames, RoundTrip) {
