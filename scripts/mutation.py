@@ -7,12 +7,15 @@ the script writes the change into this checkout, rebuilds those test targets in 
 folder, runs them, and puts the file back; a mutant is killed when a test fails. Survivors the
 list explains ("survives": why) are reported but pass; any other survivor fails the run.
 
-    /usr/bin/python3 scripts/mutation.py                       # every mutant, in build/ (minutes: docs/FUZZING.md)
-    /usr/bin/python3 scripts/mutation.py --build /tmp/b m1 n4  # only these ids
+    /usr/bin/python3 scripts/mutation.py                       # every mutant, in build-mutation/ (minutes: docs/FUZZING.md)
+    /usr/bin/python3 scripts/mutation.py --build /tmp/b m1 n4  # only these ids, in another build folder
 
-Needs a configured build folder with the tests (scripts/test.sh makes one). The files are put
-back even when the run is interrupted (Ctrl-C), and the touched targets are rebuilt from them
-at the end. Exit code: 0 all killed or explained, 1 an unexplained survivor, 2 bad input.
+The build folder must not use -Werror (a mutant's harmless warning, an unused variable, would
+stop its build): build-mutation/ is configured so when it does not exist (Release,
+-DMOELAB_WERROR=OFF); a folder configured with MOELAB_WERROR=ON is refused. The files
+are put back even when the run is interrupted (Ctrl-C), and the touched targets are rebuilt
+from them at the end. Exit code: 0 all killed or explained, 1 an unexplained survivor or a
+mutant that does not build, 2 bad input.
 """
 import argparse
 import json
@@ -61,12 +64,23 @@ def run_mutant(m, build_dir):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--build", default=os.path.join(ROOT, "build"), help="the configured build folder")
+    default_build = os.path.join(ROOT, "build-mutation")
+    ap.add_argument("--build", default=default_build,
+                    help="a build folder configured without -Werror (default build-mutation/, configured if absent)")
     ap.add_argument("--mutants", default=os.path.join(ROOT, "scripts", "mutants.json"))
     ap.add_argument("ids", nargs="*", help="only these mutants")
     a = ap.parse_args(argv)
-    if not os.path.isfile(os.path.join(a.build, "CMakeCache.txt")):
+    cache = os.path.join(a.build, "CMakeCache.txt")
+    if not os.path.isfile(cache) and os.path.abspath(a.build) == default_build:
+        r = subprocess.run(["cmake", "-S", ROOT, "-B", a.build, "-DCMAKE_BUILD_TYPE=Release", "-DMOELAB_WERROR=OFF"],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            fail(f"configuring {a.build} failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    if not os.path.isfile(cache):
         fail(f"--build {a.build}: not a configured build folder (no CMakeCache.txt)")
+    if "MOELAB_WERROR:BOOL=ON" in open(cache, errors="replace").read():
+        fail(f"--build {a.build}: configured with MOELAB_WERROR=ON, where a mutant's warning stops its build; "
+             f"use a folder configured with -DMOELAB_WERROR=OFF")
     try:
         mutants = json.load(open(a.mutants))["mutants"]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -84,7 +98,7 @@ def main(argv=None):
         n = open(os.path.join(ROOT, m["file"])).read().count(m["old"])
         if n != 1:
             fail(f"mutant {m['id']}: its code is found {n} times in {m['file']} (the source changed: update {a.mutants})")
-    unexplained, touched = [], set()
+    unexplained, invalid, touched = [], [], set()
     for m in chosen:
         path = os.path.join(ROOT, m["file"])
         text = open(path).read()
@@ -96,6 +110,8 @@ def main(argv=None):
         finally:
             open(path, "w").write(text)
         note = ""
+        if verdict.startswith("invalid"):
+            invalid.append(m["id"])
         if verdict == "survived":
             if m.get("survives"):
                 note = f" (explained: {m['survives']})"
@@ -105,8 +121,9 @@ def main(argv=None):
     if touched and build(a.build, sorted(touched)).returncode != 0:
         print("mutation.py: rebuilding the unchanged sources failed", file=sys.stderr)
     print(f"mutation.py: {len(chosen)} mutants, {len(unexplained)} unexplained survivor(s)"
-          + (f": {', '.join(unexplained)}" if unexplained else ""))
-    return 1 if unexplained else 0
+          + (f": {', '.join(unexplained)}" if unexplained else "")
+          + f", {len(invalid)} that do not build" + (f": {', '.join(invalid)}" if invalid else ""))
+    return 1 if unexplained or invalid else 0
 
 
 if __name__ == "__main__":

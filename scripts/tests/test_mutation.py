@@ -58,6 +58,13 @@ class BadInput(unittest.TestCase):
         self.assertEqual(r.returncode, 2)
         self.assertIn("not a configured build folder", r.stderr)
 
+    def test_a_werror_build_is_refused(self):
+        with tempfile.TemporaryDirectory() as d:
+            open(os.path.join(d, "CMakeCache.txt"), "w").write("MOELAB_WERROR:BOOL=ON\n")
+            r = self.run_script("--build", d)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("MOELAB_WERROR=OFF", r.stderr)
+
     def test_an_unknown_id_and_a_bad_list_are_refused(self):
         with tempfile.TemporaryDirectory() as d:
             open(os.path.join(d, "CMakeCache.txt"), "w").close()
