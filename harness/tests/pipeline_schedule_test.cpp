@@ -612,7 +612,8 @@ TEST(Offload, TheLifespanRuleDropsTheShortestLivedFirst) {
   EXPECT_EQ(offloaded(all), (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7}));
   EXPECT_EQ(offloaded(few), (std::vector<int>{2, 3, 4, 6, 7}));
   // Time off the device, from the estimate of the schedule without transfers.
-  const auto& t = estimate(s0, c).times[st];
+  const ScheduleEstimate e0 = estimate(s0, c);
+  const auto& t = e0.times[st];
   std::map<int, double> off;
   std::map<int, std::size_t> f_at;
   std::size_t i = 0;  // position in s0's list
