@@ -14,8 +14,8 @@ The build folder must not use -Werror (a mutant's harmless warning, an unused va
 stop its build): build-mutation/ is configured so when it does not exist (Release,
 -DMOELAB_WERROR=OFF); a folder configured with MOELAB_WERROR=ON is refused. The files
 are put back even when the run is interrupted (Ctrl-C), and the touched targets are rebuilt
-from them at the end. Exit code: 0 all killed or explained, 1 an unexplained survivor or a
-mutant that does not build, 2 bad input.
+from them at the end. Exit code: 0 all killed or explained, 1 an unexplained survivor or an
+invalid mutant (it does not build, or a test binary it names is missing), 2 bad input.
 """
 import argparse
 import json
@@ -122,7 +122,7 @@ def main(argv=None):
         print("mutation.py: rebuilding the unchanged sources failed", file=sys.stderr)
     print(f"mutation.py: {len(chosen)} mutants, {len(unexplained)} unexplained survivor(s)"
           + (f": {', '.join(unexplained)}" if unexplained else "")
-          + f", {len(invalid)} that do not build" + (f": {', '.join(invalid)}" if invalid else ""))
+          + f", {len(invalid)} invalid (not built, or no test binary)" + (f": {', '.join(invalid)}" if invalid else ""))
     return 1 if unexplained or invalid else 0
 
 
