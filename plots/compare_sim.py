@@ -2,10 +2,13 @@
 """plots/compare_sim.py — measured vs simulated, configuration by configuration.
 
     /usr/bin/python3 plots/compare_sim.py results/validation/cpu
+    /usr/bin/python3 plots/compare_sim.py DIR --simulated SIMDIR --out FILE
 
 Reads DIR/measured/c*.json and DIR/simulated/c*.json (written by scripts/validate_sim.sh),
 writes DIR/comparison.json and prints a table: step time and the four phases, measured,
 simulated and |sim - measured| / measured, then the median and worst step-time error.
+--simulated and --out take the simulated results from SIMDIR and write FILE instead
+(scripts/resimulate.py: the same measured runs simulated again by another cluster model).
 Standard library only.
 """
 import glob
@@ -15,12 +18,14 @@ import statistics
 import sys
 
 
-def main(d):
+def main(d, sim_dir=None, out=None):
+    sim_dir = sim_dir or os.path.join(d, "simulated")
+    out = out or os.path.join(d, "comparison.json")
     rows = []
     for m_path in sorted(glob.glob(os.path.join(d, "measured", "c*.json"))):
         if m_path.endswith(".routing.json"):
             continue
-        s_path = os.path.join(d, "simulated", os.path.basename(m_path))
+        s_path = os.path.join(sim_dir, os.path.basename(m_path))
         if not os.path.exists(s_path):
             sys.exit(f"compare_sim.py: {s_path} is missing")
         m, s = json.load(open(m_path)), json.load(open(s_path))
@@ -41,7 +46,7 @@ def main(d):
     errors = [r["step_error"] for r in rows]
     first_m = json.load(open(sorted(p for p in glob.glob(os.path.join(d, "measured", "c*.json"))
                                     if not p.endswith(".routing.json"))[0]))
-    first_s = json.load(open(os.path.join(d, "simulated", os.path.basename(
+    first_s = json.load(open(os.path.join(sim_dir, os.path.basename(
         sorted(p for p in glob.glob(os.path.join(d, "measured", "c*.json")) if not p.endswith(".routing.json"))[0]))))
     summary = {"schema": "moelab.sim-validation/1",
                "mode": "comparison of measured and simulated",
@@ -53,10 +58,16 @@ def main(d):
                "gemm_calibration": ((first_s["cluster"] or {}).get("efficiency") or {}).get("calibration"),
                "median_step_error": statistics.median(errors), "worst_step_error": max(errors),
                "configurations": rows}
-    tmp = os.path.join(d, "comparison.json.tmp")
+    # The simulated runs' commit and the GEMM path they were priced on when forced
+    # (moelab run --gemm-path), so that a re-simulation says what it replays.
+    summary["simulated_commit"] = first_s["commit"]
+    forced = first_s["metrics"].get("gemm_path_forced")
+    if forced:
+        summary["gemm_path_forced"] = forced
+    tmp = out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(summary, f, indent=2)
-    os.replace(tmp, os.path.join(d, "comparison.json"))
+    os.replace(tmp, out)
     print(f"{'workload':28} {'measured ms':>12} {'simulated ms':>13} {'error':>7}   experts err  dispatch err")
     for r in rows:
         pe = r["phases"]["experts"]["error"]
@@ -70,6 +81,17 @@ def main(d):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    args = sys.argv[1:]
+    opts = {"--simulated": None, "--out": None}
+    pos = []
+    while args:
+        a = args.pop(0)
+        if a in opts and args:
+            opts[a] = args.pop(0)
+        elif a.startswith("-"):
+            sys.exit(__doc__)
+        else:
+            pos.append(a)
+    if len(pos) != 1:
         sys.exit(__doc__)
-    main(sys.argv[1])
+    main(pos[0], opts["--simulated"], opts["--out"])

@@ -178,6 +178,42 @@ def h100_points():
     return points, dropped
 
 
+def h100_path_calls(path):
+    """Per-call times of one batched path (strided_batched, grouped_1group): (m, n, k, E, seconds)."""
+    out = []
+    for line in open(os.path.join(ROOT, PEERS)):
+        r = json.loads(line)
+        if r["path"] != path:
+            continue
+        M, H, rows_ = r["M"], r["H"], r["rows"]
+        m, n, k = {"fwd": (rows_, H, M), "dgrad": (rows_, M, H), "wgrad": (M, H, rows_)}[r["op"]]
+        out.append((m, n, k, r["E"], r["ms"] * 1e-3))
+    return out
+
+
+def h100_path_table():
+    """The crossover table of the same microbenchmark, in a profile's gemm_paths format: per op,
+    shape, experts and rows, the TFLOP/s of the loop, the strided batch and the grouped call (one
+    group of E problems, as the layer issues it). The cuda backend's built-in table
+    (harness/runtime/gemm_paths.cpp, default_gemm_path_table) holds the same figures."""
+    key_of = {"loop_gemmex": "loop", "strided_batched": "strided_batched", "grouped_1group": "grouped"}
+    points = {}
+    for line in open(os.path.join(ROOT, PEERS)):
+        r = json.loads(line)
+        if r["path"] not in key_of:
+            continue
+        k = (OPS.index(r["op"]), r["M"], r["H"], r["E"], r["rows"])
+        points.setdefault(k, {})[key_of[r["path"]]] = r["tflops"]
+    return {
+        "source": f"measured on one NVIDIA H100 80GB HBM3, cuBLAS 13, bf16 (fp32 accumulate): a loop of cublasGemmEx, "
+                  f"cublasGemmStridedBatchedEx and cublasGemmGroupedBatchedEx (one group) over the experts' fwd/dgrad/wgrad "
+                  f"GEMMs, d_model/d_hidden 768/3072 and 2048/8192, 8 and 64 experts, 64-8192 rows each, median of 20 ({PEERS})",
+        "points": [{"precision": "bf16", "op": OPS[o], "d_model": M, "d_hidden": H, "experts": E, "rows": rows_,
+                    "tflops": {q: v[q] for q in PATHS if q in v}}
+                   for (o, M, H, E, rows_), v in sorted(points.items())],
+    }
+
+
 def profile_points(dtype):
     p = json.load(open(os.path.join(ROOT, PROFILE)))
     return [(s["m"], s["n"], s["k"], s["seconds"]) for s in p["gemm"] if s["dtype"] == dtype], p
@@ -210,6 +246,15 @@ def build():
 
     slow, copy_keep, interf = interference()
 
+    # The batched paths of the same microbenchmark: one call of E equal problems, launch held.
+    paths, path_stats = {}, {}
+    for q, name in (("strided_batched", "strided_batched"), ("grouped", "grouped_1group")):
+        pts = h100_path_calls(name)
+        pp, rr = lm(lambda v: [math.log(call_model(v, m, n, k, E, H100["bf16"], ELEM["bf16"], mem_bw) / t)
+                               for m, n, k, E, t in pts], [launch, 0.8, 128.0], [False, True, True])
+        paths[q] = {"bf16": {"gemm_max": rd(pp[1]), "gemm_half_dim": rd(pp[2])}}
+        path_stats[q] = {"bf16": dict(summary(rr), data=f"{PEERS}, path {name}")}
+
     h100 = {
         "schema": "moelab.gemm_calibration/1",
         "name": "h100-sxm5",
@@ -236,6 +281,17 @@ def build():
                           "(a proxy; gemm_half_dim is a swept parameter within gemm_half_dim_range).",
             },
         },
+        "paths": {
+            "source": f"Least-squares fits to the cublasGemmStridedBatchedEx and cublasGemmGroupedBatchedEx (one group) "
+                      f"per-call times of {PEERS} (96 calls each), launch_latency held at the loop fit's. bf16 only: no "
+                      f"TF32 or strict-fp32 call of these paths is measured, so such calls are priced as the loop.",
+            "model": "one call of E equal problems on a path: t_call = launch_latency + E * max(2mnk / (peak(precision) * eff_path), "
+                     "elem_bytes * (mk + kn + mn) / mem_bw), eff_path = gemm_max_path * d / (d + gemm_half_dim_path), d = min(m, n, k); "
+                     "the loop path (one call per problem) is \"curves\"",
+            **paths,
+            "fit": path_stats,
+        },
+        "gemm_paths": h100_path_table(),
         "fit": {
             "method": "Levenberg-Marquardt least squares on log(t_model / t_measured) over the parameters' logs (scripts/fit_gemm_efficiency.py)",
             "data": [PEERS, PROFILE],

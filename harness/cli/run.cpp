@@ -74,6 +74,9 @@ void print_run_help(std::FILE* to) {
       "                    cuda: the expert GEMMs choose their cuBLAS path by the profile's\n"
       "                    measured gemm_paths table (default: the built-in H100 table)\n"
       "  --routing SPEC    sim: tokens per expert: uniform, zipf:S or trace:FILE (default uniform)\n"
+      "  --gemm-path PATH  cuda and sim: run (or price) the experts' GEMM calls on one cuBLAS path\n"
+      "                    where it can run them: loop, strided_batched or grouped (default auto:\n"
+      "                    the crossover table chooses per call; the sim needs per-path data)\n"
       "  --ranks N         sim: simulate the first N GPUs of the cluster (default: all)\n"
       "  --record-routing FILE  write the gate's routing of every step as a trace for --routing\n"
       "  --out FILE        result JSON (default results/run-<impl>-<backend>.json)\n"
@@ -195,6 +198,13 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       o.profile = take();
     else if (flag == "--routing")
       o.routing = take();
+    else if (flag == "--gemm-path") {
+      const std::string v = take();
+      GemmPath p{};
+      if (v != "auto" && !parse_gemm_path(v, p))
+        throw ConfigError("--gemm-path = \"" + shown(v) + "\": expected auto, loop, strided_batched or grouped");
+      if (v != "auto") o.gemm_path = p;
+    }
     else if (flag == "--record-routing")
       o.record_routing = take();
     else if (flag == "--impl-options")
@@ -312,6 +322,8 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     throw ConfigError("--backend sim needs --cluster NAME (moelab list shows the cluster models)");
   if (o.backend != "sim" && (!o.cluster.empty() || o.ranks > 0 || o.routing != "uniform"))
     throw ConfigError("--cluster, --routing and --ranks apply to --backend sim only");
+  if (o.backend == "cpu" && o.gemm_path)
+    throw ConfigError("--gemm-path applies to --backend cuda (cuBLAS's paths) and sim (their pricing), not cpu");
   if (o.backend == "cpu" && !o.profile.empty())
     throw ConfigError("--profile applies to --backend sim (the time model) and cuda (its GEMM-path table), not cpu");
   if (o.out.empty()) o.out = "results/run-" + std::string(o.model.empty() ? "" : "model-") + o.impl + "-" + o.backend + ".json";
@@ -351,7 +363,8 @@ std::string gemm_library(const Backend& b) {
   return b.name() + " GEMM";
 }
 
-void add_gemm_path_metrics(json& metrics, const Backend& b) {
+void add_gemm_path_metrics(json& metrics, const Backend& b, std::optional<GemmPath> forced) {
+  if (forced) metrics["gemm_path_forced"] = gemm_path_name(*forced);
 #ifdef MOELAB_HAVE_CUDA
   if (!is_cuda_backend(b)) return;
   metrics["gemm_path_table"] = cuda_gemm_path_table(b).source;
@@ -443,6 +456,8 @@ int run_command(const std::vector<std::string>& args) {
     if (!opt.profile.empty()) so.profile = sim::load_profile(opt.profile);
     so.routing = RoutingModel::parse(opt.routing, w.seed);
     so.ranks = opt.ranks;
+    sim::check_forced_gemm_path(so.cluster, opt.gemm_path);
+    so.gemm_path = opt.gemm_path;
     RunOutputs outputs;
     RunOutputs::check(opt);
     outputs.lock(opt);
@@ -653,7 +668,7 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
     // ---- the record ------------------------------------------------------------------------
     json metrics = metrics_json(fig, ranks, tokens_per_s, library, floor_gemm_library(*backend),
                                 static_cast<int>(dtype_size(m.dtype)));
-    add_gemm_path_metrics(metrics, *backend);
+    add_gemm_path_metrics(metrics, *backend, opt.gemm_path);
     add_host_pool_metrics(metrics, *backend, pool_window);
 
     json result;

@@ -456,6 +456,9 @@ void start_run(StartedRun& run, const RunOptions& opt, const std::function<void(
   }
   run.backend = make_backend(opt.backend);
   run.backend->set_rank(rank);
+#ifdef MOELAB_HAVE_CUDA
+  if (opt.gemm_path && is_cuda_backend(*run.backend)) cuda_force_gemm_path(*run.backend, opt.gemm_path);
+#endif
   if (local_error.empty() && !opt.profile.empty() && opt.backend == "cuda") {
     try {
       install_gemm_path_table(*run.backend, profile, opt.profile);

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,6 +31,9 @@ constexpr double kMiB = 1024.0 * 1024.0;
 struct RunOptions {
   std::string workload, model, impl, backend, out, trace;
   std::string cluster, profile, routing = "uniform", record_routing;  // sim; trace recorder
+  // --gemm-path: the experts' grouped GEMMs pinned to one path where it can run (cuda and sim;
+  // harness/runtime/gemm_paths.hpp, force_gemm_path); nullopt ("auto"): the table chooses.
+  std::optional<GemmPath> gemm_path;
   nlohmann::json impl_options = nlohmann::json::object();
   int steps = 0;  // 0: the workload's (model runs: 3)
   int ranks = 0;  // sim: 0 = every GPU of the cluster
@@ -85,7 +89,8 @@ std::string gemm_library(const Backend& b);
 std::string floor_gemm_library(const Backend& b);
 // cuda: metrics.gemm_path_table (the crossover table's source) and metrics.gemm_paths_taken
 // ({op name: {path: calls}}, warm-up included: harness/runtime/gemm_paths.hpp); others: nothing.
-void add_gemm_path_metrics(nlohmann::json& metrics, const Backend& b);
+// Both cuda and sim, with --gemm-path: metrics.gemm_path_forced (the path's name).
+void add_gemm_path_metrics(nlohmann::json& metrics, const Backend& b, std::optional<GemmPath> forced);
 // cuda: the pinned host pool's counters (harness/runtime/host_pool.hpp) at the start and the
 // end of the timed window, and from them metrics.host_pool (this rank's, rank 0's in the
 // result): the pinned allocations the timed steps asked for, how many of them the pool had to

@@ -871,7 +871,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
 
     json metrics = metrics_json(fig, ranks, tokens_per_s, library, floor_gemm_library(b),
                                 static_cast<int>(dtype_size(cfg.dtype)));
-    add_gemm_path_metrics(metrics, b);
+    add_gemm_path_metrics(metrics, b, opt.gemm_path);
     add_host_pool_metrics(metrics, b, pool_window);
     metrics["model_flops_per_step"] = model_flops;
     metrics["model_tflops_per_device"] = model_tflops;
@@ -988,6 +988,8 @@ int run_model_command(const RunOptions& opt) {
     if (!opt.profile.empty()) so.profile = sim::load_profile(opt.profile);
     so.routing = RoutingModel::parse(opt.routing, opt.seed);
     so.ranks = opt.ranks;
+    sim::check_forced_gemm_path(so.cluster, opt.gemm_path);
+    so.gemm_path = opt.gemm_path;
     RunOutputs outputs;
     RunOutputs::check(opt);
     outputs.lock(opt);

@@ -396,6 +396,24 @@ GemmPathChoice choose_gemm_path(const GemmCall& call, const GemmPathTable& table
   return c;
 }
 
+GemmPathChoice force_gemm_path(GemmPathChoice choice, GemmPath forced, const GemmCall& call) {
+  const bool several = call.problems.size() > 1;
+  const bool can = forced == GemmPath::loop || (forced == GemmPath::strided_batched && call.strided && several) ||
+                   (forced == GemmPath::grouped && call.grouped_available && several);
+  if (forced == choice.path) {
+    choice.why = std::string(gemm_path_name(forced)) + " (forced; also the table's choice): " + choice.why;
+  } else if (can) {
+    choice.path = forced;
+    choice.why = std::string(gemm_path_name(forced)) + " (forced); the table's choice: " + choice.why;
+  } else {
+    choice.why = std::string(gemm_path_name(forced)) + " forced but cannot run this call (" +
+                 (several ? forced == GemmPath::grouped ? "no grouped kernel for these types" : "not one equally strided batch"
+                          : "one problem") +
+                 "): " + choice.why;
+  }
+  return choice;
+}
+
 // ---- strided batches ----------------------------------------------------------------------------
 
 namespace {

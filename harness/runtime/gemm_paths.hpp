@@ -116,6 +116,14 @@ struct GemmPathChoice {
 // its padded rows), ties broken as GemmPathTable says.
 GemmPathChoice choose_gemm_path(const GemmCall& call, const GemmPathTable& table);
 
+// `choice` (choose_gemm_path's for `call`) with the path pinned to `forced` where that path can
+// run the call as it is (the loop always; strided_batched when the call is one equal, equally
+// strided batch; grouped when it has several problems and the library a kernel for their
+// types), the table's choice otherwise; `why` says which. The one rule behind `moelab run
+// --gemm-path` on both the cuda backend and the sim (an ablation, and a replay of a build that
+// always took one path), and behind calibrate's per-path measurements.
+GemmPathChoice force_gemm_path(GemmPathChoice choice, GemmPath forced, const GemmCall& call);
+
 // ---- strided batches from the operands' addresses ------------------------------------------
 
 struct GemmOperands {

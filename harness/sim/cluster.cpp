@@ -1398,6 +1398,18 @@ bool Topology::prices_gemm_paths() const {
   return cal && cal->paths.has_value();
 }
 
+void check_forced_gemm_path(const ClusterModel& m, std::optional<GemmPath> path) {
+  if (path && *path != GemmPath::loop && !(m.efficiency.calibration && m.efficiency.calibration->paths))
+    throw ConfigError("--gemm-path " + std::string(gemm_path_name(*path)) + ": cluster " + m.name +
+                      " has no per-path GEMM data (its efficiency.calibration has no \"paths\" and \"gemm_paths\"), so "
+                      "only the loop can be priced there");
+}
+
+void Topology::force_gemm_path(std::optional<GemmPath> path) {
+  check_forced_gemm_path(m_, path);
+  forced_path_ = path;
+}
+
 double Topology::path_gemm_seconds(const GemmCurve& curve, std::int64_t m, std::int64_t n, std::int64_t k, DType ab,
                                    bool on_tf32) const {
   const double peak = on_tf32 ? m_.gpu.flops_tf32 : m_.peak_flops(ab);
@@ -1462,8 +1474,14 @@ Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> p
     GemmCall call = padded_gemm_call(problems, ab == DType::bf16 ? "bf16" : on_tf32 ? "tf32" : "fp32");
     call.grouped_available = grouped_available;
     const GemmCurve* curve = pricing.strided_batched.curve(call.precision);
-    if (alike && curve && !call.problems.empty()) {
-      const GemmPathChoice choice = choose_gemm_path(call, pricing.table);
+    // A forced path other than strided_batched runs the problems' own rows, as on cuda
+    // (CudaBackend::padded_batch); a forced strided_batched takes the padded batch.
+    if (alike && curve && !call.problems.empty() && (!forced_path_ || *forced_path_ == GemmPath::strided_batched)) {
+      GemmPathChoice choice = choose_gemm_path(call, pricing.table);
+      if (forced_path_ && choice.path != GemmPath::strided_batched) {
+        choice.why = "strided_batched over " + std::to_string(call.padded_rows) + " padded rows (forced); the table's choice: " + choice.why;
+        choice.path = GemmPath::strided_batched;
+      }
       if (choice.path == GemmPath::strided_batched) {
         const bool wgrad = f.trans_a && !f.trans_b;
         for (std::size_t i = 0; i < problems.size(); ++i)
@@ -1508,7 +1526,8 @@ Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> p
     call.precision = ab == DType::bf16 ? "bf16" : on_tf32 ? "tf32" : "fp32";
     call.strided = equal;
     call.grouped_available = grouped_available;
-    const GemmPathChoice choice = choose_gemm_path(call, pricing.table);
+    GemmPathChoice choice = choose_gemm_path(call, pricing.table);
+    if (forced_path_) choice = moelab::force_gemm_path(std::move(choice), *forced_path_, call);
     std::string why = choice.why;
     const GemmCurve* curve = nullptr;
     if (choice.path != GemmPath::loop) {

@@ -300,6 +300,10 @@ struct LinkBytes {
   nlohmann::json to_json() const;
 };
 
+// ConfigError when `path` is forced (moelab run --gemm-path) to a path other than the loop on
+// a cluster whose GEMM calibration has no per-path data to price it.
+void check_forced_gemm_path(const ClusterModel& m, std::optional<GemmPath> path);
+
 // A route through the cluster: the resources a transfer occupies (all at once, as a fluid
 // flow), its latency and the link classes it crosses.
 struct Route {
@@ -351,6 +355,11 @@ class Topology {
   // gemm_seconds. Launches excluded (back to back, hidden behind the previous kernel).
   double batched_gemm_seconds(std::span<const GemmProblem> problems, bool tf32) const;
   bool prices_gemm_paths() const;  // the calibration has per-path data
+  // Pins every grouped_gemm call to one path where it can run (force_gemm_path; moelab run
+  // --gemm-path), nullopt: the table's choice. A path other than the loop needs per-path data
+  // (ConfigError otherwise: nothing could price it).
+  void force_gemm_path(std::optional<GemmPath> path);
+  std::optional<GemmPath> forced_gemm_path() const { return forced_path_; }
   // One problem on a path's curve: max(2mnk / (peak · eff), elem · (mk + kn + mn) / mem_bw).
   double path_gemm_seconds(const GemmCurve& curve, std::int64_t m, std::int64_t n, std::int64_t k, DType ab,
                            bool on_tf32) const;
@@ -364,6 +373,7 @@ class Topology {
  private:
   const ClusterModel& m_;
   const Profile* profile_;
+  std::optional<GemmPath> forced_path_;
   std::vector<int> sm_, hbm_, link_out_, link_in_, switch_up_, switch_down_, nic_out_, nic_in_, host_link_;
   std::vector<int> gpu_pcie_up_, gpu_pcie_down_;  // nvswitch nodes with PCIe switches: each GPU's x16 link
   int switch_of(int rank) const;                  // global PCIe switch index of a rank

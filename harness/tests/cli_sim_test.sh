@@ -86,6 +86,32 @@ expect_2 "cuda --profile without gemm_paths" "gemm_paths: missing" --backend cud
 expect_2 "cuda --profile malformed" "badprof.json" --backend cuda --profile "$work/badprof.json"
 expect_2 "more ranks than the cluster" "--ranks" --backend sim --cluster dgx-a100x1 --ranks 9
 expect_2 "cluster flags without sim" "sim" --backend cpu --cluster dgx-a100x1
+# --gemm-path: cuda and sim only, a known path, and on sim a calibration with per-path data
+expect_2 "--gemm-path on cpu" "not cpu" --backend cpu --gemm-path loop
+expect_2 "--gemm-path unknown" "expected auto, loop, strided_batched or grouped" --backend sim --cluster h100x1 --gemm-path fast
+expect_2 "--gemm-path without per-path data" "cluster dgx-a100x1 has no per-path GEMM data" --backend sim --cluster dgx-a100x1 \
+  --ranks 1 --gemm-path grouped
+
+# 4b. --gemm-path on sim: the result says which path was forced, and the forced paths price
+# differently (h100x1's calibration has bf16 curves for every path)
+cat >"$work/gp.json" <<'JSON'
+{"name": "gp", "model": {"d_model": 256, "d_hidden": 1024, "num_experts": 8, "top_k": 2, "dtype": "bf16"},
+ "tokens_per_rank": 4096, "steps": 2, "warmup": 1}
+JSON
+for p in loop grouped; do
+  "$moelab" run --workload "$work/gp.json" --impl fastmoe --backend sim --cluster h100x1 --ranks 1 --gemm-path $p \
+    --out "$work/gp-$p.json" >"$work/gp-$p.log" 2>&1 || bad "--gemm-path $p run failed: $(tail -1 "$work/gp-$p.log")"
+done
+"$moelab" run --workload "$work/gp.json" --impl fastmoe --backend sim --cluster h100x1 --ranks 1 \
+  --out "$work/gp-auto.json" >"$work/gp-auto.log" 2>&1 || bad "auto run failed: $(tail -1 "$work/gp-auto.log")"
+fl=$(jget "$work/gp-loop.json" "['metrics']['gemm_path_forced']" 2>/dev/null)
+fg=$(jget "$work/gp-grouped.json" "['metrics']['gemm_path_forced']" 2>/dev/null)
+fa=$(jget "$work/gp-auto.json" "['metrics'].get('gemm_path_forced')" 2>/dev/null)
+el=$(jget "$work/gp-loop.json" "['metrics']['phases_s']['experts']" 2>/dev/null)
+eg=$(jget "$work/gp-grouped.json" "['metrics']['phases_s']['experts']" 2>/dev/null)
+if [ "$fl" = loop ] && [ "$fg" = grouped ] && [ "$fa" = None ] && [ -n "$el" ] && [ "$el" != "$eg" ]; then
+  ok "--gemm-path recorded (loop, grouped, none for auto) and priced per path (experts $el s vs $eg s)"
+else bad "--gemm-path: forced $fl/$fg/$fa, experts $el vs $eg"; fi
 
 # 5. a configuration that does not fit the simulated GPU's memory: exit 3, the rank and the
 # capacity named, no result file. One A100-40GB rank holding 64 experts of 8192x32768 fp32

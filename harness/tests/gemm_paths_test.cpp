@@ -129,6 +129,40 @@ TEST(GemmPathChoice, EachPathWhereTheTableSaysSo) {
   EXPECT_NE(c.why.find("no kernel"), std::string::npos) << c.why;
 }
 
+// --gemm-path: the forced path where it can run the call as it is, the table's choice (and
+// why not) elsewhere; the estimates are the table's either way.
+TEST(GemmPathChoice, AForcedPathRunsWhereItCan) {
+  const GemmPathTable t = toy_table();
+  const GemmCall strided = call_of(std::vector<GemmShape>(8, fwd(64)), true);  // the table: strided
+  const GemmPathChoice table = choose_gemm_path(strided, t);
+  ASSERT_EQ(table.path, kStrided);
+  auto c = force_gemm_path(table, kGrouped, strided);
+  EXPECT_EQ(c.path, kGrouped);
+  EXPECT_EQ(c.why.rfind("grouped (forced); the table's choice: strided_batched", 0), 0u) << c.why;
+  EXPECT_EQ(c.seconds, table.seconds);
+  c = force_gemm_path(table, kLoop, strided);
+  EXPECT_EQ(c.path, kLoop) << c.why;
+  c = force_gemm_path(table, kStrided, strided);
+  EXPECT_EQ(c.path, kStrided);
+  EXPECT_EQ(c.why.rfind("strided_batched (forced; also the table's choice)", 0), 0u) << c.why;
+  // Not equally strided: no strided batch, whatever is forced; the table's grouped instead.
+  const GemmCall loose = call_of(std::vector<GemmShape>(8, fwd(64)));
+  c = force_gemm_path(choose_gemm_path(loose, t), kStrided, loose);
+  EXPECT_EQ(c.path, kGrouped);
+  EXPECT_EQ(c.why.rfind("strided_batched forced but cannot run this call (not one equally strided batch): grouped", 0), 0u)
+      << c.why;
+  // No grouped kernel for the types, or a single problem: the grouped path cannot run.
+  GemmCall no_kernel = loose;
+  no_kernel.grouped_available = false;
+  c = force_gemm_path(choose_gemm_path(no_kernel, t), kGrouped, no_kernel);
+  EXPECT_EQ(c.path, kLoop);
+  EXPECT_NE(c.why.find("no grouped kernel for these types"), std::string::npos) << c.why;
+  const GemmCall one = call_of({fwd(64)}, true);
+  c = force_gemm_path(choose_gemm_path(one, t), kGrouped, one);
+  EXPECT_EQ(c.path, kLoop);
+  EXPECT_NE(c.why.find("(one problem)"), std::string::npos) << c.why;
+}
+
 TEST(GemmPathChoice, TiesGoToStridedThenLoopThenGrouped) {
   GemmPathTable t = toy_table();
   // 1024 rows, strided: strided and loop both 800 -> strided.

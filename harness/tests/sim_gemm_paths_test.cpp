@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -104,10 +105,12 @@ struct Priced {
   double latency = 0, gpu = 0;
   std::string detail;
 };
-Priced price(const sim::ClusterModel& m, const std::vector<Shape>& shapes, DType dt, bool tf32 = false) {
+Priced price(const sim::ClusterModel& m, const std::vector<Shape>& shapes, DType dt, bool tf32 = false,
+             std::optional<GemmPath> forced = std::nullopt) {
   Priced out;
   SimOptions o;
   o.cluster = m;
+  o.gemm_path = forced;
   SimCluster cluster(o);
   cluster.run([&](Backend& b, Communicator& c) {
     b.set_allow_tf32(tf32);
@@ -124,7 +127,8 @@ Priced price(const sim::ClusterModel& m, const std::vector<Shape>& shapes, DType
       ps.push_back(p);
     }
     sim::Engine e;
-    const sim::Topology t(m, e);
+    sim::Topology t(m, e);
+    t.force_gemm_path(forced);
     out.price = t.grouped_gemm(ps, tf32);
     c.barrier();
     b.clear_timeline();
@@ -285,6 +289,45 @@ TEST(SimGemmPaths, UnequalShapesTakeGroupedOrTheLoop) {
   EXPECT_HAS(z.price.detail, "operands not equally strided");
 }
 
+// moelab run --gemm-path: every call on the forced path where it can run (the rule of
+// force_gemm_path, as on cuda), priced on that path's curve; the table's choice where it cannot;
+// a path other than the loop needs per-path data.
+TEST(SimGemmPaths, AForcedPathIsPricedOnItsCurveWhereItCanRun) {
+  const json table = table_json(100, 400, 250);  // the table's choice for equal problems: strided
+  const sim::ClusterModel m = toy_model(&table);
+  const std::vector<Shape> four(4, Shape{512, 1024, 256});
+  const Priced g = price(m, four, DType::bf16, false, GemmPath::grouped);
+  EXPECT_DOUBLE_EQ(g.price.seconds, 4 * roofline(512, 1024, 256, kBf16, 0.35, 40, 2));
+  EXPECT_EQ(g.price.launches, 1);
+  EXPECT_EQ(g.price.detail.rfind("grouped (forced); the table's choice: strided_batched", 0), 0u) << g.price.detail;
+  EXPECT_NEAR(g.gpu, g.price.seconds, 1e-12 * g.price.seconds);  // the sim backend prices it so too
+  EXPECT_EQ(g.detail, g.price.detail);
+  const Priced l = price(m, four, DType::bf16, false, GemmPath::loop);
+  EXPECT_DOUBLE_EQ(l.price.seconds, 4 * roofline(512, 1024, 256, kBf16, 0.9, 100, 2));
+  EXPECT_EQ(l.price.launches, 4);
+  EXPECT_NEAR(l.latency, 4 * kLaunch, 1e-15);
+  // Unequal shapes cannot be one strided batch: the table's grouped, and the detail says so.
+  const std::vector<Shape> mixed = {{512, 1024, 256}, {256, 1024, 256}};
+  const Priced s = price(m, mixed, DType::bf16, false, GemmPath::strided_batched);
+  EXPECT_DOUBLE_EQ(s.price.seconds, roofline(512, 1024, 256, kBf16, 0.35, 40, 2) + roofline(256, 1024, 256, kBf16, 0.35, 40, 2));
+  EXPECT_EQ(s.price.detail.rfind("strided_batched forced but cannot run this call", 0), 0u) << s.price.detail;
+
+  // Without per-path data only the loop can be forced (it is every call there anyway).
+  const sim::ClusterModel plain = toy_model(nullptr);
+  EXPECT_NO_THROW(sim::check_forced_gemm_path(plain, GemmPath::loop));
+  EXPECT_NO_THROW(sim::check_forced_gemm_path(plain, std::nullopt));
+  try {
+    sim::check_forced_gemm_path(plain, GemmPath::grouped);
+    ADD_FAILURE() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_HAS(std::string(e.what()), "--gemm-path grouped: cluster " + plain.name + " has no per-path GEMM data");
+  }
+  SimOptions o;
+  o.cluster = plain;
+  o.gemm_path = GemmPath::strided_batched;
+  EXPECT_THROW(SimCluster{o}, ConfigError);
+}
+
 // A single problem is one cublasGemmEx; a path without a curve for the precision is priced
 // as the loop (strided has no fp32 curve here).
 TEST(SimGemmPaths, OneProblemAndMissingCurvesAreTheLoop) {
@@ -309,10 +352,10 @@ TEST(SimGemmPaths, OneProblemAndMissingCurvesAreTheLoop) {
 TEST(SimGemmPaths, WithoutPathsEveryCallIsTheLoop) {
   const std::vector<Shape> equal(4, Shape{512, 1024, 256});
   const std::vector<Shape> mixed = {{512, 1024, 256}, {0, 1024, 256}, {64, 1024, 0}, {1024, 512, 128}};
-  for (const sim::ClusterModel& m : {toy_model(nullptr), sim::load_cluster("h100x1"), sim::load_cluster("dgx-a100x1")}) {
+  for (const sim::ClusterModel& m : {toy_model(nullptr), sim::load_cluster("dgx-a100x1")}) {
     SCOPED_TRACE(m.name);
     ASSERT_TRUE(m.efficiency.calibration);
-    ASSERT_FALSE(m.efficiency.calibration->paths);  // the committed calibrations have none
+    ASSERT_FALSE(m.efficiency.calibration->paths);  // the A100 calibration has none
     sim::Engine e;
     const sim::Topology t(m, e);
     EXPECT_FALSE(t.prices_gemm_paths());
@@ -394,8 +437,14 @@ TEST_F(PathFiles, ReadsThePathsAndTheTable) {
   EXPECT_EQ(c.paths->curves(GemmPath::loop), nullptr);
   ASSERT_EQ(c.paths->table.points.size(), 1u);
   EXPECT_EQ(c.paths->table.points[0].tflops[static_cast<std::size_t>(GemmPath::strided_batched)], 400);
-  // The committed calibrations carry none.
-  EXPECT_FALSE(sim::load_gemm_calibration("h100-sxm5").paths);
+  // The committed H100 calibration carries the cuda backend's own table (the same
+  // microbenchmark: the sim chooses as the cuda backend does without a profile) and bf16
+  // curves of both batched paths; the A100's, with no per-path measurement, none.
+  const sim::GemmCalibration h100 = sim::load_gemm_calibration("h100-sxm5");
+  ASSERT_TRUE(h100.paths);
+  EXPECT_EQ(sim::to_json(h100.paths->table)["points"], sim::to_json(default_gemm_path_table())["points"]);
+  EXPECT_TRUE(h100.paths->strided_batched.bf16 && h100.paths->grouped.bf16);
+  EXPECT_FALSE(h100.paths->strided_batched.tf32 || h100.paths->grouped.fp32);
   EXPECT_FALSE(sim::load_gemm_calibration("a100-sxm4").paths);
 }
 

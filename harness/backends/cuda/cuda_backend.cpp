@@ -1127,14 +1127,7 @@ GemmPathChoice CudaBackend::choose_path(std::span<const GemmProblem* const> list
   call.grouped_available = grouped;
   std::lock_guard lock(mu_);
   GemmPathChoice choice = choose_gemm_path(call, gemm_paths_);
-  const bool can = !forced_path_ || (*forced_path_ == GemmPath::loop) ||
-                   (*forced_path_ == GemmPath::strided_batched && call.strided) ||
-                   (*forced_path_ == GemmPath::grouped && call.grouped_available && list.size() > 1);
-  if (forced_path_ && can && *forced_path_ != choice.path) {
-    choice.path = *forced_path_;
-    choice.why = std::string(gemm_path_name(choice.path)) + " (forced); the table's choice: " + choice.why;
-  }
-  return choice;
+  return forced_path_ ? moelab::force_gemm_path(std::move(choice), *forced_path_, call) : choice;
 }
 
 std::optional<CudaBackend::PaddedBatch> CudaBackend::padded_batch(std::span<const GemmProblem> problems,

@@ -295,6 +295,7 @@ class SimBackendImpl final : public Backend {
   SimBackendImpl(SimCluster::Impl& c, int rank) : c_(c), topo_engine_(), topo_(c.opt.cluster, topo_engine_,
                                                                                 c.opt.profile ? &*c.opt.profile : nullptr) {
     set_rank(rank);
+    topo_.force_gemm_path(c.opt.gemm_path);
   }
 
   std::string name() const override { return "sim"; }

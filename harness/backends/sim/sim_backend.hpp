@@ -60,6 +60,9 @@ struct SimOptions {
   std::optional<sim::Profile> profile;
   RoutingModel routing;
   int ranks = 0;  // 0: the whole cluster; else the first `ranks` GPUs of it
+  // Every grouped GEMM priced on this path where it can run (sim::Topology::force_gemm_path);
+  // nullopt: the calibration's crossover table chooses, as the cuda backend's does.
+  std::optional<GemmPath> gemm_path;
 };
 
 class SimCluster {
