@@ -172,6 +172,7 @@ def compare_device(results, simulated, mdir, cluster_override):
               f"(known: {', '.join(f'{k} -> {c}' for k, c in CLUSTERS)}; --cluster NAME to choose one); skipped")
         return None
     rows, missing, sims, device, m_commits, s_commits, dates, calib = [], [], {}, None, set(), set(), [], set()
+    forced = set()  # the simulated runs' --gemm-path (None: the table chose)
     for m_path in files:
         m = mr.load_result(m_path)
         if m["mode"] != "measured" or m["backend"] != "cuda":
@@ -192,6 +193,7 @@ def compare_device(results, simulated, mdir, cluster_override):
         m_commits.add(m["commit"])
         s_commits.add(s["commit"])
         calib.add(s.get("calibration"))
+        forced.add(s["metrics"].get("gemm_path_forced"))
         dates.append(m["date"])
         sims.setdefault(wl, s)
         rows.append(pair_row(label, m, s, results, simulated, m_path, s_path))
@@ -204,6 +206,7 @@ def compare_device(results, simulated, mdir, cluster_override):
         "device": device, "device_class": device_slug, "cluster_model": cluster,
         "calibration": sorted(c for c in calib if c) or None,
         "measured_commits": sorted(m_commits), "simulated_commits": sorted(s_commits),
+        **({"simulated_gemm_path_forced": sorted(f or "auto" for f in forced)} if forced - {None} else {}),
         "measured_date": max(dates) if dates else None,
         "definitions": {
             "ratio": "measured / simulated (> 1: the simulator is optimistic)",
@@ -303,6 +306,9 @@ def main(argv=None):
     ap.add_argument("--simulated", help="the results folder with simulated/<cluster>/mpipemoe/ (default: --results)")
     ap.add_argument("--cluster", help="the cluster model to compare with (default: from the device class)")
     ap.add_argument("--no-write", action="store_true", help="print the tables only")
+    ap.add_argument("--out", metavar="FILE",
+                    help="write the comparison here instead of beside the measured results (one device's results only; "
+                         "e.g. a re-simulation with run_suite.py --gemm-path)")
     a = ap.parse_args(argv)
     results = os.path.abspath(a.results)
     simulated = os.path.abspath(a.simulated or a.results)
@@ -314,6 +320,9 @@ def main(argv=None):
               f"nothing to compare, nothing written (they come from the mpipemoe suite's \"gpu\" run on a GPU: "
               f"scripts/gpu.sh run, docs/GPU.md)")
         return 0
+    if a.out and len(dirs) > 1:
+        print(f"mpipemoe_gpu.py: --out names one file, but {len(dirs)} devices have results under {results}", file=sys.stderr)
+        return 2
     try:
         for d in dirs:
             c = compare_device(results, simulated, d, a.cluster)
@@ -321,7 +330,7 @@ def main(argv=None):
                 continue
             print_tables(c)
             if not a.no_write:
-                out = os.path.join(d, "comparison.json")
+                out = os.path.abspath(a.out) if a.out else os.path.join(d, "comparison.json")
                 mr.write_json(out, c)
                 print(f"\nwritten: {out}")
     except mr.SchemaError as e:

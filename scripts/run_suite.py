@@ -485,6 +485,8 @@ def command(job, machine, wl_path, dest):
     cmd += ["--backend", job["backend"]]
     if job["backend"] == "cuda" and getattr(machine, "cuda_profile", None):
         cmd += ["--profile", machine.cuda_profile]
+    if job["backend"] in ("cuda", "sim") and getattr(machine, "gemm_path", None):
+        cmd += ["--gemm-path", machine.gemm_path]
     if job["cluster"]:
         cmd += ["--cluster", job["cluster"]]
     n = machine.nranks(job)
@@ -859,6 +861,10 @@ def main():
     ap.add_argument("--cuda-profile", metavar="FILE",
                     help="a `moelab calibrate --backend cuda` profile of this GPU: the cuda runs choose their GEMM "
                          "paths by its measured table (moelab run --profile)")
+    ap.add_argument("--gemm-path", choices=("loop", "strided_batched", "grouped"),
+                    help="the cuda and sim runs' expert GEMMs pinned to this cuBLAS path where it can run (moelab run "
+                         "--gemm-path): an ablation, or a replay of a build that always took one path; needs --run, "
+                         "and excludes --update-baseline (the suite's results choose their paths)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="simulated runs at a time (default: the number of cores); measured runs always run alone")
     ap.add_argument("--update-baseline", action="store_true",
@@ -874,6 +880,9 @@ def main():
         ap.error("--quick and --extended: choose one (quick is a subset of the default run, extended a superset)")
     if a.workload and not a.run:
         ap.error("--workload selects among the jobs of --run ID: give the run id too")
+    if a.gemm_path and (not a.run or a.update_baseline):
+        ap.error("--gemm-path needs --run ID and excludes --update-baseline: a forced path is an ablation of some "
+                 "runs, not the suite's result")
 
     backends = [b for b in a.backends.split(",") if b]
     for b in backends:
@@ -917,6 +926,7 @@ def main():
     machine = Machine(a.moelab, backends, a.hostfile)
     if a.cuda_profile:
         machine.cuda_profile = os.path.abspath(a.cuda_profile)
+    machine.gemm_path = a.gemm_path
 
     # What cannot run here, and the implementations this binary lacks options for.
     with tempfile.TemporaryDirectory(prefix="run_suite.") as tmp:
