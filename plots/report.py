@@ -25,6 +25,7 @@ import argparse
 import glob
 import json
 import os
+import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -524,6 +525,40 @@ def gpu_device_section(results, experiments, device_dir, report_dir):
                        f"{pct(cf['step_error'])} | {pct(cf['phases']['experts']['error'])} | "
                        f"{pct(cf['phases']['dispatch']['error'])} |")
         out.append("")
+    out += hindcast_lines(vdir, report_dir)
+    return out
+
+
+def hindcast_lines(vdir, report_dir):
+    """The same measurements simulated again by a later model (scripts/resimulate.py for the
+    layer set, run_suite.py --gemm-path with plots/mpipemoe_gpu.py --out for the MPipeMoE runs):
+    VDIR/hindcast-*/comparison.json, each said with the commit and model that simulated it."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(vdir, "hindcast-*", "comparison.json"))):
+        h = mr.load_json(path)
+        forced = h.get("gemm_path_forced") or ", ".join(h.get("simulated_gemm_path_forced") or []) or None
+        path_txt = f", every expert GEMM priced on the `{forced}` path" if forced else ""
+        if h.get("schema") == "moelab.sim-validation/1":
+            exp = [c["phases"]["experts"]["error"] for c in h["configurations"] if c["phases"]["experts"]["error"] is not None]
+            out += [f"Re-simulated at commit {h.get('simulated_commit', '?')} by the catalogue's {h['cluster_model']} model "
+                    f"(GEMM calibration `{h.get('gemm_calibration')}`{path_txt}; `scripts/resimulate.py`), the same "
+                    f"{len(h['configurations'])} measured configurations: median step-time error "
+                    f"{100 * h['median_step_error']:.1f}%, worst {100 * h['worst_step_error']:.1f}%; the experts phase "
+                    f"{100 * min(exp):.1f}-{100 * max(exp):.1f}% "
+                    f"({link(path, report_dir, os.path.relpath(path, vdir))}).", ""]
+        elif h.get("schema") == "moelab.gpu-comparison/1":
+            rows = h["rows"]
+            same = [r["step_s"]["ratio"] for r in rows
+                    if r["dtype"] == "bf16" and r["strategy"] in ("none", "S4") and r["step_s"]["ratio"]]
+            err = sorted(abs(1 / x - 1) for x in same)
+            sub = (f"; of them the {len(same)} bf16 runs that copy nothing to the host (no restore strategy, or S4): "
+                   f"median |simulated - measured| / measured {100 * statistics.median(err):.1f}%, worst {100 * err[-1]:.1f}%"
+                   if same else "")
+            out += [f"The {h['pairs']} MPipeMoE runs above re-simulated at commit {', '.join(h['simulated_commits'])} by the "
+                    f"catalogue's {h['cluster_model']} model{path_txt} (`run_suite.py --gemm-path`, `plots/mpipemoe_gpu.py "
+                    f"--out`): measured / simulated step time median {h['step_ratio']['median']:.2f}, range "
+                    f"{h['step_ratio']['min']:.2f}-{h['step_ratio']['max']:.2f}{sub} "
+                    f"({link(path, report_dir, os.path.relpath(path, vdir))}).", ""]
     return out
 
 

@@ -834,6 +834,9 @@ def pipeline_figures(res):
     return out
 
 
+GEMM_PATHS = ("loop", "strided_batched", "grouped")  # harness/runtime/gemm_paths.hpp
+
+
 def _check_run(c, r, w, labels, models, has_grid):
     """One entry of "runs" (or one with its "quick" fields over it)."""
     c.label(r, "id", w)
@@ -880,6 +883,9 @@ def _check_run(c, r, w, labels, models, has_grid):
             c.fail(f"{w}.ranks[{j}]", f'expected a positive integer or "hostfile", got {_kind(n)}')
     c.integer(r, "steps", w, required=False, minimum=1)
     c.boolean(r, "trace", w, required=False)
+    # moelab run --gemm-path: the experts' GEMMs pinned to one cuBLAS path (cuda, and its pricing on sim).
+    if c.string(r, "gemm_path", w, required=False, choices=GEMM_PATHS) is not None and backend not in ("cuda", "sim"):
+        c.fail(f"{w}.gemm_path", f'a GEMM path is a cuBLAS one (cuda, or its pricing on sim), this run is on "{backend}"')
     _check_path_template(c, f"{w}.path", c.string(r, "path", w))
 
 

@@ -223,7 +223,7 @@ def expand(suite, quick, extended=False):
                                      "backend": r["backend"], "cluster": cl, "ranks": n,
                                      "workload": name, "workload_file": path, "workload_gen": gen,
                                      "steps": r.get("steps"), "trace": bool(r.get("trace")),
-                                     "path_template": r["path"]})
+                                     "gemm_path": r.get("gemm_path"), "path_template": r["path"]})
     check_destinations(suite, jobs, quick)
     return jobs
 
@@ -254,7 +254,8 @@ def model_jobs(suite, r, clusters, ranks, impls):
                                                    "pipeline": mr.pipeline_of(r, e),
                                                    "run_mode": mode, "label": r.get("label") or label},
                                      "steps": r.get("steps"), "warmup": r.get("warmup"),
-                                     "trace": bool(r.get("trace")), "path_template": r["path"]})
+                                     "trace": bool(r.get("trace")), "gemm_path": r.get("gemm_path"),
+                                     "path_template": r["path"]})
     return jobs
 
 
@@ -485,8 +486,10 @@ def command(job, machine, wl_path, dest):
     cmd += ["--backend", job["backend"]]
     if job["backend"] == "cuda" and getattr(machine, "cuda_profile", None):
         cmd += ["--profile", machine.cuda_profile]
-    if job["backend"] in ("cuda", "sim") and getattr(machine, "gemm_path", None):
-        cmd += ["--gemm-path", machine.gemm_path]
+    # The run's own "gemm_path" (an ablation inside the suite), or --gemm-path over every run.
+    gemm_path = getattr(machine, "gemm_path", None) or job.get("gemm_path")
+    if job["backend"] in ("cuda", "sim") and gemm_path:
+        cmd += ["--gemm-path", gemm_path]
     if job["cluster"]:
         cmd += ["--cluster", job["cluster"]]
     n = machine.nranks(job)

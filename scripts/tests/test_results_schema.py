@@ -219,7 +219,15 @@ class SummaryAndSuiteSchema(unittest.TestCase):
             (lambda s: s["runs"][0].update(path="/abs/path"), 'field "runs[0].path"'),
             (lambda s: s["impls"].append(dict(s["impls"][0])), 'field "impls": duplicate names: "Base"'),
             (lambda s: s.update(schema="moelab.suite/1"), 'unknown schema "moelab.suite/1"'),
+            (lambda s: s["runs"][1].update(gemm_path="fastest"),
+             'field "runs[1].gemm_path": expected one of loop, strided_batched, grouped, got "fastest"'),
+            (lambda s: s["runs"][1].update(backend="cpu", gemm_path="grouped"),
+             'field "runs[1].gemm_path": a GEMM path is a cuBLAS one (cuda, or its pricing on sim), this run is on "cpu"'),
         ]
+        for ok in ("loop", "strided_batched", "grouped"):  # on cuda and on sim
+            s = fixtures.suite()
+            s["runs"][0]["gemm_path"] = s["runs"][1]["gemm_path"] = ok
+            self.assertIs(mr.check_suite(s, "x.json"), s)
         for change, fragment in cases:
             s = fixtures.suite()
             change(s)

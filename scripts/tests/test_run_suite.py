@@ -358,6 +358,27 @@ class PipelineRuns(unittest.TestCase):
         self.assertNotIn("--profile", run_suite.command(sim, with_profile, None, "/out/s"))
         self.assertNotIn("--profile", run_suite.command(cuda, MACHINE, None, "/out/c"))
 
+    def test_gemm_path_reaches_the_cuda_and_sim_runs(self):
+        # A run's own "gemm_path" (foundation's cuda-grouped: the ablation of the path choice)
+        # and run_suite.py --gemm-path over every run both become moelab run --gemm-path, on
+        # cuda and sim only.
+        s = mr.load_suite(os.path.join(mr.EXPERIMENTS, "foundation", "suite.json"))
+        jobs = run_suite.expand(s, False)
+        grouped = [j for j in jobs if j.get("run") == "cuda-grouped"]
+        self.assertEqual([j["workload"] for j in grouped], ["small", "gpt3-xl-e64-16k"])
+        self.assertEqual(grouped[0]["path_template"], "measured/cuda/{device}/{workload}-{impl}-grouped-np{ranks}")
+        cmd = run_suite.command(grouped[0], MACHINE, None, "/out/g")
+        self.assertEqual(cmd[cmd.index("--gemm-path") + 1], "grouped")
+        plain = next(j for j in jobs if j.get("run") == "cuda" and j["workload"] == "gpt3-xl-e64-16k"
+                     and j["impl"]["label"] == "fastmoe")
+        self.assertNotIn("--gemm-path", run_suite.command(plain, MACHINE, None, "/out/c"))
+        forced = types.SimpleNamespace(**vars(MACHINE), gemm_path="loop")
+        for j in (plain, next(j for j in jobs if j["backend"] == "sim")):
+            cmd = run_suite.command(j, forced, None, "/out/x")
+            self.assertEqual(cmd[cmd.index("--gemm-path") + 1], "loop")
+        cpu = next(j for j in jobs if j["backend"] == "cpu")
+        self.assertNotIn("--gemm-path", run_suite.command(cpu, forced, None, "/out/p"))
+
     def test_flags_merge_and_reach_the_command_line(self):
         s = self.suite()
         j = next(j for j in run_suite.expand(s, False) if j["run"] == s["runs"][0]["id"]
