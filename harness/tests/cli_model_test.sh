@@ -155,6 +155,14 @@ printf '{"name": ' >"$work/trunc.json"
 expect_2 malformed_model "trunc.json" --model "$work/trunc.json" --impl fastmoe --backend cpu
 expect_2 layers_out_of_range "layers" --model "$models/tiny-moe.json" --layers 1:9 --impl fastmoe --backend cpu
 expect_2 experts_not_dividing "num_experts" --model "$models/tiny-moe.json" --impl fastmoe --backend sim --cluster dgx-a100x1 --ranks 3
+expect_2 gemm_path_unpriced "has no per-path GEMM data" --model "$models/tiny-moe.json" --impl fastmoe --backend sim \
+  --cluster dgx-a100x1 --ranks 1 --gemm-path grouped
+# A model run pins its expert GEMMs the same way, and says so.
+if "$moelab" run --model "$models/tiny-moe.json" --impl fastmoe --backend sim --cluster h100x1 --ranks 1 --gemm-path grouped \
+     --out "$work/gemm-path.json" >"$work/gemm-path.log" 2>&1 &&
+   [ "$(jget "$work/gemm-path.json" "['metrics']['gemm_path_forced']")" = grouped ]; then
+  ok "a model run records --gemm-path"
+else bad "model run --gemm-path: $(tail -2 "$work/gemm-path.log")"; fi
 expect_2 workload_and_model "exclude each other" --model "$models/tiny-moe.json" --workload "$root/experiments/workloads/tiny.json" --impl fastmoe --backend cpu
 expect_2 model_override "num_layers" --model "$models/tiny-moe.json" --model-override '{"num_layers": 0}' --impl fastmoe --backend cpu
 expect_2 inference_workload "apply to --model" --workload "$root/experiments/workloads/tiny.json" --inference --impl fastmoe --backend cpu
