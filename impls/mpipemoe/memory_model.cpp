@@ -3,7 +3,9 @@
 // The predicted peak is that of one forward + backward, reached in backward while the last
 // partition's experts run: every kept activation, every gradient buffer, and the experts'
 // temporaries of one partition are alive at once (the forward holds less: T_I and T_DO
-// instead of the output gradients).
+// instead of the output gradients); or, with many small partitions, just after them, when
+// dx and the gate's backward take more than the experts' buffers gave back (the last
+// adjustment).
 #include "impls/mpipemoe/memory_model.hpp"
 
 #include <algorithm>
@@ -58,6 +60,17 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   add("gate: probs [T,E], topk/slot [T,k] x3, d_w [T,k], f_e [E], aux [1]",
       4.0 * (static_cast<double>(in.T) * static_cast<double>(in.E) + 4.0 * static_cast<double>(in.T) * in.top_k +
              static_cast<double>(in.E) + 1));
+  // The moment after the experts' backward: the layer frees the experts' gradient buffers (with
+  // reuse the rotating dT_DI and dT_DO, min(n, 2) each of the largest partition; without, every
+  // partition's own, [B,M] each) and the last partition's A and dA, then allocates dx [T,M] and
+  // the gate's d_logits [T,E] (fp32, and a copy in the layer's dtype when that is not fp32). With
+  // many small partitions that moment holds more than the experts' (MoE-GPT3-S, 64 experts, n = 16
+  // with reuse: 12 MB more in bf16); the excess, where there is one, is the layer's peak.
+  const double Td = static_cast<double>(in.T), Ed = static_cast<double>(in.E);
+  const double freed = (reuse ? 2.0 * std::min(in.n, 2) * b_max * M : 2 * B * M) + 2 * b_max * H;
+  const double gate_bwd = Td * Ed * (4.0 + (eb == 4 ? 0.0 : eb));
+  const double after_experts = Td * M * eb + gate_bwd - freed * eb;
+  if (after_experts > 0) add("after the experts: dx [T,M] and the gate's d_logits [T,E] above the experts' peak", after_experts);
   p.predicted_bytes = p.paper_bytes;
   for (const auto& a : p.adjustments) p.predicted_bytes += a.second;
   // Host: every partition's offloaded T_DI [b,M] and/or T_M [b,H].

@@ -682,6 +682,24 @@ TEST(MemoryModel, ThePapersEquationsByHand) {
   EXPECT_DOUBLE_EQ(at("S3").host_bytes, 200 * 16 * 4.0);
   EXPECT_DOUBLE_EQ(at("S4").host_bytes, 0);
   EXPECT_DOUBLE_EQ(at("none").host_bytes, 0);
+
+  // The moment after the experts' backward: dx [T,M] and the gate's d_logits [T,E] (fp32: no
+  // copy in another dtype) against what the experts' buffers free. n = 4: b_max = 25·2 = 50
+  // rows, freed 2·2·50·16 + 2·50·64 = 9600 elements against 100·16 + 100·8 = 2400: no excess.
+  // n = 25: b_max = 4·2 = 8, freed 2·2·8·16 + 2·8·64 = 1536 against 2400: 864 elements more
+  // than the experts' peak. Without reuse every partition's dT_DI and dT_DO go (2·200·16).
+  const auto after = [](const MemoryPrediction& q) {
+    for (const auto& [name, bytes] : q.adjustments)
+      if (name.rfind("after the experts", 0) == 0) return bytes;
+    return 0.0;
+  };
+  EXPECT_DOUBLE_EQ(after(at("S1")), 0);
+  EXPECT_DOUBLE_EQ(after(at("S3", 25)), 864 * 4.0);
+  EXPECT_DOUBLE_EQ(after(at("none", 25)), 0);  // 2400 - (6400 + 1024) < 0
+  // In bf16 d_logits is also copied into the layer's dtype: T·E·2 bytes more.
+  const MemoryPrediction h = predict_memory({.T = 100, .top_k = 2, .E = 8, .M = 16, .H = 64, .n = 25, .strategy = "S3",
+                                             .elem_bytes = 2, .local_experts = 2});
+  EXPECT_DOUBLE_EQ(after(h), (100 * 16 - 1536) * 2.0 + 100 * 8 * (4.0 + 2.0));
 }
 
 TEST(MemoryModel, PeakAgreesWithThePaperOnSimAndCpu) {
@@ -692,7 +710,12 @@ TEST(MemoryModel, PeakAgreesWithThePaperOnSimAndCpu) {
                                {"BERT-L", 1024, 4096, 64, 1, 16384, 4, "S3"},
                                {"GPT3-XL", 2048, 8192, 64, 1, 8192, 3, "S4"},
                                {"GPT3-XL", 2048, 8192, 64, 1, 8192, 3, "none"},
-                               {"GPT3-XL", 2048, 8192, 64, 1, 8192, 4, "S1", 2}};
+                               {"GPT3-XL", 2048, 8192, 64, 1, 8192, 4, "S1", 2},
+                               // n = 16 with reuse: the peak moves past the experts, to dx and the
+                               // gate's backward; without reuse it stays with the experts
+                               {"GPT3-S", 768, 3072, 64, 1, 16384, 16, "S1"},
+                               {"GPT3-S", 768, 3072, 64, 1, 16384, 16, "S4"},
+                               {"GPT3-S", 768, 3072, 64, 1, 16384, 16, "none"}};
   for (const auto& mc : sim_cases) {
     SimOptions o;
     o.cluster = sim::load_cluster("dgx-a100x1");
@@ -713,7 +736,10 @@ TEST(MemoryModel, PeakAgreesWithThePaperOnSimAndCpu) {
                                {"small", 64, 256, 8, 1, 240, 3, "S2", 2},
                                // n does not divide T: the first partition holds 84 tokens' rows
                                {"small", 64, 256, 8, 2, 250, 3, "S1"},
-                               {"small", 64, 256, 8, 2, 250, 3, "none"}};
+                               {"small", 64, 256, 8, 2, 250, 3, "none"},
+                               // many partitions: the moment after the experts is the peak
+                               {"small", 64, 256, 8, 1, 240, 16, "S1"},
+                               {"small", 64, 256, 8, 1, 240, 16, "S3"}};
   for (const auto& mc : cpu_cases) {
     auto b = make_backend("cpu");
     auto comm = make_self_communicator(*b);
