@@ -14,17 +14,22 @@ Standard library only.
 import glob
 import json
 import os
+import re
 import statistics
 import sys
+
+
+def measured_files(d):
+    """DIR/measured/cN.json, the measured configurations (not their routing traces or stray files)."""
+    return sorted(p for p in glob.glob(os.path.join(d, "measured", "c*.json"))
+                  if re.fullmatch(r"c[0-9]+\.json", os.path.basename(p)))
 
 
 def main(d, sim_dir=None, out=None):
     sim_dir = sim_dir or os.path.join(d, "simulated")
     out = out or os.path.join(d, "comparison.json")
     rows = []
-    for m_path in sorted(glob.glob(os.path.join(d, "measured", "c*.json"))):
-        if m_path.endswith(".routing.json"):
-            continue
+    for m_path in measured_files(d):
         s_path = os.path.join(sim_dir, os.path.basename(m_path))
         if not os.path.exists(s_path):
             sys.exit(f"compare_sim.py: {s_path} is missing")
@@ -44,10 +49,8 @@ def main(d, sim_dir=None, out=None):
     if not rows:
         sys.exit(f"compare_sim.py: no measured results under {d}/measured")
     errors = [r["step_error"] for r in rows]
-    first_m = json.load(open(sorted(p for p in glob.glob(os.path.join(d, "measured", "c*.json"))
-                                    if not p.endswith(".routing.json"))[0]))
-    first_s = json.load(open(os.path.join(sim_dir, os.path.basename(
-        sorted(p for p in glob.glob(os.path.join(d, "measured", "c*.json")) if not p.endswith(".routing.json"))[0]))))
+    first_m = json.load(open(measured_files(d)[0]))
+    first_s = json.load(open(os.path.join(sim_dir, os.path.basename(measured_files(d)[0]))))
     summary = {"schema": "moelab.sim-validation/1",
                "mode": "comparison of measured and simulated",
                "device": first_m["device"], "backend": first_m["backend"], "commit": first_m["commit"],

@@ -537,14 +537,15 @@ def hindcast_lines(vdir, report_dir):
     for path in sorted(glob.glob(os.path.join(vdir, "hindcast-*", "comparison.json"))):
         h = mr.load_json(path)
         forced = h.get("gemm_path_forced") or ", ".join(h.get("simulated_gemm_path_forced") or []) or None
-        path_txt = f", every expert GEMM priced on the `{forced}` path" if forced else ""
+        path_txt = (f", the expert GEMM calls forced to the `{forced}` path (priced on it where the calibration has its "
+                    f"curve for the call's precision, as the loop elsewhere)" if forced else "")
         if h.get("schema") == "moelab.sim-validation/1":
             exp = [c["phases"]["experts"]["error"] for c in h["configurations"] if c["phases"]["experts"]["error"] is not None]
+            exp_txt = f"; the experts phase {100 * min(exp):.1f}-{100 * max(exp):.1f}%" if exp else ""
             out += [f"Re-simulated at commit {h.get('simulated_commit', '?')} by the catalogue's {h['cluster_model']} model "
                     f"(GEMM calibration `{h.get('gemm_calibration')}`{path_txt}; `scripts/resimulate.py`), the same "
                     f"{len(h['configurations'])} measured configurations: median step-time error "
-                    f"{100 * h['median_step_error']:.1f}%, worst {100 * h['worst_step_error']:.1f}%; the experts phase "
-                    f"{100 * min(exp):.1f}-{100 * max(exp):.1f}% "
+                    f"{100 * h['median_step_error']:.1f}%, worst {100 * h['worst_step_error']:.1f}%{exp_txt} "
                     f"({link(path, report_dir, os.path.relpath(path, vdir))}).", ""]
         elif h.get("schema") == "moelab.gpu-comparison/1":
             rows = h["rows"]

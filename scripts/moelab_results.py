@@ -404,6 +404,7 @@ def check_result(res, path):
     c.string(m, "floor_gemm_library", "metrics", required=False)
     # cuda: the GEMM-path table the run chose by, and the calls per op name and path.
     c.string(m, "gemm_path_table", "metrics", required=False)
+    c.string(m, "gemm_path_forced", "metrics", required=False, choices=GEMM_PATHS)  # moelab run --gemm-path
     taken = m.get("gemm_paths_taken")
     if taken is not None:
         if not isinstance(taken, dict):

@@ -80,6 +80,8 @@ def main():
         die(f"DIR {a.dir}: not a folder")
     if not re.fullmatch(r"[A-Za-z0-9._-]+", a.into) or a.into in (".", "..", "measured", "simulated", "workloads"):
         die(f"--into {a.into!r}: expected a plain folder name other than measured, simulated and workloads")
+    if os.path.lexists(os.path.join(d, a.into)) and not os.path.isdir(os.path.join(d, a.into)):
+        die(f"--into {a.into!r}: {os.path.join(d, a.into)} exists and is not a folder")
     moelab = os.environ.get("MOELAB", os.path.join(ROOT, "build", "harness", "moelab"))
     if not os.access(moelab, os.X_OK):
         die(f"{moelab} is not built (scripts/test.sh builds it; or set MOELAB)")
@@ -107,10 +109,15 @@ def main():
                "--simulated", os.path.join(tmp, "simulated"), "--out", os.path.join(tmp, "comparison.json")]
         if subprocess.run(cmp).returncode != 0:
             die("plots/compare_sim.py failed", 1)
+        # The old folder moves aside first, so that an interruption leaves one of the two whole.
+        old = None
         if os.path.isdir(final):
-            shutil.rmtree(final)
+            old = tempfile.mkdtemp(prefix=f".{a.into}.old.", dir=d)
+            os.replace(final, os.path.join(old, "x"))
         os.replace(tmp, final)
         tmp = None
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
     finally:
         if tmp and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)

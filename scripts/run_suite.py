@@ -486,8 +486,8 @@ def command(job, machine, wl_path, dest):
     cmd += ["--backend", job["backend"]]
     if job["backend"] == "cuda" and getattr(machine, "cuda_profile", None):
         cmd += ["--profile", machine.cuda_profile]
-    # The run's own "gemm_path" (an ablation inside the suite), or --gemm-path over every run.
-    gemm_path = getattr(machine, "gemm_path", None) or job.get("gemm_path")
+    # The run's own "gemm_path" (an ablation inside the suite), else --gemm-path over the others.
+    gemm_path = job.get("gemm_path") or getattr(machine, "gemm_path", None)
     if job["backend"] in ("cuda", "sim") and gemm_path:
         cmd += ["--gemm-path", gemm_path]
     if job["cluster"]:
@@ -866,7 +866,8 @@ def main():
                          "paths by its measured table (moelab run --profile)")
     ap.add_argument("--gemm-path", choices=("loop", "strided_batched", "grouped"),
                     help="the cuda and sim runs' expert GEMMs pinned to this cuBLAS path where it can run (moelab run "
-                         "--gemm-path): an ablation, or a replay of a build that always took one path; needs --run, "
+                         "--gemm-path; a run with its own \"gemm_path\" keeps it): an ablation, or a replay of a build "
+                         "that always took one path; needs --run and an --out other than the repository's results/, "
                          "and excludes --update-baseline (the suite's results choose their paths)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="simulated runs at a time (default: the number of cores); measured runs always run alone")
@@ -883,9 +884,11 @@ def main():
         ap.error("--quick and --extended: choose one (quick is a subset of the default run, extended a superset)")
     if a.workload and not a.run:
         ap.error("--workload selects among the jobs of --run ID: give the run id too")
-    if a.gemm_path and (not a.run or a.update_baseline):
-        ap.error("--gemm-path needs --run ID and excludes --update-baseline: a forced path is an ablation of some "
-                 "runs, not the suite's result")
+    if a.gemm_path and (not a.run or a.update_baseline
+                        or os.path.realpath(a.out) == os.path.realpath(os.path.join(ROOT, "results"))):
+        ap.error("--gemm-path needs --run ID and an --out other than the repository's results/, and excludes "
+                 "--update-baseline: a forced path is an ablation of some runs, and its results would take the "
+                 "place of the suite's own")
 
     backends = [b for b in a.backends.split(",") if b]
     for b in backends:

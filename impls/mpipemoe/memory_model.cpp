@@ -60,6 +60,10 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   add("gate: probs [T,E], topk/slot [T,k] x3, d_w [T,k], f_e [E], aux [1]",
       4.0 * (static_cast<double>(in.T) * static_cast<double>(in.E) + 4.0 * static_cast<double>(in.T) * in.top_k +
              static_cast<double>(in.E) + 1));
+  // The noisy gate (Shazeer et al. 2017) keeps its raw noise logits and the drawn noise for
+  // backward: two more fp32 [T,E].
+  if (in.noisy_gate)
+    add("noisy gate: noise logits and noise [T,E] kept", 2 * 4.0 * static_cast<double>(in.T) * static_cast<double>(in.E));
   // The moment after the experts' backward: the layer frees the experts' gradient buffers (with
   // reuse the rotating dT_DI and dT_DO, min(n, 2) each of the largest partition; without, every
   // partition's own, [B,M] each) and the last partition's A and dA, then allocates dx [T,M] and
@@ -68,7 +72,8 @@ MemoryPrediction predict_memory(const MemoryModelInput& in) {
   // with reuse: 12 MB more in bf16); the excess, where there is one, is the layer's peak.
   const double Td = static_cast<double>(in.T), Ed = static_cast<double>(in.E);
   const double freed = (reuse ? 2.0 * std::min(in.n, 2) * b_max * M : 2 * B * M) + 2 * b_max * H;
-  const double gate_bwd = Td * Ed * (4.0 + (eb == 4 ? 0.0 : eb));
+  // The noisy gate's backward adds d_noise [T,E] (fp32 and its copy) while d_logits lives.
+  const double gate_bwd = Td * Ed * (4.0 + (eb == 4 ? 0.0 : eb)) * (in.noisy_gate ? 2 : 1);
   const double after_experts = Td * M * eb + gate_bwd - freed * eb;
   if (after_experts > 0) add("after the experts: dx [T,M] and the gate's d_logits [T,E] above the experts' peak", after_experts);
   p.predicted_bytes = p.paper_bytes;

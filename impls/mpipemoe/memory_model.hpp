@@ -29,6 +29,7 @@ struct MemoryModelInput {
   std::int64_t b_max = 0;      // rows of the largest partition; 0: ceil(T/n)·top_k
   std::int64_t local_experts = 1;  // experts on this rank (Eq. 1 counts one expert per GPU)
   int t_m_buffers = 1;         // 1: the paper's one T_M buffer; 2: double-buffered T_M (S1, S2 only)
+  bool noisy_gate = false;     // the noisy top-k gate: its noise [T,E] kept for backward, and its gradient
 };
 
 struct MemoryPrediction {

@@ -192,7 +192,8 @@ class MPipeMoELayer final : public MoELayer {
     return predict_memory({.T = T, .top_k = cfg_.top_k, .E = cfg_.num_experts, .M = cfg_.d_model,
                            .H = cfg_.d_hidden, .n = n, .strategy = s,
                            .elem_bytes = static_cast<double>(dtype_size(cfg_.dtype)), .b_max = b_max,
-                           .local_experts = local_experts_, .t_m_buffers = so_.t_m_buffers});
+                           .local_experts = local_experts_, .t_m_buffers = so_.t_m_buffers,
+                           .noisy_gate = cfg_.noisy_gate});
   }
 };
 

@@ -142,6 +142,42 @@ class Report(unittest.TestCase):
         self.assertIn("**median step-time error 22.5%, worst 39.7%**", text)
         self.assertIn("| c1 | 2.000 | 2.500 | 25.0% | 10.0% | 10.0% |", text)
 
+    def test_gpu_re_simulations(self):
+        # A validation set re-simulated by a later model (scripts/resimulate.py) and the MPipeMoE
+        # runs re-simulated likewise: each said with the commit, model and forced path, the
+        # MPipeMoE figure also over the bf16 runs that copy nothing to the host.
+        self.gpu_fixture(step=0.003, grouped=2.0)
+        vdir = os.path.join(self.results, "validation", "nvidia-h100-80gb-hbm3")
+        conf = lambda name, err, exp: {"workload": name, "measured_step_s": 1.0, "simulated_step_s": 1.0 + err,
+                                       "step_error": err,
+                                       "phases": {p: {"measured_s": 1e-3, "simulated_s": 1e-3,
+                                                      "error": exp if p == "experts" else 0.5}
+                                                  for p in ("gate", "dispatch", "experts", "combine")}}
+        mr.write_json(os.path.join(vdir, "hindcast-a", "comparison.json"),
+                      {"schema": "moelab.sim-validation/1", "mode": "comparison of measured and simulated",
+                       "device": "NVIDIA H100 80GB HBM3 (79.2 GiB)", "backend": "cuda", "commit": "e25e2a0bc39d",
+                       "date": "2026-11-22T20:06:49Z", "cluster_model": "h100x1", "calibration": "datasheet",
+                       "gemm_calibration": "h100-sxm5", "simulated_commit": "128d4b624c60", "gemm_path_forced": "grouped",
+                       "median_step_error": 0.145, "worst_step_error": 0.285,
+                       "configurations": [conf("c1", 0.145, 0.021), conf("c2", 0.285, 0.114)]})
+        row = lambda dtype, strategy, ratio: {"dtype": dtype, "strategy": strategy, "step_s": {"ratio": ratio}}
+        mr.write_json(os.path.join(vdir, "hindcast-b", "comparison.json"),
+                      {"schema": "moelab.gpu-comparison/1", "cluster_model": "h100x1", "pairs": 4,
+                       "simulated_commits": ["128d4b624c60"], "simulated_gemm_path_forced": ["grouped"],
+                       "step_ratio": {"median": 2.0, "min": 0.8, "max": 16.0},
+                       "rows": [row("bf16", "none", 0.8), row("bf16", "S4", 1.25), row("tf32", "none", 2.0),
+                                row("bf16", "S1", 16.0)]})
+        self.assertEqual(self.report().returncode, 0)
+        with open(self.out) as f:
+            text = f.read()
+        self.assertIn("Re-simulated at commit 128d4b624c60 by the catalogue's h100x1 model (GEMM calibration "
+                      "`h100-sxm5`, the expert GEMM calls forced to the `grouped` path", text)
+        self.assertIn("median step-time error 14.5%, worst 28.5%; the experts phase 2.1-11.4%", text)
+        # |1/0.8 - 1| = 25%, |1/1.25 - 1| = 20%: median 22.5%, worst 25.0%; tf32 and S1 left out
+        self.assertIn("The 4 MPipeMoE runs above re-simulated at commit 128d4b624c60", text)
+        self.assertIn("of them the 2 bf16 runs that copy nothing to the host (no restore strategy, or S4): "
+                      "median |simulated - measured| / measured 22.5%, worst 25.0%", text)
+
     def test_gpu_measurements_faster_and_absent(self):
         self.gpu_fixture(step=0.001, grouped=2.0)
         self.assertEqual(self.report().returncode, 0)

@@ -74,6 +74,15 @@ class Resimulate(unittest.TestCase):
         self.assertAlmostEqual(cmp_["worst_step_error"], max(errors), places=12)
         self.assertEqual(self.leftovers(), ["grouped"])  # no temporary folder left
 
+        # Again into the same folder, with a stray file beside the measured runs (not a cN):
+        # the folder is replaced whole, and the stray file is no configuration.
+        shutil.copy(os.path.join(self.dir, "measured", "c1.json"), os.path.join(self.dir, "measured", "c1-old.json"))
+        p = self.run_it("--cluster", "h100x1", "--gemm-path", "grouped", "--into", "grouped")
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual(load(os.path.join(out, "comparison.json"))["configurations"], cmp_["configurations"])
+        self.assertEqual(sorted(os.listdir(os.path.join(out, "simulated"))), ["c1.json", "c3.json"])
+        self.assertEqual(self.leftovers(), ["grouped"])
+
         # The table's own choice prices the experts differently (E = 8 experts of about 1024
         # rows: the loop, faster than the grouped call there), and says no path was forced.
         p = self.run_it("--cluster", "h100x1", "--into", "auto")
@@ -100,6 +109,12 @@ class Resimulate(unittest.TestCase):
             self.assertIn(fragment, p.stderr)
             self.assertEqual(self.leftovers(), ["kept"], args)
             self.assertEqual(text(os.path.join(self.dir, "kept", "comparison.json")), "{}")
+        with open(os.path.join(self.dir, "afile"), "w") as f:
+            f.write("x")
+        p = self.run_it("--cluster", "h100x1", "--into", "afile")
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("exists and is not a folder", p.stderr)
+        os.remove(os.path.join(self.dir, "afile"))
         os.remove(os.path.join(self.dir, "measured", "c3.routing.json"))
         p = self.run_it("--cluster", "h100x1", "--into", "kept")
         self.assertEqual(p.returncode, 2)

@@ -378,6 +378,17 @@ class PipelineRuns(unittest.TestCase):
             self.assertEqual(cmd[cmd.index("--gemm-path") + 1], "loop")
         cpu = next(j for j in jobs if j["backend"] == "cpu")
         self.assertNotIn("--gemm-path", run_suite.command(cpu, forced, None, "/out/p"))
+        # A run's own path is kept under --gemm-path (cuda-grouped stays grouped).
+        cmd = run_suite.command(grouped[0], forced, None, "/out/g")
+        self.assertEqual(cmd[cmd.index("--gemm-path") + 1], "grouped")
+        # --gemm-path is refused without --run, with --update-baseline, and into the repository's
+        # results/ (its results would take the place of the suite's own).
+        for extra in (["--backends", "sim"], ["--run", "gpu-sim", "--update-baseline", "--out", "/tmp/x"],
+                      ["--run", "gpu-sim"], ["--run", "gpu-sim", "--out", os.path.join(fixtures.ROOT, "results")]):
+            p = subprocess.run([sys.executable, RUNNER, "--suite", "mpipemoe", "--gemm-path", "grouped", *extra],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            self.assertEqual(p.returncode, 2, (extra, p.stderr))
+            self.assertIn("--gemm-path needs --run ID and an --out other than the repository's results/", p.stderr)
 
     def test_flags_merge_and_reach_the_command_line(self):
         s = self.suite()
