@@ -39,6 +39,13 @@ class Report(unittest.TestCase):
         return subprocess.run([sys.executable, REPORT, "--experiments", self.experiments, "--results", self.results,
                                "--out", self.out], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
+    def report_text(self):
+        """The report written for the fixture results (the run must succeed)."""
+        p = self.report()
+        self.assertEqual(p.returncode, 0, p.stderr)
+        with open(self.out) as f:
+            return f.read()
+
     def test_claims_figures_and_provenance(self):
         p = self.report()
         self.assertEqual(p.returncode, 0, p.stderr)
@@ -167,9 +174,7 @@ class Report(unittest.TestCase):
                        "step_ratio": {"median": 2.0, "min": 0.8, "max": 16.0},
                        "rows": [row("bf16", "none", 0.8), row("bf16", "S4", 1.25), row("tf32", "none", 2.0),
                                 row("bf16", "S1", 16.0)]})
-        self.assertEqual(self.report().returncode, 0)
-        with open(self.out) as f:
-            text = f.read()
+        text = self.report_text()
         self.assertIn("Re-simulated at commit 128d4b624c60 by the catalogue's h100x1 model (GEMM calibration "
                       "`h100-sxm5`, the expert GEMM calls forced to the `grouped` path", text)
         self.assertIn("median step-time error 14.5%, worst 28.5%; the experts phase 2.1-11.4%", text)
