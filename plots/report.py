@@ -537,8 +537,8 @@ def hindcast_lines(vdir, report_dir):
     for path in sorted(glob.glob(os.path.join(vdir, "hindcast-*", "comparison.json"))):
         h = mr.load_json(path)
         forced = h.get("gemm_path_forced") or ", ".join(h.get("simulated_gemm_path_forced") or []) or None
-        path_txt = (f", the expert GEMM calls forced to the `{forced}` path (priced on it where the calibration has its "
-                    f"curve for the call's precision, as the loop elsewhere)" if forced else "")
+        path_txt = (f", the expert GEMM calls forced to the `{forced}` path: priced on it where the calibration has its "
+                    f"curve for the call's precision, as the loop elsewhere" if forced else "")
         if h.get("schema") == "moelab.sim-validation/1":
             exp = [c["phases"]["experts"]["error"] for c in h["configurations"] if c["phases"]["experts"]["error"] is not None]
             exp_txt = f"; the experts phase {100 * min(exp):.1f}-{100 * max(exp):.1f}%" if exp else ""
