@@ -177,9 +177,11 @@ TEST(SimGemmPaths, EqualProblemsTakeTheStridedBatch) {
 TEST(SimGemmPaths, PaddedCallsRunOneBatchOverThePaddedRows) {
   const json table = table_json(100, 400, 250);
   const sim::ClusterModel m = toy_model(&table);
-  const auto run = [&](std::int64_t stride, const std::vector<std::int64_t>& rows) {
+  const auto run = [&](std::int64_t stride, const std::vector<std::int64_t>& rows,
+                       std::optional<GemmPath> forced = std::nullopt, DType dt = DType::bf16) {
     sim::Engine e;
-    const sim::Topology t(m, e);
+    sim::Topology t(m, e);
+    t.force_gemm_path(forced);
     SimOptions o;
     o.cluster = m;
     SimCluster cluster(o);
@@ -187,9 +189,9 @@ TEST(SimGemmPaths, PaddedCallsRunOneBatchOverThePaddedRows) {
     cluster.run([&](Backend& b, Communicator&) {
       Stream& s = b.default_stream();
       const std::int64_t E = static_cast<std::int64_t>(rows.size());
-      Tensor x = b.empty({E * stride, 256}, DType::bf16, MemCategory::buffers, s);
-      Tensor w = b.empty({E, 256, 1024}, DType::bf16, MemCategory::buffers, s);
-      Tensor y = b.empty({E * stride, 1024}, DType::bf16, MemCategory::buffers, s);
+      Tensor x = b.empty({E * stride, 256}, dt, MemCategory::buffers, s);
+      Tensor w = b.empty({E, 256, 1024}, dt, MemCategory::buffers, s);
+      Tensor y = b.empty({E * stride, 1024}, dt, MemCategory::buffers, s);
       std::vector<GemmProblem> ps;
       for (std::int64_t l = 0; l < E; ++l) {
         GemmProblem p{false, false, rows[static_cast<std::size_t>(l)], 1024, 256,
@@ -214,6 +216,22 @@ TEST(SimGemmPaths, PaddedCallsRunOneBatchOverThePaddedRows) {
   const auto q = run(512, rows);
   EXPECT_DOUBLE_EQ(q.seconds, 6 * roofline(512, 1024, 256, kBf16, 0.35, 40, 2));
   EXPECT_HAS(q.detail, "grouped");
+  // Forced (moelab run --gemm-path): strided_batched takes the padded batch whatever the
+  // waste, as on cuda; grouped runs the problems' own rows.
+  const auto fs = run(512, rows, GemmPath::strided_batched);
+  EXPECT_EQ(fs.launches, 1);
+  EXPECT_DOUBLE_EQ(fs.seconds, 8 * roofline(512, 1024, 256, kBf16, 0.95, 60, 2));
+  EXPECT_EQ(fs.detail.rfind("strided_batched over 512 padded rows (forced); the table's choice: grouped", 0), 0u) << fs.detail;
+  const auto fg = run(512, std::vector<std::int64_t>(8, 512), GemmPath::grouped);
+  EXPECT_DOUBLE_EQ(fg.seconds, 8 * roofline(512, 1024, 256, kBf16, 0.35, 40, 2));
+  EXPECT_EQ(fg.detail.rfind("grouped (forced)", 0), 0u) << fg.detail;
+  // A forced strided batch in fp32, which the toy calibration has no strided curve for: cuda
+  // would run the padded batch; the sim prices the problems' own rows as the loop and says so.
+  const auto f32 = run(512, rows, GemmPath::strided_batched, DType::f32);
+  EXPECT_EQ(f32.launches, 6);
+  EXPECT_DOUBLE_EQ(f32.seconds, 6 * roofline(512, 1024, 256, kFp32, 0.7, 80, 4));
+  EXPECT_EQ(f32.detail.rfind("strided_batched over 512 padded rows (forced)", 0), 0u) << f32.detail;
+  EXPECT_HAS(f32.detail, "priced as the loop: the calibration has no strided_batched curve for fp32");
 }
 
 // The GEMM floor (Backend::time_batched_gemms): each run of consecutive equal problems on the
