@@ -433,16 +433,18 @@ def gpu_device_section(results, experiments, device_dir, report_dir):
         nested = sorted({os.path.dirname(rel) for rel in runs if os.sep in rel})
         out += ["#### The cuda runs", ""]
         if top:
-            out += ["| result | workload | implementation | dtype | step (ms) | expert GEMMs (TFLOP/s) | "
+            out += ["| result | workload | implementation | dtype | expert GEMM path | step (ms) | expert GEMMs (TFLOP/s) | "
                     "expert GEMMs / the same GEMMs alone in cuBLAS | peak memory (MiB) | commit |",
-                    "|---|---|---|---|---|---|---|---|---|"]
+                    "|---|---|---|---|---|---|---|---|---|---|"]
             for rel, r in top.items():
                 m = r["metrics"]
+                path = f"`{m['gemm_path_forced']}` (forced)" if m.get("gemm_path_forced") else "chosen per call"
                 out.append(f"| {link(os.path.join(device_dir, rel), report_dir, rel)} | {r['workload']['name']} | "
-                           f"{r['impl']} | {mr.dtype_label(r)} | {ms(m['step_time_s']['median'])} | "
+                           f"{r['impl']} | {mr.dtype_label(r)} | {path} | {ms(m['step_time_s']['median'])} | "
                            f"{tflops(m.get('expert_gemm_tflops'))} | {times(m.get('expert_vs_bare_ratio'))} | "
                            f"{mib(m['peak_memory_bytes']['device_total'])} | {r['commit']} |")
             out.append("")
+            out += path_choice_lines(top)
         for d in nested:
             n = sum(1 for rel in runs if os.path.dirname(rel) == d)
             out.append(f"`{d}/`: {n} runs, in the comparison with their simulated counterparts below.")
@@ -527,6 +529,26 @@ def gpu_device_section(results, experiments, device_dir, report_dir):
         out.append("")
     out += hindcast_lines(vdir, report_dir)
     return out
+
+
+def path_choice_lines(top):
+    """What choosing the cuBLAS path per call gains: each run forced to one path (moelab run
+    --gemm-path: the foundation suite's cuda-grouped run, `<workload>-<impl>-<path>-np<ranks>`)
+    beside the run of the same name without the path (`<workload>-<impl>-np<ranks>`), which
+    chose its paths, measured on the same device."""
+    pairs = []
+    for rel, r in top.items():
+        forced = r["metrics"].get("gemm_path_forced")
+        c = top.get(rel.replace(f"-{forced}-np", "-np")) if forced else None
+        if c is None or c is r or c["metrics"].get("gemm_path_forced"):
+            continue
+        f_s, c_s = r["metrics"]["step_time_s"]["median"], c["metrics"]["step_time_s"]["median"]
+        pairs.append(f"{os.path.basename(rel)[:-5]}: {ms(f_s)} ms against {ms(c_s)} ms with the paths chosen per call "
+                     f"({f_s / c_s:.2f}x)")
+    if not pairs:
+        return []
+    return ["Every expert call on one path against the paths chosen per call (step time, the same device): "
+            + "; ".join(sorted(pairs)) + ".", ""]
 
 
 def hindcast_lines(vdir, report_dir):

@@ -144,10 +144,25 @@ class Report(unittest.TestCase):
         self.assertIn("Lines without `\"peer\": \"torch\"`", text)
         # the runs, which suite runs were measured, the validation
         self.assertIn("| [tiny-Base-np1.json](../results/measured/cuda/nvidia-h100-80gb-hbm3/tiny-Base-np1.json) | "
-                      "tiny | fastmoe | bf16 | 3.000 | 13 | 1.11x |", text)
+                      "tiny | fastmoe | bf16 | chosen per call | 3.000 | 13 | 1.11x |", text)
         self.assertIn("1 of the 1 single-GPU cuda runs of the suites measured.", text)
         self.assertIn("**median step-time error 22.5%, worst 39.7%**", text)
         self.assertIn("| c1 | 2.000 | 2.500 | 25.0% | 10.0% | 10.0% |", text)
+
+    def test_the_path_choice_against_a_forced_path(self):
+        # A run forced to one cuBLAS path (<workload>-<impl>-<path>-np<ranks>, the foundation
+        # suite's cuda-grouped) is set beside the run of the same name that chose its paths.
+        self.gpu_fixture(step=0.003, grouped=2.0)
+        dev = os.path.join(self.results, "measured", "cuda", "nvidia-h100-80gb-hbm3")
+        r = mr.load_result(os.path.join(dev, "tiny-Base-np1.json"))
+        r["metrics"]["step_time_s"] = {k: 0.0045 for k in ("median", "mean", "min", "max")}
+        r["metrics"]["step_time_s"]["all"] = [0.0045]
+        r["metrics"]["gemm_path_forced"] = "grouped"
+        mr.write_json(os.path.join(dev, "tiny-Base-grouped-np1.json"), r)
+        text = self.report_text()
+        self.assertIn("| tiny | fastmoe | bf16 | `grouped` (forced) | 4.500 |", text)
+        self.assertIn("Every expert call on one path against the paths chosen per call (step time, the same device): "
+                      "tiny-Base-grouped-np1: 4.500 ms against 3.000 ms with the paths chosen per call (1.50x).", text)
 
     def test_gpu_re_simulations(self):
         # A validation set re-simulated by a later model (scripts/resimulate.py) and the MPipeMoE
