@@ -438,7 +438,10 @@ def gpu_device_section(results, experiments, device_dir, report_dir):
                     "|---|---|---|---|---|---|---|---|---|---|"]
             for rel, r in top.items():
                 m = r["metrics"]
-                path = f"`{m['gemm_path_forced']}` (forced)" if m.get("gemm_path_forced") else "chosen per call"
+                # Forced (moelab run --gemm-path), chosen per call from the crossover table, or not
+                # recorded: a build before the choice (every call on cublasGemmGroupedBatchedEx).
+                path = (f"`{m['gemm_path_forced']}` (forced)" if m.get("gemm_path_forced") else
+                        "chosen per call" if m.get("gemm_path_table") else "not recorded")
                 out.append(f"| {link(os.path.join(device_dir, rel), report_dir, rel)} | {r['workload']['name']} | "
                            f"{r['impl']} | {mr.dtype_label(r)} | {path} | {ms(m['step_time_s']['median'])} | "
                            f"{tflops(m.get('expert_gemm_tflops'))} | {times(m.get('expert_vs_bare_ratio'))} | "

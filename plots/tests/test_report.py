@@ -107,6 +107,7 @@ class Report(unittest.TestCase):
         dev = os.path.join(self.results, "measured", "cuda", "nvidia-h100-80gb-hbm3")
         r = fixtures.result("measured", step=step, device="NVIDIA H100 80GB HBM3 (79.2 GiB)")
         r.update(backend="cuda", impl="fastmoe", world_size=1, commit="e25e2a0bc39d")
+        r["metrics"]["gemm_path_table"] = "the built-in H100 table"
         r["workload"]["model"].update(dtype="bf16", capacity_factor=0, top_k=1)
         mr.write_json(os.path.join(dev, "tiny-Base-np1.json"), r)
         line = {"floor_ms": 1.0, "torch_grouped_mm_ms": grouped, "torch_loop_ms": 9.0, "M": 64, "H": 256, "E": 8,
@@ -161,6 +162,10 @@ class Report(unittest.TestCase):
         mr.write_json(os.path.join(dev, "tiny-Base-grouped-np1.json"), r)
         text = self.report_text()
         self.assertIn("| tiny | fastmoe | bf16 | `grouped` (forced) | 4.500 |", text)
+        # A result from before the path choice records no table: its path is not recorded.
+        del r["metrics"]["gemm_path_forced"], r["metrics"]["gemm_path_table"]
+        mr.write_json(os.path.join(dev, "tiny-Base-old-np1.json"), r)
+        self.assertIn("| tiny | fastmoe | bf16 | not recorded | 4.500 |", self.report_text())
         self.assertIn("Every expert call on one path against the paths chosen per call (step time, the same device): "
                       "tiny-Base-grouped-np1: 4.500 ms against 3.000 ms with the paths chosen per call (1.50x).", text)
 
