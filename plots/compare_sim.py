@@ -29,7 +29,8 @@ def main(d, sim_dir=None, out=None):
     sim_dir = sim_dir or os.path.join(d, "simulated")
     out = out or os.path.join(d, "comparison.json")
     rows = []
-    for m_path in measured_files(d):
+    files = measured_files(d)
+    for m_path in files:
         s_path = os.path.join(sim_dir, os.path.basename(m_path))
         if not os.path.exists(s_path):
             sys.exit(f"compare_sim.py: {s_path} is missing")
@@ -49,8 +50,8 @@ def main(d, sim_dir=None, out=None):
     if not rows:
         sys.exit(f"compare_sim.py: no measured results under {d}/measured")
     errors = [r["step_error"] for r in rows]
-    first_m = json.load(open(measured_files(d)[0]))
-    first_s = json.load(open(os.path.join(sim_dir, os.path.basename(measured_files(d)[0]))))
+    first_m = json.load(open(files[0]))
+    first_s = json.load(open(os.path.join(sim_dir, os.path.basename(files[0]))))
     summary = {"schema": "moelab.sim-validation/1",
                "mode": "comparison of measured and simulated",
                "device": first_m["device"], "backend": first_m["backend"], "commit": first_m["commit"],

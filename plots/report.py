@@ -543,7 +543,7 @@ def path_choice_lines(top):
     for rel, r in top.items():
         forced = r["metrics"].get("gemm_path_forced")
         c = top.get(rel.replace(f"-{forced}-np", "-np")) if forced else None
-        if c is None or c is r or c["metrics"].get("gemm_path_forced"):
+        if c is None or c["metrics"].get("gemm_path_forced"):
             continue
         f_s, c_s = r["metrics"]["step_time_s"]["median"], c["metrics"]["step_time_s"]["median"]
         pairs.append(f"{os.path.basename(rel)[:-5]}: {ms(f_s)} ms against {ms(c_s)} ms with the paths chosen per call "

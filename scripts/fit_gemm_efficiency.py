@@ -154,15 +154,20 @@ def rd(x, sig=4):
     return float(f"{x:.{sig}g}")
 
 
+def peer_calls():
+    """The cuBLAS microbenchmark's lines (PEERS): op, M, H, E, rows, path, ms, tflops each."""
+    with open(os.path.join(ROOT, PEERS)) as f:
+        return [json.loads(line) for line in f]
+
+
 def h100_points():
     """Per-call times of the cublasGemmEx loop: one GEMM per expert, E back-to-back calls."""
-    rows = [json.loads(l) for l in open(os.path.join(ROOT, PEERS))]
     per = {}
-    for r in rows:
+    for r in peer_calls():
         if r["path"] != "loop_gemmex":
             continue
-        M, H, E, rows_ = r["M"], r["H"], r["E"], r["rows"]
-        shape = {"fwd": (rows_, H, M), "dgrad": (rows_, M, H), "wgrad": (M, H, rows_)}[r["op"]]
+        E = r["E"]
+        shape = gemm_shape(r["op"], r["M"], r["H"], r["rows"])
         per.setdefault((r["op"],) + shape, []).append((E, r["ms"] * 1e-3 / E))
     points, dropped = [], []
     # A shape is measured at E = 8 and E = 64; a call more than 2x slower than the same
@@ -180,15 +185,8 @@ def h100_points():
 
 def h100_path_calls(path):
     """Per-call times of one batched path (strided_batched, grouped_1group): (m, n, k, E, seconds)."""
-    out = []
-    for line in open(os.path.join(ROOT, PEERS)):
-        r = json.loads(line)
-        if r["path"] != path:
-            continue
-        M, H, rows_ = r["M"], r["H"], r["rows"]
-        m, n, k = {"fwd": (rows_, H, M), "dgrad": (rows_, M, H), "wgrad": (M, H, rows_)}[r["op"]]
-        out.append((m, n, k, r["E"], r["ms"] * 1e-3))
-    return out
+    return [gemm_shape(r["op"], r["M"], r["H"], r["rows"]) + (r["E"], r["ms"] * 1e-3)
+            for r in peer_calls() if r["path"] == path]
 
 
 def h100_path_table():
@@ -198,8 +196,7 @@ def h100_path_table():
     (harness/runtime/gemm_paths.cpp, default_gemm_path_table) holds the same figures."""
     key_of = {"loop_gemmex": "loop", "strided_batched": "strided_batched", "grouped_1group": "grouped"}
     points = {}
-    for line in open(os.path.join(ROOT, PEERS)):
-        r = json.loads(line)
+    for r in peer_calls():
         if r["path"] not in key_of:
             continue
         k = (OPS.index(r["op"]), r["M"], r["H"], r["E"], r["rows"])

@@ -414,6 +414,14 @@ GemmPathChoice force_gemm_path(GemmPathChoice choice, GemmPath forced, const Gem
   return choice;
 }
 
+GemmPathChoice force_padded_batch(GemmPathChoice choice, std::int64_t padded_rows) {
+  const std::string what = "strided_batched over " + std::to_string(padded_rows) + " padded rows";
+  choice.why = what + (choice.path == GemmPath::strided_batched ? " (forced; also the table's choice): "
+                                                                : " (forced); the table's choice: ") + choice.why;
+  choice.path = GemmPath::strided_batched;
+  return choice;
+}
+
 // ---- strided batches ----------------------------------------------------------------------------
 
 namespace {

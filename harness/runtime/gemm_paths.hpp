@@ -124,6 +124,11 @@ GemmPathChoice choose_gemm_path(const GemmCall& call, const GemmPathTable& table
 // always took one path), and behind calibrate's per-path measurements.
 GemmPathChoice force_gemm_path(GemmPathChoice choice, GemmPath forced, const GemmCall& call);
 
+// The same for a padded call (GemmCall::padded_rows) forced to strided_batched: one strided
+// batch over the padded rows whatever its padding waste (`choice`: choose_gemm_path's for the
+// padded call). A padded call forced to another path runs the problems' own rows instead.
+GemmPathChoice force_padded_batch(GemmPathChoice choice, std::int64_t padded_rows);
+
 // ---- strided batches from the operands' addresses ------------------------------------------
 
 struct GemmOperands {

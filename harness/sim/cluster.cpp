@@ -1461,7 +1461,7 @@ Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> p
   const GemmPathPricing& pricing = *cal.paths;
   // A forced strided_batched over padded rows where the calibration has no strided curve for the
   // precision: cuda runs that batch; the sim can only price the problems as the loop, and says so.
-  std::string forced_padded;
+  std::optional<GemmPathChoice> forced_padded;
   // A padded layout (every problem with the same token stride, MoELayer::set_expert_layout): one
   // strided batch over the padded rows where the table picks it, as CudaBackend::grouped_gemm
   // does; otherwise the problems' own rows below.
@@ -1477,17 +1477,13 @@ Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> p
     GemmCall call = padded_gemm_call(problems, ab == DType::bf16 ? "bf16" : on_tf32 ? "tf32" : "fp32");
     call.grouped_available = grouped_available;
     const GemmCurve* curve = pricing.strided_batched.curve(call.precision);
-    if (alike && !curve && !call.problems.empty() && forced_path_ == GemmPath::strided_batched)
-      forced_padded = "strided_batched over " + std::to_string(call.padded_rows) + " padded rows (forced)";
     // A forced path other than strided_batched runs the problems' own rows, as on cuda
     // (CudaBackend::padded_batch); a forced strided_batched takes the padded batch.
-    if (alike && curve && !call.problems.empty() && (!forced_path_ || *forced_path_ == GemmPath::strided_batched)) {
+    if (alike && !call.problems.empty() && (!forced_path_ || *forced_path_ == GemmPath::strided_batched)) {
       GemmPathChoice choice = choose_gemm_path(call, pricing.table);
-      if (forced_path_ && choice.path != GemmPath::strided_batched) {
-        choice.why = "strided_batched over " + std::to_string(call.padded_rows) + " padded rows (forced); the table's choice: " + choice.why;
-        choice.path = GemmPath::strided_batched;
-      }
-      if (choice.path == GemmPath::strided_batched) {
+      if (forced_path_) choice = force_padded_batch(std::move(choice), call.padded_rows);
+      if (forced_path_ && !curve) forced_padded = choice;
+      if (choice.path == GemmPath::strided_batched && curve) {
         const bool wgrad = f.trans_a && !f.trans_b;
         for (std::size_t i = 0; i < problems.size(); ++i)
           out.seconds += path_gemm_seconds(*curve, wgrad ? f.m : S, f.n, wgrad ? S : f.k, ab, on_tf32);
@@ -1531,13 +1527,9 @@ Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> p
     call.precision = ab == DType::bf16 ? "bf16" : on_tf32 ? "tf32" : "fp32";
     call.strided = equal;
     call.grouped_available = grouped_available;
-    GemmPathChoice choice = choose_gemm_path(call, pricing.table);
-    if (!forced_padded.empty()) {
-      choice.why = forced_padded + "; the table's choice: " + choice.why;
-      choice.path = GemmPath::strided_batched;  // no curve: priced as the loop below
-    } else if (forced_path_) {
-      choice = moelab::force_gemm_path(std::move(choice), *forced_path_, call);
-    }
+    // (A forced padded batch without a curve keeps its choice: priced as the loop below.)
+    GemmPathChoice choice = forced_padded ? *forced_padded : choose_gemm_path(call, pricing.table);
+    if (forced_path_ && !forced_padded) choice = moelab::force_gemm_path(std::move(choice), *forced_path_, call);
     std::string why = choice.why;
     const GemmCurve* curve = nullptr;
     if (choice.path != GemmPath::loop) {

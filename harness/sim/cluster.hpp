@@ -359,7 +359,6 @@ class Topology {
   // --gemm-path), nullopt: the table's choice. A path other than the loop needs per-path data
   // (ConfigError otherwise: nothing could price it).
   void force_gemm_path(std::optional<GemmPath> path);
-  std::optional<GemmPath> forced_gemm_path() const { return forced_path_; }
   // One problem on a path's curve: max(2mnk / (peak · eff), elem · (mk + kn + mn) / mem_bw).
   double path_gemm_seconds(const GemmCurve& curve, std::int64_t m, std::int64_t n, std::int64_t k, DType ab,
                            bool on_tf32) const;

@@ -1148,9 +1148,7 @@ std::optional<CudaBackend::PaddedBatch> CudaBackend::padded_batch(std::span<cons
   GemmPathChoice choice = choose_gemm_path(call, gemm_paths_);
   if (forced_path_) {
     if (*forced_path_ != GemmPath::strided_batched) return std::nullopt;  // the forced path runs the problems' own rows
-    if (choice.path != GemmPath::strided_batched)
-      choice.why = "strided_batched over " + std::to_string(call.padded_rows) + " padded rows (forced); the table's choice: " + choice.why;
-    choice.path = GemmPath::strided_batched;
+    choice = force_padded_batch(std::move(choice), call.padded_rows);
   }
   if (choice.path != GemmPath::strided_batched) return std::nullopt;
   pb.run = runs.front();
