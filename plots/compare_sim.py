@@ -6,7 +6,10 @@
 
 Reads DIR/measured/c*.json and DIR/simulated/c*.json (written by scripts/validate_sim.sh),
 writes DIR/comparison.json and prints a table: step time and the four phases, measured,
-simulated and |sim - measured| / measured, then the median and worst step-time error.
+simulated and |sim - measured| / measured, then the median and worst step-time error. Where
+both runs count their expert GEMM calls per library path (metrics.gemm_paths_taken: cuda, and a
+sim whose calibration prices the paths), it says whether the sim priced every call on the path
+the GPU ran it on, and lists the ops where it did not.
 --simulated and --out take the simulated results from SIMDIR and write FILE instead
 (scripts/resimulate.py: the same measured runs simulated again by another cluster model).
 Standard library only.
@@ -23,6 +26,18 @@ def measured_files(d):
     """DIR/measured/cN.json, the measured configurations (not their routing traces or stray files)."""
     return sorted(p for p in glob.glob(os.path.join(d, "measured", "c*.json"))
                   if re.fullmatch(r"c[0-9]+\.json", os.path.basename(p)))
+
+
+def gemm_paths(m, s):
+    """The measured and simulated runs' GEMM path counts side by side: None unless both record
+    them, else {"agree": bool, "differ": {op: {"measured": {path: calls}, "simulated": ...}}}
+    over every op either records."""
+    mt, st = m["metrics"].get("gemm_paths_taken"), s["metrics"].get("gemm_paths_taken")
+    if mt is None or st is None:
+        return None
+    differ = {op: {"measured": mt.get(op, {}), "simulated": st.get(op, {})}
+              for op in sorted(set(mt) | set(st)) if mt.get(op, {}) != st.get(op, {})}
+    return {"agree": not differ, "differ": differ}
 
 
 def main(d, sim_dir=None, out=None):
@@ -42,6 +57,9 @@ def main(d, sim_dir=None, out=None):
                "simulated_step_s": s["metrics"]["step_time_s"]["median"],
                "phases": {}}
         row["step_error"] = abs(row["simulated_step_s"] - row["measured_step_s"]) / row["measured_step_s"]
+        paths = gemm_paths(m, s)
+        if paths is not None:
+            row["gemm_paths"] = paths
         for p in ("gate", "dispatch", "experts", "combine"):
             mv, sv = m["metrics"]["phases_s"].get(p, 0.0), s["metrics"]["phases_s"].get(p, 0.0)
             row["phases"][p] = {"measured_s": mv, "simulated_s": sv,
@@ -68,6 +86,10 @@ def main(d, sim_dir=None, out=None):
     forced = first_s["metrics"].get("gemm_path_forced")
     if forced:
         summary["gemm_path_forced"] = forced
+    compared = [r for r in rows if "gemm_paths" in r]
+    if compared:
+        summary["gemm_paths_agree"] = {"configurations": len(compared),
+                                       "agree": sum(r["gemm_paths"]["agree"] for r in compared)}
     tmp = out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(summary, f, indent=2)
@@ -82,6 +104,14 @@ def main(d, sim_dir=None, out=None):
     print(f"median step error {100 * summary['median_step_error']:.1f}%, "
           f"worst {100 * summary['worst_step_error']:.1f}% ({summary['device']}, " + (f"profile {summary['calibration']}" if summary['calibration'] != 'datasheet' else 'no profile')
           + (f", GEMM calibration {summary['gemm_calibration']}" if summary["gemm_calibration"] else "") + ")")
+    for r in compared:
+        for op, d in r["gemm_paths"]["differ"].items():
+            print(f"{r['workload']}: {op} priced on other GEMM paths than measured: "
+                  f"measured {d['measured'] or 'none'}, simulated {d['simulated'] or 'none'}")
+    if compared:
+        a = summary["gemm_paths_agree"]
+        print(f"GEMM paths: the sim priced every expert call on the measured path in {a['agree']} of "
+              f"{a['configurations']} configurations")
 
 
 if __name__ == "__main__":

@@ -530,8 +530,21 @@ def gpu_device_section(results, experiments, device_dir, report_dir):
                        f"{pct(cf['step_error'])} | {pct(cf['phases']['experts']['error'])} | "
                        f"{pct(cf['phases']['dispatch']['error'])} |")
         out.append("")
+        out += gemm_paths_agree_lines(v)
     out += hindcast_lines(vdir, report_dir)
     return out
+
+
+def gemm_paths_agree_lines(v):
+    """Whether the sim priced each expert GEMM call on the path the GPU ran it on
+    (plots/compare_sim.py's gemm_paths_agree; absent where a side did not count its paths)."""
+    a = v.get("gemm_paths_agree")
+    if not a:
+        return []
+    differ = [f"{cf['workload']} {op}" for cf in v["configurations"]
+              for op in (cf.get("gemm_paths") or {}).get("differ", {})]
+    return [f"Expert GEMM paths: the sim priced every call on the cuBLAS path the GPU ran it on in {a['agree']} of "
+            f"{a['configurations']} configurations" + (f"; not in {', '.join(differ)}" if differ else "") + ".", ""]
 
 
 def path_choice_lines(top):
@@ -572,6 +585,7 @@ def hindcast_lines(vdir, report_dir):
                     f"{len(h['configurations'])} measured configurations: median step-time error "
                     f"{100 * h['median_step_error']:.1f}%, worst {100 * h['worst_step_error']:.1f}%{exp_txt} "
                     f"({link(path, report_dir, os.path.relpath(path, vdir))}).", ""]
+            out += gemm_paths_agree_lines(h)
         elif h.get("schema") == "moelab.gpu-comparison/1":
             rows = h["rows"]
             same = [r["step_s"]["ratio"] for r in rows

@@ -402,7 +402,8 @@ def check_result(res, path):
     for k in ("floor_gemm_s", "moe_layer_s"):
         c.number(m, k, "metrics", required=False, minimum=0)
     c.string(m, "floor_gemm_library", "metrics", required=False)
-    # cuda: the GEMM-path table the run chose by, and the calls per op name and path.
+    # cuda: the GEMM-path table the run chose by; cuda and a sim that prices the paths: the
+    # calls per op name and path.
     c.string(m, "gemm_path_table", "metrics", required=False)
     c.string(m, "gemm_path_forced", "metrics", required=False, choices=GEMM_PATHS)  # moelab run --gemm-path
     taken = m.get("gemm_paths_taken")
@@ -661,6 +662,7 @@ def _check_figures(c, fig, where, full):
     for k in ("comm_s", "compute_busy_s"):  # the report's comm/comp and overlap bound per grid point
         c.number(fig, k, where, required=False, minimum=0)
     c.numbers_map(fig, "phases_s", where, required=full)  # plots/runs.py stacks them
+    c.string(fig, "gemm_path_forced", where, required=False, choices=GEMM_PATHS)  # moelab run --gemm-path
 
 
 def load_summary(path):

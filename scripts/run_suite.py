@@ -531,6 +531,8 @@ def figures(res):
         out["strategy"] = strategy
     if "chosen_cost_s" in rep:  # Eq. 10's cost of that strategy for one partition
         out["eq10_cost_per_partition_s"] = rep["chosen_cost_s"]
+    if m.get("gemm_path_forced"):  # moelab run --gemm-path: an ablation or a replay, not the chosen paths
+        out["gemm_path_forced"] = m["gemm_path_forced"]
     return out
 
 

@@ -366,14 +366,14 @@ std::string gemm_library(const Backend& b) {
 void add_gemm_path_metrics(json& metrics, const Backend& b, std::optional<GemmPath> forced) {
   if (forced) metrics["gemm_path_forced"] = gemm_path_name(*forced);
 #ifdef MOELAB_HAVE_CUDA
-  if (!is_cuda_backend(b)) return;
-  metrics["gemm_path_table"] = cuda_gemm_path_table(b).source;
-  json taken = json::object();
-  for (const CudaGemmPathUse& u : cuda_gemm_path_uses(b)) taken[u.op][gemm_path_name(u.path)] = u.calls;
-  metrics["gemm_paths_taken"] = taken;
-#else
-  (void)metrics, (void)b;
+  if (is_cuda_backend(b)) metrics["gemm_path_table"] = cuda_gemm_path_table(b).source;
 #endif
+  // cuda: the paths run; sim with per-path data: the paths priced (Backend::gemm_path_uses).
+  const std::vector<GemmPathUse> uses = b.gemm_path_uses();
+  if (uses.empty() && b.name() != "cuda") return;
+  json taken = json::object();
+  for (const GemmPathUse& u : uses) taken[u.op][gemm_path_name(u.path)] = u.calls;
+  metrics["gemm_paths_taken"] = taken;
 }
 
 HostPoolMark host_pool_window(const HostPoolMark& start, const HostPoolMark& end) {

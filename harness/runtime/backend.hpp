@@ -22,6 +22,7 @@
 
 #include "harness/runtime/timeline.hpp"
 #include "harness/runtime/cost.hpp"
+#include "harness/runtime/gemm_paths.hpp"
 #include "harness/runtime/memory.hpp"
 #include "harness/runtime/tensor.hpp"
 
@@ -343,6 +344,11 @@ class Backend {
   // sim: its GEMM calibration prices each library path (then time_batched_gemms prices
   // strided runs on the strided-batched curve); false elsewhere.
   virtual bool prices_gemm_paths() const { return false; }
+  // The library path of each grouped_gemm decision so far, per op name (GemmPathLedger):
+  // cuda, the path each ran on; sim, where its calibration prices paths, the path each was
+  // priced on (the cuda backend's choice from the same table, or the loop where the
+  // calibration has no curve for the chosen path); empty elsewhere.
+  virtual std::vector<GemmPathUse> gemm_path_uses() const { return {}; }
 
   // The machine's rates (see MachineRates); gemm_flops for an [m,k]x[k,n] GEMM in dtype t.
   virtual MachineRates machine_rates(std::int64_t m, std::int64_t n, std::int64_t k, DType t) const {

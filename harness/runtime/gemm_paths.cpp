@@ -491,4 +491,21 @@ GemmOperands gemm_operands(const GemmProblem& p) {
   return o;
 }
 
+void GemmPathLedger::note(const std::string& op, GemmPath path, const std::string& why) {
+  std::lock_guard lock(mu_);
+  GemmPathUse& u = uses_[{op, static_cast<int>(path)}];
+  u.op = op;
+  u.path = path;
+  ++u.calls;
+  u.last_why = why;
+}
+
+std::vector<GemmPathUse> GemmPathLedger::uses() const {
+  std::lock_guard lock(mu_);
+  std::vector<GemmPathUse> out;
+  out.reserve(uses_.size());
+  for (const auto& [key, use] : uses_) out.push_back(use);
+  return out;
+}
+
 }  // namespace moelab

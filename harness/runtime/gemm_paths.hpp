@@ -16,6 +16,8 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -128,6 +130,29 @@ GemmPathChoice force_gemm_path(GemmPathChoice choice, GemmPath forced, const Gem
 // batch over the padded rows whatever its padding waste (`choice`: choose_gemm_path's for the
 // padded call). A padded call forced to another path runs the problems' own rows instead.
 GemmPathChoice force_padded_batch(GemmPathChoice choice, std::int64_t padded_rows);
+
+// ---- the paths a backend took --------------------------------------------------------------
+
+// One op name's calls on one path (moelab run records them as metrics.gemm_paths_taken).
+struct GemmPathUse {
+  std::string op;
+  GemmPath path = GemmPath::loop;
+  std::int64_t calls = 0;
+  std::string last_why;  // the last decision's reason
+};
+
+// The calls of a backend's grouped_gemm per (op name, path): one per library decision (a type
+// combination of a call's problems, or its padded batch); calls that only fill or scale C
+// (k = 0) are not counted. Thread-safe (the cuda backend notes from every stream's thread).
+class GemmPathLedger {
+ public:
+  void note(const std::string& op, GemmPath path, const std::string& why);
+  std::vector<GemmPathUse> uses() const;  // by op name, then path
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::pair<std::string, int>, GemmPathUse> uses_;
+};
 
 // ---- strided batches from the operands' addresses ------------------------------------------
 

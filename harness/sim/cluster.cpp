@@ -1489,6 +1489,7 @@ Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> p
           out.seconds += path_gemm_seconds(*curve, wgrad ? f.m : S, f.n, wgrad ? S : f.k, ab, on_tf32);
         out.launches = 1;
         out.detail = choice.why;
+        out.decisions.emplace_back(GemmPath::strided_batched, choice.why);
         return out;
       }
     }
@@ -1547,6 +1548,7 @@ Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> p
       for (const auto* p : list) out.seconds += gemm_seconds(p->m, p->n, p->k, ab, tf32);
       out.launches += static_cast<std::int64_t>(list.size());
     }
+    out.decisions.emplace_back(curve ? choice.path : GemmPath::loop, why);
     out.detail += (out.detail.empty() ? "" : " | ") + why;
   }
   return out;

@@ -345,6 +345,9 @@ class Topology {
     double seconds = 0;         // on sm(rank), launches excluded
     std::int64_t launches = 0;  // library calls (and k = 0 fills), each adding launch_latency()
     std::string detail;         // the path of each type combination and why; "" without per-path data
+    // Per library decision (a type combination, or the padded batch): the path it is priced
+    // on and why, as the cuda backend's GemmPathLedger notes them; empty without per-path data.
+    std::vector<std::pair<GemmPath, std::string>> decisions;
   };
   // grouped_available false: the call cannot take the grouped path (a fused-epilogue call:
   // cuBLASLt has no grouped matmul), as the cuda backend's chooser is told.

@@ -13,8 +13,10 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -104,7 +106,21 @@ struct Priced {
   sim::Topology::GroupedGemmPrice price;
   double latency = 0, gpu = 0;
   std::string detail;
+  // Backend::gemm_path_uses after both ops: {op: {path: calls}}, as metrics.gemm_paths_taken.
+  std::map<std::string, std::map<std::string, std::int64_t>> uses;
+  std::string call_why;  // the "call" op's last reason
 };
+
+// {path: calls} of the "call" op, and the "first" op's (one problem: the loop) checked.
+std::map<std::string, std::int64_t> call_paths(const Priced& p) {
+  const auto f = p.uses.find("first");
+  if (f != p.uses.end()) {
+    EXPECT_EQ(f->second, (std::map<std::string, std::int64_t>{{"loop", 1}}));
+  }
+  const auto c = p.uses.find("call");
+  return c == p.uses.end() ? std::map<std::string, std::int64_t>{} : c->second;
+}
+using PathCalls = std::map<std::string, std::int64_t>;
 Priced price(const sim::ClusterModel& m, const std::vector<Shape>& shapes, DType dt, bool tf32 = false,
              std::optional<GemmPath> forced = std::nullopt) {
   Priced out;
@@ -141,6 +157,10 @@ Priced price(const sim::ClusterModel& m, const std::vector<Shape>& shapes, DType
     out.latency = tl[1].start - tl[0].end;
     out.gpu = tl[1].end - tl[1].start;
     out.detail = tl[1].detail;
+    for (const GemmPathUse& u : b.gemm_path_uses()) {
+      out.uses[u.op][gemm_path_name(u.path)] = u.calls;
+      if (u.op == "call") out.call_why = u.last_why;
+    }
   });
   return out;
 }
@@ -161,6 +181,11 @@ TEST(SimGemmPaths, EqualProblemsTakeTheStridedBatch) {
   EXPECT_NEAR(p.latency, kLaunch, 1e-15);
   EXPECT_NEAR(p.gpu, 4 * each, 1e-12 * each);
   EXPECT_EQ(p.detail, p.price.detail);
+  // The path each call was priced on, counted as the cuda backend counts the paths it ran.
+  EXPECT_EQ(call_paths(p), (PathCalls{{"strided_batched", 1}}));
+  EXPECT_EQ(p.call_why, p.price.detail);
+  ASSERT_EQ(p.price.decisions.size(), 1u);
+  EXPECT_EQ(p.price.decisions[0].first, GemmPath::strided_batched);
 
   // TF32: the strided path's tf32 curve at the TF32 peak, 4-byte elements.
   const Priced t = price(m, four, DType::f32, true);
@@ -168,6 +193,7 @@ TEST(SimGemmPaths, EqualProblemsTakeTheStridedBatch) {
   EXPECT_EQ(t.price.launches, 1);
   EXPECT_HAS(t.price.detail, "strided_batched");
   EXPECT_HAS(t.price.detail, "tf32");
+  EXPECT_EQ(call_paths(t), (PathCalls{{"strided_batched", 1}}));
 }
 
 // A padded layout (every problem with the same token stride; one expert without a row): one
@@ -211,11 +237,16 @@ TEST(SimGemmPaths, PaddedCallsRunOneBatchOverThePaddedRows) {
   EXPECT_EQ(p.launches, 1);
   EXPECT_DOUBLE_EQ(p.seconds, 8 * roofline(512, 1024, 256, kBf16, 0.95, 60, 2));
   EXPECT_HAS(p.detail, "padded to 512 rows");
+  ASSERT_EQ(p.decisions.size(), 1u);  // one decision: the padded batch
+  EXPECT_EQ(p.decisions[0].first, GemmPath::strided_batched);
+  EXPECT_EQ(p.decisions[0].second, p.detail);
   // Two empty: 25%, refused; the 6 others on the grouped curve, one launch.
   rows[2] = 0;
   const auto q = run(512, rows);
   EXPECT_DOUBLE_EQ(q.seconds, 6 * roofline(512, 1024, 256, kBf16, 0.35, 40, 2));
   EXPECT_HAS(q.detail, "grouped");
+  ASSERT_EQ(q.decisions.size(), 1u);
+  EXPECT_EQ(q.decisions[0].first, GemmPath::grouped);
   // Forced (moelab run --gemm-path): strided_batched takes the padded batch whatever the
   // waste, as on cuda; grouped runs the problems' own rows.
   const auto fs = run(512, rows, GemmPath::strided_batched);
@@ -232,6 +263,8 @@ TEST(SimGemmPaths, PaddedCallsRunOneBatchOverThePaddedRows) {
   EXPECT_DOUBLE_EQ(f32.seconds, 6 * roofline(512, 1024, 256, kFp32, 0.7, 80, 4));
   EXPECT_EQ(f32.detail.rfind("strided_batched over 512 padded rows (forced)", 0), 0u) << f32.detail;
   EXPECT_HAS(f32.detail, "priced as the loop: the calibration has no strided_batched curve for fp32");
+  ASSERT_EQ(f32.decisions.size(), 1u);  // counted on the path it is priced on
+  EXPECT_EQ(f32.decisions[0].first, GemmPath::loop);
 }
 
 // The GEMM floor (Backend::time_batched_gemms): each run of consecutive equal problems on the
@@ -288,6 +321,7 @@ TEST(SimGemmPaths, UnequalShapesTakeGroupedOrTheLoop) {
   EXPECT_HAS(g.price.detail, "strided_batched: unequal shapes");
   EXPECT_NEAR(g.latency, kLaunch, 1e-15);
   EXPECT_NEAR(g.gpu, grouped, 1e-12 * grouped);
+  EXPECT_EQ(call_paths(g), (PathCalls{{"grouped", 1}}));
 
   const json slow_grouped = table_json(100, 400, 50);
   const Priced l = price(toy_model(&slow_grouped), mixed, DType::bf16);
@@ -296,6 +330,7 @@ TEST(SimGemmPaths, UnequalShapesTakeGroupedOrTheLoop) {
   EXPECT_EQ(l.price.detail.rfind("loop (fastest)", 0), 0u) << l.price.detail;
   EXPECT_NEAR(l.latency, 3 * kLaunch, 1e-15);
   EXPECT_NEAR(l.gpu, loop, 1e-12 * loop);
+  EXPECT_EQ(call_paths(l), (PathCalls{{"loop", 1}}));  // one decision, as cuda counts it
 
   // An expert without rows breaks the layer's fixed strides: the other three, though equal,
   // go to grouped, and the empty one launches nothing.
@@ -305,6 +340,36 @@ TEST(SimGemmPaths, UnequalShapesTakeGroupedOrTheLoop) {
   EXPECT_EQ(z.price.launches, 1);
   EXPECT_EQ(z.price.detail.rfind("grouped", 0), 0u) << z.price.detail;
   EXPECT_HAS(z.price.detail, "operands not equally strided");
+  EXPECT_EQ(call_paths(z), (PathCalls{{"grouped", 1}}));  // the empty problem is no decision
+  // Two type combinations (bf16 and fp32 problems in one call): a decision each, as on cuda.
+  // Here the fp32 pair has no grouped curve, so it is counted where it is priced: the loop.
+  SimOptions o;
+  o.cluster = toy_model(&fast_grouped);
+  SimCluster cluster(o);
+  cluster.run([&](Backend& b, Communicator&) {
+    Stream& s = b.default_stream();
+    std::vector<GemmProblem> ps;
+    for (const auto& [rows, dt] : std::vector<std::pair<std::int64_t, DType>>{
+             {512, DType::bf16}, {256, DType::bf16}, {512, DType::f32}, {256, DType::f32}}) {
+      GemmProblem p;
+      p.m = rows;
+      p.n = 1024;
+      p.k = 256;
+      p.a = b.empty({rows, 256}, dt, MemCategory::buffers, s);
+      p.b = b.empty({256, 1024}, dt, MemCategory::buffers, s);
+      p.c = b.empty({rows, 1024}, dt, MemCategory::buffers, s);
+      ps.push_back(p);
+    }
+    b.grouped_gemm(s, ps, "mixed");
+    const std::vector<GemmPathUse> uses = b.gemm_path_uses();
+    ASSERT_EQ(uses.size(), 2u);
+    EXPECT_EQ(uses[0].op, "mixed");
+    EXPECT_EQ(uses[0].path, GemmPath::loop);
+    EXPECT_EQ(uses[0].calls, 1);
+    EXPECT_HAS(uses[0].last_why, "priced as the loop: the calibration has no grouped curve for fp32");
+    EXPECT_EQ(uses[1].path, GemmPath::grouped);
+    EXPECT_EQ(uses[1].calls, 1);
+  });
 }
 
 // moelab run --gemm-path: every call on the forced path where it can run (the rule of
@@ -320,6 +385,7 @@ TEST(SimGemmPaths, AForcedPathIsPricedOnItsCurveWhereItCanRun) {
   EXPECT_EQ(g.price.detail.rfind("grouped (forced); the table's choice: strided_batched", 0), 0u) << g.price.detail;
   EXPECT_NEAR(g.gpu, g.price.seconds, 1e-12 * g.price.seconds);  // the sim backend prices it so too
   EXPECT_EQ(g.detail, g.price.detail);
+  EXPECT_EQ(call_paths(g), (PathCalls{{"grouped", 1}}));
   const Priced l = price(m, four, DType::bf16, false, GemmPath::loop);
   EXPECT_DOUBLE_EQ(l.price.seconds, 4 * roofline(512, 1024, 256, kBf16, 0.9, 100, 2));
   EXPECT_EQ(l.price.launches, 4);
@@ -363,6 +429,10 @@ TEST(SimGemmPaths, OneProblemAndMissingCurvesAreTheLoop) {
   EXPECT_EQ(f.price.detail.rfind("strided_batched", 0), 0u) << f.price.detail;
   EXPECT_HAS(f.price.detail, "priced as the loop: the calibration has no strided_batched curve for fp32");
   EXPECT_NEAR(f.latency, 4 * kLaunch, 1e-15);
+  // Counted on the path it was priced on, the reason saying why.
+  EXPECT_EQ(call_paths(f), (PathCalls{{"loop", 1}}));
+  EXPECT_EQ(f.call_why, f.price.detail);
+  EXPECT_EQ(call_paths(one), (PathCalls{{"loop", 1}}));
 }
 
 // Without per-path data every call is the loop, exactly as before: the sum of gemm_seconds
@@ -389,6 +459,8 @@ TEST(SimGemmPaths, WithoutPathsEveryCallIsTheLoop) {
       EXPECT_EQ(p.price.launches, launches);
       EXPECT_EQ(p.price.detail, "");
       EXPECT_EQ(p.detail, "");
+      EXPECT_TRUE(p.price.decisions.empty());
+      EXPECT_TRUE(p.uses.empty());  // no path recorded where none is priced
       EXPECT_NEAR(p.latency, static_cast<double>(launches) * m.efficiency.launch_latency, 1e-15);
     }
   }

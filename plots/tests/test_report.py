@@ -186,7 +186,11 @@ class Report(unittest.TestCase):
                        "date": "2026-11-22T20:06:49Z", "cluster_model": "h100x1", "calibration": "datasheet",
                        "gemm_calibration": "h100-sxm5", "simulated_commit": "128d4b624c60", "gemm_path_forced": "grouped",
                        "median_step_error": 0.145, "worst_step_error": 0.285,
-                       "configurations": [conf("c1", 0.145, 0.021), conf("c2", 0.285, 0.114)]})
+                       "gemm_paths_agree": {"configurations": 2, "agree": 1},
+                       "configurations": [dict(conf("c1", 0.145, 0.021), gemm_paths={"agree": True, "differ": {}}),
+                                          dict(conf("c2", 0.285, 0.114), gemm_paths={"agree": False, "differ": {
+                                              "experts.fc1": {"measured": {"grouped": 3},
+                                                              "simulated": {"loop": 3}}}})]})
         row = lambda dtype, strategy, ratio: {"dtype": dtype, "strategy": strategy, "step_s": {"ratio": ratio}}
         mr.write_json(os.path.join(vdir, "hindcast-b", "comparison.json"),
                       {"schema": "moelab.gpu-comparison/1", "cluster_model": "h100x1", "pairs": 4,
@@ -198,6 +202,9 @@ class Report(unittest.TestCase):
         self.assertIn("Re-simulated at commit 128d4b624c60 by the catalogue's h100x1 model (GEMM calibration "
                       "`h100-sxm5`, the expert GEMM calls forced to the `grouped` path", text)
         self.assertIn("median step-time error 14.5%, worst 28.5%; the experts phase 2.1-11.4%", text)
+        # compare_sim.py's path check: which configurations the sim priced on the GPU's paths
+        self.assertIn("Expert GEMM paths: the sim priced every call on the cuBLAS path the GPU ran it on in 1 of 2 "
+                      "configurations; not in c2 experts.fc1.", text)
         # |1/0.8 - 1| = 25%, |1/1.25 - 1| = 20%: median 22.5%, worst 25.0%; tf32 and S1 left out
         self.assertIn("The 4 MPipeMoE runs above re-simulated at commit 128d4b624c60", text)
         self.assertIn("of them the 2 bf16 runs that copy nothing to the host (no restore strategy, or S4): "

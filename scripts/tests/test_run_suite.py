@@ -381,6 +381,19 @@ class PipelineRuns(unittest.TestCase):
         # A run's own path is kept under --gemm-path (cuda-grouped stays grouped).
         cmd = run_suite.command(grouped[0], forced, None, "/out/g")
         self.assertEqual(cmd[cmd.index("--gemm-path") + 1], "grouped")
+        # The summary's run row says the path its result was pinned to (and a run that chose
+        # its paths says nothing), and the schema checks the name.
+        res = fixtures.result("measured")
+        res["metrics"]["gemm_path_forced"] = "grouped"
+        summary = run_suite.summarize(s, [{**grouped[0], "result": res, "file": "g.json"},
+                                          {**plain, "result": fixtures.result("measured"), "file": "c.json"}], "full", 0)
+        rows = {r["file"]: r["results"] for r in summary["runs"]}
+        self.assertEqual(rows["g.json"]["gemm_path_forced"], "grouped")
+        self.assertNotIn("gemm_path_forced", rows["c.json"])
+        mr.check_summary(json.loads(json.dumps(summary)), "summary")
+        rows["g.json"]["gemm_path_forced"] = "bmm"
+        with self.assertRaisesRegex(mr.SchemaError, r"gemm_path_forced"):
+            mr.check_summary(json.loads(json.dumps(summary)), "summary")
         # --gemm-path is refused without --run, with --update-baseline, and into the repository's
         # results/ (its results would take the place of the suite's own).
         for extra in (["--backends", "sim"], ["--run", "gpu-sim", "--update-baseline", "--out", "/tmp/x"],

@@ -616,12 +616,7 @@ class CudaBackend final : public Backend {
     std::lock_guard lock(mu_);
     forced_path_ = p;
   }
-  std::vector<CudaGemmPathUse> gemm_path_uses() const {
-    std::lock_guard lock(mu_);
-    std::vector<CudaGemmPathUse> out;
-    for (const auto& [key, use] : path_uses_) out.push_back(use);
-    return out;
-  }
+  std::vector<GemmPathUse> gemm_path_uses() const override { return path_uses_.uses(); }
 
   // ---- timeline --------------------------------------------------------------------
   std::vector<OpRecord> timeline() override {
@@ -937,7 +932,7 @@ class CudaBackend final : public Backend {
   std::set<std::pair<int, int>> strided_unsupported_;  // ... and the strided-batched one
   GemmPathTable gemm_paths_ = default_gemm_path_table();
   std::optional<GemmPath> forced_path_;
-  std::map<std::pair<std::string, int>, CudaGemmPathUse> path_uses_;  // (op name, path)
+  GemmPathLedger path_uses_;
   cudaStream_t bare_stream_ = nullptr;
   cublasHandle_t bare_blas_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;  // created on the first fused-epilogue GEMM
@@ -1157,12 +1152,7 @@ std::optional<CudaBackend::PaddedBatch> CudaBackend::padded_batch(std::span<cons
 }
 
 void CudaBackend::note_path(const std::string& op, GemmPath path, const std::string& why) {
-  std::lock_guard lock(mu_);
-  CudaGemmPathUse& u = path_uses_[{op, static_cast<int>(path)}];
-  u.op = op;
-  u.path = path;
-  ++u.calls;
-  u.last_why = why;
+  path_uses_.note(op, path, why);
 }
 
 // The run of equal problems as one cublasGemmStridedBatchedEx: the first problem's operands

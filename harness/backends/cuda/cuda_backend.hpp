@@ -69,13 +69,9 @@ GemmPathTable cuda_gemm_path_table(const Backend& b);  // the table calls are ch
 // problems; grouped: the library has the kernel), the choice elsewhere; nullopt: choose.
 // For tests and measurements of one path.
 void cuda_force_gemm_path(Backend& b, std::optional<GemmPath> path);
-// The paths taken so far, per op name and path: calls, and the last decision's reason.
-struct CudaGemmPathUse {
-  std::string op;
-  GemmPath path = GemmPath::loop;
-  std::int64_t calls = 0;
-  std::string last_why;
-};
+// The paths taken so far, per op name and path: calls, and the last decision's reason
+// (Backend::gemm_path_uses of a cuda backend).
+using CudaGemmPathUse = GemmPathUse;
 std::vector<CudaGemmPathUse> cuda_gemm_path_uses(const Backend& b);
 
 struct CudaOpTicket;

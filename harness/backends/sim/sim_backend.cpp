@@ -384,6 +384,7 @@ class SimBackendImpl final : public Backend {
     t.latency = topo_.launch_latency() * static_cast<double>(std::max<std::int64_t>(price.launches, 1));
     t.demands = {{topo_.sm(rank()), price.seconds}, {topo_.hbm(rank()), cost.bytes_read + cost.bytes_written}};
     t.detail = price.detail;
+    for (const auto& [path, why] : price.decisions) path_uses_.note(nm ? nm : "gemm", path, why);
     issue(s, std::move(t));
   }
   // A GEMM with its activation in the epilogue, as the cuda backend fuses the tanh GeLU
@@ -406,6 +407,7 @@ class SimBackendImpl final : public Backend {
     t.demands = {{topo_.sm(rank()), price.seconds}, {topo_.hbm(rank()), cost.bytes_read + cost.bytes_written}};
     t.detail = (price.detail.empty() ? std::string() : price.detail + "; ") + activation_name(act) +
                (ep == GemmEpilogue::act_aux ? " in the epilogue" : "'s gradient in the epilogue");
+    for (const auto& [path, why] : price.decisions) path_uses_.note(nm ? nm : "gemm", path, why);
     issue(s, std::move(t));
   }
   // The floor: strided-batched runs on the calibration's strided curve where it has one
@@ -414,6 +416,7 @@ class SimBackendImpl final : public Backend {
     return topo_.batched_gemm_seconds(problems, allow_tf32_);
   }
   bool prices_gemm_paths() const override { return topo_.prices_gemm_paths(); }
+  std::vector<GemmPathUse> gemm_path_uses() const override { return path_uses_.uses(); }
   double time_bare_gemms(std::span<const GemmProblem> problems, int) override {
     double seconds = 0;
     // Back-to-back library calls hide their launches behind the previous kernel: the GPU time.
@@ -803,6 +806,7 @@ class SimBackendImpl final : public Backend {
   std::int64_t gate_calls_ = 0;
   sim::LinkBytes link_bytes_;
   std::map<std::string, sim::LinkBytes> link_bytes_by_collective_;
+  GemmPathLedger path_uses_;  // where the calibration prices paths (Backend::gemm_path_uses)
 };
 
 // ============================================================================================
