@@ -12,7 +12,6 @@ sim whose calibration prices the paths), it says whether the sim priced every ca
 the GPU ran it on, and lists the ops where it did not.
 --simulated and --out take the simulated results from SIMDIR and write FILE instead
 (scripts/resimulate.py: the same measured runs simulated again by another cluster model).
-Standard library only.
 """
 import glob
 import json
@@ -21,23 +20,14 @@ import re
 import statistics
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import moelab_results as mr  # noqa: E402
+
 
 def measured_files(d):
     """DIR/measured/cN.json, the measured configurations (not their routing traces or stray files)."""
     return sorted(p for p in glob.glob(os.path.join(d, "measured", "c*.json"))
                   if re.fullmatch(r"c[0-9]+\.json", os.path.basename(p)))
-
-
-def gemm_paths(m, s):
-    """The measured and simulated runs' GEMM path counts side by side: None unless both record
-    them, else {"agree": bool, "differ": {op: {"measured": {path: calls}, "simulated": ...}}}
-    over every op either records."""
-    mt, st = m["metrics"].get("gemm_paths_taken"), s["metrics"].get("gemm_paths_taken")
-    if mt is None or st is None:
-        return None
-    differ = {op: {"measured": mt.get(op, {}), "simulated": st.get(op, {})}
-              for op in sorted(set(mt) | set(st)) if mt.get(op, {}) != st.get(op, {})}
-    return {"agree": not differ, "differ": differ}
 
 
 def main(d, sim_dir=None, out=None):
@@ -57,7 +47,7 @@ def main(d, sim_dir=None, out=None):
                "simulated_step_s": s["metrics"]["step_time_s"]["median"],
                "phases": {}}
         row["step_error"] = abs(row["simulated_step_s"] - row["measured_step_s"]) / row["measured_step_s"]
-        paths = gemm_paths(m, s)
+        paths = mr.gemm_path_agreement(m, s)
         if paths is not None:
             row["gemm_paths"] = paths
         for p in ("gate", "dispatch", "experts", "combine"):

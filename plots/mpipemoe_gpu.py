@@ -106,6 +106,9 @@ def pair_row(label, m, s, results, simulated, m_path, s_path):
     }
     for k in ("step_s", "peak_memory_bytes", "expert_gemm_tflops"):
         row[k]["ratio"] = ratio(row[k]["measured"], row[k]["simulated"])
+    paths = mr.gemm_path_agreement(m, s)  # did the sim price each expert call on the GPU's path?
+    if paths is not None:
+        row["gemm_paths"] = paths
     return row
 
 
@@ -200,6 +203,7 @@ def compare_device(results, simulated, mdir, cluster_override):
     rows.sort(key=lambda r: (r["workload"], impl_key(r["impl"])))
     gemm, restore, eq10 = analyse(rows, sims)
     step_ratios = [r["step_s"]["ratio"] for r in rows if r["step_s"]["ratio"] is not None]
+    compared = [r for r in rows if "gemm_paths" in r]
     return {
         "schema": SCHEMA,
         "mode": "comparison of measured and simulated",
@@ -225,6 +229,8 @@ def compare_device(results, simulated, mdir, cluster_override):
         "step_ratio": ({"median": statistics.median(step_ratios), "min": min(step_ratios), "max": max(step_ratios)}
                        if step_ratios else None),
         "missing_simulated": missing,
+        **({"gemm_paths_agree": {"configurations": len(compared), "agree": sum(r["gemm_paths"]["agree"] for r in compared)}}
+           if compared else {}),
         "rows": rows,
         "gemm_efficiency": gemm,
         "restore_costs": restore,
@@ -296,6 +302,14 @@ def print_tables(c):
           + (f"median {r['median']:.2f}, range {r['min']:.2f}-{r['max']:.2f}" if r else "-"))
     for p in c["missing_simulated"]:
         print(f"no simulated counterpart: {p} (scripts/run_suite.py --suite mpipemoe --run gpu-sim)")
+    if c.get("gemm_paths_agree"):
+        a = c["gemm_paths_agree"]
+        print(f"expert GEMM paths: the sim priced every call on the measured path in {a['agree']} of "
+              f"{a['configurations']} runs")
+        for r in c["rows"]:
+            for op, d in (r.get("gemm_paths") or {}).get("differ", {}).items():
+                print(f"  {r['workload']} {r['impl']}: {op} measured {d['measured'] or 'none'}, "
+                      f"simulated {d['simulated'] or 'none'}")
 
 
 def main(argv=None):

@@ -471,6 +471,7 @@ def gpu_device_section(results, experiments, device_dir, report_dir):
                 + (f"{sr['median']:.2f}, range {sr['min']:.2f}-{sr['max']:.2f}" if sr else "-")
                 + f" (> 1: the simulator is optimistic). {link(comp_file, report_dir, 'comparison.json')}, "
                 "`plots/mpipemoe_gpu.py`.", ""]
+        out += gemm_paths_agree_lines(c)
         extra = {}
         for es in c.get("restore_costs", {}).values():
             for e in es:
@@ -536,15 +537,18 @@ def gpu_device_section(results, experiments, device_dir, report_dir):
 
 
 def gemm_paths_agree_lines(v):
-    """Whether the sim priced each expert GEMM call on the path the GPU ran it on
-    (plots/compare_sim.py's gemm_paths_agree; absent where a side did not count its paths)."""
+    """Whether the sim priced each expert GEMM call on the path the GPU ran it on: the
+    gemm_paths_agree of plots/compare_sim.py (per configuration) or plots/mpipemoe_gpu.py (per
+    run); absent where a side did not count its paths."""
     a = v.get("gemm_paths_agree")
     if not a:
         return []
-    differ = [f"{cf['workload']} {op}" for cf in v["configurations"]
+    differ = [" ".join(x for x in (cf["workload"], cf.get("impl"), op) if x)
+              for cf in v.get("configurations", v.get("rows", []))
               for op in (cf.get("gemm_paths") or {}).get("differ", {})]
+    what = "configurations" if "configurations" in v else "runs"
     return [f"Expert GEMM paths: the sim priced every call on the cuBLAS path the GPU ran it on in {a['agree']} of "
-            f"{a['configurations']} configurations" + (f"; not in {', '.join(differ)}" if differ else "") + ".", ""]
+            f"{a['configurations']} {what}" + (f"; not in {', '.join(differ)}" if differ else "") + ".", ""]
 
 
 def path_choice_lines(top):

@@ -840,6 +840,20 @@ def pipeline_figures(res):
 GEMM_PATHS = ("loop", "strided_batched", "grouped")  # harness/runtime/gemm_paths.hpp
 
 
+def gemm_path_agreement(measured, simulated):
+    """A measured run's and its simulated counterpart's expert GEMM calls per library path
+    (metrics.gemm_paths_taken: cuda, and a sim whose calibration prices the paths) side by side:
+    None unless both record them, else {"agree": bool, "differ": {op: {"measured": {path:
+    calls}, "simulated": ...}}} over every op either records."""
+    mt = measured["metrics"].get("gemm_paths_taken")
+    st = simulated["metrics"].get("gemm_paths_taken")
+    if mt is None or st is None:
+        return None
+    differ = {op: {"measured": mt.get(op, {}), "simulated": st.get(op, {})}
+              for op in sorted(set(mt) | set(st)) if mt.get(op, {}) != st.get(op, {})}
+    return {"agree": not differ, "differ": differ}
+
+
 def _check_run(c, r, w, labels, models, has_grid):
     """One entry of "runs" (or one with its "quick" fields over it)."""
     c.label(r, "id", w)

@@ -122,6 +122,30 @@ class MPipeMoEGpu(unittest.TestCase):
         self.assertIn("| wl-e8-tf32 | n4-S1 | S1 | 28.00 | 20.00 | 1.40 | 25.00 | 20.00 |", p.stdout)
         self.assertIn("| wl-e8-tf32 | n16 | 16 | 512 | 150 | 240 | 0.62 | 30% |", p.stdout)
 
+    def test_gemm_paths_are_compared_where_both_count_them(self):
+        # n4: the sim priced fc1's data gradient on the loop where the GPU ran it grouped; n16:
+        # the same paths; the others record no counts (an older build): not compared.
+        self.plant()
+        counts = {"n4": ({"fc1": {"loop": 5}, "fc1_dgrad": {"grouped": 5}}, {"fc1": {"loop": 5}, "fc1_dgrad": {"loop": 5}}),
+                  "n16": ({"fc1": {"strided_batched": 17}}, {"fc1": {"strided_batched": 17}})}
+        for label, (mt, st) in counts.items():
+            for path, taken in ((os.path.join(self.results, DEVICE_DIR, f"{WL}-{label}.json"), mt),
+                                (os.path.join(self.simulated, "simulated/h100x1/mpipemoe", f"{WL}-{label}.json"), st)):
+                r = mr.load_json(path)
+                r["metrics"]["gemm_paths_taken"] = taken
+                mr.write_json(path, r)
+        p = self.compare()
+        self.assertEqual(p.returncode, 0, p.stderr)
+        c = mr.load_json(os.path.join(self.results, DEVICE_DIR, "comparison.json"))
+        rows = {r["impl"]: r for r in c["rows"]}
+        self.assertEqual(c["gemm_paths_agree"], {"configurations": 2, "agree": 1})
+        self.assertEqual(rows["n16"]["gemm_paths"], {"agree": True, "differ": {}})
+        self.assertEqual(rows["n4"]["gemm_paths"]["differ"],
+                         {"fc1_dgrad": {"measured": {"grouped": 5}, "simulated": {"loop": 5}}})
+        self.assertNotIn("gemm_paths", rows["n1"])
+        self.assertIn("expert GEMM paths: the sim priced every call on the measured path in 1 of 2 runs", p.stdout)
+        self.assertIn("wl-e8-tf32 n4: fc1_dgrad measured {'grouped': 5}, simulated {'loop': 5}", p.stdout)
+
     def test_missing_counterpart_is_listed(self):
         self.plant(sim_labels=["n4", "n4-S3"])
         p = self.compare()

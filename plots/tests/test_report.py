@@ -210,6 +210,24 @@ class Report(unittest.TestCase):
         self.assertIn("of them the 2 bf16 runs that copy nothing to the host (no restore strategy, or S4): "
                       "median |simulated - measured| / measured 22.5%, worst 25.0%", text)
 
+    def test_gemm_path_agreement_lines(self):
+        # plots/mpipemoe_gpu.py's per-run rows name the run's impl; compare_sim.py's
+        # configurations only their workload; nothing without a count.
+        sys.path.insert(0, os.path.join(ROOT, "plots"))
+        import report
+        differ = {"agree": False, "differ": {"fc1_dgrad": {"measured": {"grouped": 5}, "simulated": {"loop": 5}}}}
+        runs = {"gemm_paths_agree": {"configurations": 2, "agree": 1},
+                "rows": [{"workload": "w", "impl": "n4", "gemm_paths": differ}, {"workload": "w", "impl": "n16"}]}
+        self.assertEqual(report.gemm_paths_agree_lines(runs),
+                         ["Expert GEMM paths: the sim priced every call on the cuBLAS path the GPU ran it on in 1 of 2 "
+                          "runs; not in w n4 fc1_dgrad.", ""])
+        confs = {"gemm_paths_agree": {"configurations": 1, "agree": 1},
+                 "configurations": [{"workload": "c1", "gemm_paths": {"agree": True, "differ": {}}}]}
+        self.assertEqual(report.gemm_paths_agree_lines(confs),
+                         ["Expert GEMM paths: the sim priced every call on the cuBLAS path the GPU ran it on in 1 of 1 "
+                          "configurations.", ""])
+        self.assertEqual(report.gemm_paths_agree_lines({"rows": []}), [])
+
     def test_gpu_measurements_faster_and_absent(self):
         self.gpu_fixture(step=0.001, grouped=2.0)
         self.assertEqual(self.report().returncode, 0)
