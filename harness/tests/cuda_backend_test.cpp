@@ -398,6 +398,33 @@ TEST_P(CudaGemmTest, Single) { run({{37, 33, 19, 1.0f, 0.0f, false}}); }
 
 TEST_P(CudaGemmTest, SingleAccumulates) { run({{37, 33, 19, 0.5f, 1.0f, false}}); }
 
+// One problem is one cublasGemmEx whatever path is forced; its reason says so, in the path
+// record and the op's trace detail, in the words of the sim's chooser (force_gemm_path).
+TEST_P(CudaGemmTest, OneProblemUnderAForcedPathIsTheLoopAndSaysSo) {
+  const std::string one = "one problem: one cublasGemmEx";
+  for (std::optional<GemmPath> path : {std::optional<GemmPath>{}, std::optional<GemmPath>{GemmPath::loop},
+                                       std::optional<GemmPath>{GemmPath::strided_batched},
+                                       std::optional<GemmPath>{GemmPath::grouped}}) {
+    b->clear_timeline();
+    run({{37, 33, 19, 1.0f, 0.0f, false}}, path);
+    const std::string want = !path                       ? one
+                             : *path == GemmPath::loop ? "loop (forced; also the table's choice): " + one
+                                                       : std::string(gemm_path_name(*path)) +
+                                                             " forced but cannot run this call (one problem): " + one;
+    std::string why;
+    for (const auto& u : cuda_gemm_path_uses(*b)) {
+      if (u.op != "gemm_test") continue;
+      EXPECT_EQ(u.path, GemmPath::loop);
+      why = u.last_why;
+    }
+    EXPECT_EQ(why, want);
+    std::string detail = "(no gemm_test op)";
+    for (const OpRecord& r : b->timeline())
+      if (r.name == "gemm_test") detail = r.detail;
+    EXPECT_EQ(detail, want);
+  }
+}
+
 // Several experts: equal shapes (one cuBLAS group), a zero-row expert, different shapes,
 // beta = 1 accumulation, k = 0 (C scaled by beta) and beta = 0 over a C full of NaN.
 TEST_P(CudaGemmTest, Grouped) {

@@ -421,6 +421,15 @@ TEST(SimGemmPaths, OneProblemAndMissingCurvesAreTheLoop) {
   EXPECT_DOUBLE_EQ(one.price.seconds, roofline(512, 1024, 256, kBf16, 0.9, 100, 2));
   EXPECT_EQ(one.price.launches, 1);
   EXPECT_EQ(one.price.detail, "one problem: one cublasGemmEx");  // the chooser's line, as cuda records it
+  // Forced: still the loop, and the line says so (cuda's CudaGemmTest.OneProblemUnderAForcedPath...).
+  for (GemmPath path : {GemmPath::strided_batched, GemmPath::grouped}) {
+    const Priced f = price(m, {{512, 1024, 256}}, DType::bf16, false, path);
+    EXPECT_EQ(f.detail, std::string(gemm_path_name(path)) +
+                            " forced but cannot run this call (one problem): one problem: one cublasGemmEx");
+    EXPECT_EQ(call_paths(f), (PathCalls{{"loop", 1}}));
+  }
+  EXPECT_EQ(price(m, {{512, 1024, 256}}, DType::bf16, false, GemmPath::loop).detail,
+            "loop (forced; also the table's choice): one problem: one cublasGemmEx");
 
   const std::vector<Shape> four(4, Shape{512, 1024, 256});
   const Priced f = price(m, four, DType::f32);

@@ -890,6 +890,9 @@ class CudaBackend final : public Backend {
   // choice among the paths that can run (strided: one equal batch; grouped: the library has it
   // for these types), or the forced path (force_gemm_path) where it can run.
   GemmPathChoice choose_path(std::span<const GemmProblem* const> list, DType ab, bool strided, bool grouped);
+  // A single problem's reason (`why`: its one library call), saying so when a path is forced
+  // (force_gemm_path: only the loop can run one problem), as the sim's chooser says it.
+  std::string one_problem_why(const GemmProblem& p, std::string why);
   // A padded call (harness/runtime/backend.hpp, GemmProblem::token_stride) as one strided batch
   // over its padded rows, when the table (or a forced strided path) picks that: the padded
   // problems, their run and why; nullopt: the problems' own rows, as for any call.
@@ -1073,7 +1076,9 @@ void CudaBackend::grouped_gemm(Stream& s, std::span<const GemmProblem> problems,
   for (auto& [types, list] : by_types(live)) {
     if (list.size() == 1) {  // the chooser's answer, without its work (every dense GEMM comes here)
       gemm_one(h, *list.front());
-      note_path(op_name, GemmPath::loop, "one problem: one cublasGemmEx");
+      const std::string why = one_problem_why(*list.front(), "one problem: one cublasGemmEx");
+      note_path(op_name, GemmPath::loop, why);
+      detail += (detail.empty() ? "" : " | ") + why;
       continue;
     }
     const std::vector<StridedRun> runs = strided_runs(operands_of(list));
@@ -1111,6 +1116,16 @@ void CudaBackend::grouped_gemm(Stream& s, std::span<const GemmProblem> problems,
     detail += (detail.empty() ? "" : " | ") + why;
   }
   if (!detail.empty()) op.set_detail(std::move(detail));
+}
+
+std::string CudaBackend::one_problem_why(const GemmProblem& p, std::string why) {
+  std::lock_guard lock(mu_);
+  if (!forced_path_) return why;
+  GemmCall call;
+  call.problems.push_back({p.trans_a, p.trans_b, p.m, p.n, p.k});
+  GemmPathChoice choice;  // the loop
+  choice.why = std::move(why);
+  return moelab::force_gemm_path(std::move(choice), *forced_path_, call).why;
 }
 
 GemmPathChoice CudaBackend::choose_path(std::span<const GemmProblem* const> list, DType ab, bool strided,
@@ -1451,7 +1466,7 @@ void CudaBackend::grouped_gemm_epilogue(Stream& s, std::span<const GemmProblem> 
   for (auto& [types, list] : by_types(live)) {
     GemmPathChoice choice;
     choice.path = GemmPath::loop;
-    choice.why = "one problem: one cublasLtMatmul";
+    if (list.size() == 1) choice.why = one_problem_why(*list.front(), "one problem: one cublasLtMatmul");
     const std::vector<StridedRun> runs = strided_runs(operands_of(list));
     const std::int64_t sa = aux_stride(list);
     if (list.size() > 1)  // no grouped path: cuBLASLt has no grouped matmul
