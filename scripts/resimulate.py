@@ -5,8 +5,9 @@
 
 DIR is a folder written by scripts/validate_sim.sh (workloads/cN.json, measured/cN.json and
 the routing each measured run recorded, measured/cN.routing.json). Each configuration is run
-again on the sim backend, one rank of cluster NAME (a catalogue name or a cluster file),
-replaying the measured run's own routing, with `moelab run --gemm-path PATH` when given; the
+again as fastmoe (what validate_sim.sh measures; a run of another implementation is refused,
+its options not being recorded) on the sim backend, one rank of cluster NAME (a catalogue name
+or a cluster file), replaying the measured run's own routing, with `moelab run --gemm-path PATH` when given; the
 results go to DIR/SUBDIR/simulated/cN.json and plots/compare_sim.py writes
 DIR/SUBDIR/comparison.json (median and worst step-time error, per phase).
 
@@ -61,6 +62,11 @@ def configurations(d):
             die(f"{m}: not a result file: {e}")
         if doc.get("mode") != "measured":
             die(f"{m}: mode = {doc.get('mode')!r}, expected \"measured\"")
+        # The replay runs fastmoe, what validate_sim.sh measures; a result does not record an
+        # implementation's options, so another implementation's run could not be replayed as it ran.
+        if doc.get("impl") != "fastmoe":
+            die(f"{m}: impl = {doc.get('impl')!r}: only fastmoe runs (what scripts/validate_sim.sh measures) are "
+                "re-simulated; a result does not record an implementation's options to replay")
         out.append((name, w, r))
     if not out:
         die(f"no measured results under {os.path.join(d, 'measured')} (DIR must be written by scripts/validate_sim.sh)")

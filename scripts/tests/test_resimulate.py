@@ -115,6 +115,19 @@ class Resimulate(unittest.TestCase):
         self.assertEqual(p.returncode, 2)
         self.assertIn("exists and is not a folder", p.stderr)
         os.remove(os.path.join(self.dir, "afile"))
+        # a measured run of another implementation: its options are not recorded, so no replay
+        c1 = os.path.join(self.dir, "measured", "c1.json")
+        doc = json.loads(text(c1))
+        doc["impl"] = "mpipemoe"
+        with open(c1, "w") as f:
+            json.dump(doc, f)
+        p = self.run_it("--cluster", "h100x1", "--into", "kept")
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("impl = 'mpipemoe': only fastmoe runs", p.stderr)
+        self.assertEqual(self.leftovers(), ["kept"])
+        doc["impl"] = "fastmoe"
+        with open(c1, "w") as f:
+            json.dump(doc, f)
         os.remove(os.path.join(self.dir, "measured", "c3.routing.json"))
         p = self.run_it("--cluster", "h100x1", "--into", "kept")
         self.assertEqual(p.returncode, 2)
