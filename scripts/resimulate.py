@@ -5,9 +5,10 @@
 
 DIR is a folder written by scripts/validate_sim.sh (workloads/cN.json, measured/cN.json and
 the routing each measured run recorded, measured/cN.routing.json). Each configuration is run
-again as fastmoe (what validate_sim.sh measures; a run of another implementation is refused,
-its options not being recorded) on the sim backend, one rank of cluster NAME (a catalogue name
-or a cluster file), replaying the measured run's own routing, with `moelab run --gemm-path PATH` when given; the
+again with its own implementation and options (impl, impl_options; a result from before
+impl_options were recorded replays only as fastmoe, what validate_sim.sh ran) on the sim
+backend, one rank of cluster NAME (a catalogue name or a cluster file), replaying the measured
+run's own routing, with `moelab run --gemm-path PATH` when given; the
 results go to DIR/SUBDIR/simulated/cN.json and plots/compare_sim.py writes
 DIR/SUBDIR/comparison.json (median and worst step-time error, per phase).
 
@@ -42,7 +43,8 @@ def die(msg, code=2):
 
 
 def configurations(d):
-    """[(name, workload path, routing path)] relative to d, for every measured cN.json."""
+    """[(name, workload path, routing path, impl, impl options)], the paths relative to d, for
+    every measured cN.json."""
     out = []
     for m in sorted(glob.glob(os.path.join(d, "measured", "c*.json"))):
         base = os.path.basename(m)
@@ -62,12 +64,15 @@ def configurations(d):
             die(f"{m}: not a result file: {e}")
         if doc.get("mode") != "measured":
             die(f"{m}: mode = {doc.get('mode')!r}, expected \"measured\"")
-        # The replay runs fastmoe, what validate_sim.sh measures; a result does not record an
-        # implementation's options, so another implementation's run could not be replayed as it ran.
-        if doc.get("impl") != "fastmoe":
-            die(f"{m}: impl = {doc.get('impl')!r}: only fastmoe runs (what scripts/validate_sim.sh measures) are "
-                "re-simulated; a result does not record an implementation's options to replay")
-        out.append((name, w, r))
+        # The run's implementation with its options as given (impl_options); a result from before
+        # they were recorded replays only as fastmoe with none, which is what validate_sim.sh ran.
+        impl, options = doc.get("impl"), doc.get("impl_options")
+        if options is None and impl != "fastmoe":
+            die(f"{m}: impl = {impl!r} without impl_options (a result from before they were recorded): "
+                "its options are unknown, so it cannot be replayed as it ran")
+        if not isinstance(impl, str) or not isinstance(options if options is not None else {}, dict):
+            die(f"{m}: impl and impl_options must be a name and an object")
+        out.append((name, w, r, impl, options or {}))
     if not out:
         die(f"no measured results under {os.path.join(d, 'measured')} (DIR must be written by scripts/validate_sim.sh)")
     return out
@@ -99,10 +104,12 @@ def main():
     tmp = tempfile.mkdtemp(prefix=f".{a.into}.", dir=d)
     try:
         os.makedirs(os.path.join(tmp, "simulated"))
-        for i, (name, w, r) in enumerate(runs, 1):
+        for i, (name, w, r, impl, options) in enumerate(runs, 1):
             out = os.path.join(os.path.basename(tmp), "simulated", name + ".json")
-            cmd = [moelab, "run", "--workload", w, "--impl", "fastmoe", "--backend", "sim", "--cluster", cluster,
+            cmd = [moelab, "run", "--workload", w, "--impl", impl, "--backend", "sim", "--cluster", cluster,
                    "--ranks", "1", "--routing", "trace:" + r, "--out", out]
+            if options:
+                cmd += ["--impl-options", json.dumps(options, separators=(",", ":"))]
             if a.gemm_path != "auto":
                 cmd += ["--gemm-path", a.gemm_path]
             print(f"== [{i}/{len(runs)}] {name}: " + " ".join(cmd[1:]), flush=True)

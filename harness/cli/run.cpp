@@ -685,6 +685,7 @@ int run_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const Worklo
     result["world_size"] = world;
     result["workload"] = to_json(w);
     result["impl"] = opt.impl;
+    result["impl_options"] = opt.impl_options;  // as given (--impl-options; {}: the defaults)
     result["impl_report"] = impl->report();
     result["metrics"] = std::move(metrics);
 

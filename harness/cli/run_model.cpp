@@ -930,6 +930,7 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
                           {"steps", steps},                       {"warmup", warmup}};
     if (plan) result["parallel"] = parallel;
     result["impl"] = opt.impl;
+    result["impl_options"] = opt.impl_options;  // as given (--impl-options; {}: the defaults)
     json reports = json::array();
     for (MoEImpl* m : model.moe_layers()) reports.push_back(m->report());
     result["impl_report"] = reports.empty() ? json::object() : reports[0];

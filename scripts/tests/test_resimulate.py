@@ -92,6 +92,21 @@ class Resimulate(unittest.TestCase):
         self.assertLess(auto["configurations"][0]["phases"]["experts"]["simulated_s"],
                         cmp_["configurations"][0]["phases"]["experts"]["simulated_s"])
 
+    def test_replays_the_implementation_and_its_options(self):
+        # A run that records its implementation and options (impl_options) is replayed with them.
+        c1 = os.path.join(self.dir, "measured", "c1.json")
+        doc = load(c1)
+        doc["impl"], doc["impl_options"] = "mpipemoe", {"partitions": 2, "strategy": "S4"}
+        with open(c1, "w") as f:
+            json.dump(doc, f)
+        p = self.run_it("--cluster", "h100x1", "--into", "mp")
+        self.assertEqual(p.returncode, 0, p.stderr)
+        s = load(os.path.join(self.dir, "mp", "simulated", "c1.json"))
+        self.assertEqual((s["impl"], s["impl_options"]), ("mpipemoe", {"partitions": 2, "strategy": "S4"}))
+        self.assertEqual((s["impl_report"]["last_n"], s["impl_report"]["last_strategy"]), (2, "S4"))
+        s3 = load(os.path.join(self.dir, "mp", "simulated", "c3.json"))
+        self.assertEqual((s3["impl"], s3["impl_options"]), ("fastmoe", {}))  # recorded nothing: fastmoe
+
     def test_bad_input_is_named_and_leaves_the_folder_as_it_was(self):
         os.makedirs(os.path.join(self.dir, "kept"))
         with open(os.path.join(self.dir, "kept", "comparison.json"), "w") as f:
@@ -115,7 +130,8 @@ class Resimulate(unittest.TestCase):
         self.assertEqual(p.returncode, 2)
         self.assertIn("exists and is not a folder", p.stderr)
         os.remove(os.path.join(self.dir, "afile"))
-        # a measured run of another implementation: its options are not recorded, so no replay
+        # a measured run of another implementation from before impl_options were recorded: its
+        # options are unknown, so no replay
         c1 = os.path.join(self.dir, "measured", "c1.json")
         doc = json.loads(text(c1))
         doc["impl"] = "mpipemoe"
@@ -123,7 +139,7 @@ class Resimulate(unittest.TestCase):
             json.dump(doc, f)
         p = self.run_it("--cluster", "h100x1", "--into", "kept")
         self.assertEqual(p.returncode, 2)
-        self.assertIn("impl = 'mpipemoe': only fastmoe runs", p.stderr)
+        self.assertIn("impl = 'mpipemoe' without impl_options", p.stderr)
         self.assertEqual(self.leftovers(), ["kept"])
         doc["impl"] = "fastmoe"
         with open(c1, "w") as f:
