@@ -465,15 +465,24 @@ json measure_epilogues(Backend& b, Stream& s, const Plan& plan) {
         const auto run_fused = [&] {
           b.grouped_gemm_epilogue(s, {&fused, 1}, backward ? GemmEpilogue::dact : GemmEpilogue::act_aux, act, "fused");
         };
-        // A shape the library has no fused kernel for runs unfused (the cuda backend's op detail
-        // then says "k of n unfused"): that is no sample of the fused op, so it is left out.
+        // A shape the library has no fused kernel for runs unfused (the cuda backend counts it,
+        // and its op detail says "k of n unfused"): that is no sample of the fused op, so it is
+        // left out.
         b.clear_timeline();
+        [[maybe_unused]] std::int64_t unfused_before = 0;
+#ifdef MOELAB_HAVE_CUDA
+        if (is_cuda_backend(b)) unfused_before = cuda_unfused_epilogues(b);
+#endif
         run_fused();
         b.synchronize();
-        std::string refused;
+        bool ran_unfused = false;
+#ifdef MOELAB_HAVE_CUDA
+        if (is_cuda_backend(b)) ran_unfused = cuda_unfused_epilogues(b) > unfused_before;
+#endif
+        std::string refused = "no fused kernel";
         for (const OpRecord& rec : b.timeline())
-          if (rec.name == "fused" && rec.detail.find(" unfused") != std::string::npos) refused = rec.detail;
-        if (!refused.empty()) {
+          if (rec.name == "fused" && !rec.detail.empty()) refused = rec.detail;
+        if (ran_unfused) {
           std::fprintf(stderr, "calibrate: epilogue %s %s %lld rows not sampled: it did not run fused (%s)\n",
                        backward ? "dgrad" : "fwd", dtype_name(t), static_cast<long long>(r), refused.c_str());
           continue;

@@ -1249,6 +1249,7 @@ TEST_P(FusedEpilogue, StridedAndLoopAgainstFloat64) {
       dgrad.push_back(q);
     }
     const std::int64_t fc1_before = calls_on(*b, "fc1", *path), dgrad_before = calls_on(*b, "fc2_dgrad", *path);
+    const std::int64_t unfused_before = cuda_unfused_epilogues(*b);
     cuda_force_gemm_path(*b, path);
     b->clear_timeline();
     b->grouped_gemm_epilogue(s, fc1, GemmEpilogue::act_aux, Activation::gelu_tanh, "fc1");
@@ -1259,6 +1260,15 @@ TEST_P(FusedEpilogue, StridedAndLoopAgainstFloat64) {
     ASSERT_EQ(tl.size(), 2u);
     EXPECT_NE(tl[0].detail.find("GELU_AUX"), std::string::npos) << tl[0].detail;
     EXPECT_NE(tl[1].detail.find("DGELU"), std::string::npos) << tl[1].detail;
+    // The count calibrate reads agrees with the details: k of n unfused, summed.
+    std::int64_t unfused_in_details = 0;
+    for (const auto& rec : tl) {
+      if (const auto at = rec.detail.find(" unfused"); at != std::string::npos) {
+        const auto of = rec.detail.rfind("; ", at);
+        unfused_in_details += std::stoll(rec.detail.substr(of + 2));
+      }
+    }
+    EXPECT_EQ(cuda_unfused_epilogues(*b) - unfused_before, unfused_in_details);
     for (const auto& rec : tl) {
       std::printf("%s %s: %s\n", dtype_name(t), rec.name.c_str(), rec.detail.c_str());
       // bf16 (the GPU workloads' dtype) must take cuBLASLt's kernels, as apex's and

@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -617,6 +618,7 @@ class CudaBackend final : public Backend {
     forced_path_ = p;
   }
   std::vector<GemmPathUse> gemm_path_uses() const override { return path_uses_.uses(); }
+  std::int64_t unfused_epilogues() const { return unfused_epilogues_.load(std::memory_order_relaxed); }
 
   // ---- timeline --------------------------------------------------------------------
   std::vector<OpRecord> timeline() override {
@@ -916,6 +918,7 @@ class CudaBackend final : public Backend {
   cublasStatus_t lt_matmul(Stream& s, const GemmProblem& p, GemmEpilogue ep, const LtStrides& st);
   // The same problem unfused: its GEMM (cublasGemmEx), then the activation kernel.
   void unfused_epilogue(Stream& s, const GemmProblem& p, GemmEpilogue ep, Activation act);
+  std::atomic<std::int64_t> unfused_epilogues_{0};  // cuda_unfused_epilogues
   template <class F>
   double time_on_bare_stream(int reps, F&& run_all);
 
@@ -1409,6 +1412,7 @@ cublasStatus_t CudaBackend::lt_matmul(Stream& s, const GemmProblem& p, GemmEpilo
 }
 
 void CudaBackend::unfused_epilogue(Stream& s, const GemmProblem& p, GemmEpilogue ep, Activation act) {
+  unfused_epilogues_.fetch_add(1, std::memory_order_relaxed);
   cublasHandle_t h = blas(s);
   const std::int64_t n = p.m * p.n;
   if (ep == GemmEpilogue::act_aux) {
@@ -1962,6 +1966,12 @@ std::vector<CudaGemmPathUse> cuda_gemm_path_uses(const Backend& b) {
   auto* cb = dynamic_cast<const CudaBackend*>(&b);
   if (!cb) throw std::invalid_argument("not a cuda backend: " + b.name());
   return cb->gemm_path_uses();
+}
+
+std::int64_t cuda_unfused_epilogues(const Backend& b) {
+  auto* cb = dynamic_cast<const CudaBackend*>(&b);
+  if (!cb) throw std::invalid_argument("not a cuda backend: " + b.name());
+  return cb->unfused_epilogues();
 }
 
 }  // namespace moelab

@@ -73,6 +73,9 @@ void cuda_force_gemm_path(Backend& b, std::optional<GemmPath> path);
 // (Backend::gemm_path_uses of a cuda backend).
 using CudaGemmPathUse = GemmPathUse;
 std::vector<CudaGemmPathUse> cuda_gemm_path_uses(const Backend& b);
+// Fused-epilogue problems run unfused so far (cuBLASLt had no kernel for them: cublasGemmEx,
+// then the activation kernel). moelab calibrate leaves a sample out when this rose.
+std::int64_t cuda_unfused_epilogues(const Backend& b);
 
 struct CudaOpTicket;
 
