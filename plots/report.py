@@ -145,7 +145,8 @@ def suite_section(suite, summary, summary_file, results, figures_dir, report_dir
         out += ["", f"Ours is the {stats} over the points the claim names, on the paper's setup when the run has it"
                 + ("; a claim on runs lists the runs it used (each system run paired with the baseline's run of the "
                    "same model, layers, cluster and mode)" if on_runs else "")
-                + f"; size agrees when ours is within {100 * tol:.0f}% of the paper's figure"
+                + f"; size agrees when ours is within {100 * tol:.0f}% of the paper's figure, a speed-up's gain "
+                  "(speed-up - 1) within that share of the paper's gain"
                 + (" (or of its range)" if any(it.get("paper_range") for it in items) else "") + ". "
                     f"Source of the claims: {suite['claims'].get('source', 'see the suite file')}.", ""]
     model_runs = [r for r in s.get("runs", []) if r.get("run_mode")]

@@ -912,6 +912,8 @@ def _check_run(c, r, w, labels, models, has_grid):
 PAIR_METRICS = ("speedup", "memory_saving", "exchange_speedup", "all_to_all_speedup", "relative_throughput",
                 "activation_saving")
 UNDIRECTED_METRICS = ("relative_throughput",)
+# Speed-ups, judged in size on their gain (speed-up - 1; scripts/run_suite.py judge).
+GAIN_METRICS = ("speedup", "exchange_speedup", "all_to_all_speedup")
 RUN_METRICS = PAIR_METRICS + ("overlap_ratio", "all_to_all_share", "all_to_all_overlap")  # the last three: one system's
 STATS = ("max", "mean", "min")
 

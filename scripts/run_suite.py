@@ -584,17 +584,24 @@ def judge(metric, v, paper, tol, paper_range=None):
     """(direction agrees, size agrees, verdict) of ours (v) against the paper's figure. Direction,
     for a comparison of a system with a baseline: faster (speed-up > 1) or smaller (memory
     saving > 0); one system's figure (a share, an overlap ratio) has none (None). Size: within
-    tol of the paper's figure (relative), or of its range [low, high] when the claim gives one."""
+    tol of the paper's figure (relative), or of its range [low, high] when the claim gives one;
+    a speed-up is judged on its gain (speed-up − 1: "+30%" against ours, so that 1.04x does not
+    pass for the paper's 1.30x), every other figure as it is (a saving, a share, a ratio)."""
+    gain = metric in mr.GAIN_METRICS
+    f = (lambda x: x - 1.0) if gain else (lambda x: x)
     if paper_range:
-        size = paper_range[0] * (1 - tol) <= v <= paper_range[1] * (1 + tol)
+        lo, hi = f(paper_range[0]), f(paper_range[1])
+        size = lo - tol * abs(lo) <= f(v) <= hi + tol * abs(hi)
     else:
-        size = abs(v - paper) <= tol * paper
-    ratio = v / paper
+        size = abs(f(v) - f(paper)) <= tol * abs(f(paper))
+    off = (f"ours is a {100 * (v - 1):+.0f}% gain against the paper's {100 * (paper - 1):+.0f}%" if gain
+           else f"ours is {v / paper:.2f}x the paper's figure")
     if metric not in mr.PAIR_METRICS or metric in mr.UNDIRECTED_METRICS:
-        return None, size, ("agrees in size" if size else f"ours is {ratio:.2f}x the paper's figure")
-    up = v > 1.0 if metric in ("speedup", "exchange_speedup", "all_to_all_speedup") else v > 0.0
-    verdict = ("agrees in direction and size" if size and up else
-               f"agrees in direction, ours is {ratio:.2f}x the paper's figure" if up else
+        return None, size, ("agrees in size" if size else off)
+    up = v > 1.0 if gain else v > 0.0
+    size = size and up  # a figure on the wrong side of no change agrees in no size
+    verdict = ("agrees in direction and size" if size else
+               f"agrees in direction, {off}" if up else
                "disagrees in direction")
     return up, size, verdict
 

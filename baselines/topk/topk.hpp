@@ -7,7 +7,9 @@
 //   residual-moe     DeepSpeed-MoE's Residual-MoE (Rajbhandari et al., ICML'22, §4.1): a dense
 //                    MLP beside a top-1 expert. The routed part is top1's; the dense MLP is the
 //                    model's shared expert (moe.shared_expert_hidden > 0, FfnBlock), which the
-//                    option check requires
+//                    option check requires. The two outputs are added; DeepSpeed's code
+//                    (use_residual) weighs them by a learned 2-way softmax per token instead
+//                    (ScMoE's CG-2), which this baseline omits
 //   top1-pipelined   top-1 and top-2 with the all-to-alls cut into chunks, Tutel style (Hwang et
 //   top2-pipelined   al., MLSys'23, §3.3; split_chunk), so that chunk i's experts overlap chunk
 //                    i+1's dispatch and chunk i−1's combine

@@ -308,11 +308,16 @@ json pipeline_json(const PipelinePlan& plan, const json& parts) {
 
 // PipeOffload's cost condition (Wan et al. 2025, §3): k = the time to move one transformer
 // layer's saved activations over the host link / that layer's forward + backward compute.
-// Their estimate for the placement (the authors' zbpp_utils.get_offload_time, which their
-// --auto-offload-time uses): about 20 values per token and hidden unit saved, 16-bit, so
-// k = 10 / (3·(6h + s)) · B_c / B_o, B_c the GEMM rate, B_o the host link's. Here B_c is the
-// backend's rate for a [T,h]x[h,h] GEMM and B_o its pinned copy rate (sim: the cluster model
-// and calibration); unknown (cpu): 0, and the pass places the copies as if free.
+// Their estimate (the authors' zbpp_utils.get_offload_time): about 20 values per token and
+// hidden unit saved, 16-bit, so k = 10 / (3·(6h + s)) · B_c / B_o, B_c the compute rate, B_o
+// the host link's. Here B_c is the backend's rate for a [T,h]x[h,h] GEMM (a GEMM's rate, above
+// the achieved training throughput the authors profiled: 220 TFLOP/s on an A100) and B_o its
+// pinned copy rate (sim: the cluster model and calibration); unknown (cpu): 0, and the pass
+// places the copies as if free. The placement's copy time is the authors' too: their
+// --auto-offload-time sets offload_time = k / 2 (get_offload_time returns k / 2.0), and their
+// add_offload times each copy (F + B + W)·offload_time, so with F, B, W one unit each a copy
+// takes 1.5·k_paper units (kPlacedCopyPerK).
+constexpr double kPlacedCopyPerK = 3.0 / 2.0;
 struct OffloadModel {
   double bc = 0, bo = 0, k_paper = 0;
 };
@@ -374,7 +379,7 @@ json offload_json(const PipelinePlan& plan, const pipeline::OffloadPlan& op, con
   // its copies timed with the k measured here.
   pipeline::Schedule with = plan.schedule;
   pipeline::OffloadOptions oo = plan.offload;
-  oo.d2h = oo.h2d = oo.lifespan ? 3.0 * om.k_paper : 0.0;
+  oo.d2h = oo.h2d = oo.lifespan ? kPlacedCopyPerK * om.k_paper : 0.0;
   pipeline::add_offload(with, oo);
   pipeline::NodeCosts costs;
   costs.offload = costs.reload = 3.0 * (k > 0 ? k : om.k_paper);
@@ -473,14 +478,14 @@ int run_model_on_rank(Backend& b, Communicator& c, const RunOptions& opt, const 
       po.recompute = plan->recompute;
       po.pad_layers = plan->pad_layers;
       po.model.sequence_parallel = plan->sequence_parallel;
-      // The offload pass, its copies timed by this machine's k (the same on every rank): a
-      // chunk's F + B + W is 3 units (B and W one F each), one way of its copy k·3.
+      // The offload pass, its copies timed by this machine's k (the same on every rank) as the
+      // authors' add_offload times them: (F + B + W)·k/2, F, B and W one unit each.
       pipeline::Schedule sched = plan->schedule;
       if (plan->offload.chunks > 0) {
         pipeline::OffloadOptions oo = plan->offload;
         // --offload-all-lifespans keeps every transfer: neither rule, the copies placed as if free
         // (what they cost then shows in the step time).
-        oo.d2h = oo.h2d = oo.lifespan ? 3.0 * offload_model(b, cfg, T).k_paper : 0.0;
+        oo.d2h = oo.h2d = oo.lifespan ? kPlacedCopyPerK * offload_model(b, cfg, T).k_paper : 0.0;
         offload_plan = pipeline::add_offload(sched, oo);
       }
       model.stage = std::make_unique<pipeline::PipelineStage>(b, cfg, sched, model.groups->pp(), model.groups->ep(), po);

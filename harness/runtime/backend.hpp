@@ -293,7 +293,8 @@ class Backend {
   virtual void scale(Stream& s, const Tensor& x, float alpha, Tensor& out);
 
   // The gated sum of two branch outputs (ScMoE's combine gates, Cai et al., arXiv 2404.05019,
-  // §3: CG-1 and CG-2; DeepSpeed's Residual-MoE coefficient is CG-2). z [T,G] fp32 holds each
+  // §3: CG-1 and CG-2; DeepSpeed's code weighs its Residual-MoE's two branches by a CG-2 softmax,
+  // which the `residual-moe` baseline does not: it adds them). z [T,G] fp32 holds each
   // token's gate logits:
   //   G = 1: c_a = sigmoid(z[t,0]), c_b = 1;     G = 2: (c_a, c_b) = softmax(z[t,0], z[t,1])
   //   out[t] = c_a·a[t] + c_b·b[t]                a, b, out [T,M] (out may alias a or b)

@@ -15,7 +15,9 @@
 //   hierarchical (2D)            the flat bytes, in two steps: inside the node to the peer with
 //                                the destination's local index (NVLink), then between nodes over
 //                                the rails (NIC): the NIC bytes of flat, in g times fewer,
-//                                larger messages (a model only: not a layer of this project)
+//                                larger messages (the `hierarchical` layer, TpDispatch::two_level;
+//                                the model charges one latency per exchange and link class, so
+//                                it does not see the fewer messages and never ranks it first)
 // A peer on this rank's node is reached over the intra-node link (NVLink or PCIe), one on
 // another node over the NICs (both on a PCIe machine); a self exchange moves nothing.
 #pragma once

@@ -421,9 +421,11 @@ class ReuseBackward final : public ChunkHooks {
   }
   void after(ChunkStep step, int p, const ChunkEvents& e) override {
     if (step != ChunkStep::combine) return;
+    // T_M_p first where C'_p waits for it (S1: its one T_M buffer, free only once C'_{p-1} has
+    // read it): on the one in-order h2d stream, a prefetch queued before it would delay C'_p.
+    if (off_m_ && !prefetch_m_) restore_m(p, e);
     if (p + 1 < sv_.n) restore_di(p + 1, e);  // prefetch: overlaps C'_p
     if (prefetch_m_ && p + 1 < sv_.n) restore_m(p + 1, e);
-    if (off_m_ && !prefetch_m_) restore_m(p, e);
   }
   std::vector<Stream*> join() override { return {&h2d_}; }
   void finish() override { d_t_do_[0] = d_t_do_[1] = d_t_di_[0] = d_t_di_[1] = Tensor(); }

@@ -30,7 +30,7 @@ double estimate_pass(const PassTimes& t, int slot, int r) {
   const double d = t.first / r + t.chunk_overhead, x = t.experts / r, c = t.second / r + t.chunk_overhead;
   double compute_at = P, second_at = 0;
   for (int i = 0; i < r; ++i) {
-    compute_at = std::max(compute_at, (i + 1) * d) + x;  // chunk i's experts after its first exchange
+    compute_at = std::max({compute_at, (i + 1) * d, t.ready}) + x;  // chunk i's experts after its first exchange
     second_at = std::max(second_at, compute_at) + c;     // its second exchange after them
   }
   return std::max(compute_at + Q, second_at);
@@ -41,7 +41,7 @@ ChunkChoice choose_chunks(const PassTimes& fwd, int fwd_slot, const PassTimes& b
   for (int r : chunk_candidates()) c.estimate.push_back(estimate_pass(fwd, fwd_slot, r) + estimate_pass(bwd, bwd_slot, r));
   const auto fits = [](const PassTimes& t, int slot) {
     const auto s = static_cast<std::ptrdiff_t>(slot);
-    return t.first <= std::accumulate(t.compute.begin(), t.compute.begin() + s, 0.0) &&
+    return std::max(t.first, t.ready) <= std::accumulate(t.compute.begin(), t.compute.begin() + s, 0.0) &&
            t.second <= std::accumulate(t.compute.begin() + s, t.compute.end(), 0.0);
   };
   if (fits(fwd, fwd_slot) && fits(bwd, bwd_slot)) return c;  // nothing to hide: one chunk

@@ -35,11 +35,15 @@ struct PassTimes {
   std::vector<double> compute;
   double experts = 0, first = 0, second = 0;
   double chunk_overhead = 0;
+  // What the experts wait for besides the exchange, not cut into chunks: the offloaded
+  // experts' weights copied in beside the pass (--offload-experts async), one set of copies
+  // that every chunk's experts wait for whatever r (0: nothing).
+  double ready = 0;
 };
 
 // The main stream's and the exchanges' end with the experts at `slot` and each exchange cut into
-// r back-to-back chunks: chunk i's experts wait for its first exchange, its second exchange for
-// them; the last block and the last exchange both end the pass.
+// r back-to-back chunks: chunk i's experts wait for its first exchange (and for `ready`), its
+// second exchange for them; the last block and the last exchange both end the pass.
 double estimate_pass(const PassTimes& t, int slot, int r);
 
 // The chunk count for a forward and a backward pass at their slots: 1 when every exchange fits

@@ -344,11 +344,13 @@ const Placement& ScMoEPair::placement(std::int64_t T) {
       const double bytes = 2.0 * static_cast<double>(reached * M * H) * static_cast<double>(dtype_size(cfg_.dtype));
       p.migrate = r.host_copy_bytes > 0 ? bytes / r.host_copy_bytes : 0.0;
       if (!(r.host_copy_bytes > 0)) p.rates += "; host link rate unknown: the migration not priced";
-      // sync: the copies are in the compute stream's path whatever the slot; async: beside it.
-      if (mode == MoELayer::ExpertOffload::async) p.forward.first = std::max(p.forward.first, p.migrate);
+      // sync: the copies are in the compute stream's path whatever the slot; async: beside it,
+      // one set of copies that every chunk's experts wait for (not cut into chunks).
+      if (mode == MoELayer::ExpertOffload::async) p.forward.ready = p.migrate;
     }
   }
-  p.forward_choice = choose_slot(p.forward.compute, p.forward.first, p.forward.second);
+  // The slot rule sees what must end before the experts: the dispatch, or the copies if longer.
+  p.forward_choice = choose_slot(p.forward.compute, std::max(p.forward.first, p.forward.ready), p.forward.second);
   p.backward_choice = choose_slot(p.backward.compute, p.backward.first, p.backward.second);
   p.slot_forward = p.forward_choice.slot;
   p.slot_backward = p.backward_choice.slot;

@@ -383,6 +383,28 @@ TEST(Placement, PassEstimateAndChunks) {
   scmoe::PassTimes halves = t;
   halves.chunk_overhead = 0.5;
   EXPECT_DOUBLE_EQ(scmoe::estimate_pass(halves, 2, 2), 13);
+
+  // Weights copied in beside the pass (async expert offload): one set of copies, not cut into
+  // chunks, that every chunk's experts wait for. Slot 0, a short exchange (1), copies ready at
+  // 8, experts 8 long: one chunk runs the experts 8..16, then compute to 18 (the combine
+  // 16..17.25); two chunks still start at 8 (8..12, 12..16): nothing gained.
+  scmoe::PassTimes copies;
+  copies.compute = {1, 1};
+  copies.experts = 8;
+  copies.first = copies.second = 1;
+  copies.ready = 8;
+  copies.chunk_overhead = 0.25;
+  EXPECT_DOUBLE_EQ(scmoe::estimate_pass(copies, 0, 1), 18);
+  EXPECT_DOUBLE_EQ(scmoe::estimate_pass(copies, 0, 2), 18);
+  // So one chunk is chosen (every r ties at 18 + 18; the smallest wins).
+  EXPECT_EQ(scmoe::choose_chunks(copies, 0, copies, 0).chunks, 1);
+  // Priced as if the copies were a chunked exchange, two chunks would seem to start the first
+  // experts at 4.25 and end the pass at 14.5: a gain that cannot happen.
+  scmoe::PassTimes as_exchange = copies;
+  as_exchange.first = 8;
+  as_exchange.ready = 0;
+  EXPECT_DOUBLE_EQ(scmoe::estimate_pass(as_exchange, 0, 2), 14.5);
+  EXPECT_GT(scmoe::choose_chunks(as_exchange, 0, as_exchange, 0).chunks, 1);
 }
 
 // ---- 5. a ScMoE model ---------------------------------------------------------------------------

@@ -514,7 +514,7 @@ class RunClaims(unittest.TestCase):
         return run_suite.claims_table(self.suite(*items), [], self.RUNS)
 
     def test_speedup_mean_over_the_selected_pairs(self):
-        (r,) = self.table(self.claim(select={"clusters": ["pcie"], "mode": "training"}))
+        (r,) = self.table(self.claim(select={"clusters": ["pcie"], "mode": "training"}, paper=1.6))
         o = r["ours"]["runs"]
         self.assertEqual(r["compared_on"], "runs")
         self.assertEqual(o["points"], 2)
@@ -531,7 +531,7 @@ class RunClaims(unittest.TestCase):
         (r,) = self.table(self.claim(select={"models": ["m1"], "mode": "training"}, stat="max", paper=3.0))
         self.assertEqual((r["ours"]["runs"]["points"], r["ours"]["runs"]["value"]), (2, 1.25))
         self.assertEqual((r["direction_agrees"], r["size_agrees"]), (True, False))
-        self.assertEqual(r["verdict"], "agrees in direction, ours is 0.42x the paper's figure")
+        self.assertEqual(r["verdict"], "agrees in direction, ours is a +25% gain against the paper's +200%")
         (r,) = self.table(self.claim(select={"mode": "training"}, stat="min"))
         self.assertAlmostEqual(r["ours"]["runs"]["value"], 0.8)
         (r,) = self.table(self.claim(select={"mode": "inference"}))
@@ -569,7 +569,25 @@ class RunClaims(unittest.TestCase):
         self.assertEqual((r["compared_on"], r["ours"]["paper_setup"]["points"], r["ours"]["all_points"]["value"]),
                          ("paper_setup", 1, 2.0))
         self.assertEqual((r["direction_agrees"], r["size_agrees"]), (True, False))
-        self.assertEqual(r["verdict"], "agrees in direction, ours is 0.71x the paper's figure")
+        self.assertEqual(r["verdict"], "agrees in direction, ours is a +100% gain against the paper's +180%")
+
+    def test_a_speedup_is_judged_on_its_gain(self):
+        # 1.04x against the paper's 1.30x is within 25% of the factor (0.80x of it) but a +4%
+        # gain against +30%: no agreement in size. 1.25x against 1.30x (+25% against +30%) agrees.
+        # A slower system (0.95x against 1.11x) agrees in no size either.
+        self.assertEqual(run_suite.judge("speedup", 1.04, 1.30, 0.25),
+                         (True, False, "agrees in direction, ours is a +4% gain against the paper's +30%"))
+        self.assertEqual(run_suite.judge("speedup", 1.25, 1.30, 0.25), (True, True, "agrees in direction and size"))
+        self.assertEqual(run_suite.judge("all_to_all_speedup", 0.95, 1.11, 0.25), (False, False, "disagrees in direction"))
+        # a range of speed-ups: its ends' gains widened by the tolerance (+10% .. +50% -> +7.5% .. +62.5%)
+        self.assertTrue(run_suite.judge("speedup", 1.08, 1.3, 0.25, [1.1, 1.5])[1])
+        self.assertFalse(run_suite.judge("speedup", 1.07, 1.3, 0.25, [1.1, 1.5])[1])
+        self.assertTrue(run_suite.judge("speedup", 1.62, 1.3, 0.25, [1.1, 1.5])[1])
+        # other figures as they are: a memory saving of 0.20 against 0.25 is within 25% of it
+        self.assertEqual(run_suite.judge("memory_saving", 0.20, 0.25, 0.25), (True, True, "agrees in direction and size"))
+        self.assertEqual(run_suite.judge("memory_saving", -0.01, 0.01, 5.0), (False, False, "disagrees in direction"))
+        # relative throughput (a cost claimed negligible) stays a ratio, without direction
+        self.assertEqual(run_suite.judge("relative_throughput", 0.97, 1.0, 0.05), (None, True, "agrees in size"))
 
 
 @unittest.skipUnless(os.environ.get("MOELAB"), "set MOELAB to a moelab binary")
