@@ -233,8 +233,9 @@ void greedy(Schedule& s, int limit) {
 //     an earlier slot (squeeze_without_change_order).
 // Step 3 fixes the slots' times, never a stage's order, which is all a Schedule keeps: here
 // it checks that slack is never negative and that the squeeze runs every pass (the order
-// cannot deadlock); timing is estimate()'s. B and W stay one backward pass (split_backward
-// false): the block's b_offset 2 is a stage's B and W before the gradient moves on.
+// cannot deadlock); timing is estimate()'s. B and W are separate passes (split_backward true,
+// as on the authors' zero-bubble runtime): the block's b_offset 2 is a stage's B and W, and B's
+// gradient moves on before W.
 void group_interleaved(Schedule& s, int g) {
   const int p = s.stages, m = s.microbatches, v = s.chunks, V = s.virtual_stages(), block = 3 * g * v;
   const int groups = (m + g - 1) / g;

@@ -203,6 +203,48 @@ TEST(TimeModel, CandidatesAndTheAutomaticChunks) {
   EXPECT_FALSE(none.known());
 }
 
+// MoNTA's own mechanism, in the layer's timeline (not the model): with n chunks, the TP
+// all-gather of chunk i runs on its own lane (tp_gather) while chunk i+1's combine all-to-all
+// is in flight (§3, step 4: the two use different links). A gather issued on the compute
+// stream, or held until the whole pass is done, fails here, whatever the bytes.
+TEST(Pipeline, EachChunksGatherOverlapsTheNextChunksAllToAll) {
+  for (const int n : {2, 4}) {
+    SCOPED_TRACE("chunks " + std::to_string(n));
+    SimOptions o;
+    o.cluster = sim::load_cluster("a800x2");
+    SimCluster cluster(std::move(o));
+    std::vector<OpRecord> gathers, combines;
+    cluster.run([&](Backend& b, Communicator& world) {
+      register_builtin_impls();
+      const int r = world.rank();
+      auto tp = world.split(r / 8, r);
+      auto ep = world.split(r / 16, r);
+      MoEChannels ch(b, *ep, tp.get());
+      auto impl = make_impl("monta", b, *ep, config(), {{"chunks", n}}, &ch);
+      Stream& s = b.default_stream();
+      Tensor x = b.empty({kTokens, 1024}, DType::bf16, MemCategory::activations, s);
+      world.barrier();
+      b.clear_timeline();
+      Forwarded f = impl->forward(x, {0, 0, 1});
+      b.synchronize();
+      world.barrier();  // the times become final at a barrier of every rank
+      if (r != 0) return;
+      for (const OpRecord& rec : b.timeline()) {
+        if (rec.stream_name == "tp_gather") gathers.push_back(rec);
+        if (rec.stream_name == "combine") combines.push_back(rec);
+      }
+    });
+    ASSERT_EQ(gathers.size(), static_cast<std::size_t>(n));
+    ASSERT_EQ(combines.size(), static_cast<std::size_t>(n));
+    for (int i = 0; i + 1 < n; ++i) {
+      const OpRecord &g = gathers[static_cast<std::size_t>(i)], &c = combines[static_cast<std::size_t>(i + 1)];
+      EXPECT_LT(g.start, c.end) << "gather " << i << " after chunk " << i + 1 << "'s all-to-all";
+      EXPECT_LT(c.start, g.end) << "gather " << i << " done before chunk " << i + 1 << "'s all-to-all began";
+      EXPECT_GE(g.start, combines[static_cast<std::size_t>(i)].end) << "gather " << i << " before its own combine";
+    }
+  }
+}
+
 // A prediction's volumes (bytes per exchange), times of each part alone and the whole (seconds).
 void expect_prediction(const monta::Prediction& p, double intra, double nic, double gather, double all_to_all_s,
                        double all_gather_s, double experts_s, double seconds) {
