@@ -141,6 +141,15 @@ class Trees(unittest.TestCase):
         shutil.copy(os.path.join(self.base, SUMMARY), os.path.join(self.new, SUMMARY))
         self.edit(SUMMARY, lambda s: s["claims"][0]["ours"]["paper_setup"].update(value=2.5))
         self.assertIn("claims[sys-speedup].ours.paper_setup.value: 2 -> 2.5", self.compare()[1])
+        # a claim's wording, and a claim the suite no longer makes (same subset), are differences
+        shutil.copy(os.path.join(self.base, SUMMARY), os.path.join(self.new, SUMMARY))
+        self.edit(SUMMARY, lambda s: s["claims"][0].update(text="another claim"))
+        self.assertIn("claims[sys-speedup].text", self.compare()[1])
+        shutil.copy(os.path.join(self.base, SUMMARY), os.path.join(self.new, SUMMARY))
+        self.edit(SUMMARY, lambda s: s.update(claims=[]))
+        n, text = self.compare()
+        self.assertEqual(n, 1)
+        self.assertIn("claims[sys-speedup]: \"a claim\" -> (absent)", text)
 
     def test_quick_summary_against_full(self):
         mr.write_json(os.path.join(self.new, SUMMARY), fixtures.summary("quick"))
