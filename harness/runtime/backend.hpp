@@ -134,7 +134,8 @@ struct MachineRates {
   double device_memory_bytes = 0;     // capacity of one device
   double host_memory_bytes = 0;       // host memory per rank (the node's / its GPUs)
   // The links, for a topology-aware model (impls/monta/strategy.hpp); 0 where the backend does
-  // not know them (the sim backend takes them from its cluster model).
+  // not know them (the sim backend takes them from its cluster model, at the share of each
+  // link's rate its collectives reach: the node's p2p efficiencies).
   int gpus_per_node = 0, nics_per_node = 0;
   bool intra_pcie = false;                   // the node's GPUs talk over PCIe, not NVLink
   double intra_bw = 0, intra_latency = 0;    // one GPU's intra-node link, per direction

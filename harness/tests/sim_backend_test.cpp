@@ -203,6 +203,17 @@ TEST(SimBackend, AllToAllRateIsTheSlowestLinkAtNcclsEfficiency) {
   const double link = ((g - 1) / g) / (pn.pcie_bw * pn.p2p.intra_efficiency);
   const double up = p > 0 && g > p ? p * (g - p) / g / (pn.pcie_switch_uplink_bw * pn.p2p.intra_efficiency) : 0.0;
   EXPECT_NEAR(rate("pcie-a30x1"), 1.0 / std::max(link, up), 1e-6 * rate("pcie-a30x1"));
+
+  // The links a topology-aware model reads (MoNTA's) at the same efficiencies as the
+  // collectives are charged: NVLink at the intra-node share, each NIC at the network's.
+  SimOptions o;
+  o.cluster = sim::load_cluster("a800x2");
+  SimCluster cluster(o);
+  const MachineRates r = cluster.backend(0).machine_rates(1024, 1024, 1024, DType::bf16);
+  const sim::NodeSpec& an = o.cluster.node;
+  EXPECT_DOUBLE_EQ(r.intra_bw, an.nvlink_bw * an.p2p.intra_efficiency);
+  EXPECT_DOUBLE_EQ(r.nic_bw, an.nic_bw * an.p2p.net_efficiency);
+  EXPECT_LT(an.p2p.intra_efficiency, 1.0);
 }
 
 // mark_untimed: a stretch every rank marks takes no virtual time and leaves what follows

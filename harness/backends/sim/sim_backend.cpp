@@ -467,9 +467,11 @@ class SimBackendImpl final : public Backend {
     r.gpus_per_node = nd.gpus;
     r.nics_per_node = nd.nics;
     r.intra_pcie = pcie;
-    r.intra_bw = link;
+    // The links at the share of their rate NCCL's Simple protocol reaches (the p2p efficiencies
+    // the sim charges its collectives with), as a profile of the cluster would find them.
+    r.intra_bw = link * eff_intra;
     r.intra_latency = pcie ? nd.pcie_latency : nd.nvlink_latency;
-    r.nic_bw = nd.nic_bw;
+    r.nic_bw = nd.nic_bw * eff_net;
     r.nic_latency = nd.nic_latency + cm.fabric_latency;
     r.launch_latency = prof && prof->launch_latency > 0 ? prof->launch_latency : cm.efficiency.launch_latency;
     r.world = c_.n;
