@@ -9,7 +9,8 @@ writes DIR/comparison.json and prints a table: step time and the four phases, me
 simulated and |sim - measured| / measured, then the median and worst step-time error. Where
 both runs count their expert GEMM calls per library path (metrics.gemm_paths_taken: cuda, and a
 sim whose calibration prices the paths), it says whether the sim priced every call on the path
-the GPU ran it on, and lists the ops where it did not.
+the GPU ran it on (the same paths in the same shares per op), and lists the ops where it did
+not, and apart from them the ops issued a different number of times or by one side only.
 --simulated and --out take the simulated results from SIMDIR and write FILE instead
 (scripts/resimulate.py: the same measured runs simulated again by another cluster model).
 """
@@ -97,7 +98,10 @@ def main(d, sim_dir=None, out=None):
     for r in compared:
         for op, d in r["gemm_paths"]["differ"].items():
             print(f"{r['workload']}: {op} priced on other GEMM paths than measured: "
-                  f"measured {d['measured'] or 'none'}, simulated {d['simulated'] or 'none'}")
+                  f"measured {d['measured']}, simulated {d['simulated']}")
+        if r["gemm_paths"].get("calls_differ"):
+            print(f"{r['workload']}: other GEMM calls issued (not a path difference): "
+                  + ", ".join(r["gemm_paths"]["calls_differ"]))
     if compared:
         a = summary["gemm_paths_agree"]
         print(f"GEMM paths: the sim priced every expert call on the measured path in {a['agree']} of "

@@ -308,8 +308,7 @@ def print_tables(c):
               f"{a['configurations']} runs")
         for r in c["rows"]:
             for op, d in (r.get("gemm_paths") or {}).get("differ", {}).items():
-                print(f"  {r['workload']} {r['impl']}: {op} measured {d['measured'] or 'none'}, "
-                      f"simulated {d['simulated'] or 'none'}")
+                print(f"  {r['workload']} {r['impl']}: {op} measured {d['measured']}, simulated {d['simulated']}")
 
 
 def main(argv=None):

@@ -843,15 +843,25 @@ GEMM_PATHS = ("loop", "strided_batched", "grouped")  # harness/runtime/gemm_path
 def gemm_path_agreement(measured, simulated):
     """A measured run's and its simulated counterpart's expert GEMM calls per library path
     (metrics.gemm_paths_taken: cuda, and a sim whose calibration prices the paths) side by side:
-    None unless both record them, else {"agree": bool, "differ": {op: {"measured": {path:
-    calls}, "simulated": ...}}} over every op either records."""
+    None unless both record them, else {"agree", "differ", "calls_differ"}. An op both record
+    differs in path when its calls do not take the same paths in the same shares ("differ": {op:
+    {"measured": {path: calls}, "simulated": ...}}); an op only one side records, or one with the
+    same shares but other counts (more steps, another strategy's recompute), is a difference in
+    the calls issued, not in the path chosen ("calls_differ": [op]). agree: no op differs in path."""
     mt = measured["metrics"].get("gemm_paths_taken")
     st = simulated["metrics"].get("gemm_paths_taken")
     if mt is None or st is None:
         return None
-    differ = {op: {"measured": mt.get(op, {}), "simulated": st.get(op, {})}
-              for op in sorted(set(mt) | set(st)) if mt.get(op, {}) != st.get(op, {})}
-    return {"agree": not differ, "differ": differ}
+
+    def same_shares(a, b):
+        ta, tb = sum(a.values()), sum(b.values())
+        return set(a) == set(b) and all(a[p] * tb == b[p] * ta for p in a)
+
+    differ = {op: {"measured": mt[op], "simulated": st[op]}
+              for op in sorted(set(mt) & set(st)) if not same_shares(mt[op], st[op])}
+    calls = [op for op in sorted(set(mt) | set(st))
+             if op not in differ and mt.get(op) != st.get(op)]
+    return {"agree": not differ, "differ": differ, "calls_differ": calls}
 
 
 def _check_run(c, r, w, labels, models, has_grid):

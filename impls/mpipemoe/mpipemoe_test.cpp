@@ -9,9 +9,12 @@
 //   ctest --test-dir build -R mpipemoe
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <limits>
 #include <map>
+#include <utility>
+#include <vector>
 
 #include "harness/backends/sim/sim_backend.hpp"
 #include "harness/metrics/overlap.hpp"
@@ -359,6 +362,7 @@ TEST(MPipeMoE, StrategiesOnASimulatedCluster) {
     double step = 0;
     std::size_t peak = 0;
     std::map<std::string, int> per_stream;  // ops per stream name
+    std::vector<double> h2d_bytes;          // the host-to-device copies in issue order: their bytes
   };
   auto step = [](const std::string& strategy, int t_m_buffers = 1) {
     SimOptions o;
@@ -383,7 +387,13 @@ TEST(MPipeMoE, StrategiesOnASimulatedCluster) {
       if (c.rank() == 0) {
         r.step = b.now() - t0;
         r.peak = b.memory().peak_device();
-        for (const auto& op : b.timeline()) ++r.per_stream[op.stream_name];
+        std::vector<std::pair<double, double>> h2d;
+        for (const auto& op : b.timeline()) {
+          ++r.per_stream[op.stream_name];
+          if (op.stream_name == "h2d") h2d.emplace_back(op.start, op.cost.bytes_read + op.cost.bytes_written);
+        }
+        std::sort(h2d.begin(), h2d.end());  // one in-order stream: start order is issue order
+        for (const auto& [t, bytes] : h2d) r.h2d_bytes.push_back(bytes);
       }
     });
     std::printf("  %-4s T_M x%d step %.3f ms, peak %.1f MiB\n", strategy.c_str(), t_m_buffers, 1e3 * r.step,
@@ -406,6 +416,22 @@ TEST(MPipeMoE, StrategiesOnASimulatedCluster) {
     // fetch waits for C'_{p-1}; a second buffer lets both run beside the compute: faster, at
     // the cost of one more [b,H] buffer (16384 tokens / 4 partitions = 4096 rows x 4096 fp32,
     // 64 MiB).
+    // S1 with one T_M buffer: C'_p waits for T_M_p, so T_M_p is fetched before the next
+    // partition's T_DI on the one in-order h2d stream: T_DI_0, T_M_0, T_DI_1, T_M_1, ... (a T_M
+    // copy H/M = 4 times a T_DI copy). Queued the other way round, C'_p would also wait for
+    // T_DI_{p+1}.
+    if (st == "S1") {
+      // (The partitions' rows differ a little with the routing: a T_M copy is about 4 times
+      // its neighbours, a T_DI copy about a quarter.)
+      ASSERT_EQ(r.h2d_bytes.size(), 8u);
+      for (std::size_t i = 1; i < 8; ++i) {
+        if (i % 2 == 1) {
+          EXPECT_GT(r.h2d_bytes[i], 3 * r.h2d_bytes[i - 1]) << "copy " << i << " should be T_M_" << i / 2;
+        } else {
+          EXPECT_LT(3 * r.h2d_bytes[i], r.h2d_bytes[i - 1]) << "copy " << i << " should be T_DI_" << i / 2;
+        }
+      }
+    }
     if (offloads_t_m(st)) {
       const Result two = step(s, 2);
       EXPECT_LT(two.step, r.step * 0.9);

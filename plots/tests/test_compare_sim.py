@@ -46,10 +46,12 @@ class CompareSim(unittest.TestCase):
     def test_errors_and_gemm_paths(self):
         same = {"experts.fc1": {"strided_batched": 4}, "experts.fc2": {"loop": 4}}
         self.put("c1.json", 0.010, 0.011, same, same)
-        # c2: the sim priced fc2's calls on the loop where the GPU ran them grouped, and counted
-        # an op the GPU never ran
-        self.put("c2.json", 0.010, 0.008, {"experts.fc2": {"grouped": 4}},
-                 {"experts.fc2": {"loop": 3, "grouped": 1}, "gate": {"loop": 2}})
+        # c2: the sim priced fc2's calls on the loop where the GPU ran them grouped, counted an
+        # op the GPU never ran, and issued fc1 on the same path more often (more steps): only
+        # fc2 is a path difference
+        self.put("c2.json", 0.010, 0.008, {"experts.fc2": {"grouped": 4}, "experts.fc1": {"loop": 4, "grouped": 2}},
+                 {"experts.fc2": {"loop": 3, "grouped": 1}, "gate": {"loop": 2},
+                  "experts.fc1": {"loop": 8, "grouped": 4}})
         # c3: the measured run predates the path counts: not compared
         self.put("c3.json", 0.010, 0.010, None, same)
         # a stray file beside them is not a configuration
@@ -62,13 +64,14 @@ class CompareSim(unittest.TestCase):
         self.assertAlmostEqual(c["median_step_error"], 0.1)
         self.assertAlmostEqual(c["worst_step_error"], 0.2)
         r1, r2, r3 = c["configurations"]
-        self.assertEqual(r1["gemm_paths"], {"agree": True, "differ": {}})
+        self.assertEqual(r1["gemm_paths"], {"agree": True, "differ": {}, "calls_differ": []})
         self.assertEqual(r2["gemm_paths"], {"agree": False, "differ": {
-            "experts.fc2": {"measured": {"grouped": 4}, "simulated": {"loop": 3, "grouped": 1}},
-            "gate": {"measured": {}, "simulated": {"loop": 2}}}})
+            "experts.fc2": {"measured": {"grouped": 4}, "simulated": {"loop": 3, "grouped": 1}}},
+            "calls_differ": ["experts.fc1", "gate"]})
         self.assertNotIn("gemm_paths", r3)
         self.assertEqual(c["gemm_paths_agree"], {"configurations": 2, "agree": 1})
         self.assertIn("experts.fc2 priced on other GEMM paths than measured: measured {'grouped': 4}", out)
+        self.assertIn("other GEMM calls issued (not a path difference): experts.fc1, gate", out)
         self.assertIn("GEMM paths: the sim priced every expert call on the measured path in 1 of 2 configurations", out)
 
     def test_no_path_counts_no_path_check(self):

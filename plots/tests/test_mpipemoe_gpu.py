@@ -139,7 +139,7 @@ class MPipeMoEGpu(unittest.TestCase):
         c = mr.load_json(os.path.join(self.results, DEVICE_DIR, "comparison.json"))
         rows = {r["impl"]: r for r in c["rows"]}
         self.assertEqual(c["gemm_paths_agree"], {"configurations": 2, "agree": 1})
-        self.assertEqual(rows["n16"]["gemm_paths"], {"agree": True, "differ": {}})
+        self.assertEqual(rows["n16"]["gemm_paths"], {"agree": True, "differ": {}, "calls_differ": []})
         self.assertEqual(rows["n4"]["gemm_paths"]["differ"],
                          {"fc1_dgrad": {"measured": {"grouped": 5}, "simulated": {"loop": 5}}})
         self.assertNotIn("gemm_paths", rows["n1"])

@@ -150,6 +150,13 @@ class Trees(unittest.TestCase):
         n, text = self.compare()
         self.assertEqual(n, 1)
         self.assertIn("claims[sys-speedup]: \"a claim\" -> (absent)", text)
+        # also a full summary against an extended one (both judge every claim); not a quick one
+        old, new = fixtures.summary(), fixtures.summary()
+        new.update(subset="extended", claims=[])
+        self.assertIn(("claims[sys-speedup]", "a claim", "(absent)"), cr.diff_summaries(old, new, 1e-9))
+        quick = fixtures.summary("quick")
+        quick["claims"] = []
+        self.assertNotIn(("claims[sys-speedup]", "a claim", "(absent)"), cr.diff_summaries(old, quick, 1e-9))
 
     def test_quick_summary_against_full(self):
         mr.write_json(os.path.join(self.new, SUMMARY), fixtures.summary("quick"))
