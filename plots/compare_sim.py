@@ -14,10 +14,8 @@ not, and apart from them the ops issued a different number of times or by one si
 --simulated and --out take the simulated results from SIMDIR and write FILE instead
 (scripts/resimulate.py: the same measured runs simulated again by another cluster model).
 """
-import glob
 import json
 import os
-import re
 import statistics
 import sys
 
@@ -25,17 +23,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import moelab_results as mr  # noqa: E402
 
 
-def measured_files(d):
-    """DIR/measured/cN.json, the measured configurations (not their routing traces or stray files)."""
-    return sorted(p for p in glob.glob(os.path.join(d, "measured", "c*.json"))
-                  if re.fullmatch(r"c[0-9]+\.json", os.path.basename(p)))
-
-
 def main(d, sim_dir=None, out=None):
     sim_dir = sim_dir or os.path.join(d, "simulated")
     out = out or os.path.join(d, "comparison.json")
     rows = []
-    files = measured_files(d)
+    files = mr.validation_measured_files(d)
     for m_path in files:
         s_path = os.path.join(sim_dir, os.path.basename(m_path))
         if not os.path.exists(s_path):
@@ -77,10 +69,9 @@ def main(d, sim_dir=None, out=None):
     forced = first_s["metrics"].get("gemm_path_forced")
     if forced:
         summary["gemm_path_forced"] = forced
-    compared = [r for r in rows if "gemm_paths" in r]
-    if compared:
-        summary["gemm_paths_agree"] = {"configurations": len(compared),
-                                       "agree": sum(r["gemm_paths"]["agree"] for r in compared)}
+    tally = mr.gemm_path_tally(rows)
+    if tally:
+        summary["gemm_paths_agree"] = tally
     tmp = out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(summary, f, indent=2)
@@ -95,15 +86,15 @@ def main(d, sim_dir=None, out=None):
     print(f"median step error {100 * summary['median_step_error']:.1f}%, "
           f"worst {100 * summary['worst_step_error']:.1f}% ({summary['device']}, " + (f"profile {summary['calibration']}" if summary['calibration'] != 'datasheet' else 'no profile')
           + (f", GEMM calibration {summary['gemm_calibration']}" if summary["gemm_calibration"] else "") + ")")
-    for r in compared:
+    for r in (r for r in rows if "gemm_paths" in r):
         for op, d in r["gemm_paths"]["differ"].items():
             print(f"{r['workload']}: {op} priced on other GEMM paths than measured: "
                   f"measured {d['measured']}, simulated {d['simulated']}")
         if r["gemm_paths"].get("calls_differ"):
             print(f"{r['workload']}: other GEMM calls issued (not a path difference): "
                   + ", ".join(r["gemm_paths"]["calls_differ"]))
-    if compared:
-        a = summary["gemm_paths_agree"]
+    if tally:
+        a = tally
         print(f"GEMM paths: the sim priced every expert call on the measured path in {a['agree']} of "
               f"{a['configurations']} configurations")
 

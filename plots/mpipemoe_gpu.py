@@ -203,7 +203,7 @@ def compare_device(results, simulated, mdir, cluster_override):
     rows.sort(key=lambda r: (r["workload"], impl_key(r["impl"])))
     gemm, restore, eq10 = analyse(rows, sims)
     step_ratios = [r["step_s"]["ratio"] for r in rows if r["step_s"]["ratio"] is not None]
-    compared = [r for r in rows if "gemm_paths" in r]
+    tally = mr.gemm_path_tally(rows)
     return {
         "schema": SCHEMA,
         "mode": "comparison of measured and simulated",
@@ -229,8 +229,7 @@ def compare_device(results, simulated, mdir, cluster_override):
         "step_ratio": ({"median": statistics.median(step_ratios), "min": min(step_ratios), "max": max(step_ratios)}
                        if step_ratios else None),
         "missing_simulated": missing,
-        **({"gemm_paths_agree": {"configurations": len(compared), "agree": sum(r["gemm_paths"]["agree"] for r in compared)}}
-           if compared else {}),
+        **({"gemm_paths_agree": tally} if tally else {}),
         "rows": rows,
         "gemm_efficiency": gemm,
         "restore_costs": restore,

@@ -864,6 +864,20 @@ def gemm_path_agreement(measured, simulated):
     return {"agree": not differ, "differ": differ, "calls_differ": calls}
 
 
+def gemm_path_tally(rows):
+    """Over rows that may carry gemm_path_agreement's result as "gemm_paths": {"configurations":
+    those compared, "agree": how many agree}, or None when none was compared."""
+    compared = [r["gemm_paths"] for r in rows if "gemm_paths" in r]
+    return {"configurations": len(compared), "agree": sum(g["agree"] for g in compared)} if compared else None
+
+
+def validation_measured_files(d):
+    """DIR/measured/cN.json of a validation folder (scripts/validate_sim.sh): the measured
+    configurations, in order, not their routing traces (cN.routing.json) or stray files."""
+    return sorted(p for p in glob.glob(os.path.join(d, "measured", "c*.json"))
+                  if re.fullmatch(r"c[0-9]+\.json", os.path.basename(p)))
+
+
 def _check_run(c, r, w, labels, models, has_grid):
     """One entry of "runs" (or one with its "quick" fields over it)."""
     c.label(r, "id", w)

@@ -24,7 +24,6 @@ Environment: MOELAB (the binary; default build/harness/moelab), MOELAB_EXPERIMEN
 catalogue; default this checkout's experiments/). Standard library only.
 """
 import argparse
-import glob
 import json
 import os
 import re
@@ -34,6 +33,9 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import moelab_results as mr  # noqa: E402
+
 PROG = "resimulate.py"
 
 
@@ -46,13 +48,9 @@ def configurations(d):
     """[(name, workload path, routing path, impl, impl options)], the paths relative to d, for
     every measured cN.json."""
     out = []
-    for m in sorted(glob.glob(os.path.join(d, "measured", "c*.json"))):
+    for m in mr.validation_measured_files(d):
         base = os.path.basename(m)
-        if base.endswith(".routing.json"):
-            continue
         name = base[:-len(".json")]
-        if not re.fullmatch(r"c[0-9]+", name):
-            continue
         w = os.path.join("workloads", base)
         r = os.path.join("measured", name + ".routing.json")
         for rel, what in ((w, "its workload"), (r, "its routing trace")):
@@ -67,12 +65,14 @@ def configurations(d):
         # The run's implementation with its options as given (impl_options); a result from before
         # they were recorded replays only as fastmoe with none, which is what validate_sim.sh ran.
         impl, options = doc.get("impl"), doc.get("impl_options")
-        if options is None and impl != "fastmoe":
-            die(f"{m}: impl = {impl!r} without impl_options (a result from before they were recorded): "
-                "its options are unknown, so it cannot be replayed as it ran")
-        if not isinstance(impl, str) or not isinstance(options if options is not None else {}, dict):
+        if options is None:
+            if impl != "fastmoe":
+                die(f"{m}: impl = {impl!r} without impl_options (a result from before they were recorded): "
+                    "its options are unknown, so it cannot be replayed as it ran")
+            options = {}
+        if not isinstance(impl, str) or not isinstance(options, dict):
             die(f"{m}: impl and impl_options must be a name and an object")
-        out.append((name, w, r, impl, options or {}))
+        out.append((name, w, r, impl, options))
     if not out:
         die(f"no measured results under {os.path.join(d, 'measured')} (DIR must be written by scripts/validate_sim.sh)")
     return out
