@@ -129,7 +129,11 @@ struct MachineRates {
   double gemm_flops = 0;       // FLOP/s of the asked GEMM shape and dtype, alone on the device
   double peak_flops = 0;       // the device's dense peak FLOP/s for that dtype (datasheet): MFU's denominator
   double a2a_bytes = 0;        // one rank's send bytes per second in an all-to-all over the world
-  double host_copy_bytes = 0;  // pinned host <-> device, bytes/s per rank and direction
+  double host_copy_bytes = 0;  // pinned host <-> device, bytes/s per rank and direction, the rank alone
+  // The same when every rank of the node copies at once (what a layer whose ranks all copy in
+  // the same phase sees: GPUs behind one PCIe switch share its uplink). Equal to
+  // host_copy_bytes where no link is shared; 0 = unknown.
+  double host_copy_bytes_all_ranks = 0;
   double sigma = 0, mu = 0, eta = 0;  // interference: rate kept by compute / network / host copies
   double device_memory_bytes = 0;     // capacity of one device
   double host_memory_bytes = 0;       // host memory per rank (the node's / its GPUs)

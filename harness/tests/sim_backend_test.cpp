@@ -216,6 +216,65 @@ TEST(SimBackend, AllToAllRateIsTheSlowestLinkAtNcclsEfficiency) {
   EXPECT_LT(an.p2p.intra_efficiency, 1.0);
 }
 
+// machine_rates' host-copy rates against what the sim charges: every rank of the node copies
+// the same bytes to the host at once (as MPipeMoE's offload and ScMoE's expert migration do),
+// and each copy takes bytes / host_copy_bytes_all_ranks; one rank alone takes bytes /
+// host_copy_bytes. On a DGX A100 two GPUs share a PCIe switch's uplink, so with both copying
+// each gets half of it; the A800 node declares no switches and keeps its own link's rate.
+TEST(SimBackend, HostCopyRatesAreWhatTheSimChargesAloneAndWithEveryRankCopying) {
+  const std::int64_t n = 1 << 24;  // 64 MiB of f32
+  // Seconds per byte: a copy of 2n elements less one of n (the fixed latencies cancel).
+  auto copy_seconds = [&](const std::string& name, int ranks) {
+    SimOptions o;
+    o.cluster = sim::load_cluster(name);
+    o.ranks = ranks;
+    SimCluster cluster(o);
+    double seconds = 0;
+    MachineRates r;
+    cluster.run([&](Backend& b, Communicator& c) {
+      Stream& s = b.default_stream();
+      Tensor src = b.empty({2 * n}, DType::f32, MemCategory::buffers, s);
+      Tensor dst = b.empty({2 * n}, DType::f32, MemCategory::buffers, s, MemSpace::host_pinned);
+      b.fill_zero(s, src);
+      double took[2] = {0, 0};
+      for (int i = 0; i < 2; ++i) {
+        Tensor from = src.rows(0, (i + 1) * n), to = dst.rows(0, (i + 1) * n);
+        b.synchronize();
+        c.barrier();  // the sim prices an epoch when every rank reaches a barrier
+        const double t0 = b.now();
+        b.copy(s, from, to);
+        b.synchronize();
+        c.barrier();
+        took[i] = b.now() - t0;
+      }
+      if (c.rank() == 0) {
+        seconds = (took[1] - took[0]) / (4.0 * static_cast<double>(n));
+        r = b.machine_rates(1024, 1024, 1024, DType::f32);
+      }
+    });
+    return std::make_pair(seconds, r);
+  };
+  const sim::NodeSpec dgx = sim::load_cluster("dgx-a100x1").node;
+  ASSERT_GE(dgx.gpus_per_pcie_switch, 2);
+  const auto [alone, r1] = copy_seconds("dgx-a100x1", 1);
+  const auto [shared, r8] = copy_seconds("dgx-a100x1", 8);
+  EXPECT_DOUBLE_EQ(r1.host_copy_bytes, r1.host_copy_bytes_all_ranks);  // one rank: nothing shared
+  EXPECT_DOUBLE_EQ(r8.host_copy_bytes, r1.host_copy_bytes);
+  EXPECT_DOUBLE_EQ(r8.host_copy_bytes_all_ranks,
+                   std::min(dgx.host_copy_bw, dgx.pcie_switch_uplink_bw / dgx.gpus_per_pcie_switch));
+  EXPECT_NEAR(alone * r1.host_copy_bytes, 1.0, 1e-6);
+  EXPECT_NEAR(shared * r8.host_copy_bytes_all_ranks, 1.0, 1e-6);
+  EXPECT_GT(shared, 1.5 * alone);
+  // A PCIe node: the switch uplink again.
+  const auto [pcie, rp] = copy_seconds("pcie-a30x1", 8);
+  EXPECT_LT(rp.host_copy_bytes_all_ranks, rp.host_copy_bytes);
+  EXPECT_NEAR(pcie * rp.host_copy_bytes_all_ranks, 1.0, 1e-6);
+  // No switches declared: every rank keeps its own link.
+  const auto [own, ra] = copy_seconds("a800x2", 8);
+  EXPECT_DOUBLE_EQ(ra.host_copy_bytes_all_ranks, ra.host_copy_bytes);
+  EXPECT_NEAR(own * ra.host_copy_bytes, 1.0, 1e-6);
+}
+
 // mark_untimed: a stretch every rank marks takes no virtual time and leaves what follows
 // exactly as it would be; one rank's mark alone changes nothing.
 TEST(SimBackend, UntimedStretchIsNotPricedAndLeavesTheNextStepAlone) {

@@ -592,7 +592,8 @@ const Rates& MPipeMoELayer::rates_for(std::int64_t b, bool agree) {
     r.w.comm_bytes = pick("comm_bytes", so_.comm_bytes, "comm_gbps", mr.a2a_bytes, dflt.comm_bytes,
                           "default_throughputs() (assumed)");
   }
-  r.w.mem_bytes = pick("mem_bytes", so_.mem_bytes, "mem_gbps", mr.host_copy_bytes, dflt.mem_bytes,
+  // Every rank offloads in the same phase, so W_mem is a rank's share with all of them copying.
+  r.w.mem_bytes = pick("mem_bytes", so_.mem_bytes, "mem_gbps", mr.host_copy_bytes_all_ranks, dflt.mem_bytes,
                        "default_throughputs() (assumed)");
   r.w.sigma = pick("sigma", so_.sigma, "sigma", mr.sigma, dflt.sigma, "default_throughputs() (assumed)");
   r.w.mu = pick("mu", so_.mu, "mu", mr.mu, dflt.mu, "default_throughputs() (assumed)");

@@ -477,7 +477,11 @@ TEST(MPipeMoE, SelectorTakesItsRatesFromTheClusterModel) {
   EXPECT_DOUBLE_EQ(w.at("comm_bytes").get<double>(), mr.a2a_bytes);
   EXPECT_DOUBLE_EQ(w.at("comp_flops").get<double>(), mr.gemm_flops);
   EXPECT_LT(mr.gemm_flops, cm.peak_flops(DType::f32));
-  EXPECT_DOUBLE_EQ(w.at("mem_bytes").get<double>(), cm.node.host_copy_bw);
+  // W_mem: every rank offloads at once, and the node's two GPUs per PCIe switch share its uplink.
+  EXPECT_DOUBLE_EQ(w.at("mem_bytes").get<double>(), mr.host_copy_bytes_all_ranks);
+  EXPECT_DOUBLE_EQ(w.at("mem_bytes").get<double>(),
+                   std::min(cm.node.host_copy_bw, cm.node.pcie_switch_uplink_bw / cm.node.gpus_per_pcie_switch));
+  EXPECT_LT(mr.host_copy_bytes_all_ranks, mr.host_copy_bytes);
   EXPECT_DOUBLE_EQ(w.at("sigma").get<double>(), cm.interference.sigma);
   EXPECT_DOUBLE_EQ(r.at("budget").at("host_bytes").get<double>(), cm.node.host_memory_bytes / cm.node.gpus);
   EXPECT_LT(r.at("budget").at("device_bytes").get<double>(), cm.gpu.memory_bytes);

@@ -342,8 +342,10 @@ const Placement& ScMoEPair::placement(std::int64_t T) {
       p.offload = MoELayer::expert_offload_name(mode);
       const std::int64_t reached = std::min<std::int64_t>(El, T * cfg_.moe.top_k);
       const double bytes = 2.0 * static_cast<double>(reached * M * H) * static_cast<double>(dtype_size(cfg_.dtype));
-      p.migrate = r.host_copy_bytes > 0 ? bytes / r.host_copy_bytes : 0.0;
-      if (!(r.host_copy_bytes > 0)) p.rates += "; host link rate unknown: the migration not priced";
+      // Every rank migrates its experts at once: a rank's share of the host links.
+      const double host = r.host_copy_bytes_all_ranks;
+      p.migrate = host > 0 ? bytes / host : 0.0;
+      if (!(host > 0)) p.rates += "; host link rate unknown: the migration not priced";
       // sync: the copies are in the compute stream's path whatever the slot; async: beside it,
       // one set of copies that every chunk's experts wait for (not cut into chunks).
       if (mode == MoELayer::ExpertOffload::async) p.forward.ready = p.migrate;

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -458,7 +459,19 @@ class SimBackendImpl final : public Backend {
     const auto* prof = c_.opt.profile ? &*c_.opt.profile : nullptr;
     const double h2d = prof && prof->h2d_bw > 0 ? prof->h2d_bw : nd.host_copy_bw;
     const double d2h = prof && prof->d2h_bw > 0 ? prof->d2h_bw : nd.host_copy_bw;
-    r.host_copy_bytes = std::min(h2d, d2h);
+    // Host copies take the sim's routes (Topology::host_to_device / device_to_host): on an
+    // NVSwitch node the GPU's own host link, and where the node declares PCIe switches the GPU's
+    // x16 link and its switch's uplink too; on a PCIe node the last two only. Alone, a rank has
+    // the uplink to itself; with every rank of the node copying at once (ranks fill nodes in
+    // order, so a switch holds min(gpus_per_pcie_switch, g) of them) it gets its share.
+    const auto host_rate = [&](double own, double sharing) {
+      double rate = pcie ? std::numeric_limits<double>::infinity() : own;
+      if (pcie || nd.pcie_switches()) rate = std::min({rate, nd.pcie_bw, nd.pcie_switch_uplink_bw / sharing});
+      return rate;
+    };
+    const double on_switch = pcie || nd.pcie_switches() ? std::min<double>(nd.gpus_per_pcie_switch, g) : 1.0;
+    r.host_copy_bytes = std::min(host_rate(h2d, 1.0), host_rate(d2h, 1.0));
+    r.host_copy_bytes_all_ranks = std::min(host_rate(h2d, on_switch), host_rate(d2h, on_switch));
     r.sigma = cm.interference.sigma;
     r.mu = cm.interference.mu;
     r.eta = cm.interference.eta;
