@@ -65,6 +65,8 @@ class Communicator {
   // recv = concatenation over ranks of send (recv.numel == size * send.numel).
   virtual void all_gather(Stream& s, const Tensor& send, Tensor& recv) = 0;
   // recv = this rank's slice of the element-wise sum over ranks (send.numel == size * recv.numel).
+  // recv may be this rank's slice of send itself (send.rows(rank * n, n): in place, as NCCL
+  // allows it); send's other slices are then left undefined.
   virtual void reduce_scatter(Stream& s, const Tensor& send, Tensor& recv) = 0;
   // buf = element-wise sum over ranks, in place.
   virtual void all_reduce(Stream& s, Tensor& buf) = 0;

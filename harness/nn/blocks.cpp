@@ -3,6 +3,7 @@
 //   ctest --test-dir build -R model_test
 #include "harness/nn/blocks.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include "harness/runtime/error.hpp"
@@ -431,6 +432,13 @@ FfnBlock::FfnBlock(Backend& b, Stream& s, const TransformerConfig& cfg, int laye
     : b_(b), s_(s), cfg_(cfg), layer_(layer), norm_(b, s, cfg, "layer" + std::to_string(layer) + ".moe_norm", tp),
       moe_(std::move(moe)), aux_loss_coef_(aux_loss_coef) {
   MOELAB_CHECK(moe_ != nullptr, "an MoE block needs an MoE implementation");
+  // TP without sequence parallelism: the group's ranks hold the same tokens, and their residual
+  // streams stay equal only if the noisy gate routes them alike: one noise key per TP group
+  // (its lowest world rank; under SP each rank's tokens are its own and keep their own key).
+  if (tp.on() && !tp.sp()) {
+    const std::vector<int> ranks = tp.comm->world_ranks();
+    moe_->layer().share_noise_rank(static_cast<std::uint64_t>(*std::min_element(ranks.begin(), ranks.end())));
+  }
   if (cfg.shared_expert_hidden > 0)
     mlp_ = std::make_unique<FeedForward>(b, s, cfg, cfg.shared_expert_hidden,
                                          "layer" + std::to_string(layer) + ".shared_expert", tp);

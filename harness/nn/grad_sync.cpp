@@ -1,6 +1,6 @@
 // harness/nn/grad_sync.cpp — bucketed gradient synchronisation and ZeRO-1's shards (see
 // grad_sync.hpp).
-//   ctest --test-dir build -R 'grad_sync_test|dp_mpi_test'
+//   ctest --test-dir build -R 'dp_mpi_test|tp_mpi_test|parallel_test'
 #include "harness/nn/grad_sync.hpp"
 
 #include <algorithm>
@@ -39,7 +39,7 @@ BucketPlan plan_buckets(const std::vector<std::int64_t>& numel, const std::vecto
 struct GradSync::BucketState {
   Tensor grads;       // [padded] the gradients of the bucket's parameters, end to end
   Tensor values;      // [padded] their values (ZeRO-1)
-  Tensor grad_shard;  // [padded/g] this rank's summed slice (ZeRO-1; the whole bucket when g = 1)
+  Tensor grad_shard;  // [padded/g] this rank's summed slice of grads, a view (ZeRO-1; the whole bucket when g = 1)
   Communicator* comm = nullptr;
   std::vector<std::pair<std::int64_t, std::int64_t>> tp_runs;  // (offset, count) summed over TP first
   struct ScaleRun {
@@ -116,8 +116,11 @@ GradSync::GradSync(Backend& b, Stream& compute, std::vector<ParamSlot> slots, Co
     }
     const int g = st->comm->size();
     if (opt.zero1 && g > 1) {
-      st->grad_shard = b.empty({bk.padded / g}, dt, MemCategory::gradients, compute);  // [padded/g]
-      b.fill_zero(compute, st->grad_shard);
+      // The reduce-scatter runs in place: the rank's slice of the bucket's gradient buffer is
+      // its shard (as Megatron-Core's distributed optimizer reduce-scatters into its gradient
+      // buffer), so ZeRO-1 adds no gradient memory.
+      const std::int64_t n = bk.padded / g;
+      st->grad_shard = st->grads.rows(st->comm->rank() * n, n);  // [padded/g]
     } else {
       st->grad_shard = st->grads;
     }

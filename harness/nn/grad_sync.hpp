@@ -2,7 +2,7 @@
 // parameter's gradient over the ranks that share the parameter, in buckets, on its own stream
 // while backward still runs; and ZeRO-1's sharded optimizer states (Rajbhandari et al. 2020,
 // §5.1, P_os).
-//   ctest --test-dir build -R 'grad_sync_test|dp_mpi_test'
+//   ctest --test-dir build -R 'dp_mpi_test|tp_mpi_test|parallel_test'
 //
 //   GradSync sync(b, model.stream(), model.param_slots(), pg.dp(), pg.edp(), tp, {.zero1 = true});
 //   model.set_grad_sync(&sync);                  // before the optimizer is made
@@ -38,7 +38,12 @@
 // per-bucket buffer, so that a shard of parameters is one contiguous tensor; the Optimizer
 // keeps fp32 master weights (for parameters that are not fp32) and Adam's moments for its
 // shards only (MemCategory::optimizer: 1/g of the unsharded bytes, plus padding), updates its
-// shard, and gather_parameters() all-gathers the updated shards into the bucket.
+// shard, and gather_parameters() all-gathers the updated shards into the bucket. The
+// reduce-scatter runs in place (Megatron-Core's distributed optimizer does the same with its
+// gradient buffer): the rank's shard of the summed gradients is its slice of the bucket's
+// buffer, so ZeRO-1 adds no gradient memory beyond the padding, and after finish() the other
+// slices of the buffer (the other ranks' shards, in the parameters' gradient views) hold
+// partial sums: only the shards are the step's gradients.
 #pragma once
 #include <cstdint>
 #include <memory>

@@ -305,12 +305,13 @@ double Model::aux_loss(Saved& saved) {
   return sum;
 }
 
-void Model::all_reduce_gradients(Communicator& dp) {
+void Model::all_reduce_gradients(Communicator& dp, Communicator* edp) {
   PhaseScope ph(b_, "grad_sync");
   for (auto& p : parameters()) {
     if (p.grad_copies > 1) b_.scale(s_, p.grad, 1.0f / static_cast<float>(p.grad_copies), p.grad);
     if (p.tp_partial && tp_.on()) tp_.comm->all_reduce(s_, p.grad);
     if (p.replicated && dp.size() > 1) dp.all_reduce(s_, p.grad);
+    if (!p.replicated && edp && edp->size() > 1) edp->all_reduce(s_, p.grad);
   }
 }
 

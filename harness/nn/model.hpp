@@ -110,11 +110,11 @@ class Model {
   // The same, with where each lives and which block finishes its gradient (GradSync).
   std::vector<ParamSlot> param_slots();
   // Sum the replicated parameters' gradients over `dp` (data parallelism: every rank saw
-  // other tokens; the experts are sharded over the same ranks by expert parallelism), the
-  // TP-partial ones over the TP group, and average the experts' TP copies (grad_sync.hpp).
-  // One collective per parameter, on the compute stream, after backward: GradSync does the
-  // same in buckets, overlapped with backward.
-  void all_reduce_gradients(Communicator& dp);
+  // other tokens), the experts' over `edp` (expert data parallelism: the ranks that hold the
+  // same experts; null or size 1: none), the TP-partial ones over the TP group, and average
+  // the experts' TP copies (grad_sync.hpp). One collective per parameter, on the compute
+  // stream, after backward: GradSync does the same in buckets, overlapped with backward.
+  void all_reduce_gradients(Communicator& dp, Communicator* edp);
   // The synchroniser told of every block whose backward_weight is issued (GradSync::arm
   // decides which microbatch's count); null: none.
   void set_grad_sync(GradSync* sync) { sync_ = sync; }

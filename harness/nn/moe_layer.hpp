@@ -27,6 +27,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -188,9 +189,14 @@ class MoELayer {
   void host_wait(Stream& s, const std::string& what);
   const std::vector<std::string>& host_waits() const { return host_waits_; }
   void clear_host_waits() { host_waits_.clear(); }
-  // The rank the gate noise is keyed on: this rank's in the expert-parallel group, or (a layer
-  // whose TP ranks must route alike) one shared by its TP group.
-  virtual std::uint64_t noise_rank() const { return static_cast<std::uint64_t>(comm_.rank()); }
+  // The rank the gate noise is keyed on: this rank's in the expert-parallel group, or one its
+  // TP group shares (share_noise_rank: a model whose TP ranks hold the same tokens, i.e. TP
+  // without sequence parallelism, must route them alike; a layer that deduplicates over TP
+  // keys it on the group itself).
+  virtual std::uint64_t noise_rank() const {
+    return shared_noise_rank_ ? *shared_noise_rank_ : static_cast<std::uint64_t>(comm_.rank());
+  }
+  void share_noise_rank(std::uint64_t r) { shared_noise_rank_ = r; }
   // Whether a caller may run this layer's forward and backward as the public steps below, with
   // the plan dispatch_preprocess makes issued by the chunk issuer (ScMoE's overlap schedule,
   // impls/scmoe, does): true for the planners (FastMoE, FasterMoE, the Tutel-style baselines);
@@ -324,6 +330,7 @@ class MoELayer {
   RoutingStats routing_;                 // of the last forward
   SavedPtr held_;                        // the one-in-flight API's handle
   std::uint64_t noise_seed_ = 0x5eed;
+  std::optional<std::uint64_t> shared_noise_rank_;
   std::uint64_t step_ = 0;               // forwards of the one-in-flight API
   std::vector<float> last_eps_;
   std::vector<std::string> host_waits_;  // host_wait's log

@@ -231,6 +231,18 @@ void PipelineStage::use_bucketed_sync(const GradSyncOptions& opt) {
   if (opt.zero1 && embedding_group_)
     throw ConfigError("ZeRO-1 with tie_embeddings and the embedding and the LM head on different pipeline stages is "
                       "not supported (the embedding group would sum a sharded gradient); untie them or drop ZeRO-1");
+  // Both copies on this stage (two chunks of an interleaved or V schedule): with dp > 1 each
+  // chunk's synchroniser reduce-scatters its own copy's gradient into its own shard, which the
+  // tied sum (on the full gradients, after) would never reach.
+  if (opt.zero1 && cfg_.tie_embeddings && dp_->size() > 1) {
+    int copies = 0;
+    for (auto& c : chunks_)
+      for (auto& p : c->parameters()) copies += p.name == "embedding.wte";
+    if (copies > 1)
+      throw ConfigError("ZeRO-1 with tie_embeddings and the embedding and the LM head in different chunks of pipeline "
+                        "stage " + std::to_string(stage_) + " is not supported (each chunk's optimizer would update its "
+                        "copy from its own shard of one copy's gradient); untie them or drop ZeRO-1");
+  }
   syncs_.clear();
   for (auto& c : chunks_) {
     syncs_.push_back(std::make_unique<GradSync>(b_, stream(), c->param_slots(), *dp_, *edp_, c->tensor_parallel(), opt));
@@ -263,13 +275,11 @@ void PipelineStage::sync_gradients() {
     return;
   }
   sync_tied(false);
-  // Always: besides the DP sum, the chunks complete their TP-partial gradients and average the
-  // experts' TP copies (Model::all_reduce_gradients), which tensor parallelism needs at dp = 1.
+  // Always: besides the DP and expert-DP sums, the chunks complete their TP-partial gradients
+  // and average the experts' TP copies (Model::all_reduce_gradients), which tensor parallelism
+  // needs at dp = 1.
   if (dp_)
-    for (auto& c : chunks_) c->all_reduce_gradients(*dp_);
-  if (edp_ && edp_->size() > 1)
-    for (auto& p : parameters())
-      if (!p.replicated) edp_->all_reduce(stream(), p.grad);
+    for (auto& c : chunks_) c->all_reduce_gradients(*dp_, edp_);
 }
 
 void PipelineStage::step(const std::vector<Batch>& data, std::uint64_t step) {
@@ -479,7 +489,11 @@ void PipelineStage::offload(const Node& n, Slot& x) {
 void PipelineStage::reload(const Node& n, Slot& x) {
   (void)n;
   if (x.away.empty()) return;
-  events_.after(*h2d_, x.offloaded);  // the host copy is complete
+  // Issued when the compute stream reaches this node (the schedule places it there, and its
+  // estimate times it so): the copy waits for the work before it in the list, not only for
+  // the host, which runs ahead; and for its own offload to be complete.
+  events_.order(stream(), *h2d_);
+  events_.after(*h2d_, x.offloaded);
   for (auto& st : x.away) {
     // Allocated in stream order on the copy stream, charged to the microbatch's activations;
     // then owned by the compute stream, which waits for this copy before its B and frees the

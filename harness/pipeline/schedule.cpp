@@ -91,7 +91,8 @@ void one_f_one_b(Schedule& s) {
 // Megatron's interleaved 1F1B (Narayanan et al. 2021 §2.2.2; megatron/core/pipeline_parallel/
 // schedules.py): the k-th forward of a stage is chunk (k mod pv) / p of microbatch
 // (k / pv)·p + k mod p, backwards run the chunks in reverse; stage s warms up with
-// 2(p-s-1) + (v-1)p forwards.
+// 2(p-s-1) + (v-1)p forwards, or with all of them when m = p (Megatron's
+// all_warmup_microbatches: every forward first, then every backward).
 void interleaved(Schedule& s) {
   const int p = s.stages, m = s.microbatches, v = s.chunks, total = m * v;
   auto mb_of = [&](int k) { return (k / (p * v)) * p + k % p; };
@@ -101,7 +102,7 @@ void interleaved(Schedule& s) {
   };
   for (int st = 0; st < p; ++st) {
     auto& l = s.nodes[static_cast<std::size_t>(st)];
-    const int warm = std::min(2 * (p - st - 1) + (v - 1) * p, total);
+    const int warm = m == p ? total : std::min(2 * (p - st - 1) + (v - 1) * p, total);
     auto backward = [&](int k) {
       l.push_back(B(mb_of(k), chunk_of(k, false)));
       l.push_back(W(mb_of(k), chunk_of(k, false)));
@@ -899,6 +900,7 @@ std::vector<double> expected_peak_activation(const Schedule& s, int offload_chun
     else if (s.name == "1f1b") n = std::min(p - d, m);
     else if (s.name == "zb-h1") n = std::min(p, m);
     else if (s.name == "zb-v") n = std::min(2 * p, 2 * m);
+    else if (s.name == "interleaved" && m == p) n = (v - k) * m;  // every forward first: all kept chunks of all m
     else if (s.name == "interleaved") n = std::min(p * (v - 1 - k) + (k == 0 ? 2 * (p - d) - 1 : std::min(2 * (p - d) - 1, p)), m * v);
     else if (grouped) n = std::min(group * (v - 1 - k) + (k == 0 ? p - d : std::min(p - d, group)), m * v);
     else throw ConfigError("schedule " + s.name + ": no closed form for its activation memory");

@@ -203,7 +203,8 @@ ScheduleEstimate estimate(const Schedule& s, const NodeCosts& c);
 // and lifespan false is exactly 2/(pv) on full offload (1/(pv) on 1F1B's last stage, where a
 // B follows its F) and between the form and the form + 2/(pv) on a selective one. Exact,
 // checked by pipeline_schedule_test, for m >= p (gpipe: any m), m a multiple of p for
-// interleaved, and m >= 2p for the offloaded forms. ConfigError for an offload of zb-h1 or
+// interleaved (at m = p every forward runs first: m·v on every stage, (v-k)·m kept), and
+// m >= 2p for the offloaded forms. ConfigError for an offload of zb-h1 or
 // zb-v (their deferred W keeps a reloaded microbatch on the device: ZB-H1's stage s holds
 // min(s + 2, p) on full offload) and for a selective offload of gpipe or 1f1b.
 std::vector<double> expected_peak_activation(const Schedule& s, int offload_chunks = 0);

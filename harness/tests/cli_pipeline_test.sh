@@ -165,6 +165,7 @@ expect_2 group_other_schedule "--group = 2 applies to group-interleaved only" "$
 expect_2 offload_chunks "--offload-chunks 3 exceeds the 2 model chunks" "${sim[@]}" --ranks 4 --model-override "$four_layers" --parallel pp=2 --schedule interleaved --chunks 2 --microbatches 4 --offload-chunks 3
 expect_2 offload_recompute "--offload-chunks with --recompute full" "${sim[@]}" --ranks 4 --model-override "$four_layers" --parallel pp=2 --schedule interleaved --chunks 2 --microbatches 4 --offload-chunks all --recompute full
 expect_2 pad_layers_empty "with no layer and neither the embedding nor the head" --model "$models/tiny-dense.json" --impl fastmoe --backend sim --cluster dgx-a100x1 --ranks 4 --model-override '{"num_layers": 2}' --parallel pp=2 --schedule interleaved --chunks 4 --microbatches 4 --pad-layers
+expect_2 zero1_tied_chunks "ZeRO-1 with tie_embeddings and the embedding and the LM head in different chunks" "${sim[@]}" --ranks 4 --model-override "$four_layers" --parallel dp=4 --schedule interleaved --chunks 2 --microbatches 4 --zero1
 expect_2 workload_and_parallel "apply to --model runs" --workload "$root/experiments/workloads/tiny.json" --impl fastmoe --backend cpu --parallel pp=2
 if [ "$have_mpi" = 1 ]; then
   mpirun --oversubscribe -n 2 "$moelab" run --model "$models/tiny-moe.json" --impl fastmoe --backend cpu --parallel pp=3 \

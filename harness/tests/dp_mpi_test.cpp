@@ -155,6 +155,10 @@ TEST_P(DataParallelMpi, AdamStepsEqualOneRankOnTheConcatenatedBatch) {
     b->synchronize();
     if (!c.zero1) {  // the buckets hold exactly the gradients that were there
       EXPECT_EQ(b->memory().in_use(MemCategory::gradients), grads_before);
+    } else {  // ZeRO-1 reduce-scatters in place: its shards add nothing but the buckets' padding
+      std::size_t pad = 0;
+      for (const auto& bk : sync.plan().buckets) pad += static_cast<std::size_t>(bk.padded - bk.elems) * dtype_size(cfg.dtype);
+      EXPECT_EQ(b->memory().in_use(MemCategory::gradients), grads_before + pad);
     }
     const std::size_t opt_before = b->memory().in_use(MemCategory::optimizer);
     Optimizer opt(*b, model.stream(), sync, adam());

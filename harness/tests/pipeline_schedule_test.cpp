@@ -350,8 +350,9 @@ TEST(GroupInterleaved, FirstStageFollowsTheBuildingBlock) {
 // With g = p the order of every stage's forwards and backwards is Megatron's (microbatch
 // groups of p, chunk by chunk), but the warm-up is p·v - s forwards, not Megatron's
 // 2(p-s-1) + (v-1)p + 1: the same peak only on the last stage, p - 1 - s fewer elsewhere
-// (stage 0: M_a, not (1 + (p-1)/(pv))·M_a). At F = 1, B + W = 2 (the block's slots) and free
-// transfers the makespan is Megatron's too; smaller groups hold less and idle more.
+// (stage 0: M_a, not (1 + (p-1)/(pv))·M_a), and at m = p Megatron runs every forward first.
+// At F = 1, B + W = 2 (the block's slots) and free transfers the makespan is never longer than
+// Megatron's (B's gradient leaves before its W); smaller groups hold less and idle more.
 TEST(GroupInterleaved, FullGroupAgainstMegatronInterleaving) {
   for (int p : {2, 3, 4, 6, 8})
     for (int v : {2, 3})
@@ -362,9 +363,10 @@ TEST(GroupInterleaved, FullGroupAgainstMegatronInterleaving) {
         for (int st = 0; st < p; ++st) {
           const std::size_t i = static_cast<std::size_t>(st);
           EXPECT_EQ(a.peak_in_flight[i], std::min(p * v - st, m * v));
-          EXPECT_EQ(b.peak_in_flight[i], std::min(p * v + p - 1 - 2 * st, m * v));
+          // Megatron's interleaving runs every forward first when m = p (all_warmup_microbatches).
+          EXPECT_EQ(b.peak_in_flight[i], m == p ? m * v : std::min(p * v + p - 1 - 2 * st, m * v));
           EXPECT_LE(a.peak_in_flight[i], b.peak_in_flight[i]);
-          if (st == p - 1) {
+          if (st == p - 1 && m > p) {
             EXPECT_EQ(a.peak_in_flight[i], b.peak_in_flight[i]);
           }
           // Same forwards and backwards in the same order, once the warm-ups are set aside.
@@ -704,9 +706,11 @@ TEST(PeakActivation, ClosedFormsMatchTheSchedules) {
             // Offloaded: what stays is the form; the copies add 0 to 2 (exactly 2 on full offload,
             // 1 on 1F1B's last stage where each B follows its F).
             const bool selective = name == "interleaved" || name == "group-interleaved";
-            if (s.split_backward) {
+            if (name == "zb-h1" || name == "zb-v") {
               // The deferred W keeps a reloaded microbatch on the device: ZB-H1's stage s holds
               // its s deferred ones besides the two of the copies (no closed form for ZB-V).
+              // (Group-interleaved splits B and W too, but runs each W right after its B: its
+              // forms are checked below.)
               Schedule o = s;
               const OffloadPlan plan = add_offload(o, offload_options(1 + s.chunks, false));
               for (int st = 0; st < p && name == "zb-h1"; ++st)
@@ -731,7 +735,22 @@ TEST(PeakActivation, ClosedFormsMatchTheSchedules) {
               }
             }
           }
-  EXPECT_GT(checked, 3000);
+  EXPECT_GT(checked, 6000);
+  // Interleaved at m = p: Megatron runs every forward first, so every stage holds all m·v
+  // chunk-microbatches (M_a), and with k chunks offloaded the other (v - k)·m.
+  for (int p = 2; p <= 6; ++p)
+    for (int v : {2, 3}) {
+      const Schedule s = make_schedule("interleaved", p, p, v);
+      const ScheduleAnalysis a = validate(s);
+      for (int k = 0; k < v; ++k) {
+        const std::vector<double> f = expected_peak_activation(s, k);
+        const std::vector<int> kept = k > 0 ? peak_kept(s, k) : a.peak_in_flight;
+        for (int st = 0; st < p; ++st) {
+          EXPECT_NEAR(f[static_cast<std::size_t>(st)] * p * v, (v - k) * p, 1e-9);
+          EXPECT_EQ(kept[static_cast<std::size_t>(st)], (v - k) * p) << "p=" << p << " v=" << v << " k=" << k << " stage " << st;
+        }
+      }
+    }
   // The numbers the papers quote, on stage 0 in M_a.
   EXPECT_NEAR(expected_peak_activation(make_schedule("1f1b", 8, 16))[0], 1.0, 1e-12);
   EXPECT_NEAR(expected_peak_activation(make_schedule("interleaved", 8, 16, 2))[0], 1.0 + 7.0 / 16, 1e-12);

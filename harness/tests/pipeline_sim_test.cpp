@@ -6,6 +6,7 @@
 //   ctest --test-dir build -R pipeline_sim_test
 #include <gtest/gtest.h>
 
+#include <map>
 #include <mutex>
 
 #include "harness/backends/sim/sim_backend.hpp"
@@ -48,6 +49,8 @@ TransformerConfig dense() {
 struct Figures {
   std::vector<double> bubble;             // per stage
   std::vector<std::size_t> peak_act;      // per stage: the activations' peak (saved for backward)
+  std::vector<std::vector<OpRecord>> ops;  // per stage: the measured step's timeline
+  std::vector<std::string> compute;        // per stage: its compute stream's name
 };
 
 // PipeOffload's options of a run: the offload pass (every transfer, copies placed as if
@@ -67,6 +70,8 @@ Figures run(const std::string& schedule, int p, int m, int chunks = 0,
   std::vector<pipeline::StageWork> work(static_cast<std::size_t>(p));
   Figures f;
   f.peak_act.resize(static_cast<std::size_t>(p));
+  f.ops.resize(static_cast<std::size_t>(p));
+  f.compute.resize(static_cast<std::size_t>(p));
   std::mutex mu;
   cluster.run([&](Backend& b, Communicator& c) {
     ParallelLayout spec;
@@ -104,6 +109,8 @@ Figures run(const std::string& schedule, int p, int m, int chunks = 0,
     std::lock_guard lk(mu);
     work[static_cast<std::size_t>(st.stage())] = w.at(0);
     f.peak_act[static_cast<std::size_t>(st.stage())] = peak[static_cast<int>(MemCategory::activations)];
+    f.ops[static_cast<std::size_t>(st.stage())] = b.timeline();
+    f.compute[static_cast<std::size_t>(st.stage())] = st.stream().name();
   });
   double first = work[0].first, last = work[0].last;
   for (const auto& w : work) first = std::min(first, w.first), last = std::max(last, w.last);
@@ -190,6 +197,51 @@ TEST(PipelineSim, GroupInterleavedPeaksFollowTheClosedFormAndOffloadCutsThem) {
     EXPECT_LT(full.peak_act[i], none.peak_act[i]) << "stage " << st;
     EXPECT_NEAR(kept, want, 1.0 / a.peak_in_flight[i]) << "stage " << st;
   }
+}
+
+// A reload is issued when the compute stream reaches its node (the schedule's place for it):
+// its copy starts no earlier than the end of the compute node before it in the stage's list
+// (the host runs ahead of the device, so a copy ordered only after its offload would start as
+// soon as that ends and bring the activations back for most of their life), and the B that
+// needs it starts after it ends.
+TEST(PipelineSim, AReloadStartsWhereTheScheduleIssuesIt) {
+  const int p = 4, m = 8, v = 2, g = 2;
+  const Figures full = run("group-interleaved", p, m, v, pipeline::Recompute::none, {.chunks = v, .group = g});
+  pipeline::Schedule o = pipeline::make_schedule("group-interleaved", p, m, v, g);
+  pipeline::add_offload(o, {.chunks = v, .d2h = 0, .h2d = 0, .costs = {}, .lifespan = false});
+  int reloads = 0;
+  for (int st = 0; st < p; ++st) {
+    const auto i = static_cast<std::size_t>(st);
+    // Each compute node's span on the compute stream, by label; each reload's copies.
+    std::map<std::string, std::pair<double, double>> span, copy;
+    auto widen = [](std::map<std::string, std::pair<double, double>>& into, const OpRecord& r) {
+      auto [it, fresh] = into.try_emplace(r.node, r.start, r.end);
+      if (!fresh) it->second = {std::min(it->second.first, r.start), std::max(it->second.second, r.end)};
+    };
+    for (const OpRecord& r : full.ops[i]) {
+      if (r.node.empty()) continue;
+      if (r.stream_name == full.compute[i]) widen(span, r);
+      else if (pipeline::label_kind(r.node) == "RL") widen(copy, r);
+    }
+    std::string before;  // the last compute node before this point of the list
+    for (const pipeline::Node& n : o.nodes[i]) {
+      const std::string label = pipeline::node_label(n);
+      if (n.kind == pipeline::NodeKind::forward || n.kind == pipeline::NodeKind::backward_input ||
+          n.kind == pipeline::NodeKind::backward_weight) {
+        before = label;
+        continue;
+      }
+      if (n.kind != pipeline::NodeKind::reload || before.empty()) continue;
+      ASSERT_TRUE(copy.count(label)) << "stage " << st << ": no copy for " << label;
+      ASSERT_TRUE(span.count(before)) << "stage " << st << ": " << before << " not on the compute stream";
+      EXPECT_GE(copy[label].first, span[before].second - 1e-12) << "stage " << st << ": " << label << " before " << before << " ends";
+      const std::string b = pipeline::node_label({pipeline::NodeKind::backward_input, n.microbatch, n.chunk});
+      ASSERT_TRUE(span.count(b)) << b;
+      EXPECT_GE(span[b].first, copy[label].second - 1e-12) << "stage " << st << ": " << b << " before its reload ends";
+      ++reloads;
+    }
+  }
+  EXPECT_GT(reloads, p);  // the check ran
 }
 
 // Host memory is finite: a stage whose offloads would hold more pinned memory than it may

@@ -68,10 +68,11 @@ struct Case {
   bool sp;
   bool ep = false;   // MoE: experts over an expert-parallel group of all ranks (else every rank holds all)
   bool pad = false;  // a vocabulary of 42, padded to a multiple of TP (44 at TP = 4)
+  bool noisy = false;  // MoE: the noisy gate (the TP ranks hold the same tokens and must draw the same noise)
 };
 std::string case_name(const ::testing::TestParamInfo<Case>& p) {
   return std::string(kind_name(p.param.kind)) + (p.param.sp ? "_sp" : "") + (p.param.ep ? "_ep" : "") +
-         (p.param.pad ? "_padded_vocab" : "");
+         (p.param.pad ? "_padded_vocab" : "") + (p.param.noisy ? "_noisy_gate" : "");
 }
 
 constexpr std::int64_t kSequences = 2;  // per microbatch: T = 16, divisible by 1, 2 and 4
@@ -149,6 +150,9 @@ TEST_P(TensorParallelMpi, LossAndGradientsEqualTheUnsplitModel) {
   // Padded, the split model's vocabulary is the unsplit model's of the padded size, whose
   // extra rows no token uses (Megatron's padding: their logits still enter the softmax).
   if (c.pad) cfg.vocab_size = 42;
+  // The noisy gate keyed on the TP group (its lowest world rank, 0 here, as the reference's
+  // rank): the same noise on every TP rank, whatever its rank in the expert-parallel group.
+  if (c.noisy) cfg.moe.noisy_gate = true;
   TransformerConfig ref_cfg = cfg;
   ref_cfg.vocab_size = (cfg.vocab_size + n - 1) / n * n;
   const std::string spec = "tp=" + std::to_string(n) + (c.ep ? ",ep=" + std::to_string(n) : "");
@@ -196,6 +200,7 @@ INSTANTIATE_TEST_SUITE_P(Models, TensorParallelMpi,
                          ::testing::Values(Case{Kind::gpt, false}, Case{Kind::gpt, true}, Case{Kind::llama, false},
                                            Case{Kind::llama, true}, Case{Kind::moe, false}, Case{Kind::moe, true},
                                            Case{Kind::moe, false, true}, Case{Kind::moe, true, true},
+                                           Case{Kind::moe, false, true, false, true}, Case{Kind::moe, false, false, false, true},
                                            Case{Kind::gpt, true, false, true}, Case{Kind::llama, false, false, true}),
                          case_name);
 

@@ -2,6 +2,7 @@
 #include "harness/backends/cpu/mpi_comm.hpp"
 
 #include <climits>
+#include <cstring>
 #include <numeric>
 
 #include "harness/runtime/error.hpp"
@@ -116,8 +117,19 @@ class MpiCommunicator final : public Communicator {
     void* rp = recv.raw();
     const int n = count(recv.numel());
     const double b = static_cast<double>(recv.nbytes());
+    // In place (recv is this rank's slice of send): MPI forbids overlapping buffers but for
+    // MPI_IN_PLACE, whose input is the receive buffer and whose result lands at its start; the
+    // result is then moved to this rank's slice.
+    const bool in_place = rp == static_cast<const char*>(sp) + static_cast<std::size_t>(rank_) * recv.nbytes();
+    const std::size_t bytes = recv.nbytes();
     b_.enqueue(s, "reduce_scatter", cost_collective(b * (size_ - 1), b), [=, this] {
-      check(MPI_Reduce_scatter_block(sp, rp, n, t, MPI_SUM, data_), "MPI_Reduce_scatter_block");
+      if (in_place) {
+        void* whole = const_cast<void*>(sp);
+        check(MPI_Reduce_scatter_block(MPI_IN_PLACE, whole, n, t, MPI_SUM, data_), "MPI_Reduce_scatter_block");
+        if (rp != whole) std::memmove(rp, whole, bytes);
+      } else {
+        check(MPI_Reduce_scatter_block(sp, rp, n, t, MPI_SUM, data_), "MPI_Reduce_scatter_block");
+      }
     });
   }
 
