@@ -54,11 +54,17 @@ def run_mutant(m, build_dir):
         exe = find_binary(build_dir, t)
         if exe is None:
             return f"invalid: no test binary {t} in {build_dir}"
-        r = subprocess.run(["timeout", "900", exe, "--gtest_brief=1"], capture_output=True, text=True, env=env)
-        if r.returncode != 0:
-            failed = [line.split("]", 1)[1].split("(")[0].strip() for line in r.stdout.splitlines()
-                      if line.startswith("[  FAILED  ]") and "(" in line]
-            return f"killed by {t}" + (f" ({', '.join(failed[:2])})" if failed else f" (exit code {r.returncode})")
+        # An MPI test (add_moelab_mpi_test) runs as ctest runs it: on 1, 2 and 4 ranks.
+        launches = [[exe]]
+        if t.endswith("_mpi_test"):
+            launches += [["mpirun", "--oversubscribe", "-np", str(n), exe] for n in (2, 4)]
+        for cmd in launches:
+            r = subprocess.run(["timeout", "900", *cmd, "--gtest_brief=1"], capture_output=True, text=True, env=env)
+            if r.returncode != 0:
+                failed = [line.split("]", 1)[1].split("(")[0].strip() for line in r.stdout.splitlines()
+                          if line.startswith("[  FAILED  ]") and "(" in line]
+                where = f"{t}, {cmd[3]} ranks" if cmd[0] == "mpirun" else t
+                return f"killed by {where}" + (f" ({', '.join(failed[:2])})" if failed else f" (exit code {r.returncode})")
     return "survived"
 
 

@@ -4,8 +4,10 @@
 // all-gather — gives after three Adam steps the parameters that one rank reaches training on
 // the concatenated batch (the DP ranks' batches as the microbatches of each step). Layouts:
 // data parallel with every expert on every rank (expert-DP = DP), with the experts spread
-// over all ranks (expert parallelism, expert-DP = 1), and tensor × data parallel (the expert
-// gradients averaged over the TP copies); and ScMoE's model (tiny-scmoe), data parallel and
+// over all ranks (expert parallelism, expert-DP = 1), tensor × data parallel (the expert
+// gradients averaged over the TP copies), and the same with sequence parallelism (each TP rank
+// routes its own rows; no auxiliary loss on either side, since under SP it is each TP rank's
+// over its rows); and ScMoE's model (tiny-scmoe), data parallel and
 // expert parallel. Bucket sizes: Megatron's default (one bucket per
 // kind), one element (a bucket per parameter) and an awkward 1000. ZeRO-1's optimizer bytes
 // per rank are the unsharded bytes / dp up to the padding.
@@ -81,10 +83,10 @@ void add_routing(Model& model, int step, Routing& acc) {
 }
 
 // One rank, the dp ranks' batches as microbatches of each step; `routed` gets its routing.
-Params reference(const TransformerConfig& cfg, std::uint64_t seed, int dp, Routing& routed) {
+Params reference(const TransformerConfig& cfg, std::uint64_t seed, int dp, Routing& routed, float aux) {
   auto b = make_backend("cpu");
   auto self = make_self_communicator(*b);
-  Model model(*b, *self, cfg);
+  Model model(*b, *self, cfg, {.aux_loss_coef = aux});
   model.init_parameters(seed);
   Optimizer opt(*b, model.stream(), model.parameters(), adam());
   const auto next = synthetic_successor(cfg.vocab_size, seed);
@@ -107,7 +109,7 @@ Params reference(const TransformerConfig& cfg, std::uint64_t seed, int dp, Routi
 }
 
 struct Case {
-  const char* layout;  // "dp", "dp_ep" (ep = world), "tp2_dp" (tp = 2); "scmoe_dp", "scmoe_dp_ep": tiny-scmoe
+  const char* layout;  // "dp", "dp_ep" (ep = world), "tp2_dp" (tp = 2), "tp2_sp_dp" (and SP); "scmoe_dp", "scmoe_dp_ep": tiny-scmoe
   bool zero1;
   std::int64_t bucket;
 };
@@ -118,7 +120,7 @@ std::string spec_of(const char* layout, int n) {
   std::string l = layout;
   if (is_scmoe(layout)) l = l.substr(6);
   if (l == "dp_ep") return "ep=" + std::to_string(n);
-  if (l == "tp2_dp") return "tp=2";
+  if (l == "tp2_dp" || l == "tp2_sp_dp") return "tp=2";
   return "";
 }
 
@@ -129,7 +131,9 @@ TEST_P(DataParallelMpi, AdamStepsEqualOneRankOnTheConcatenatedBatch) {
   auto b = make_backend("cpu");
   auto world = make_world_communicator(*b);
   const int n = world->size();
-  if (std::string(c.layout) == "tp2_dp" && n % 2 != 0) GTEST_SKIP() << "tp = 2 needs an even world";
+  const bool sp = std::string(c.layout) == "tp2_sp_dp";
+  if (std::string(c.layout).rfind("tp2_", 0) == 0 && n % 2 != 0) GTEST_SKIP() << "tp = 2 needs an even world";
+  const float aux = sp ? 0.0f : ModelOptions{}.aux_loss_coef;
   const TransformerConfig cfg = tiny(is_scmoe(c.layout));
   const GroupLayout layout = check_layout(ParallelLayout::parse(spec_of(c.layout, n)), n, n, cfg);
   ProcessGroups pg(*world, layout, gather_nodes(*world));
@@ -146,6 +150,8 @@ TEST_P(DataParallelMpi, AdamStepsEqualOneRankOnTheConcatenatedBatch) {
 
     ModelOptions mo;
     mo.tp = &pg.tp();
+    mo.sequence_parallel = sp;
+    mo.aux_loss_coef = aux;
     Model model(*b, pg.ep(), cfg, mo);
     model.init_parameters(seed);
     const std::size_t grads_before = b->memory().in_use(MemCategory::gradients);
@@ -203,16 +209,30 @@ TEST_P(DataParallelMpi, AdamStepsEqualOneRankOnTheConcatenatedBatch) {
     }
     b->synchronize();
     // One collective per bucket and step (over a group of more than one rank), on the
-    // synchroniser's stream, labelled in the timeline.
+    // synchroniser's stream, labelled in the timeline; under SP one TP all-reduce more per run
+    // of adjacent TP-partial gradients (the norms and the gate) in a bucket.
     int want_ops = 0, sync_ops = 0;
-    for (const auto& bk : sync.plan().buckets) want_ops += kSteps * ((bk.expert ? pg.edp() : pg.dp()).size() > 1);
+    const std::vector<Param> synced = sync.parameters();
+    for (const auto& bk : sync.plan().buckets) {
+      want_ops += kSteps * ((bk.expert ? pg.edp() : pg.dp()).size() > 1);
+      std::int64_t run_end = -1;
+      for (const auto& e : bk.entries) {
+        if (!synced[e.param].tp_partial) continue;
+        if (e.offset != run_end) want_ops += kSteps * (pg.tp().size() > 1);
+        run_end = e.offset + e.count;
+      }
+    }
     for (const OpRecord& r : b->timeline())
       if (r.stream_name == "grad_sync" && r.phase == "grad_sync" && r.cost.kind == OpKind::collective) ++sync_ops;
     EXPECT_EQ(sync_ops, want_ops);
 
-    // Each DP rank routed its own tokens (the TP ranks of one DP rank the same ones).
-    for (auto& v : routed) v = std::llround(pg.dp().all_reduce_sum(static_cast<double>(v)));
-    const Params ref = reference(cfg, seed, dp, ref_routed);
+    // Each DP rank routed its own tokens (the TP ranks of one DP rank the same ones; under SP
+    // each TP rank its own rows of them).
+    for (auto& v : routed) {
+      if (sp) v = std::llround(pg.tp().all_reduce_sum(static_cast<double>(v)));
+      v = std::llround(pg.dp().all_reduce_sum(static_cast<double>(v)));
+    }
+    const Params ref = reference(cfg, seed, dp, ref_routed, aux);
     const bool same = world->all_reduce_max(routed == ref_routed ? 0.0 : 1.0) == 0.0;
     if (!same && world_rank() == 0)
       std::printf("seed %llu: a token routed otherwise than on one rank (a near-tie)%s\n",
@@ -233,7 +253,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{"dp", false, 40'000'000}, Case{"dp", false, 1}, Case{"dp", false, 1000},
                       Case{"dp", true, 40'000'000}, Case{"dp", true, 1}, Case{"dp", true, 1000},
                       Case{"dp_ep", false, 1000}, Case{"dp_ep", true, 1000}, Case{"tp2_dp", false, 1000},
-                      Case{"tp2_dp", true, 1000}, Case{"scmoe_dp", false, 1000}, Case{"scmoe_dp", true, 1000},
+                      Case{"tp2_dp", true, 1000}, Case{"tp2_sp_dp", false, 1000}, Case{"tp2_sp_dp", true, 1000},
+                      Case{"scmoe_dp", false, 1000}, Case{"scmoe_dp", true, 1000},
                       Case{"scmoe_dp_ep", false, 1000}),
     [](const auto& p) {
       return std::string(p.param.layout) + (p.param.zero1 ? "_zero1" : "_allreduce") + "_bucket" +
