@@ -275,6 +275,65 @@ TEST(SimBackend, HostCopyRatesAreWhatTheSimChargesAloneAndWithEveryRankCopying) 
   EXPECT_NEAR(own * ra.host_copy_bytes, 1.0, 1e-6);
 }
 
+// Ring collectives as NCCL runs them. On 2 DGX A100 nodes a 16-rank all-reduce moves
+// 2(n-1)/n of the buffer over each ring edge; the two edges between the nodes are striped over
+// the 8 NICs (one ring per channel, each leaving its node through another GPU's NIC), so the
+// bytes' time is those bytes over 8 NICs at NCCL's network efficiency, the slowest link of the
+// ring (a GPU's NVLink at the intra-node efficiency carries its whole edge). And no member
+// leaves before the last one has arrived: rank 5 arrives late, every rank ends after it, all
+// at once.
+TEST(SimBackend, RingAllReduceStripesTheEdgesBetweenNodesAndWaitsForEveryMember) {
+  SimOptions o;
+  o.cluster = sim::load_cluster("dgx-a100x2");
+  const sim::NodeSpec& nd = o.cluster.node;
+  ASSERT_EQ(nd.nics, 8);
+  SimCluster cluster(o);
+  const int n = 16;
+  const std::int64_t elems = 1 << 22;  // 16 MiB of f32
+  std::vector<double> took(2 * n), arrive(n), end(n);
+  cluster.run([&](Backend& b, Communicator& c) {
+    Stream& s = b.default_stream();
+    Tensor buf = b.empty({2 * elems}, DType::f32, MemCategory::buffers, s);
+    b.fill_zero(s, buf);
+    for (int i = 0; i < 2; ++i) {  // S and 2S: the difference is the bytes' time
+      Tensor x = buf.rows(0, (i + 1) * elems);
+      b.synchronize();
+      c.barrier();
+      const double t0 = b.now();
+      c.all_reduce(s, x);
+      b.synchronize();
+      c.barrier();
+      took[static_cast<std::size_t>(i * n + c.rank())] = b.now() - t0;
+    }
+    // A late member: rank 5 zeroes the whole buffer 8 times first (HBM-bound work).
+    b.synchronize();
+    c.barrier();
+    b.clear_timeline();
+    if (c.rank() == 5)
+      for (int k = 0; k < 8; ++k) b.fill_zero(s, buf);
+    Tensor x = buf.rows(0, elems);
+    c.all_reduce(s, x);
+    b.synchronize();
+    c.barrier();
+    for (const OpRecord& r : b.timeline())
+      if (r.name == "all_reduce") {
+        arrive[static_cast<std::size_t>(c.rank())] = r.start;
+        end[static_cast<std::size_t>(c.rank())] = r.end;
+      }
+  });
+  const double S = 4.0 * static_cast<double>(elems), edge = 2.0 * (n - 1) / n * S;
+  const double per_nic = nd.nic_bw * nd.p2p.net_efficiency;
+  ASSERT_LT(edge / (8 * per_nic), edge / (nd.nvlink_bw * nd.p2p.intra_efficiency) * 1.5);
+  for (int r = 0; r < n; ++r)
+    EXPECT_NEAR(took[static_cast<std::size_t>(n + r)] - took[static_cast<std::size_t>(r)], edge / (8 * per_nic),
+                1e-3 * edge / (8 * per_nic)) << "rank " << r;
+  const double late = *std::max_element(arrive.begin(), arrive.end());
+  EXPECT_EQ(late, arrive[5]);
+  for (int r = 0; r < n; ++r) EXPECT_GE(end[static_cast<std::size_t>(r)], late + edge / (8 * per_nic)) << "rank " << r;
+  // ... and all leave together, when the ring's last step ends.
+  EXPECT_LT(*std::max_element(end.begin(), end.end()) - *std::min_element(end.begin(), end.end()), 1e-9);
+}
+
 // mark_untimed: a stretch every rank marks takes no virtual time and leaves what follows
 // exactly as it would be; one rank's mark alone changes nothing.
 TEST(SimBackend, UntimedStretchIsNotPricedAndLeavesTheNextStepAlone) {

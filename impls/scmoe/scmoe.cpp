@@ -277,13 +277,13 @@ double ScMoEPair::gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k) {
   return flops / measured_flops_;
 }
 
-// One all-to-all of the routed MoE: each of the T·k rows of M elements leaves this rank with
-// probability (W − 1)/W under balanced routing.
+// One all-to-all of the routed MoE: the send buffer of the T·k rows of M elements, over the
+// machine model's all-to-all rate, which is per byte of the whole send buffer (the share that
+// stays on this rank under balanced routing, 1/W, is already in it: MachineRates::a2a_bytes).
 double ScMoEPair::a2a_seconds(std::int64_t T) {
   const int W = impl_->layer().channels().dispatch_comm().size();
   if (W <= 1) return 0.0;
-  const double bytes = static_cast<double>(T * cfg_.moe.top_k * cfg_.d_model) * static_cast<double>(dtype_size(cfg_.dtype)) *
-                       (W - 1) / W;
+  const double bytes = static_cast<double>(T * cfg_.moe.top_k * cfg_.d_model) * static_cast<double>(dtype_size(cfg_.dtype));
   const MachineRates r = b_.machine_rates(T, cfg_.d_model, cfg_.d_model, cfg_.dtype);
   return bytes / (r.a2a_bytes > 0 ? r.a2a_bytes : kAssumedA2aBytesPerS);
 }

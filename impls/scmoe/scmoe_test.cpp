@@ -604,6 +604,13 @@ TEST(PairSim, PcieA30OverlapsTheAllToAllsForwardAndBackward) {
     EXPECT_GT(p.ratio(), 0.5);
   }
   EXPECT_EQ(r.report["expert_slot"]["chosen"], "cost model");
+  // The slot rule's all-to-all estimate (the machine model's all-to-all rate, per byte of the
+  // whole send buffer) against the forward's all-to-all stream time on the sim: the same within
+  // the latencies and chunking the estimate leaves out.
+  const auto& est = r.report["estimate_us"]["forward"];
+  const double a2a_est = (est["dispatch"].get<double>() + est["combine"].get<double>()) * 1e-6;
+  std::printf("  the forward's all-to-alls: estimated %.1f us, simulated %.1f us\n", a2a_est * 1e6, r.fwd.comm * 1e6);
+  EXPECT_NEAR(a2a_est, r.fwd.comm, 0.06 * r.fwd.comm);
 
   // Every position overlaps; Pos-1's window (attention and shared expert) is the shortest.
   for (auto pos : {ShortcutPosition::pos1, ShortcutPosition::pos3}) {

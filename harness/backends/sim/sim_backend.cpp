@@ -1235,13 +1235,59 @@ void SimCluster::Impl::evaluate() {
     } else if (m > 1) {
       // Ring algorithms (NCCL's for these sizes): m-1 steps (2(m-1) for all-reduce), each
       // member sends one chunk per step to its successor in the communicator's rank order;
-      // modelled as one flow per ring edge.
+      // modelled as one flow per ring edge. Every step waits for the one before it around the
+      // whole ring, so the flows start once every member has arrived (a join task) and every
+      // member leaves when the last of them ends. A flow is priced as NCCL runs it: one
+      // collective's base latency plus one hop latency per step, the chunk's protocol (LL at
+      // or below the LL threshold) and its share of each link's rate (the node's p2p
+      // efficiencies, as for the all-to-all). An edge between two nodes is striped: NCCL runs
+      // one ring per channel, and on a rail-optimised node each channel leaves the node through
+      // another GPU's NIC, so the edge's bytes are split over the communicator's members on the
+      // two nodes, paired in order, up to the node's NICs.
       const double steps = (in.kind == CollKind::all_reduce ? 2.0 : 1.0) * (m - 1);
+      const sim::P2pModel& nccl = opt.cluster.node.p2p;
+      sim::Task j;
+      j.name = "ring.join";
+      for (int i = 0; i < m; ++i) j.deps.push_back(arrive(i));
+      const int join_id = total + static_cast<int>(flows.size());
+      flows.push_back(std::move(j));
+      std::map<int, std::vector<int>> on_node;  // node -> members on it, in communicator order
+      for (int i = 0; i < m; ++i) on_node[opt.cluster.node_of(w(i))].push_back(i);
+      const std::size_t first = flows.size();
+      auto ring_flow = [&](int src, int dst, double bytes) {
+        const sim::Route route = topo.p2p(src, dst);
+        const A2aMessage msg = a2a_message(nccl, route, part(0)->bytes);  // the protocol by the chunk a step moves
+        sim::Task f;
+        f.name = "flow";
+        f.rank = src;
+        f.gpu = src;
+        f.cls = sim::WorkClass::comm;
+        f.latency = msg.base_latency + steps * route.latency;
+        for (std::size_t r = 0; r < route.resources.size(); ++r)
+          f.demands.push_back({route.resources[r], bytes / msg.efficiency[r]});
+        for (sim::LinkClass c : route.links) {
+          sent[static_cast<std::size_t>(src)][c] += bytes;
+          sent_by[static_cast<std::size_t>(src)][coll][c] += bytes;
+        }
+        f.deps = {join_id};
+        flows.push_back(std::move(f));
+      };
       for (int s = 0; s < m; ++s) {
         const int d = (s + 1) % m;
-        const sim::Route route = topo.p2p(w(s), w(d));
-        flow(w(s), w(d), steps * part(s)->bytes, arrive(s), arrive(d), (steps - 1) * route.latency, done(s), done(d));
+        const double bytes = steps * part(s)->bytes;
+        const int ns = opt.cluster.node_of(w(s)), nd = opt.cluster.node_of(w(d));
+        if (ns == nd) {
+          ring_flow(w(s), w(d), bytes);
+          continue;
+        }
+        const std::vector<int>& a = on_node[ns];
+        const std::vector<int>& b = on_node[nd];
+        const std::size_t k = std::max<std::size_t>(
+            std::min({a.size(), b.size(), static_cast<std::size_t>(std::max(opt.cluster.node.nics, 1))}), 1);
+        for (std::size_t c = 0; c < k; ++c) ring_flow(w(a[c]), w(b[c]), bytes / static_cast<double>(k));
       }
+      for (std::size_t f = first; f < flows.size(); ++f)
+        for (int i = 0; i < m; ++i) done_deps[done(i)].push_back(total + static_cast<int>(f));
     }
   }
 
