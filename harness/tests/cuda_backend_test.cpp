@@ -332,7 +332,10 @@ class CudaGemmTest : public CudaTest, public ::testing::WithParamInterface<GemmC
       const auto got = b->download(problems[q].c);
       const auto ref = reference(hosts[q], gc.ta, gc.tb);
       const double scale = magnitude(hosts[q]);
-      const double rt = gc.c == DType::bf16 ? tol(DType::bf16) : (gc.ab == DType::bf16 ? 1e-5 : tol(DType::f32));
+      // TF32 rounds fp32 operands to a 10-bit mantissa (unit roundoff 2^-11) and accumulates in fp32.
+      const double rt = gc.c == DType::bf16 ? tol(DType::bf16)
+                        : gc.ab == DType::bf16 ? 1e-5
+                        : tf32_ ? 2e-3 : tol(DType::f32);
       for (std::size_t e = 0; e < got.size(); ++e) {
         const double err = std::abs(static_cast<double>(got[e]) - ref[e]);
         ASSERT_LE(err, rt * (scale + std::abs(ref[e])))
@@ -392,11 +395,56 @@ class CudaGemmTest : public CudaTest, public ::testing::WithParamInterface<GemmC
       problems.push_back({gc.ta, gc.tb, m, n, k, A.rows(e * ar, ar), B.rows(e * br, br), C.rows(e * m, m), alpha, beta});
     run_and_check(problems, hosts, path);
   }
+  bool tf32_ = false;  // fp32 GEMMs with TF32 allowed (Backend::set_allow_tf32)
 };
 
 TEST_P(CudaGemmTest, Single) { run({{37, 33, 19, 1.0f, 0.0f, false}}); }
 
 TEST_P(CudaGemmTest, SingleAccumulates) { run({{37, 33, 19, 0.5f, 1.0f, false}}); }
+
+// TF32, as the tf32 workloads run (CUBLAS_COMPUTE_32F_FAST_TF32): fp32 operands, the product
+// within TF32's rounding of the float64 one, on every path.
+TEST_P(CudaGemmTest, Tf32OnEveryPath) {
+  const GemmCase gc = GetParam();
+  if (gc.ab != DType::f32 || gc.c != DType::f32) GTEST_SKIP() << "TF32 applies to fp32 operands";
+  b->set_allow_tf32(true);
+  tf32_ = true;
+  for (GemmPath p : {GemmPath::loop, GemmPath::strided_batched, GemmPath::grouped}) run_equally_strided(4, 96, 80, 72, 1.0f, 0.0f, p);
+  tf32_ = false;
+  b->set_allow_tf32(false);
+}
+
+// Two problems accumulating into one C (beta = 1, as weight gradients do): one grouped call
+// gives its problems no order, so the backend runs them as the loop, in order, and C is
+// c0 + A0·B0 + A1·B1.
+TEST_P(CudaGemmTest, ProblemsSharingAnOutputRunInOrder) {
+  const GemmCase gc = GetParam();
+  const std::uint64_t seed = fresh_seed();
+  const std::int64_t m = 40, n = 24, k = 32;
+  Host h0 = host_values(m, n, k, 1.0f, 1.0f, false, seed, 0), h1 = host_values(m, n, k, 1.0f, 1.0f, false, seed, 1);
+  Tensor c = make({m, n}, gc.c, h0.c0);
+  std::vector<GemmProblem> problems;
+  for (const Host* h : {&h0, &h1})
+    problems.push_back({gc.ta, gc.tb, m, n, k, make(gc.ta ? std::vector<std::int64_t>{k, m} : std::vector<std::int64_t>{m, k}, gc.ab, h->a),
+                        make(gc.tb ? std::vector<std::int64_t>{n, k} : std::vector<std::int64_t>{k, n}, gc.ab, h->b), c, 1.0f, 1.0f});
+  const std::int64_t loops = calls_on(*b, "shared_c", GemmPath::loop), grouped = calls_on(*b, "shared_c", GemmPath::grouped);
+  cuda_force_gemm_path(*b, GemmPath::grouped);
+  b->grouped_gemm(*s, problems, "shared_c");
+  b->synchronize();
+  cuda_force_gemm_path(*b, std::nullopt);
+  EXPECT_EQ(calls_on(*b, "shared_c", GemmPath::grouped), grouped);
+  EXPECT_EQ(calls_on(*b, "shared_c", GemmPath::loop), loops + 1);
+  // The reference in order: C0 + A0·B0 (in float64, kept as float), then that plus A1·B1.
+  const std::vector<double> first = reference(h0, gc.ta, gc.tb);
+  Host h1_after = h1;
+  h1_after.c0.assign(first.begin(), first.end());
+  const std::vector<double> want = reference(h1_after, gc.ta, gc.tb);
+  const auto got = b->download(c);
+  const double scale = magnitude(h0) + magnitude(h1);
+  const double rt = gc.c == DType::bf16 ? tol(DType::bf16) : (gc.ab == DType::bf16 ? 1e-5 : tol(DType::f32));
+  for (std::size_t e = 0; e < got.size(); ++e)
+    ASSERT_LE(std::abs(static_cast<double>(got[e]) - want[e]), rt * (scale + std::abs(want[e]))) << "element " << e;
+}
 
 // One problem is one cublasGemmEx whatever path is forced; its reason says so, in the path
 // record and the op's trace detail, in the words of the sim's chooser (force_gemm_path).

@@ -43,6 +43,17 @@ void cuda_check(cudaError_t err, const char* what) {
                              cudaGetErrorString(err) + ")");
 }
 
+// An allocation's result (cuda_kernels::check_alloc's rule): out of memory is OutOfMemory, the
+// error cleared; anything else as cuda_check.
+void cuda_check_alloc(cudaError_t err, const char* what, std::size_t bytes) {
+  if (err == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    throw OutOfMemory(std::string("cuda: ") + what + ": cannot allocate " + std::to_string(bytes) + " bytes: " +
+                      cudaGetErrorString(err));
+  }
+  cuda_check(err, what);
+}
+
 void cublas_check(cublasStatus_t st, const char* what) {
   if (st != CUBLAS_STATUS_SUCCESS)
     throw std::runtime_error(std::string("cublas: ") + what + " failed: " + cublasGetStatusString(st));
@@ -161,7 +172,7 @@ class PinnedStaging {
     }
     Chunk c;
     c.bytes = std::max<std::size_t>(bytes, 4096);
-    cuda_check(cudaMallocHost(&c.ptr, c.bytes), "cudaMallocHost (staging)");
+    cuda_check_alloc(cudaMallocHost(&c.ptr, c.bytes), "cudaMallocHost (staging)", c.bytes);
     cuda_check(cudaEventCreateWithFlags(&c.done, cudaEventDisableTiming), "cudaEventCreate");
     chunks_.push_back(c);
     return chunks_.size() - 1;
@@ -888,6 +899,10 @@ class CudaBackend final : public Backend {
   cublasStatus_t gemm_grouped(cublasHandle_t h, cudaStream_t st, std::span<const GemmProblem* const> list);
   // Whether every matrix of the problems starts on 16 bytes, as the grouped call needs.
   static bool grouped_pointers_aligned(std::span<const GemmProblem* const> list);
+  // Whether no two problems write overlapping outputs: one grouped call gives its problems no
+  // order, so two that accumulate into one C (beta = 1) would race there; the loop runs them
+  // in order.
+  static bool outputs_disjoint(std::span<const GemmProblem* const> list);
   // The path of a call of several problems of one type combination (A/B in `ab`): the table's
   // choice among the paths that can run (strided: one equal batch; grouped: the library has it
   // for these types), or the forced path (force_gemm_path) where it can run.
@@ -1089,7 +1104,7 @@ void CudaBackend::grouped_gemm(Stream& s, std::span<const GemmProblem> problems,
     {
       std::lock_guard lock(mu_);
       strided = runs.size() == 1 && strided_unsupported_.count(types) == 0;
-      grouped = grouped_unsupported_.count(types) == 0 && grouped_pointers_aligned(list);
+      grouped = grouped_unsupported_.count(types) == 0 && grouped_pointers_aligned(list) && outputs_disjoint(list);
     }
     const GemmPathChoice choice = choose_path(list, static_cast<DType>(types.first), strided, grouped);
     // Not every type combination has a grouped or strided kernel (bf16 inputs with an fp32 C,
@@ -1199,6 +1214,18 @@ bool CudaBackend::grouped_pointers_aligned(std::span<const GemmProblem* const> l
                      [&](const GemmProblem* p) { return aligned(p->a.raw()) && aligned(p->b.raw()) && aligned(p->c.raw()); });
 }
 
+bool CudaBackend::outputs_disjoint(std::span<const GemmProblem* const> list) {
+  std::vector<std::pair<std::uintptr_t, std::uintptr_t>> spans;  // [first byte, last byte + 1) of each C
+  for (const auto* p : list) {
+    const auto at = reinterpret_cast<std::uintptr_t>(p->c.raw());
+    spans.emplace_back(at, at + p->c.nbytes());
+  }
+  std::sort(spans.begin(), spans.end());
+  for (std::size_t i = 1; i < spans.size(); ++i)
+    if (spans[i].first < spans[i - 1].second) return false;
+  return true;
+}
+
 // The problems (one type combination) as one cublasGemmGroupedBatchedEx, one group per
 // distinct shape and scalars, so that equal-sized experts share a group.
 cublasStatus_t CudaBackend::gemm_grouped(cublasHandle_t h, cudaStream_t st, std::span<const GemmProblem* const> list) {
@@ -1237,7 +1264,13 @@ cublasStatus_t CudaBackend::gemm_grouped(cublasHandle_t h, cudaStream_t st, std:
   // host): stage them through pinned memory and a stream-ordered allocation.
   const std::size_t bytes = 3 * P * sizeof(void*);
   void* dev = nullptr;
-  cuda_check(cudaMallocAsync(&dev, bytes, st), "cudaMallocAsync (gemm pointers)");
+  cuda_check_alloc(cudaMallocAsync(&dev, bytes, st), "cudaMallocAsync (gemm pointers)", bytes);
+  // Given back on the stream whatever happens below (a staging or copy failure throws).
+  struct FreeOnExit {
+    void* p;
+    cudaStream_t s;
+    ~FreeOnExit() { cudaFreeAsync(p, s); }
+  } free_on_exit{dev, st};
   {
     std::lock_guard lock(mu_);
     const std::size_t chunk = staging_->acquire(bytes);
@@ -1256,7 +1289,6 @@ cublasStatus_t CudaBackend::gemm_grouped(cublasHandle_t h, cudaStream_t st, std:
       const_cast<const void* const*>(dptr), cuda_type(ab), ld_first.data(),
       const_cast<const void* const*>(dptr + P), cuda_type(ab), ld_second.data(), beta.data(), dptr + 2 * P,
       cuda_type(ct), ldc.data(), static_cast<int>(G), group_size.data(), compute_type(ab));
-  cuda_check(cudaFreeAsync(dev, st), "cudaFreeAsync (gemm pointers)");
   return status;
 }
 
@@ -1330,7 +1362,8 @@ cublasStatus_t CudaBackend::lt_matmul(Stream& s, const GemmProblem& p, GemmEpilo
       if (st != CUBLAS_STATUS_SUCCESS) return st;
     }
   }
-  if (!cs.lt_workspace) cuda_check(cudaMalloc(&cs.lt_workspace, kLtWorkspaceBytes), "cudaMalloc (cuBLASLt workspace)");
+  if (!cs.lt_workspace)
+    cuda_check_alloc(cudaMalloc(&cs.lt_workspace, kLtWorkspaceBytes), "cudaMalloc (cuBLASLt workspace)", kLtWorkspaceBytes);
   const DType ab = p.a.dtype(), ct = p.c.dtype();
   const cublasComputeType_t compute = compute_type(ab);
   LtLayouts L;
