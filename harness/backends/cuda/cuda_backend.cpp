@@ -43,17 +43,6 @@ void cuda_check(cudaError_t err, const char* what) {
                              cudaGetErrorString(err) + ")");
 }
 
-// An allocation's result (cuda_kernels::check_alloc's rule): out of memory is OutOfMemory, the
-// error cleared; anything else as cuda_check.
-void cuda_check_alloc(cudaError_t err, const char* what, std::size_t bytes) {
-  if (err == cudaErrorMemoryAllocation) {
-    cudaGetLastError();
-    throw OutOfMemory(std::string("cuda: ") + what + ": cannot allocate " + std::to_string(bytes) + " bytes: " +
-                      cudaGetErrorString(err));
-  }
-  cuda_check(err, what);
-}
-
 void cublas_check(cublasStatus_t st, const char* what) {
   if (st != CUBLAS_STATUS_SUCCESS)
     throw std::runtime_error(std::string("cublas: ") + what + " failed: " + cublasGetStatusString(st));
@@ -172,7 +161,7 @@ class PinnedStaging {
     }
     Chunk c;
     c.bytes = std::max<std::size_t>(bytes, 4096);
-    cuda_check_alloc(cudaMallocHost(&c.ptr, c.bytes), "cudaMallocHost (staging)", c.bytes);
+    cuda_kernels::check_alloc(cudaMallocHost(&c.ptr, c.bytes), "cudaMallocHost (staging)", c.bytes);
     cuda_check(cudaEventCreateWithFlags(&c.done, cudaEventDisableTiming), "cudaEventCreate");
     chunks_.push_back(c);
     return chunks_.size() - 1;
@@ -1264,7 +1253,7 @@ cublasStatus_t CudaBackend::gemm_grouped(cublasHandle_t h, cudaStream_t st, std:
   // host): stage them through pinned memory and a stream-ordered allocation.
   const std::size_t bytes = 3 * P * sizeof(void*);
   void* dev = nullptr;
-  cuda_check_alloc(cudaMallocAsync(&dev, bytes, st), "cudaMallocAsync (gemm pointers)", bytes);
+  cuda_kernels::check_alloc(cudaMallocAsync(&dev, bytes, st), "cudaMallocAsync (gemm pointers)", bytes);
   // Given back on the stream whatever happens below (a staging or copy failure throws).
   struct FreeOnExit {
     void* p;
@@ -1363,7 +1352,8 @@ cublasStatus_t CudaBackend::lt_matmul(Stream& s, const GemmProblem& p, GemmEpilo
     }
   }
   if (!cs.lt_workspace)
-    cuda_check_alloc(cudaMalloc(&cs.lt_workspace, kLtWorkspaceBytes), "cudaMalloc (cuBLASLt workspace)", kLtWorkspaceBytes);
+    cuda_kernels::check_alloc(cudaMalloc(&cs.lt_workspace, kLtWorkspaceBytes), "cudaMalloc (cuBLASLt workspace)",
+                              kLtWorkspaceBytes);
   const DType ab = p.a.dtype(), ct = p.c.dtype();
   const cublasComputeType_t compute = compute_type(ab);
   LtLayouts L;

@@ -10,7 +10,6 @@
 #include <string>
 
 #include "harness/backends/cuda/kernels.hpp"
-#include "harness/runtime/error.hpp"
 
 namespace moelab::cuda_kernels {
 
@@ -20,17 +19,6 @@ constexpr int kElemThreads = 256;
 
 inline void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string("cuda: ") + what + " failed: " + cudaGetErrorString(err));
-}
-// An allocation's result: out of memory is OutOfMemory (exit code 3, as the backend's tracked
-// allocations report it), with the error cleared (an allocation failure is not sticky, and a
-// later check_launch must not report it against a kernel); anything else as check.
-inline void check_alloc(cudaError_t err, const char* what, std::size_t bytes) {
-  if (err == cudaErrorMemoryAllocation) {
-    cudaGetLastError();
-    throw OutOfMemory(std::string("cuda: ") + what + ": cannot allocate " + std::to_string(bytes) + " bytes: " +
-                      cudaGetErrorString(err));
-  }
-  check(err, what);
 }
 inline void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
 

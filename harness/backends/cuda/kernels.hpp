@@ -8,9 +8,26 @@
 #pragma once
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <string>
+
+#include "harness/runtime/error.hpp"
 
 namespace moelab::cuda_kernels {
+
+// An allocation's result, for the backend's own scratch and staging (its tracked tensors go
+// through raw_alloc): out of memory is OutOfMemory (exit code 3, as tracked allocations report
+// it), with the error cleared (an allocation failure is not sticky, and a later launch check
+// must not report it against a kernel); any other error is thrown as std::runtime_error.
+inline void check_alloc(cudaError_t err, const char* what, std::size_t bytes) {
+  if (err == cudaSuccess) return;
+  cudaGetLastError();
+  if (err == cudaErrorMemoryAllocation)
+    throw OutOfMemory(std::string("cuda: ") + what + ": cannot allocate " + std::to_string(bytes) + " bytes: " +
+                      cudaGetErrorString(err));
+  throw std::runtime_error(std::string("cuda: ") + what + " failed: " + cudaGetErrorString(err));
+}
 
 // Element type of row data (activations, dispatch buffers). Gate tensors are always fp32.
 enum class Elem { f32, bf16 };

@@ -1139,12 +1139,13 @@ void SimCluster::Impl::evaluate() {
   std::vector<sim::LinkBytes> sent(static_cast<std::size_t>(n));  // by the sending world rank
   std::vector<std::map<std::string, sim::LinkBytes>> sent_by(static_cast<std::size_t>(n));  // and by collective
   const char* coll = "";  // the collective whose flows are being made
-  // src, dst: world ranks. `nccl`: price the flow as one message of NCCL's grouped send/recv
-  // (all-to-all): its protocol's per-call latency and link efficiencies (docs/PERFORMANCE.md,
-  // "All-to-all as NCCL runs it"); extra_latency then holds its per-peer term.
+  // src, dst: world ranks; deps: the tasks the flow waits for; returns its task id. `nccl`:
+  // price the flow as NCCL runs it: its protocol's per-call latency and link efficiencies, the
+  // protocol chosen by `message_bytes` (docs/PERFORMANCE.md, "All-to-all as NCCL runs it");
+  // `hops` route latencies (a ring's steps) plus `extra_latency` (an all-to-all's per-peer term).
   const sim::ExchangeFit* self_exchange = nullptr;  // set for a one-rank all-to-all (below)
-  auto flow = [&](int src, int dst, double bytes, int arrive_src, int arrive_dst, double extra_latency,
-                  int done_src, int done_dst, const sim::P2pModel* nccl = nullptr) {
+  auto add_flow = [&](int src, int dst, double bytes, std::vector<int> deps, double extra_latency,
+                      const sim::P2pModel* nccl, double hops, double message_bytes) {
     sim::Task f;
     f.name = "flow";
     f.rank = src;
@@ -1159,9 +1160,9 @@ void SimCluster::Impl::evaluate() {
       f.demands = {{topo.hbm(src), 2.0 * bytes}};
     } else {
       const sim::Route route = topo.p2p(src, dst);
-      f.latency = route.latency + extra_latency;
+      f.latency = hops * route.latency + extra_latency;
       if (nccl) {
-        const A2aMessage msg = a2a_message(*nccl, route, bytes);
+        const A2aMessage msg = a2a_message(*nccl, route, message_bytes);
         f.latency += msg.base_latency;
         for (std::size_t i = 0; i < route.resources.size(); ++i)
           f.demands.push_back({route.resources[i], bytes / msg.efficiency[i]});
@@ -1173,9 +1174,15 @@ void SimCluster::Impl::evaluate() {
         sent_by[static_cast<std::size_t>(src)][coll][c] += bytes;
       }
     }
-    f.deps = {arrive_src, arrive_dst};
+    f.deps = std::move(deps);
     const int id = total + static_cast<int>(flows.size());
     flows.push_back(std::move(f));
+    return id;
+  };
+  // One message between two members: starts when both arrived, each leaves after it.
+  auto flow = [&](int src, int dst, double bytes, int arrive_src, int arrive_dst, double extra_latency,
+                  int done_src, int done_dst, const sim::P2pModel* nccl = nullptr) {
+    const int id = add_flow(src, dst, bytes, {arrive_src, arrive_dst}, extra_latency, nccl, 1.0, bytes);
     done_deps[done_src].push_back(id);
     if (done_dst != done_src) done_deps[done_dst].push_back(id);
   };
@@ -1253,24 +1260,10 @@ void SimCluster::Impl::evaluate() {
       flows.push_back(std::move(j));
       std::map<int, std::vector<int>> on_node;  // node -> members on it, in communicator order
       for (int i = 0; i < m; ++i) on_node[opt.cluster.node_of(w(i))].push_back(i);
-      const std::size_t first = flows.size();
-      auto ring_flow = [&](int src, int dst, double bytes) {
-        const sim::Route route = topo.p2p(src, dst);
-        const A2aMessage msg = a2a_message(nccl, route, part(0)->bytes);  // the protocol by the chunk a step moves
-        sim::Task f;
-        f.name = "flow";
-        f.rank = src;
-        f.gpu = src;
-        f.cls = sim::WorkClass::comm;
-        f.latency = msg.base_latency + steps * route.latency;
-        for (std::size_t r = 0; r < route.resources.size(); ++r)
-          f.demands.push_back({route.resources[r], bytes / msg.efficiency[r]});
-        for (sim::LinkClass c : route.links) {
-          sent[static_cast<std::size_t>(src)][c] += bytes;
-          sent_by[static_cast<std::size_t>(src)][coll][c] += bytes;
-        }
-        f.deps = {join_id};
-        flows.push_back(std::move(f));
+      std::vector<int> ring;  // the flows' task ids
+      const auto ring_flow = [&](int src, int dst, double bytes) {
+        // The protocol by the chunk a step moves; one route latency per step.
+        ring.push_back(add_flow(src, dst, bytes, {join_id}, 0.0, &nccl, steps, part(0)->bytes));
       };
       for (int s = 0; s < m; ++s) {
         const int d = (s + 1) % m;
@@ -1286,8 +1279,8 @@ void SimCluster::Impl::evaluate() {
             std::min({a.size(), b.size(), static_cast<std::size_t>(std::max(opt.cluster.node.nics, 1))}), 1);
         for (std::size_t c = 0; c < k; ++c) ring_flow(w(a[c]), w(b[c]), bytes / static_cast<double>(k));
       }
-      for (std::size_t f = first; f < flows.size(); ++f)
-        for (int i = 0; i < m; ++i) done_deps[done(i)].push_back(total + static_cast<int>(f));
+      for (int id : ring)
+        for (int i = 0; i < m; ++i) done_deps[done(i)].push_back(id);
     }
   }
 
