@@ -439,6 +439,13 @@ FfnBlock::FfnBlock(Backend& b, Stream& s, const TransformerConfig& cfg, int laye
     const std::vector<int> ranks = tp.comm->world_ranks();
     moe_->layer().share_noise_rank(static_cast<std::uint64_t>(*std::min_element(ranks.begin(), ranks.end())));
   }
+  // Under SP the TP ranks route disjoint rows of the sequence: the load-balancing loss is the
+  // whole sequence's (Megatron-Core's sequence-partition group), its counts summed over TP on
+  // the model's stream, which the MoE layer's compute stream is.
+  if (tp.sp()) {
+    MOELAB_CHECK(&moe_->layer().compute_stream() == &s_, "an MoE layer under SP must compute on its model's stream");
+    moe_->layer().partition_sequence(tp.comm);
+  }
   if (cfg.shared_expert_hidden > 0)
     mlp_ = std::make_unique<FeedForward>(b, s, cfg, cfg.shared_expert_hidden,
                                          "layer" + std::to_string(layer) + ".shared_expert", tp);

@@ -213,9 +213,13 @@ Tensor Model::infer(const Batch& batch, const WorkKey& key) { return run_forward
 Forwarded Model::run_forward(const Batch& batch, const WorkKey& key, bool keep) {
   auto sv = std::make_unique<ModelSaved>(key);
   Tensor h = batch.input;
-  // Tokens of the microbatch on this rank outside the TP regions (what the MoE layers route).
-  // A vision model's loss is per image: its MoE layers' share is the microbatch's images.
-  const std::int64_t T = classifier_ ? batch.targets.numel() : embedding_ ? tp_.local_tokens(h.dim(0)) : h.dim(0);
+  // Tokens of the microbatch: the ids' count, or the residual stream's rows (under SP this
+  // rank's T/tp, while the MoE layers' load-balancing loss is the whole sequence's, every TP
+  // rank holding its share: MoELayer::partition_sequence). A vision model's loss is per image:
+  // its MoE layers' share is the microbatch's images.
+  const std::int64_t T = classifier_ ? batch.targets.numel()
+                         : embedding_ ? h.dim(0)
+                                      : h.dim(0) * (tp_.sp() ? tp_.size() : 1);
   int layer = first_;
   for (auto& blk : blocks_) {
     WorkKey k = key;

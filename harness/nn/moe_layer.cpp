@@ -186,6 +186,7 @@ void MoELayer::route(Stream& c, MoESaved& sv) {
   g.counts = b_.empty({E}, DType::i32, MemCategory::buffers, c);
   g.routed_frac = sv.routed_frac = b_.empty({E}, DType::f32, MemCategory::activations, c);
   g.aux_loss = sv.aux_loss = b_.empty({1}, DType::f32, MemCategory::activations, c);
+  if (seq_group_) g.prob_mean = sv.prob_mean = b_.empty({E}, DType::f32, MemCategory::activations, c);
   b_.gate_forward(c, g);
   // The one host synchronisation of the layer: the counts size the all-to-all-v.
   const auto counts = b_.download_i32(g.counts);
@@ -199,6 +200,18 @@ void MoELayer::route(Stream& c, MoESaved& sv) {
   routing_.sent_per_expert = sv.sent;
   const std::int64_t kept = std::accumulate(sv.sent.begin(), sv.sent.end(), std::int64_t{0});
   routing_.dropped = T * k - kept;
+  if (seq_group_) {
+    // The sequence's f_e = (slots the group routed to e) / (T_g·k), T_g = n·T rows in all; as
+    // the gate's f (whose backward divides by this rank's T) the rank keeps f_e·T/T_g, so that
+    // its aux term E·Σ_e f_e·(Σ_{t∈rank} p[t,e])/T_g and gradient grad_aux·E·f_e/T_g are the
+    // rank's share of the unsplit batch's (Megatron-Core, moe_utils.py, with
+    // sequence_partition_group). Slot counts below 2^24 are exact in fp32.
+    const double n = seq_group_->size(), Tk = static_cast<double>(T) * k;
+    Tensor routed = b_.empty({E}, DType::f32, MemCategory::buffers, c);  // [E] slots routed to e
+    b_.scale(c, sv.routed_frac, static_cast<float>(Tk), routed);
+    seq_group_->all_reduce(c, routed);
+    b_.scale(c, routed, static_cast<float>(1.0 / (n * n * Tk)), sv.routed_frac);
+  }
 }
 
 // (layer, microbatch, step) -> one word, equal to step for layer 0, microbatch 0: the lone
@@ -619,6 +632,12 @@ float MoELayer::aux_loss(const Saved& s) {
   const auto* sv = dynamic_cast<const MoESaved*>(&s);
   MOELAB_CHECK(sv != nullptr, "MoE layer: aux_loss given a saved state of another layer");
   if (!b_.has_data()) return 0.0f;
+  if (sv->prob_mean.defined()) {  // partition_sequence: this rank's share, E·Σ_e f_e·P_e
+    const auto f = b_.download(sv->routed_frac), p = b_.download(sv->prob_mean);
+    double sum = 0.0;
+    for (std::size_t e = 0; e < f.size(); ++e) sum += static_cast<double>(f[e]) * p[e];
+    return static_cast<float>(static_cast<double>(f.size()) * sum);
+  }
   return b_.download(sv->aux_loss)[0];
 }
 

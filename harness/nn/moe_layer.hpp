@@ -102,7 +102,8 @@ struct MoESaved : Saved {
   Tensor probs;                 // [T,E]   fp32
   Tensor topk_idx, topk_w;      // [T,k]   int32 / fp32
   Tensor slot;                  // [T,k]   int32 row in T_I, -1 = dropped
-  Tensor routed_frac, aux_loss; // [E], [1] fp32
+  Tensor routed_frac, aux_loss; // [E], [1] fp32 (routed_frac rescaled under partition_sequence)
+  Tensor prob_mean;             // [E]     fp32 mean_t probs[t,e], under partition_sequence only
   std::vector<std::int64_t> sent;  // [E] kept slots per global expert (rows of T_I per expert)
   ChunkPlan plan;               // the dispatch's chunks
   struct Kept {
@@ -197,6 +198,14 @@ class MoELayer {
     return shared_noise_rank_ ? *shared_noise_rank_ : static_cast<std::uint64_t>(comm_.rank());
   }
   void share_noise_rank(std::uint64_t r) { shared_noise_rank_ = r; }
+  // Sequence parallelism: the ranks of `group` route disjoint rows of one sequence batch, and
+  // the load-balancing loss is the unsplit batch's (Megatron-Core's switch_load_balancing_loss
+  // with a sequence-partition group): f_e from the slots every rank of the group routed to e
+  // (an all-reduce of E counts on the compute stream, which the group must not be used from
+  // elsewhere concurrently), P_e from this rank's rows, both over the group's T; the ranks'
+  // aux_loss values and their gradients then sum to the unsplit model's. Null or size 1: the
+  // rank's own rows (as under data parallelism).
+  void partition_sequence(Communicator* group) { seq_group_ = group && group->size() > 1 ? group : nullptr; }
   // Whether a caller may run this layer's forward and backward as the public steps below, with
   // the plan dispatch_preprocess makes issued by the chunk issuer (ScMoE's overlap schedule,
   // impls/scmoe, does): true for the planners (FastMoE, FasterMoE, the Tutel-style baselines);
@@ -331,6 +340,7 @@ class MoELayer {
   SavedPtr held_;                        // the one-in-flight API's handle
   std::uint64_t noise_seed_ = 0x5eed;
   std::optional<std::uint64_t> shared_noise_rank_;
+  Communicator* seq_group_ = nullptr;  // partition_sequence
   std::uint64_t step_ = 0;               // forwards of the one-in-flight API
   std::vector<float> last_eps_;
   std::vector<std::string> host_waits_;  // host_wait's log

@@ -95,6 +95,7 @@ struct GateForward {
   Tensor counts;      // out [E] int32 kept slots per expert (rows of the buffer per expert)
   Tensor routed_frac; // out [E] fp32 f_e = slots routed to e before dropping / (T*k)
   Tensor aux_loss;    // out [1] fp32 E * sum_e f_e * P_e, P_e = mean_t probs[t,e]
+  Tensor prob_mean;   // out [E] fp32 P_e (optional: undefined, nothing written)
 };
 
 // Top-k gate, backward: d_logits from the gradient of the gate weights and of the aux loss.

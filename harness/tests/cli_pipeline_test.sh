@@ -81,7 +81,7 @@ fi
 
 # 4. tensor parallelism: 16 simulated A100s on two nodes, tp=2 x dp=8 with sequence parallelism,
 #    ZeRO-1 and experts over all 16 ranks: the all-to-all's bytes split into NVSwitch and NIC;
-#    and two cpu ranks training with tp=2 (the loss falls)
+#    and two cpu ranks training with tp=2 (the last ten steps' mean loss 0.3 below the first five's)
 if "$moelab" run --model "$models/gpt2-moe-small.json" --model-override '{"num_layers": 2, "moe": {"num_experts": 16}}' \
      --impl fastmoe --backend sim --cluster dgx-a100x2 --parallel tp=2,dp=8,ep=16 --sequence-parallel --zero1 \
      --grad-bucket 1000000 --microbatches 2 --steps 1 --warmup 0 --out "$work/tp.json" >"$work/tp.log" 2>&1 &&
@@ -103,8 +103,8 @@ if [ "$have_mpi" = 1 ] &&
    schema_ok "$work/cpu_tp.json" &&
    "$py" -c "
 import json, sys
-l = json.load(open(sys.argv[1]))['metrics']['loss']
-sys.exit(0 if l['last'] < l['first'] - 0.5 else 1)" "$work/cpu_tp.json"; then
+a = json.load(open(sys.argv[1]))['metrics']['loss']['all']  # one microbatch's loss a step: noisy
+sys.exit(0 if sum(a[-10:]) / 10 < sum(a[:5]) / 5 - 0.3 else 1)" "$work/cpu_tp.json"; then
   ok "2 cpu ranks, tp=2 with sequence parallelism: loss $(jget "$work/cpu_tp.json" "['metrics']['loss']['first']") -> $(jget "$work/cpu_tp.json" "['metrics']['loss']['last']")"
 elif [ "$have_mpi" = 1 ]; then bad "2 cpu ranks, tp=2"; cat "$work/cpu_tp.log"; fi
 

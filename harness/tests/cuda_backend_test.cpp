@@ -743,6 +743,7 @@ TEST_P(CudaGateTest, ForwardMatchesHostRoutingExactly) {
   g.counts = b->empty({E}, DType::i32, MemCategory::buffers, *s);
   g.routed_frac = b->empty({E}, DType::f32, MemCategory::buffers, *s);
   g.aux_loss = b->empty({1}, DType::f32, MemCategory::buffers, *s);
+  g.prob_mean = b->empty({E}, DType::f32, MemCategory::buffers, *s);  // asked for under sequence parallelism
   b->gate_forward(*s, g);
   b->synchronize();
 
@@ -776,14 +777,17 @@ TEST_P(CudaGateTest, ForwardMatchesHostRoutingExactly) {
   std::sort(kept.begin(), kept.end());
   for (std::size_t i = 0; i < kept.size(); ++i) ASSERT_EQ(kept[i], static_cast<std::int32_t>(i));
 
-  // Aux loss E * sum_e f_e * P_e.
+  // Aux loss E * sum_e f_e * P_e, and P_e itself.
   double aux = 0;
+  std::vector<double> p_mean;
   for (std::int64_t e = 0; e < E; ++e) {
     double pe = 0;
     for (std::int64_t t = 0; t < T; ++t) pe += p_ref[static_cast<std::size_t>(t * E + e)];
+    p_mean.push_back(pe / static_cast<double>(T));
     aux += static_cast<double>(r.frac[static_cast<std::size_t>(e)]) * pe / static_cast<double>(T);
   }
   EXPECT_TRUE(all_close("aux_loss", b->download(g.aux_loss), {static_cast<double>(E) * aux}, 1e-5));
+  EXPECT_TRUE(all_close("prob_mean", b->download(g.prob_mean), p_mean, 1e-5));
 }
 
 TEST_P(CudaGateTest, BackwardMatchesFloat64) {

@@ -6,8 +6,7 @@
 // data parallel with every expert on every rank (expert-DP = DP), with the experts spread
 // over all ranks (expert parallelism, expert-DP = 1), tensor × data parallel (the expert
 // gradients averaged over the TP copies), and the same with sequence parallelism (each TP rank
-// routes its own rows; no auxiliary loss on either side, since under SP it is each TP rank's
-// over its rows); and ScMoE's model (tiny-scmoe), data parallel and
+// routes its own rows, the load-balancing loss the whole sequence's); and ScMoE's model (tiny-scmoe), data parallel and
 // expert parallel. Bucket sizes: Megatron's default (one bucket per
 // kind), one element (a bucket per parameter) and an awkward 1000. ZeRO-1's optimizer bytes
 // per rank are the unsharded bytes / dp up to the padding.
@@ -133,7 +132,7 @@ TEST_P(DataParallelMpi, AdamStepsEqualOneRankOnTheConcatenatedBatch) {
   const int n = world->size();
   const bool sp = std::string(c.layout) == "tp2_sp_dp";
   if (std::string(c.layout).rfind("tp2_", 0) == 0 && n % 2 != 0) GTEST_SKIP() << "tp = 2 needs an even world";
-  const float aux = sp ? 0.0f : ModelOptions{}.aux_loss_coef;
+  const float aux = ModelOptions{}.aux_loss_coef;
   const TransformerConfig cfg = tiny(is_scmoe(c.layout));
   const GroupLayout layout = check_layout(ParallelLayout::parse(spec_of(c.layout, n)), n, n, cfg);
   ProcessGroups pg(*world, layout, gather_nodes(*world));

@@ -2,7 +2,7 @@
 // ranks as stages: every schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V), with and
 // without full recomputation, gives the loss and every parameter's gradient of the
 // unpipelined model run one microbatch after another in one process; with data parallelism
-// beside the pipeline too; and optimizer steps keep the pipelined parameters (the head's copy
+// beside the pipeline, and tensor (and sequence) parallelism inside each stage, too; and optimizer steps keep the pipelined parameters (the head's copy
 // of tied embeddings included) equal to the unpipelined ones.
 //   mpirun --oversubscribe -np 4 build/harness/tests/pipeline_mpi_test
 // A tiny 8-layer model (every second layer MoE, tied embeddings) on fresh seeds.
@@ -18,6 +18,7 @@
 #include "harness/nn/data.hpp"
 #include "harness/nn/model.hpp"
 #include "harness/pipeline/executor.hpp"
+#include "harness/tests/parallel_test_util.hpp"
 #include "harness/tests/test_util.hpp"
 
 namespace moelab {
@@ -59,10 +60,11 @@ struct Reference {
   std::unique_ptr<Model> model;
   std::unique_ptr<Optimizer> opt;
   std::vector<std::int32_t> next;
-  Reference(const TransformerConfig& cfg, std::uint64_t seed) {
+  std::uint64_t seed;
+  Reference(const TransformerConfig& cfg, std::uint64_t seed_, float aux_coef) : seed(seed_) {
     b = make_backend("cpu");
     self = make_self_communicator(*b);
-    model = std::make_unique<Model>(*b, *self, cfg);
+    model = std::make_unique<Model>(*b, *self, cfg, ModelOptions{.aux_loss_coef = aux_coef});
     model->init_parameters(seed);
     next = synthetic_successor(cfg.vocab_size, seed);
   }
@@ -71,7 +73,7 @@ struct Reference {
     double loss = 0;
     for (int r = 0; r < dp; ++r)
       for (int mb = 0; mb < microbatches; ++mb) {
-        const auto tb = synthetic_batch(next, kSeqs, model->config().seq_len, g_seed, step_no, mb, r);
+        const auto tb = synthetic_batch(next, kSeqs, model->config().seq_len, seed, step_no, mb, r);
         Batch x;
         const auto T = static_cast<std::int64_t>(tb.ids.size());
         x.input = b->empty({T}, DType::i32, MemCategory::activations, b->default_stream());
@@ -112,24 +114,55 @@ struct Case {
   int group = 0;            // group-interleaved's g (0: ceil(p/2))
   int offload = 0;          // PipeOffload: offload chunks < offload (-1: all), every transfer kept
   bool pad = false;         // the uneven split: p·v - 2 layers, the embedding and head chunks alone
+  int tp = 1;               // tensor parallelism inside every stage (pp = world / (dp·tp))
+  bool sp = false;          // with sequence parallelism
 };
 
 void PrintTo(const Case& k, std::ostream* os) {
   *os << k.schedule << " chunks " << k.chunks << " recompute " << pipeline::recompute_name(k.recompute) << " dp " << k.dp
       << " bucket " << k.bucket << (k.zero1 ? " zero1" : "") << " group " << k.group << " offload " << k.offload
-      << (k.pad ? " pad" : "");
+      << (k.pad ? " pad" : "") << " tp " << k.tp << (k.sp ? " sp" : "");
 }
 
-// One pipelined step (or `steps` optimizer steps) of layout pp = world/dp against the reference.
+// Each MoE layer's slots routed to each expert in the last forward it ran, by MoE layer of the
+// whole model (-1 where this rank holds no chunk with that layer); under sequence parallelism
+// summed over the TP group (each TP rank routes its own rows).
+std::vector<std::int64_t> routing(const TransformerConfig& cfg, const std::vector<Model*>& chunks, Communicator* tp) {
+  std::vector<int> moe_index(static_cast<std::size_t>(cfg.num_layers), -1);  // layer -> its index among MoE layers
+  int moes = 0;
+  for (int l = 0; l < cfg.num_layers; ++l)
+    if (cfg.is_moe(l)) moe_index[static_cast<std::size_t>(l)] = moes++;
+  const auto E = static_cast<std::size_t>(cfg.moe.num_experts);
+  std::vector<std::int64_t> r(static_cast<std::size_t>(moes) * E, -1);
+  for (Model* c : chunks) {
+    const auto layers = c->moe_layers();
+    std::size_t i = 0;
+    for (int l = c->first_layer(); l < cfg.num_layers && i < layers.size(); ++l) {
+      if (!cfg.is_moe(l)) continue;
+      auto routed = layers[i++]->routing().routed_per_expert;
+      for (std::size_t e = 0; e < E; ++e) {
+        if (tp) routed[e] = std::llround(tp->all_reduce_sum(static_cast<double>(routed[e])));
+        r[static_cast<std::size_t>(moe_index[static_cast<std::size_t>(l)]) * E + e] = routed[e];
+      }
+    }
+  }
+  return r;
+}
+
+// One pipelined step (or `steps` optimizer steps) of layout pp = world/(dp·tp) against the
+// reference. With tensor parallelism, fp32 sums in another order may move a gate probability
+// across a near-tie and flip a token's expert: the ranks then agree on another seed (at most
+// three more) whose last microbatch routes as the reference's did, and compare in full.
 void check(const Case& k, int steps) {
   auto b = make_backend("cpu");
   auto world = make_world_communicator(*b);
   const int n = world->size(), w = world->rank();
-  if (n % k.dp != 0) GTEST_SKIP() << "dp " << k.dp << " does not divide " << n << " ranks";
+  if (n % (k.dp * k.tp) != 0) GTEST_SKIP() << "dp " << k.dp << " × tp " << k.tp << " does not divide " << n << " ranks";
   TransformerConfig cfg = tiny(!k.zero1);
   ParallelLayout spec;
-  spec.pp = n / k.dp;
+  spec.pp = n / (k.dp * k.tp);
   spec.dp = k.dp;
+  spec.tp = k.tp;
   const GroupLayout l = check_layout(spec, n, n, cfg);
   ProcessGroups pg(*world, l, gather_nodes(*world));
   const int p = l.pp, m = 2 * p;
@@ -154,76 +187,97 @@ void check(const Case& k, int steps) {
   po.tokens = kSeqs * cfg.seq_len;
   po.recompute = k.recompute;
   po.pad_layers = k.pad;
-  pipeline::PipelineStage st(*b, cfg, s, pg.pp(), pg.ep(), po);
-  st.init_parameters(g_seed);
-  st.set_gradient_sync(&pg.dp(), &pg.edp());
-  if (k.bucket > 0) st.use_bucketed_sync({.bucket_elems = k.bucket, .zero1 = k.zero1});
-  Reference ref(cfg, g_seed);
-  std::unique_ptr<Optimizer> opt;
-  if (steps > 1) {
-    // SGD: an update proportional to the gradient (Adam's normalisation would turn fp32
-    // rounding of near-zero gradients into full-size steps of either sign).
-    OptimizerConfig oc;
-    oc.kind = OptimizerKind::sgd;
-    oc.lr = 0.5f;
-    if (k.bucket > 0) {
-      st.make_optimizer(oc);  // per chunk on its synchroniser
-    } else {
-      opt = std::make_unique<Optimizer>(*b, st.stream(), st.parameters(), oc);
-      st.set_optimizer(opt.get());
+  po.model.tp = k.tp > 1 ? &pg.tp() : nullptr;
+  po.model.sequence_parallel = k.sp;
+  std::uint64_t seed = g_seed;
+  for (int attempt = 0;; ++attempt, seed = Rng::mix(seed, 99)) {
+    pipeline::PipelineStage st(*b, cfg, s, pg.pp(), pg.ep(), po);
+    st.init_parameters(seed);
+    st.set_gradient_sync(&pg.dp(), &pg.edp());
+    if (k.bucket > 0) st.use_bucketed_sync({.bucket_elems = k.bucket, .zero1 = k.zero1});
+    Reference ref(cfg, seed, po.model.aux_loss_coef);
+    std::unique_ptr<Optimizer> opt;
+    if (steps > 1) {
+      // SGD: an update proportional to the gradient (Adam's normalisation would turn fp32
+      // rounding of near-zero gradients into full-size steps of either sign).
+      OptimizerConfig oc;
+      oc.kind = OptimizerKind::sgd;
+      oc.lr = 0.5f;
+      if (k.bucket > 0) {
+        st.make_optimizer(oc);  // per chunk on its synchroniser
+      } else {
+        opt = std::make_unique<Optimizer>(*b, st.stream(), st.parameters(), oc);
+        st.set_optimizer(opt.get());
+      }
+      ref.opt = std::make_unique<Optimizer>(*ref.b, ref.model->stream(), ref.model->parameters(), oc);
     }
-    ref.opt = std::make_unique<Optimizer>(*ref.b, ref.model->stream(), ref.model->parameters(), oc);
+    const float scale = 1.0f / static_cast<float>(po.tokens * m * k.dp);
+    const auto next = synthetic_successor(cfg.vocab_size, seed);
+    bool retry = false;
+    for (int step_no = 1; step_no <= steps; ++step_no) {
+      std::vector<Batch> data(static_cast<std::size_t>(m));
+      for (int mb = 0; mb < m; ++mb) {
+        const auto tb = synthetic_batch(next, kSeqs, cfg.seq_len, seed, static_cast<std::uint64_t>(step_no), mb, pg.coords().dp);
+        Batch& x = data[static_cast<std::size_t>(mb)];
+        x.input = b->empty({po.tokens}, DType::i32, MemCategory::activations, b->default_stream());
+        x.targets = b->empty({po.tokens}, DType::i32, MemCategory::activations, b->default_stream());
+        b->upload_i32(tb.ids, x.input);
+        b->upload_i32(tb.targets, x.targets);
+        x.loss_scale = scale;
+      }
+      st.step(data, static_cast<std::uint64_t>(step_no));
+      b->synchronize();
+      // The schedule's transfers ran: every kept one moved bytes there and back (the stage's
+      // embedding-only chunk saves nothing but its ids, which stay).
+      if (kept > 0) {
+        EXPECT_GT(st.offload_stats().transfers, 0) << "stage " << st.stage();
+        EXPECT_GT(st.offload_stats().bytes, 0u) << "stage " << st.stage();
+        EXPECT_LE(st.offload_stats().transfers, kept);
+      }
+      const double ref_loss = ref.step(m, k.dp, static_cast<std::uint64_t>(step_no), scale);
+      if (k.tp > 1) {
+        const auto got = routing(cfg, st.chunks(), k.sp ? &pg.tp() : nullptr);
+        const auto want = routing(cfg, {ref.model.get()}, nullptr);
+        bool same = true;
+        for (std::size_t i = 0; i < got.size(); ++i) same = same && (got[i] < 0 || got[i] == want[i]);
+        if (world->all_reduce_max(same ? 0.0 : 1.0) != 0.0) {
+          retry = attempt < 3;
+          EXPECT_TRUE(retry) << "routing differs from the reference on every seed tried";
+          break;
+        }
+      }
+      // The per-token losses of the head stage of every data-parallel replica (on each of its
+      // TP ranks: the vocabulary-parallel cross-entropy gives each the whole microbatch's).
+      double loss = 0;
+      for (const Tensor& t : st.losses()) {
+        double sum = 0;
+        for (float v : b->download(t)) sum += v;
+        loss += sum / static_cast<double>(po.tokens);
+      }
+      loss = world->all_reduce_sum(pg.coords().tp == 0 ? loss : 0.0);
+      EXPECT_NEAR(loss, ref_loss, 1e-5 * std::abs(ref_loss)) << "step " << step_no << " (seed " << seed << ")";
+    }
+    if (retry) continue;
+    // Gradients (one step) or values (after SGD steps), every parameter by name, a TP-split
+    // one put back together from its TP ranks' parts.
+    const auto want = ref.by_name(steps == 1);
+    int compared = 0;
+    for (auto& prm : st.parameters()) {
+      const auto it = want.find(prm.name);
+      ASSERT_NE(it, want.end()) << prm.name;
+      const auto got = test::full_tensor(*b, prm, steps == 1 ? prm.grad : prm.value, pg.tp(), pg.ep());
+      ASSERT_EQ(got.size(), it->second.size()) << prm.name;
+      EXPECT_LT(rel_diff(got, it->second), 2e-5)
+          << prm.name << " on rank " << w << " (stage " << st.stage() << ", seed " << seed << ")";
+      ++compared;
+    }
+    EXPECT_GT(compared, 0);
+    // Every parameter of the model is on some stage.
+    const double held = world->all_reduce_sum(pg.coords().dp == 0 && pg.coords().tp == 0 ? compared : 0);
+    EXPECT_GE(held, static_cast<double>(want.size()));
+    world->barrier();
+    return;
   }
-  const float scale = 1.0f / static_cast<float>(po.tokens * m * k.dp);
-  const auto next = synthetic_successor(cfg.vocab_size, g_seed);
-  for (int step_no = 1; step_no <= steps; ++step_no) {
-    std::vector<Batch> data(static_cast<std::size_t>(m));
-    std::vector<std::vector<std::int32_t>> targets;
-    for (int mb = 0; mb < m; ++mb) {
-      const auto tb = synthetic_batch(next, kSeqs, cfg.seq_len, g_seed, static_cast<std::uint64_t>(step_no), mb, pg.coords().dp);
-      Batch& x = data[static_cast<std::size_t>(mb)];
-      x.input = b->empty({po.tokens}, DType::i32, MemCategory::activations, b->default_stream());
-      x.targets = b->empty({po.tokens}, DType::i32, MemCategory::activations, b->default_stream());
-      b->upload_i32(tb.ids, x.input);
-      b->upload_i32(tb.targets, x.targets);
-      x.loss_scale = scale;
-    }
-    st.step(data, static_cast<std::uint64_t>(step_no));
-    b->synchronize();
-    // The schedule's transfers ran: every kept one moved bytes there and back (the stage's
-    // embedding-only chunk saves nothing but its ids, which stay).
-    if (kept > 0) {
-      EXPECT_GT(st.offload_stats().transfers, 0) << "stage " << st.stage();
-      EXPECT_GT(st.offload_stats().bytes, 0u) << "stage " << st.stage();
-      EXPECT_LE(st.offload_stats().transfers, kept);
-    }
-    const double ref_loss = ref.step(m, k.dp, static_cast<std::uint64_t>(step_no), scale);
-    double loss = 0;
-    for (const Tensor& t : st.losses()) {
-      double sum = 0;
-      for (float v : b->download(t)) sum += v;
-      loss += sum / static_cast<double>(po.tokens);
-    }
-    loss = world->all_reduce_sum(loss);  // the head stage of every data-parallel replica
-    EXPECT_NEAR(loss, ref_loss, 1e-5 * std::abs(ref_loss)) << "step " << step_no << " (seed " << g_seed << ")";
-  }
-  // Gradients (one step) or values (after Adam steps), every parameter by name.
-  const auto want = ref.by_name(steps == 1);
-  int compared = 0;
-  for (auto& prm : st.parameters()) {
-    const auto it = want.find(prm.name);
-    ASSERT_NE(it, want.end()) << prm.name;
-    const auto got = b->download(steps == 1 ? prm.grad : prm.value);
-    ASSERT_EQ(got.size(), it->second.size()) << prm.name;
-    EXPECT_LT(rel_diff(got, it->second), 2e-5)
-        << prm.name << " on rank " << w << " (stage " << st.stage() << ", seed " << g_seed << ")";
-    ++compared;
-  }
-  EXPECT_GT(compared, 0);
-  // Every parameter of the model is on some stage.
-  const double held = world->all_reduce_sum(pg.coords().dp == 0 ? compared : 0);
-  EXPECT_GE(held, static_cast<double>(want.size()));
-  world->barrier();
 }
 
 class PipelineMpi : public ::testing::TestWithParam<Case> {};
@@ -248,7 +302,13 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{.schedule = "1f1b", .offload = -1}, Case{.schedule = "gpipe", .offload = -1},
                       Case{.schedule = "zb-h1", .offload = -1}, Case{.schedule = "zb-v", .offload = -1},
                       Case{.schedule = "1f1b", .recompute = pipeline::Recompute::selective, .offload = -1},
-                      Case{.schedule = "group-interleaved", .chunks = 2, .dp = 2, .offload = -1}),
+                      Case{.schedule = "group-interleaved", .chunks = 2, .dp = 2, .offload = -1},
+                      // Tensor (and sequence) parallelism inside the stages (no recompute: the
+                      // routing check reads each layer's last forward, microbatch m - 1's).
+                      Case{.schedule = "1f1b", .tp = 2}, Case{.schedule = "1f1b", .tp = 2, .sp = true},
+                      Case{.schedule = "interleaved", .chunks = 2, .tp = 2, .sp = true},
+                      Case{.schedule = "zb-v", .tp = 2},
+                      Case{.schedule = "group-interleaved", .chunks = 2, .offload = -1, .tp = 2, .sp = true}),
     [](const auto& i) {
       std::string s = i.param.schedule;
       for (auto& ch : s)
@@ -259,6 +319,8 @@ INSTANTIATE_TEST_SUITE_P(
       if (i.param.chunks > 2) s += "_v" + std::to_string(i.param.chunks);
       if (i.param.offload != 0) s += i.param.offload < 0 ? "_offload" : "_offload" + std::to_string(i.param.offload);
       if (i.param.pad) s += "_pad";
+      if (i.param.tp > 1) s += "_tp" + std::to_string(i.param.tp);
+      if (i.param.sp) s += "_sp";
       return s;
     });
 

@@ -69,10 +69,12 @@ struct Case {
   bool ep = false;   // MoE: experts over an expert-parallel group of all ranks (else every rank holds all)
   bool pad = false;  // a vocabulary of 42, padded to a multiple of TP (44 at TP = 4)
   bool noisy = false;  // MoE: the noisy gate (the TP ranks hold the same tokens and must draw the same noise)
+  double capacity = 0.0;  // MoE: a capacity factor that drops slots (without SP every TP rank holds all T tokens)
 };
 std::string case_name(const ::testing::TestParamInfo<Case>& p) {
   return std::string(kind_name(p.param.kind)) + (p.param.sp ? "_sp" : "") + (p.param.ep ? "_ep" : "") +
-         (p.param.pad ? "_padded_vocab" : "") + (p.param.noisy ? "_noisy_gate" : "");
+         (p.param.pad ? "_padded_vocab" : "") + (p.param.noisy ? "_noisy_gate" : "") +
+         (p.param.capacity > 0 ? "_dropping" : "");
 }
 
 constexpr std::int64_t kSequences = 2;  // per microbatch: T = 16, divisible by 1, 2 and 4
@@ -82,6 +84,8 @@ struct Result {
   std::vector<double> loss;                       // per microbatch
   std::map<std::string, std::vector<float>> value, grad;  // full shapes
   std::vector<std::int64_t> routed;               // per MoE layer and expert, over the TP group
+  std::int64_t dropped = 0;                       // slots dropped by capacity, every MoE layer
+  std::vector<double> aux;                        // per microbatch: the load-balancing loss, every MoE layer
   std::size_t held[2] = {0, 0}, left[2] = {0, 0};  // bytes charged to each microbatch in flight, and after
 };
 
@@ -116,11 +120,17 @@ Result run(Backend* pg_backend, ProcessGroups* pg, const TransformerConfig& cfg,
   Result res;
   for (int mb = 0; mb < kMicrobatches; ++mb) res.held[mb] = b->memory().microbatch_in_use()[mb];
   res.loss = {model.loss(*f0.saved), model.loss(*f1.saved)};
+  // Under SP each TP rank holds its share of the sequence's load-balancing loss.
+  for (Forwarded* f : {&f0, &f1}) {
+    const double a = model.aux_loss(*f->saved);
+    res.aux.push_back(pg && sp ? pg->tp().all_reduce_sum(a) : a);
+  }
   for (MoEImpl* m : model.moe_layers()) {  // the second microbatch's routing
     auto r = m->routing().routed_per_expert;
     if (pg && sp)  // each TP rank routed its own rows
       for (auto& n : r) n = std::llround(pg->tp().all_reduce_sum(static_cast<double>(n)));
     res.routed.insert(res.routed.end(), r.begin(), r.end());
+    res.dropped += m->routing().dropped;
   }
   model.backward_input(*f1.saved, Tensor());
   model.backward_input(*f0.saved, Tensor());
@@ -153,15 +163,18 @@ TEST_P(TensorParallelMpi, LossAndGradientsEqualTheUnsplitModel) {
   // The noisy gate keyed on the TP group (its lowest world rank, 0 here, as the reference's
   // rank): the same noise on every TP rank, whatever its rank in the expert-parallel group.
   if (c.noisy) cfg.moe.noisy_gate = true;
+  // Capacity counts the tokens a rank routes: without SP every TP rank routes the unsplit
+  // model's T, so the same slots are dropped (and get no expert output, nor its gradient).
+  if (c.capacity > 0) cfg.moe.capacity_factor = c.capacity;
   TransformerConfig ref_cfg = cfg;
   ref_cfg.vocab_size = (cfg.vocab_size + n - 1) / n * n;
   const std::string spec = "tp=" + std::to_string(n) + (c.ep ? ",ep=" + std::to_string(n) : "");
   const GroupLayout layout = check_layout(ParallelLayout::parse(spec), n, n, cfg);
   ProcessGroups pg(*world, layout, gather_nodes(*world));
-  // Under sequence parallelism each TP rank's gate balances its own rows (the auxiliary loss of
-  // a rank's tokens, as under data parallelism), which is not the unsplit model's loss; the
-  // gate's gradient through the routing weights is still compared.
-  const float aux = c.kind == Kind::moe && c.sp ? 0.0f : 0.1f;
+  // Under sequence parallelism the load-balancing loss is still the whole sequence's (its
+  // counts summed over the TP group, as Megatron-Core does), so its value and gradient are the
+  // unsplit model's.
+  const float aux = 0.1f;
   // fp32 sums in another order may move a gate probability across a near-tie and flip a token's
   // expert: the ranks agree on a seed whose routing matches the reference's (the gradients
   // are then compared in full).
@@ -170,17 +183,22 @@ TEST_P(TensorParallelMpi, LossAndGradientsEqualTheUnsplitModel) {
   for (int attempt = 0;; ++attempt, seed = Rng::mix(seed, 99)) {
     ref = run(nullptr, nullptr, ref_cfg, cfg.vocab_size, seed, false, aux);
     tp = run(b.get(), &pg, cfg, cfg.vocab_size, seed, c.sp, aux);
-    const bool same = world->all_reduce_max(tp.routed == ref.routed ? 0.0 : 1.0) == 0.0;
+    const bool same = world->all_reduce_max(tp.routed == ref.routed && tp.dropped == ref.dropped ? 0.0 : 1.0) == 0.0;
     if (same || attempt == 3) {
       EXPECT_TRUE(same) << "routing differs from the reference on every seed tried";
       break;
     }
   }
   SCOPED_TRACE("seed " + std::to_string(seed) + ", " + layout.to_string());
+  if (c.capacity > 0) {
+    EXPECT_GT(tp.dropped, 0) << "the capacity factor dropped nothing";
+  }
   ASSERT_EQ(tp.value.size(), ref.value.size());
   for (int mb = 0; mb < kMicrobatches; ++mb) {
     EXPECT_NEAR(tp.loss[static_cast<std::size_t>(mb)], ref.loss[static_cast<std::size_t>(mb)],
                 1e-5 * ref.loss[static_cast<std::size_t>(mb)]);
+    EXPECT_NEAR(tp.aux[static_cast<std::size_t>(mb)], ref.aux[static_cast<std::size_t>(mb)],
+                1e-5 * ref.aux[static_cast<std::size_t>(mb)]);
     // The split model's saved state is charged to its microbatch (less of it than unsplit with
     // more than one rank, the heads, columns and, under SP, rows being split) and all returned.
     EXPECT_GT(tp.held[mb], 0u);
@@ -201,7 +219,9 @@ INSTANTIATE_TEST_SUITE_P(Models, TensorParallelMpi,
                                            Case{Kind::llama, true}, Case{Kind::moe, false}, Case{Kind::moe, true},
                                            Case{Kind::moe, false, true}, Case{Kind::moe, true, true},
                                            Case{Kind::moe, false, true, false, true}, Case{Kind::moe, false, false, false, true},
-                                           Case{Kind::gpt, true, false, true}, Case{Kind::llama, false, false, true}),
+                                           Case{Kind::gpt, true, false, true}, Case{Kind::llama, false, false, true},
+                                           Case{.kind = Kind::moe, .sp = false, .capacity = 0.5},
+                                           Case{.kind = Kind::moe, .sp = false, .ep = true, .capacity = 0.5}),
                          case_name);
 
 // A size that does not split is a ConfigError naming it, before any collective.

@@ -509,6 +509,7 @@ void CpuBackend::gate_forward(Stream& s, GateForward& g) {
   std::int32_t* counts = g.counts.data<std::int32_t>();
   float* frac = g.routed_frac.data<float>();
   float* aux = g.aux_loss.data<float>();
+  float* pmean = g.prob_mean.defined() ? g.prob_mean.data<float>() : nullptr;
   const std::int64_t cap = g.capacity;
   const bool renorm = g.renormalize;
   enqueue(s, "gate", cost_gate_forward(T, E, k), [=] {
@@ -564,6 +565,7 @@ void CpuBackend::gate_forward(Stream& s, GateForward& g) {
       double pe = 0.0;
       for (std::int64_t t = 0; t < T; ++t) pe += probs[t * E + e];
       pe = T ? pe / static_cast<double>(T) : 0.0;
+      if (pmean) pmean[e] = static_cast<float>(pe);
       loss += frac[e] * pe;
     }
     aux[0] = static_cast<float>(static_cast<double>(E) * loss);

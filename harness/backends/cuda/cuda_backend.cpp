@@ -479,6 +479,11 @@ class CudaBackend final : public Backend {
     a.counts = g.counts.data<std::int32_t>();
     a.routed_frac = f32p(g.routed_frac);
     a.aux_loss = f32p(g.aux_loss);
+    if (g.prob_mean.defined()) {
+      require_f32(g.prob_mean, "gate prob_mean");
+      MOELAB_CHECK(g.prob_mean.numel() == E, "gate prob_mean must be [E], got " + g.prob_mean.describe());
+      a.prob_mean = f32p(g.prob_mean);
+    }
     cuda_kernels::gate_forward(native(s), a);
   }
 

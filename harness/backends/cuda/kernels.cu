@@ -147,12 +147,13 @@ __global__ void gate_colsum_partial_kernel(const float* __restrict__ probs, i64 
 // The per-expert layout, one block: from the pre-drop histogram, each expert's segment start
 // in the sorted pairs (exclusive scan of pre-drop counts), its kept count (clamped to the
 // capacity), the buffer offset (exclusive scan of kept counts), f_e, and the aux loss
-// E * sum_e f_e * P_e with P_e the column mean of probs.
+// E * sum_e f_e * P_e with P_e the column mean of probs (and P_e itself when asked).
 constexpr int kLayoutThreads = 256;
 __global__ void gate_layout_kernel(const int* __restrict__ hist, const double* __restrict__ partial, int groups,
                                    i64 T, int k, int E, i64 capacity, int* __restrict__ seg_start,
                                    int* __restrict__ counts, int* __restrict__ offset,
-                                   float* __restrict__ routed_frac, float* __restrict__ aux_loss) {
+                                   float* __restrict__ routed_frac, float* __restrict__ aux_loss,
+                                   float* __restrict__ prob_mean) {
   using Scan = cub::BlockScan<int, kLayoutThreads>;
   using Reduce = cub::BlockReduce<double, kLayoutThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
@@ -178,6 +179,7 @@ __global__ void gate_layout_kernel(const int* __restrict__ hist, const double* _
       double col = 0.0;
       for (int g = 0; g < groups; ++g) col += partial[static_cast<i64>(g) * E + e];
       aux_part += static_cast<double>(f) * (col / static_cast<double>(T));
+      if (prob_mean) prob_mean[e] = static_cast<float>(col / static_cast<double>(T));
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -388,6 +390,7 @@ void gate_forward(cudaStream_t stream, const GateForwardArgs& a) {
     check(cudaMemsetAsync(a.counts, 0, sizeof(int) * E, stream), "cudaMemsetAsync");
     check(cudaMemsetAsync(a.routed_frac, 0, sizeof(float) * E, stream), "cudaMemsetAsync");
     check(cudaMemsetAsync(a.aux_loss, 0, sizeof(float), stream), "cudaMemsetAsync");
+    if (a.prob_mean) check(cudaMemsetAsync(a.prob_mean, 0, sizeof(float) * E, stream), "cudaMemsetAsync");
     return;
   }
   const i64 n = T * k;
@@ -450,7 +453,8 @@ void gate_forward(cudaStream_t stream, const GateForwardArgs& a) {
         "cub::DeviceRadixSort");
 
   gate_layout_kernel<<<1, kLayoutThreads, 0, stream>>>(hist, partial, static_cast<int>(groups), T, k, E, a.capacity,
-                                                       seg_start, a.counts, offset, a.routed_frac, a.aux_loss);
+                                                       seg_start, a.counts, offset, a.routed_frac, a.aux_loss,
+                                                       a.prob_mean);
   check_launch("gate layout kernel");
 
   gate_assign_kernel<<<grid_for(n, kElemThreads), kElemThreads, 0, stream>>>(keys_out, vals_out, n, T, k, a.capacity,

@@ -55,6 +55,7 @@ struct GateForwardArgs {
   std::int32_t* counts = nullptr; // [E]
   float* routed_frac = nullptr;   // [E]
   float* aux_loss = nullptr;      // [1]
+  float* prob_mean = nullptr;     // [E] mean_t probs[t,e]; null: not written
 };
 constexpr int kMaxTopK = 32;
 void gate_forward(cudaStream_t stream, const GateForwardArgs& a);
