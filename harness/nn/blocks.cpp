@@ -443,6 +443,10 @@ FfnBlock::FfnBlock(Backend& b, Stream& s, const TransformerConfig& cfg, int laye
   // whole sequence's (Megatron-Core's sequence-partition group), its counts summed over TP on
   // the model's stream, which the MoE layer's compute stream is.
   if (tp.sp()) {
+    if (moe_->tp_deduplicated())
+      throw ConfigError(moe_->name() + " deduplicates its exchange over the TP group, which needs every TP rank to hold "
+                        "the same tokens: not with sequence parallelism (--sequence-parallel), where each holds its own "
+                        "T/tp rows");
     MOELAB_CHECK(&moe_->layer().compute_stream() == &s_, "an MoE layer under SP must compute on its model's stream");
     moe_->layer().partition_sequence(tp.comm);
   }

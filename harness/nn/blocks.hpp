@@ -254,7 +254,8 @@ class FfnBlock final : public Block {
   void init_parameters(std::uint64_t seed) override;
   void collect(std::vector<Param*>& out) override;
   MoEImpl* moe() { return moe_.get(); }
-  // The auxiliary loss of a forward's MoE layer (0 for a dense block); synchronises.
+  // The auxiliary loss of a forward's MoE layer (0 for a dense block; under sequence
+  // parallelism this rank's share of the sequence's); synchronises.
   float aux_loss(const Saved& saved);
   // dL/d aux_loss used by backward_input: aux_loss_coef times the saved state's loss scale.
   void set_aux_grad_scale(float s) { aux_grad_scale_ = s; }

@@ -100,7 +100,9 @@ class Model {
   // does not need); backward is refused afterwards.
   void release_gradients();
   // The microbatch's mean cross-entropy over its counted targets, and its summed auxiliary
-  // loss over MoE layers (host values; synchronises). Last stage only for the loss.
+  // loss over MoE layers (host values; synchronises). Last stage only for the loss. Under
+  // sequence parallelism the auxiliary loss is this rank's share: the TP ranks' values sum to
+  // the unsplit model's (MoELayer::partition_sequence).
   double loss(const Saved& saved);
   double aux_loss(Saved& saved);
 

@@ -195,6 +195,8 @@ void MoELayer::route(Stream& c, MoESaved& sv) {
   routing_.routed_per_expert.assign(static_cast<std::size_t>(E), 0);
   for (std::size_t e = 0; e < frac.size(); ++e)
     routing_.routed_per_expert[e] = std::llround(static_cast<double>(frac[e]) * static_cast<double>(T * k));
+  if (routed_totals_.size() != static_cast<std::size_t>(E)) routed_totals_.assign(static_cast<std::size_t>(E), 0);
+  for (std::size_t e = 0; e < routed_totals_.size(); ++e) routed_totals_[e] += routing_.routed_per_expert[e];
   routing_.capacity = g.capacity;
   sv.sent.assign(counts.begin(), counts.end());
   routing_.sent_per_expert = sv.sent;
@@ -205,12 +207,13 @@ void MoELayer::route(Stream& c, MoESaved& sv) {
     // the gate's f (whose backward divides by this rank's T) the rank keeps f_e·T/T_g, so that
     // its aux term E·Σ_e f_e·(Σ_{t∈rank} p[t,e])/T_g and gradient grad_aux·E·f_e/T_g are the
     // rank's share of the unsplit batch's (Megatron-Core, moe_utils.py, with
-    // sequence_partition_group). Slot counts below 2^24 are exact in fp32.
+    // sequence_partition_group). The counts come back from f_e·T·k within fp32 rounding. A
+    // rank with no rows still joins the sum (with f = 0).
     const double n = seq_group_->size(), Tk = static_cast<double>(T) * k;
     Tensor routed = b_.empty({E}, DType::f32, MemCategory::buffers, c);  // [E] slots routed to e
     b_.scale(c, sv.routed_frac, static_cast<float>(Tk), routed);
     seq_group_->all_reduce(c, routed);
-    b_.scale(c, routed, static_cast<float>(1.0 / (n * n * Tk)), sv.routed_frac);
+    b_.scale(c, routed, Tk > 0 ? static_cast<float>(1.0 / (n * n * Tk)) : 0.0f, sv.routed_frac);
   }
 }
 

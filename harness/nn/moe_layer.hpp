@@ -200,12 +200,18 @@ class MoELayer {
   void share_noise_rank(std::uint64_t r) { shared_noise_rank_ = r; }
   // Sequence parallelism: the ranks of `group` route disjoint rows of one sequence batch, and
   // the load-balancing loss is the unsplit batch's (Megatron-Core's switch_load_balancing_loss
-  // with a sequence-partition group): f_e from the slots every rank of the group routed to e
-  // (an all-reduce of E counts on the compute stream, which the group must not be used from
-  // elsewhere concurrently), P_e from this rank's rows, both over the group's T; the ranks'
-  // aux_loss values and their gradients then sum to the unsplit model's. Null or size 1: the
-  // rank's own rows (as under data parallelism).
+  // with a sequence-partition group): f_e from the slots every rank of the group routed to e,
+  // P_e from this rank's rows, both over the group's T; the ranks' aux_loss values and their
+  // gradients then sum to the unsplit model's. Every forward then all-reduces E counts over
+  // `group` on the compute stream: the group's ranks must run the same forwards in the same
+  // order, and no other stream may use `group` meanwhile. Null or size 1: the rank's own rows
+  // (as under data parallelism).
   void partition_sequence(Communicator* group) { seq_group_ = group && group->size() > 1 ? group : nullptr; }
+  Communicator* sequence_group() const { return seq_group_; }
+  // [E] slots the gate routed to each expert (before capacity), summed over every forward
+  // since the layer was built or reset_routed_totals() (tests compare whole steps' routing).
+  const std::vector<std::int64_t>& routed_totals() const { return routed_totals_; }
+  void reset_routed_totals() { routed_totals_.clear(); }
   // Whether a caller may run this layer's forward and backward as the public steps below, with
   // the plan dispatch_preprocess makes issued by the chunk issuer (ScMoE's overlap schedule,
   // impls/scmoe, does): true for the planners (FastMoE, FasterMoE, the Tutel-style baselines);
@@ -341,6 +347,7 @@ class MoELayer {
   std::uint64_t noise_seed_ = 0x5eed;
   std::optional<std::uint64_t> shared_noise_rank_;
   Communicator* seq_group_ = nullptr;  // partition_sequence
+  std::vector<std::int64_t> routed_totals_;
   std::uint64_t step_ = 0;               // forwards of the one-in-flight API
   std::vector<float> last_eps_;
   std::vector<std::string> host_waits_;  // host_wait's log

@@ -107,6 +107,16 @@ a = json.load(open(sys.argv[1]))['metrics']['loss']['all']  # one microbatch's l
 sys.exit(0 if sum(a[-10:]) / 10 < sum(a[:5]) / 5 - 0.3 else 1)" "$work/cpu_tp.json"; then
   ok "2 cpu ranks, tp=2 with sequence parallelism: loss $(jget "$work/cpu_tp.json" "['metrics']['loss']['first']") -> $(jget "$work/cpu_tp.json" "['metrics']['loss']['last']")"
 elif [ "$have_mpi" = 1 ]; then bad "2 cpu ranks, tp=2"; cat "$work/cpu_tp.log"; fi
+# MPipeMoE's granularity search under sequence parallelism: its timed trials (as many as each
+# rank's times decide) leave out the gate's sum over the TP group, which every real forward
+# runs on every TP rank
+if [ "$have_mpi" = 1 ]; then
+  if timeout 120 mpirun --oversubscribe -n 2 "$moelab" run --model "$models/tiny-moe.json" --impl mpipemoe --backend cpu \
+       --parallel tp=2 --sequence-parallel --microbatches 2 --steps 3 --warmup 1 --out "$work/cpu_tp_mpipemoe.json" \
+       >"$work/cpu_tp_mpipemoe.log" 2>&1 && schema_ok "$work/cpu_tp_mpipemoe.json"; then
+    ok "2 cpu ranks, mpipemoe with tp=2 and sequence parallelism"
+  else bad "2 cpu ranks, mpipemoe with tp=2 and sequence parallelism"; cat "$work/cpu_tp_mpipemoe.log"; fi
+fi
 
 # 4a. tensor x pipeline parallelism with sequence parallelism: the stages pass T/tp rows, and the
 #     loss is that of the same layout without it
@@ -154,6 +164,8 @@ expect_2 layout_experts "num_experts" "${sim[@]}" --ranks 8 --parallel dp=8,ep=8
 expect_2 layout_tp_heads "num_heads" "${sim[@]}" --ranks 8 --parallel tp=8
 expect_2 layout_etp "etp = 2 (expert tensor parallelism)" "${sim[@]}" --ranks 4 --parallel tp=2,dp=2,ep=2,etp=2
 expect_2 sequence_parallel_tp1 "--sequence-parallel needs tensor parallelism" "${sim[@]}" --ranks 4 --parallel dp=4 --sequence-parallel
+expect_2 sequence_parallel_dedup "deepspeed-drop deduplicates its exchange over the TP group" --model "$models/tiny-moe.json" \
+  --impl deepspeed-drop --backend sim --cluster dgx-a100x1 --ranks 4 --parallel tp=2 --sequence-parallel
 expect_2 grad_bucket "--grad-bucket" "${sim[@]}" --ranks 4 --parallel dp=4 --grad-bucket 0
 expect_2 schedule_name "did you mean \"zb-h1\"" "${sim[@]}" --ranks 4 --parallel pp=2 --schedule zb-h2
 expect_2 schedule_layers "not divisible by the 4 virtual stages" "${sim[@]}" --ranks 4 --parallel pp=2 --schedule interleaved --chunks 2 --microbatches 4

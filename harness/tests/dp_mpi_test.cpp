@@ -6,10 +6,10 @@
 // data parallel with every expert on every rank (expert-DP = DP), with the experts spread
 // over all ranks (expert parallelism, expert-DP = 1), tensor × data parallel (the expert
 // gradients averaged over the TP copies), and the same with sequence parallelism (each TP rank
-// routes its own rows, the load-balancing loss the whole sequence's); and ScMoE's model (tiny-scmoe), data parallel and
-// expert parallel. Bucket sizes: Megatron's default (one bucket per
-// kind), one element (a bucket per parameter) and an awkward 1000. ZeRO-1's optimizer bytes
-// per rank are the unsharded bytes / dp up to the padding.
+// routes its own rows, the load-balancing loss the whole sequence's); and ScMoE's model
+// (tiny-scmoe), data parallel and expert parallel. Bucket sizes: Megatron's default (one
+// bucket per kind), one element (a bucket per parameter) and an awkward 1000. ZeRO-1's
+// optimizer bytes per rank are the unsharded bytes / dp up to the padding.
 //   mpirun --oversubscribe -np 4 build/harness/tests/dp_mpi_test
 #include <gtest/gtest.h>
 

@@ -125,8 +125,8 @@ Result run(Backend* pg_backend, ProcessGroups* pg, const TransformerConfig& cfg,
     const double a = model.aux_loss(*f->saved);
     res.aux.push_back(pg && sp ? pg->tp().all_reduce_sum(a) : a);
   }
-  for (MoEImpl* m : model.moe_layers()) {  // the second microbatch's routing
-    auto r = m->routing().routed_per_expert;
+  for (MoEImpl* m : model.moe_layers()) {  // both microbatches' routing
+    auto r = m->layer().routed_totals();
     if (pg && sp)  // each TP rank routed its own rows
       for (auto& n : r) n = std::llround(pg->tp().all_reduce_sum(static_cast<double>(n)));
     res.routed.insert(res.routed.end(), r.begin(), r.end());

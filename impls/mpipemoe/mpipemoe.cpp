@@ -167,6 +167,16 @@ class MPipeMoELayer final : public MoELayer {
     }
     b_.synchronize();  // work queued before the trial (zero fills, say) is not the trial's
     comm_.barrier();
+    // Under sequence parallelism each forward's gate sums its counts over the TP group, whose
+    // ranks must run the same forwards; the trials are agreed over the expert-parallel group
+    // only, so TP ranks in different EP groups may run different numbers of them. A trial's
+    // output is discarded: it routes on this rank's rows alone.
+    struct Unpartitioned {
+      MoELayer& layer;
+      Communicator* group;
+      ~Unpartitioned() { layer.partition_sequence(group); }
+    } restore{*this, sequence_group()};
+    partition_sequence(nullptr);
     const double t0 = b_.now();
     trial_state_ = pipelined_forward(x, key, n).saved;
     b_.synchronize();
