@@ -8,9 +8,11 @@
 Trees: every JSON file of NEW is compared with the file at the same relative path in BASE
 (the committed results):
 
-  simulated results (moelab.result/1, mode simulated): every leaf under "metrics" and
-    "impl_report" and the identity of the run (mode, backend, impl, device, world size,
-    cluster name, calibration, routing model, the workload without its description). Numbers
+  simulated results (moelab.result/1, mode simulated): every leaf under "metrics",
+    "impl_report" and "parallel" (layout, schedule, bytes per link class), the cluster's
+    figures (not its source and description texts) and the identity of the run (mode,
+    backend, impl, device, world size, cluster name, calibration, routing model, the workload
+    without its description). Numbers
     agree when |new - old| <= 1e-9 * max(|old|, |new|) (--rel-tol); anything else exactly.
     Provenance (date, commit) is not compared.
   suite summaries (moelab.suite-summary/1): every figure of every point, of every simulated
@@ -124,6 +126,10 @@ def diff_results(old, new, tol):
     oc, nc = old.get("cluster") or {}, new.get("cluster") or {}
     if oc.get("name") != nc.get("name"):
         out.append(("cluster.name", oc.get("name"), nc.get("name")))
+    elif oc and nc:  # the same cluster: its figures are the model's (their prose is not compared)
+        diff_values(oc, nc, "cluster", tol, out, ignore=("source", "description"))
+    if "parallel" in old and "parallel" in new:  # layout, schedule, bytes on each link class
+        diff_values(old["parallel"], new["parallel"], "parallel", tol, out)
     diff_values(old.get("workload"), new.get("workload"), "workload", 0.0, out, ignore=("description",))
     if "impl_options" in old and "impl_options" in new:
         diff_values(old["impl_options"], new["impl_options"], "impl_options", 0.0, out)

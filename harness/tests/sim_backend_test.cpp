@@ -269,8 +269,9 @@ TEST(SimBackend, HostCopyRatesAreWhatTheSimChargesAloneAndWithEveryRankCopying) 
   const auto [pcie, rp] = copy_seconds("pcie-a30x1", 8);
   EXPECT_LT(rp.host_copy_bytes_all_ranks, rp.host_copy_bytes);
   EXPECT_NEAR(pcie * rp.host_copy_bytes_all_ranks, 1.0, 1e-6);
-  // No switches declared: every rank keeps its own link.
-  const auto [own, ra] = copy_seconds("a800x2", 8);
+  // No switches declared (the H100 node): every rank keeps its own link.
+  ASSERT_EQ(sim::load_cluster("h100x1").node.gpus_per_pcie_switch, 0);
+  const auto [own, ra] = copy_seconds("h100x1", 8);
   EXPECT_DOUBLE_EQ(ra.host_copy_bytes_all_ranks, ra.host_copy_bytes);
   EXPECT_NEAR(own * ra.host_copy_bytes, 1.0, 1e-6);
 }

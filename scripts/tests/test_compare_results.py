@@ -87,6 +87,26 @@ class Trees(unittest.TestCase):
         self.assertIn('impl_report.last_strategy: "S3" -> "S4"', text)
         self.assertIn("trials (length): 2 -> 1", text)
 
+    def test_cluster_figures_and_link_bytes_are_compared_but_not_their_prose(self):
+        # A model figure of the same cluster (a rate, a switch) and the bytes a run put on each
+        # link class are results of the model as much as its timings; the cluster's prose is not.
+        self.edit(SIM, lambda r: r["cluster"].update(source="reworded", description="reworded too"))
+        n, text = self.compare()
+        self.assertEqual(n, 0, text)
+        self.edit(SIM, lambda r: r["cluster"].update(node={"pcie_bw": 2.4e10}))
+        n, text = self.compare()
+        self.assertEqual(n, 1, text)
+        self.assertIn("cluster.node: (absent) -> ", text)
+        model = "simulated/dgx-a100x1/tiny-model.json"
+        for tree in (self.base, self.new):
+            mr.write_json(os.path.join(tree, model), fixtures.model_result())
+        self.edit(SIM, lambda r: r["cluster"].pop("node"))
+        self.assertEqual(self.compare()[0], 0)
+        self.edit(model, lambda r: r["parallel"]["link_bytes"].update(pcie=5e8))
+        n, text = self.compare()
+        self.assertEqual(n, 1, text)
+        self.assertIn("parallel.link_bytes.pcie: 0 -> 500000000", text)
+
     def test_metrics_added_later_compare_once_both_have_them(self):
         floor = {"floor_gemm_s": 0.002, "floor_gemm_library": "GEMM (cost model), one by one", "moe_layer_s": 0.005,
                  "expert_vs_floor_ratio": 1.95, "layer_vs_floor_ratio": 2.5}
