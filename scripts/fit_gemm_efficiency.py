@@ -60,6 +60,10 @@ OUT = "experiments/hardware/calibration"
 
 # Datasheet peaks (experiments/hardware/gpus.json).
 H100 = {"bf16": 989e12, "tf32": 495e12, "fp32": 67e12}
+# What a catalogue calibration says of its "hbm_bw" (GemmCalibration::hbm_bw, docs/PERFORMANCE.md).
+HBM_BW_NOTE = (" hbm_bw: the {dev} datasheet HBM rate (experiments/hardware/gpus.json), the device mem_bw was taken on; a cluster "
+               "of another part of the same architecture scales mem_bw by its GPU's hbm_bw over it (the same fraction of a "
+               "faster HBM).")
 A100 = {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}
 ELEM = {"bf16": 2, "tf32": 4, "fp32": 4}
 
@@ -260,6 +264,7 @@ def build():
                  "eff = gemm_max * d / (d + gemm_half_dim), d = min(m, n, k) (docs/PERFORMANCE.md, \"GEMM efficiency against size\")",
         "launch_latency": rd(launch),
         "mem_bw": rd(mem_bw),
+        "hbm_bw": 3350e9,  # experiments/hardware/gpus.json H100-SXM5-80GB
         "curves": {
             "bf16": {
                 "gemm_max": rd(p_bf16[1]), "gemm_half_dim": rd(p_bf16[2]),
@@ -293,7 +298,7 @@ def build():
             "method": "Levenberg-Marquardt least squares on log(t_model / t_measured) over the parameters' logs (scripts/fit_gemm_efficiency.py)",
             "data": [PEERS, PROFILE],
             "peaks": "experiments/hardware/gpus.json H100-SXM5-80GB: bf16 989e12, tf32 495e12, fp32 67e12 FLOP/s",
-            "mem_bw_source": f"{PROFILE} d2d_bw (a device-to-device copy, bytes read + written per second)",
+            "mem_bw_source": f"{PROFILE} d2d_bw (a device-to-device copy, bytes read + written per second)." + HBM_BW_NOTE.format(dev="H100-SXM5-80GB"),
             "bf16": summary(r_bf16),
             "bf16_dropped_outliers": dropped,
             "bf16_validation_on_profile_samples": dict(summary(val_bf16), data=PROFILE,
@@ -338,6 +343,7 @@ def build():
         "model": h100["model"],
         "launch_latency": rd(launch),
         "mem_bw": rd(a100_mem_bw),
+        "hbm_bw": 1555e9,  # experiments/hardware/gpus.json A100-SXM4-40GB
         "curves": {
             "tf32": {
                 "gemm_max": rd(gmax_tf32), "gemm_half_dim": rd(half_tf32),
@@ -367,7 +373,7 @@ def build():
             "peaks": "experiments/hardware/gpus.json A100-SXM4-40GB: bf16 312e12, tf32 156e12, fp32 19.5e12 FLOP/s",
             "mem_bw_source": "0.9 x the A100-SXM4-40GB datasheet HBM rate 1555 GB/s (the fraction a device copy reached on the H100: "
                              "2.70 of 3.35 TB/s is 0.81, on H100 and H200 about 0.9 per docs/PERFORMANCE.md); only the roofline term "
-                             "of small GEMMs uses it",
+                             "of small GEMMs uses it." + HBM_BW_NOTE.format(dev="A100-SXM4-40GB"),
             "fp32": summary(r_a_fp32),
             "fp32_points": [{"m": m, "n": n, "k": k, "seconds": t} for m, n, k, t in a100_fp32],
             "tf32": dict(summary(r_a_tf32), note="one point, solved exactly"),

@@ -442,7 +442,7 @@ GemmCalibration parse_gemm_calibration(const json& j, const std::string& origin)
   // (scripts/validate_sim.sh writes one): the model reads none of them. It reads "dispatch"
   // and "activations" (KernelRates).
   Fields f(j, origin, "",
-           {"schema", "name", "description", "device", "model", "launch_latency", "mem_bw", "curves", "paths",
+           {"schema", "name", "description", "device", "model", "launch_latency", "mem_bw", "hbm_bw", "curves", "paths",
             "gemm_paths", "fit", "interference_measured", "copies", "interference", "overheads", "dispatch",
             "activations", "source"});
   for (const char* k : {"copies", "interference", "overheads"})
@@ -456,6 +456,7 @@ GemmCalibration parse_gemm_calibration(const json& j, const std::string& origin)
   (void)f.string_or("model", "");
   c.launch_latency = latency(f, "launch_latency");
   c.mem_bw = bandwidth(f, "mem_bw");
+  if (f.find("hbm_bw")) c.hbm_bw = bandwidth(f, "hbm_bw");
   const json& curves = f.require("curves");
   if (!curves.is_object()) f.wrong_type("curves", curves, "an object {bf16, fp32, tf32} of curves");
   // A precision the device was not measured in has no curve (a cpu profile: fp32 alone); a
@@ -1387,7 +1388,7 @@ double Topology::gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k, DT
     const GemmCurve& c = cal->curve(t, on_tf32);
     const double eff = c.gemm_max * d / (d + c.gemm_half_dim);
     const double bytes = static_cast<double>(dtype_size(t)) * (dm * dk + dk * dn + dm * dn);
-    return std::max(flops / (peak * eff), bytes / cal->mem_bw);
+    return std::max(flops / (peak * eff), bytes / gemm_mem_bw());
   }
   const double eff = m_.efficiency.gemm_max * d / (d + m_.efficiency.gemm_half_dim);
   return flops / (peak * eff);
@@ -1417,7 +1418,7 @@ double Topology::path_gemm_seconds(const GemmCurve& curve, std::int64_t m, std::
   const double dm = static_cast<double>(m), dn = static_cast<double>(n), dk = static_cast<double>(k);
   const double d = static_cast<double>(std::min({m, n, k}));
   const double eff = curve.gemm_max * d / (d + curve.gemm_half_dim);
-  return std::max(2.0 * dm * dn * dk / (peak * eff), elem * (dm * dk + dk * dn + dm * dn) / m_.efficiency.calibration->mem_bw);
+  return std::max(2.0 * dm * dn * dk / (peak * eff), elem * (dm * dk + dk * dn + dm * dn) / gemm_mem_bw());
 }
 
 double Topology::batched_gemm_seconds(std::span<const GemmProblem> problems, bool tf32) const {
@@ -1552,6 +1553,12 @@ Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> p
     out.detail += (out.detail.empty() ? "" : " | ") + why;
   }
   return out;
+}
+
+double Topology::gemm_mem_bw() const {
+  const auto& cal = m_.efficiency.calibration;
+  MOELAB_CHECK(cal.has_value(), "gemm_mem_bw: cluster " + m_.name + " has no GEMM calibration");
+  return cal->hbm_bw > 0 && m_.gpu.hbm_bw > 0 ? cal->mem_bw * (m_.gpu.hbm_bw / cal->hbm_bw) : cal->mem_bw;
 }
 
 double Topology::mem_bw_effective() const {

@@ -133,7 +133,11 @@ struct KernelRates {
 struct GemmCalibration {
   std::string name, origin, device;
   double launch_latency = 0;  // s per kernel / library call
-  double mem_bw = 0;          // bytes/s of the roofline term
+  double mem_bw = 0;          // bytes/s of the roofline term, on the device measured
+  // The datasheet HBM rate of that device (optional "hbm_bw"; 0: not given). Given, a cluster
+  // of another part of the same architecture (an A100 or A800 80GB priced by the A100 40GB's
+  // curves, an H200 by the H100's) scales mem_bw by its own GPU's hbm_bw over this.
+  double hbm_bw = 0;
   std::optional<GemmCurve> bf16, fp32, tf32;  // absent: the device was not measured in it
   // The file's optional "paths" and "gemm_paths" objects (given together); absent: every
   // grouped GEMM call is priced as a loop of single GEMMs.
@@ -366,6 +370,10 @@ class Topology {
   double path_gemm_seconds(const GemmCurve& curve, std::int64_t m, std::int64_t n, std::int64_t k, DType ab,
                            bool on_tf32) const;
   double mem_bw_effective() const;   // bytes/s for memory-bound kernels
+  // The calibrated GEMM roofline's bytes/s: the calibration's mem_bw, scaled to this cluster's
+  // GPU by the datasheet HBM rates where the calibration gives its device's
+  // (GemmCalibration::hbm_bw). Needs a calibration.
+  double gemm_mem_bw() const;
   // The cluster's GEMM calibration's kernel rates (KernelRates); null without a calibration.
   const KernelRates* kernel_rates() const;
   double launch_latency() const;     // profile, else calibration, else the datasheet figure

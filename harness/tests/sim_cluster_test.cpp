@@ -308,7 +308,8 @@ TEST_F(ClusterTest, GemmSecondsFromTheDatasheetCurve) {
 
 // The calibrated curve: t = max(2mnk / (peak * eff), elem * (mk + kn + mn) / mem_bw), eff =
 // gemm_max * d / (d + gemm_half_dim), d = min(m, n, k), with the figures of the cluster's
-// calibration file (experiments/hardware/calibration/), read here from the file itself.
+// calibration file (experiments/hardware/calibration/), read here from the file itself; mem_bw
+// scaled to the cluster's GPU by the datasheet HBM rates (the A800's and the H200's faster HBM).
 TEST_F(ClusterTest, GemmSecondsFromTheCalibratedCurve) {
   const auto file = [](const std::string& name) {
     return json::parse(std::ifstream(fs::path(experiments_dir()) / "hardware" / "calibration" / (name + ".json")));
@@ -317,11 +318,12 @@ TEST_F(ClusterTest, GemmSecondsFromTheCalibratedCurve) {
     const char* cluster;
     const char* calibration;
     double bf16, tf32, fp32;
+    double hbm;  // the cluster GPU's datasheet HBM rate
   };
-  for (const Case& c : {Case{"dgx-a100x1", "a100-sxm4", 312e12, 156e12, 19.5e12},
-                        Case{"a800x1", "a100-sxm4", 312e12, 156e12, 19.5e12},
-                        Case{"h100x1", "h100-sxm5", 989e12, 495e12, 67e12},
-                        Case{"h200x1", "h100-sxm5", 989e12, 495e12, 67e12}}) {
+  for (const Case& c : {Case{"dgx-a100x1", "a100-sxm4", 312e12, 156e12, 19.5e12, 1555e9},
+                        Case{"a800x1", "a100-sxm4", 312e12, 156e12, 19.5e12, 2039e9},
+                        Case{"h100x1", "h100-sxm5", 989e12, 495e12, 67e12, 3350e9},
+                        Case{"h200x1", "h100-sxm5", 989e12, 495e12, 67e12, 4800e9}}) {
     SCOPED_TRACE(c.cluster);
     const json f = file(c.calibration);
     const ClusterModel m = load_cluster(c.cluster);
@@ -330,7 +332,8 @@ TEST_F(ClusterTest, GemmSecondsFromTheCalibratedCurve) {
     Engine e;
     Topology t(m, e);
     EXPECT_FALSE(t.calibrated());  // no profile
-    const double mem_bw = f["mem_bw"].get<double>();
+    const double mem_bw = f["mem_bw"].get<double>() * c.hbm / f["hbm_bw"].get<double>();
+    EXPECT_DOUBLE_EQ(t.gemm_mem_bw(), mem_bw);
     const auto expect = [&](std::int64_t mm, std::int64_t nn, std::int64_t kk, const char* curve, double peak,
                             double elem) {
       const json& cv = f["curves"][curve];
@@ -436,6 +439,9 @@ TEST_F(ClusterTest, BadCalibrationFiles) {
   json h = good;
   h["mem_bw"] = "fast";
   EXPECT_HAS(with_calibration("h", h), "h.json: mem_bw");
+  json hb = good;
+  hb["hbm_bw"] = 0;
+  EXPECT_HAS(with_calibration("hb", hb), "hb.json: hbm_bw");
   json s = good;
   s["schema"] = "moelab.gemm_calibration/2";
   EXPECT_HAS(with_calibration("s", s), "s.json: schema");
