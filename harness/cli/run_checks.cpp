@@ -357,6 +357,7 @@ struct PreflightResult {
 PreflightResult preflight(int world, const std::function<void(Backend&, Communicator&)>& one_step) {
   SimOptions so;
   so.cluster = preflight_cluster(world);
+  so.shapes_only = true;
   SimCluster cluster(std::move(so));
   std::vector<std::size_t> peak(static_cast<std::size_t>(world), 0);
   PreflightResult res;

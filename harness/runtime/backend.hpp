@@ -159,6 +159,13 @@ class Backend {
   virtual bool has_data() const { return true; }  // false on sim
   virtual bool supports(DType t) const = 0;
   virtual double now() const = 0;               // seconds; wall clock or virtual
+  // Whether now() moves when `ranks` ranks synchronise among themselves (a barrier over their
+  // group, then synchronize), so that they can time work they run: a device's clock always
+  // does; the sim's only at a barrier of every rank of the run, where its engine runs.
+  virtual bool clock_moves_in_group(int ranks) const {
+    (void)ranks;
+    return true;
+  }
 
   // ---- streams and events ------------------------------------------------------------
   virtual Stream& create_stream(StreamRole role, const std::string& name) = 0;

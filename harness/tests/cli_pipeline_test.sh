@@ -164,6 +164,8 @@ expect_2 layout_experts "num_experts" "${sim[@]}" --ranks 8 --parallel dp=8,ep=8
 expect_2 layout_tp_heads "num_heads" "${sim[@]}" --ranks 8 --parallel tp=8
 expect_2 layout_etp "etp = 2 (expert tensor parallelism)" "${sim[@]}" --ranks 4 --parallel tp=2,dp=2,ep=2,etp=2
 expect_2 sequence_parallel_tp1 "--sequence-parallel needs tensor parallelism" "${sim[@]}" --ranks 4 --parallel dp=4 --sequence-parallel
+expect_2 mpipemoe_auto_sim_group "partitions = \"auto\" times trial forwards" --model "$models/tiny-moe.json" \
+  --impl mpipemoe --backend sim --cluster dgx-a100x1 --ranks 4 --parallel ep=2
 expect_2 sequence_parallel_dedup "deepspeed-drop deduplicates its exchange over the TP group" --model "$models/tiny-moe.json" \
   --impl deepspeed-drop --backend sim --cluster dgx-a100x1 --ranks 4 --parallel tp=2 --sequence-parallel
 expect_2 grad_bucket "--grad-bucket" "${sim[@]}" --ranks 4 --parallel dp=4 --grad-bucket 0

@@ -656,6 +656,14 @@ std::unique_ptr<MoEImpl> make(Backend& b, Communicator& c, const ModelConfig& m,
   }
   const int max_n = static_cast<int>(o.positive_int("max_partitions", 16, kMaxPartitions));
   const int min_rows = static_cast<int>(o.positive_int("min_partition_tokens", 64, kMaxPartitions));
+  // Algorithm 1 times trial forwards, synchronised over the expert-parallel group: a clock
+  // that group cannot move (the sim's, when the group is not every rank of the run) would time
+  // every trial at 0 s and the search would stop at its first n.
+  if (n == 0 && !b.clock_moves_in_group(c.size()))
+    throw ConfigError("mpipemoe: partitions = \"auto\" times trial forwards over the expert-parallel group, but on " +
+                      b.name() + " the clock moves only when every rank of the run synchronises, and this group has " +
+                      std::to_string(c.size()) + " of them: give a fixed {\"partitions\": n}, or make the "
+                      "expert-parallel group every rank");
 
   // Memory reuse and the restore strategy: "strategy" names it; "reuse": true alone means
   // reuse with the adaptive choice (Eq. 10); neither means no reuse (pipelining only).

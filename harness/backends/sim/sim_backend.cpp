@@ -306,6 +306,7 @@ class SimBackendImpl final : public Backend {
   bool has_data() const override { return false; }
   bool supports(DType t) const override { return t != DType::f64; }
   double now() const override { return now_; }
+  bool clock_moves_in_group(int ranks) const override { return ranks >= c_.n || c_.opt.shapes_only; }
 
   Stream& create_stream(StreamRole role, const std::string& nm) override {
     streams_.push_back(std::make_unique<SimStream>(static_cast<int>(streams_.size()), role, nm));

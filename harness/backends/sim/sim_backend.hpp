@@ -63,6 +63,10 @@ struct SimOptions {
   // Every grouped GEMM priced on this path where it can run (sim::Topology::force_gemm_path);
   // nullopt: the calibration's crossover table chooses, as the cuda backend's does.
   std::optional<GemmPath> gemm_path;
+  // Shapes only (moelab run's preflight of a cpu/cuda run: input checks and memory): nothing
+  // here is timed, so work that would time itself on a group (Backend::clock_moves_in_group)
+  // runs with the clock as it is instead of being refused.
+  bool shapes_only = false;
 };
 
 class SimCluster {
