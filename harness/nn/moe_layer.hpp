@@ -209,9 +209,8 @@ class MoELayer {
   void partition_sequence(Communicator* group) { seq_group_ = group && group->size() > 1 ? group : nullptr; }
   Communicator* sequence_group() const { return seq_group_; }
   // [E] slots the gate routed to each expert (before capacity), summed over every forward
-  // since the layer was built or reset_routed_totals() (tests compare whole steps' routing).
+  // since the layer was built (tests compare whole steps' routing).
   const std::vector<std::int64_t>& routed_totals() const { return routed_totals_; }
-  void reset_routed_totals() { routed_totals_.clear(); }
   // Whether a caller may run this layer's forward and backward as the public steps below, with
   // the plan dispatch_preprocess makes issued by the chunk issuer (ScMoE's overlap schedule,
   // impls/scmoe, does): true for the planners (FastMoE, FasterMoE, the Tutel-style baselines);
