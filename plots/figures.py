@@ -8,7 +8,8 @@ Each entry of a suite's "figures" is a plot script under plots/ and its argument
 {results} (the results folder), {out} (the suite's folder in it), {summary} (its
 summary.json), {figures} (the figures folder, default RESULTS/figures) and {root} (the
 repository) are replaced. A figure whose inputs are missing from the results folder (the
-runs it draws were skipped on this machine) is listed as not made, with the missing file;
+runs it draws were skipped on this machine) is listed as not made, with the missing file, and
+its PNG (an --out under the figures folder) is removed where an earlier run left one;
 a plot script that fails makes the exit code 1. Run with /usr/bin/python3 (matplotlib).
 """
 import argparse
@@ -39,6 +40,13 @@ def make(suite, results, figures, log=print):
         if absent:
             log(f"figures.py: [{suite['name']}] {fg['id']}: not made, no {os.path.relpath(absent[0], results)} "
                 f"in {results} (its runs did not run here)")
+            # A figure of an earlier run left in place would be shown (plots/report.py embeds
+            # what exists) for data this folder no longer holds: it goes too.
+            for x in args:
+                if x.startswith(figures + os.sep) and x.endswith(".png") and os.path.exists(x):
+                    os.unlink(x)
+                    log(f"figures.py: [{suite['name']}] {fg['id']}: removed {os.path.relpath(x, figures)}, "
+                        "drawn from data no longer here")
             missing.append(fg["id"])
             continue
         os.makedirs(figures, exist_ok=True)

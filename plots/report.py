@@ -22,6 +22,7 @@ A suite without a summary is an error naming the file (exit code 2): run the sui
 leave it out with --suite. Standard library only; the figures are made by plots/figures.py.
 """
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -226,13 +227,27 @@ def suite_section(suite, summary, summary_file, results, figures_dir, report_dir
     return out
 
 
+@contextlib.contextmanager
+def reading(what):
+    """Files the report reads without a schema checker of their own (the gap decomposition, a GPU
+    folder's comparisons and peer lines): a missing or mistyped field is a SchemaError naming
+    the file or folder (exit code 2, no report written), not a traceback."""
+    try:
+        yield
+    except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
+        raise mr.SchemaError(f"{what}: malformed ({type(e).__name__}: {e})") from None
+
+
 def gap_section(path, report_dir):
     """scripts/gap_decomposition.py's stages, where a suite has them: PipeMoE's speed-up with the
     cluster model's terms added one by one, then the baselines as published, then host time."""
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        g = json.load(f)
+    with reading(path):
+        return _gap_section(mr.load_json(path), path, report_dir)
+
+
+def _gap_section(g, path, report_dir):
     out = ["### Where the gap goes (simulated)", "",
            f"`scripts/gap_decomposition.py` on {g['cluster']} (moelab {', '.join(c[:12] for c in g['commit'])}, "
            f"{g['date']}; {link(path, report_dir, 'data')}): each stage adds one term to the one before; PipeMoE is "
@@ -379,7 +394,7 @@ def peer_table(peers, runs, device_dir, report_dir):
     return out, slower, faster, commits
 
 
-def gpu_device_section(results, experiments, device_dir, report_dir):
+def gpu_device_section(results, experiments, device_dir, report_dir, cuda_skipped=True):
     slug = os.path.basename(device_dir)
     runs = cuda_results(device_dir)
     vdir = os.path.join(results, "validation", slug)
@@ -393,8 +408,9 @@ def gpu_device_section(results, experiments, device_dir, report_dir):
     where = f"one {joined(devices)}"
     out = [f"### {joined(devices)}", "",
            f"Measured on {where} at commit {commits} ({', '.join(dates) or 'no date'}) with `scripts/gpu.sh run` "
-           "(docs/GPU.md). The suite sections below list these cuda runs as not run: their summaries were written "
-           "on a machine without a GPU.", ""]
+           "(docs/GPU.md)."
+           + (" The suite sections below list cuda runs as not run: their summaries were written on a machine "
+              "without a GPU." if cuda_skipped else ""), ""]
 
     peers_file = os.path.join(device_dir, "peers", "torch-moe.jsonl")
     if os.path.exists(peers_file):
@@ -607,7 +623,7 @@ def hindcast_lines(vdir, report_dir):
     return out
 
 
-def gpu_section(results, experiments, report_dir):
+def gpu_section(results, experiments, report_dir, summaries=()):
     """Everything measured on GPUs, one subsection per device class; nothing when there is none."""
     slugs = sorted({os.path.basename(os.path.dirname(p)) for p in glob.glob(os.path.join(results, "measured", "cuda", "*", ""))}
                    | {os.path.basename(os.path.dirname(p))
@@ -618,8 +634,13 @@ def gpu_section(results, experiments, report_dir):
     out = ["## Measured on GPUs", "",
            "Real measurements of the cuda backend, per device class; each table names the device and the commit "
            "it measured.", ""]
+    # whether a suite summary lists a cuda run as not run (written where no GPU was)
+    cuda_skipped = any(r.get("backend") == "cuda" and "results" not in r
+                       for _, summ, _ in summaries for r in summ.get("runs", []))
     for slug in slugs:
-        out += gpu_device_section(results, experiments, os.path.join(results, "measured", "cuda", slug), report_dir)
+        with reading(f"the GPU results of {slug} (results/measured/cuda/{slug}/, results/validation/{slug}/)"):
+            out += gpu_device_section(results, experiments, os.path.join(results, "measured", "cuda", slug),
+                                      report_dir, cuda_skipped)
     return out
 
 
@@ -644,7 +665,7 @@ def build(suites, results, figures_dir, report_path, experiments=mr.EXPERIMENTS)
         out.append(f"| [{s['name']}](#suite-{s['name']}) | {summ['subset']} | {mode_line(summ)} | "
                    f"{summ.get('commit') or 'unknown'} | {summ['date']} |")
     out.append("")
-    gpu = gpu_section(results, experiments, report_dir)
+    gpu = gpu_section(results, experiments, report_dir, summaries)
     if gpu:
         out += ["Measured on real GPUs, beside a PyTorch peer and the simulator's prediction: "
                 "[Measured on GPUs](#measured-on-gpus).", ""]

@@ -12,12 +12,18 @@ Trees: every JSON file of NEW is compared with the file at the same relative pat
     "impl_report" and "parallel" (layout, schedule, bytes per link class), the cluster's
     figures (not its source and description texts) and the identity of the run (mode,
     backend, impl, device, world size, cluster name, calibration, routing model, the workload
-    without its description). Numbers
+    without its description, a whole-model run's model without its prose and its training
+    settings; a "parallel", "workload", "model" or "training" block on one side only is a
+    difference). Numbers
     agree when |new - old| <= 1e-9 * max(|old|, |new|) (--rel-tol); anything else exactly.
     Provenance (date, commit) is not compared.
   suite summaries (moelab.suite-summary/1): every figure of every point, of every simulated
     run and of every claim, matched by key (point: cluster, model, dtype, tokens per rank;
-    run: file; claim: id). A quick summary is compared with a full one on the points they share.
+    run: what it is (id, impl, options, workload or model, backend, cluster, ranks, layers,
+    label, mode, layout, override, pipeline); claim: id). A quick summary is compared with a
+    full one on the points and runs they share; a run simulated in BASE that NEW skipped, ran
+    out of device memory or failed is a difference in every subset (one NEW was told to leave
+    out, run_suite.py --backends, is not).
   measured results: never a failure (they vary); the step time change is printed, for cuda
     only between results of the same device class.
   workload files and others: equal as JSON. Traces (*.trace.json) are not compared (they come
@@ -128,9 +134,12 @@ def diff_results(old, new, tol):
         out.append(("cluster.name", oc.get("name"), nc.get("name")))
     elif oc and nc:  # the same cluster: its figures are the model's (their prose is not compared)
         diff_values(oc, nc, "cluster", tol, out, ignore=("source", "description"))
-    if "parallel" in old and "parallel" in new:  # layout, schedule, bytes on each link class
-        diff_values(old["parallel"], new["parallel"], "parallel", tol, out)
+    # layout, schedule, bytes on each link class; a block on one side only is a difference
+    diff_values(old.get("parallel"), new.get("parallel"), "parallel", tol, out)
     diff_values(old.get("workload"), new.get("workload"), "workload", 0.0, out, ignore=("description",))
+    # a whole-model run's identity: the model as built (not its prose) and the training settings
+    diff_values(old.get("model"), new.get("model"), "model", 0.0, out, ignore=("source", "description"))
+    diff_values(old.get("training"), new.get("training"), "training", 0.0, out)
     if "impl_options" in old and "impl_options" in new:
         diff_values(old["impl_options"], new["impl_options"], "impl_options", 0.0, out)
     diff_values(old.get("impl_report"), new.get("impl_report"), "impl_report", tol, out)
@@ -148,6 +157,37 @@ def subset_rank(subset):
 
 def _point_key(p):
     return f"{p['cluster']} {p['model']} {p['dtype']} T{p['tokens_per_rank']}"
+
+
+# What names a run of a summary (run_suite.py's rows), whatever became of it: run, impl, workload
+# or model, where and how it ran. A row's outcome (results, skipped, out of memory) is not in it.
+RUN_IDENTITY = ("id", "impl", "options", "workload", "backend", "cluster", "ranks", "model", "model_file", "layers",
+                "label", "run_mode", "parallel", "override", "pipeline")
+
+
+def run_identity(r):
+    return json.dumps({k: r.get(k) for k in RUN_IDENTITY}, sort_keys=True)
+
+
+def run_name(r):
+    parts = [r.get("cluster") or r.get("backend"), r.get("model") or r.get("workload"), r.get("run_mode"),
+             r.get("label") or r.get("impl"), r.get("id")]
+    return " ".join(str(p) for p in parts if p)
+
+
+def run_outcome(r):
+    if r.get("mode") == "simulated":
+        return "simulated"
+    if r.get("out_of_memory"):
+        return "out of device memory"
+    if "skipped" in r:
+        return "skipped: " + str(r["skipped"])
+    return str(r.get("mode"))
+
+
+def deselected(r):
+    """A run the new run was asked to leave out (run_suite.py --backends), not one that failed to run."""
+    return str(r.get("skipped", "")).startswith(f"backend {r.get('backend')} not selected")
 
 
 def diff_summaries(old, new, tol):
@@ -172,15 +212,26 @@ def diff_summaries(old, new, tol):
             if any(r.get("mode") == "simulated" for r in new["runs"]):
                 out.append(("runs", "(absent)", "simulated runs"))
         else:
-            orr = {r["file"]: r for r in old["runs"] if r.get("mode") == "simulated"}
-            nr = {r["file"]: r for r in new["runs"] if r.get("mode") == "simulated"}
+            # Runs matched by what they are, so that a run simulated before and skipped, out of
+            # memory or failed now is a difference in every subset (a quick run against the
+            # committed full summary included); measured runs are left out.
+            orr = {run_identity(r): r for r in old["runs"]}
+            nr = {run_identity(r): r for r in new["runs"]}
             for k, r in nr.items():
-                if k not in orr:
-                    out.append((f"runs[{k}]", "(absent)", "a run"))
-                else:
-                    diff_values(orr[k]["results"], r["results"], f"runs[{k}].results", tol, out)
+                o = orr.get(k)
+                name = f"runs[{run_name(r)}]"
+                if r.get("mode") == "simulated":
+                    if o is None or o.get("mode") != "simulated":
+                        out.append((name, "(absent)" if o is None else run_outcome(o), "a simulated run"))
+                        continue
+                    if o.get("file") != r.get("file"):
+                        out.append((f"{name}.file", o.get("file"), r.get("file")))
+                    diff_values(o["results"], r["results"], f"{name}.results", tol, out)
+                elif o is not None and o.get("mode") == "simulated" and not deselected(r):
+                    out.append((name, "simulated", run_outcome(r)))
             if same_subset:
-                out += [(f"runs[{k}]", "a run", "(absent)") for k in orr if k not in nr]
+                out += [(f"runs[{run_name(r)}]", "a run", "(absent)") for k, r in orr.items()
+                        if k not in nr and r.get("mode") == "simulated"]
     if same_claims:
         # Across subsets (full against extended) only what is judged on the paper's setup is
         # comparable: a claim's figure over all points covers different points.
@@ -291,10 +342,29 @@ def install(base, stage, accept=False, tol=REL_TOL, log=print):
     """Merges the candidate tree STAGE into BASE (see scripts/run_suite.py): measured files are
     written; simulated ones when new, or when they differ and accept is set; equal ones are
     dropped; differing ones stay in STAGE. Returns counts; prints each difference."""
-    counts = {"written": 0, "unchanged": 0, "differ": 0, "new": 0}
+    counts = {"written": 0, "unchanged": 0, "differ": 0, "new": 0, "refused": []}
     if not os.path.isdir(stage):
         return counts
     decided = {}  # result rel path -> "write", "drop" or "keep"
+    if accept:
+        # A smaller subset's summary never replaces a larger one. Where it differs from the
+        # larger one, accepting its result files would leave that summary's points and claims
+        # describing results no longer in the folder: nothing is accepted, and the caller says
+        # which subset to rerun.
+        for rel in json_files(stage):
+            if not rel.endswith("summary.json") or not os.path.exists(os.path.join(base, rel)):
+                continue
+            new = mr.load_json(os.path.join(stage, rel))
+            old = mr.load_json(os.path.join(base, rel))
+            if (mr.classify(new) == "summary" and subset_rank(old.get("subset")) > subset_rank(new.get("subset"))
+                    and diff_summaries(mr.check_summary(old, os.path.join(base, rel)),
+                                       mr.check_summary(new, os.path.join(stage, rel)), tol)):
+                counts["refused"].append((rel, new.get("subset"), old.get("subset")))
+        if counts["refused"]:
+            for rel, small, large in counts["refused"]:
+                log(f"REFUSED --update-baseline: {rel} ({small} run) differs from the committed {large} summary, "
+                    f"which it cannot replace; rerun that suite's {large} subset to accept it")
+            accept = False
 
     def put(rel):
         mr.copy_atomic(os.path.join(stage, rel), os.path.join(base, rel))

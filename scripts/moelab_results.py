@@ -430,6 +430,10 @@ def check_result(res, path):
     c.integer(pk, "rank", "metrics.peak_memory_bytes", minimum=0)
     c.numbers_map(pk, "by_category_at_peak", "metrics.peak_memory_bytes", integer=True)
     c.numbers_map(pk, "peak_per_category", "metrics.peak_memory_bytes", integer=True)
+    opt = c.obj(pk, "optimizer_state", "metrics.peak_memory_bytes", required=False)
+    if opt is not None:  # the peak with and without the optimizer's state (run_suite.py figures)
+        for k in ("with", "without"):
+            c.number(opt, k, "metrics.peak_memory_bytes.optimizer_state", minimum=0)
     pool = c.obj(pk, "device_pool", "metrics.peak_memory_bytes", required=False)
     if pool is not None:
         for k in ("used_high", "reserved_high", "rank"):
@@ -640,9 +644,31 @@ def check_summary(s, path):
                 c.number(o, "value", f"{w}.ours.{scope}")
                 if scope == "runs":
                     c.strings(o, "used", f"{w}.ours.runs")
+            if o is not None and scope == "runs":
+                c.strings(o, "missing", f"{w}.ours.runs", required=False)
         c.boolean(r, "direction_agrees", w, null=True)
         c.boolean(r, "size_agrees", w, null=True)
+        # what the report prints of a grid claim against the as-published baseline and of the
+        # other way of counting memory (claim_rows)
+        pub = c.obj(r, "as_published", w, required=False)
+        if pub is not None:
+            c.string(pub, "versus", f"{w}.as_published")
+            c.string(pub, "verdict", f"{w}.as_published")
+            _check_ours(c, pub, f"{w}.as_published", pub.get("compared_on", r.get("compared_on", "all_points")))
+        oc = c.obj(r, "other_counting", w, required=False)
+        if oc is not None:
+            c.string(oc, "memory_counts", f"{w}.other_counting", choices=("tracked", "with_optimizer_state"))
+            c.string(oc, "verdict", f"{w}.other_counting")
+            _check_ours(c, oc, f"{w}.other_counting", r.get("compared_on", "all_points"))
     return s
+
+
+def _check_ours(c, row, where, scope):
+    """A claim part's "ours" object: the scope it was compared on, with its points and value."""
+    ours = c.obj(row, "ours", where)
+    o = c.obj(ours, scope, f"{where}.ours")
+    if c.integer(o, "points", f"{where}.ours.{scope}", minimum=0):
+        c.number(o, "value", f"{where}.ours.{scope}")
 
 
 def _check_figures(c, fig, where, full):
@@ -933,6 +959,15 @@ def _check_run(c, r, w, labels, models, has_grid):
 # A system against a baseline. relative_throughput: baseline step time / system step time, as
 # speedup, judged in size only (a claim that a cost is negligible has no direction);
 # activation_saving: 1 - the system's peak activation bytes / the baseline's (pipelined runs).
+def _check_directed(c, it, w, metric, paper):
+    """A directed claim (run_suite.judge) says the system is faster or saves memory: its paper
+    figure must be on that side of no change, or ours could never agree in direction with it."""
+    if metric in GAIN_METRICS and not paper > 1:
+        c.fail(f"{w}.paper", f"a {metric} claim is judged as a gain over 1 (faster), got {paper}")
+    if metric in ("memory_saving", "activation_saving") and not paper > 0:
+        c.fail(f"{w}.paper", f"a {metric} claim is judged as a saving above 0, got {paper}")
+
+
 PAIR_METRICS = ("speedup", "memory_saving", "exchange_speedup", "all_to_all_speedup", "relative_throughput",
                 "activation_saving")
 UNDIRECTED_METRICS = ("relative_throughput",)
@@ -963,6 +998,7 @@ def _check_run_claim(c, it, w, run_labels_):
                                   f'({", ".join(sorted(run_labels_)) or "none"})')
     c.string(it, "stat", w, choices=STATS)
     paper = c.number(it, "paper", w, positive=True)
+    _check_directed(c, it, w, metric, paper)
     rng = c.array(it, "paper_range", w, required=False)
     if rng is not None and (len(rng) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                      and math.isfinite(v) for v in rng)
@@ -1109,7 +1145,7 @@ def check_suite(s, path):
                 c.string(it, "memory_counts", w, required=False, choices=("tracked", "with_optimizer_state"))
                 c.string(it, "memory_counts_source", w, required=False)
             c.string(it, "stat", w, choices=STATS)
-            c.number(it, "paper", w, positive=True)  # ours is judged as a ratio to it
+            _check_directed(c, it, w, it["metric"], c.number(it, "paper", w, positive=True))  # judged as a ratio to it
         _names(c, [it["id"] for it in claims["items"]], "claims.items")
 
     for i, fg in enumerate(c.array(s, "figures", required=False) or []):
@@ -1330,7 +1366,13 @@ def run_comparisons(runs, systems, versus, metric, sel=None):
     versus's run of the same run_key; otherwise the system's own figure. A run with offload
     names the share of its planned offloads it kept (offload_note)."""
     done = [r for r in runs if "results" in r and r.get("run_mode") and selected(r, sel)]
-    base = {run_key(r): r for r in done if r.get("label") == versus}
+    base = {}
+    for r in done:
+        if r.get("label") == versus:
+            if run_key(r) in base:  # two baseline runs a system run could be paired with
+                raise SchemaError(f"claim on runs: two {versus} runs at {point_name(r)} (they differ in layout, "
+                                  "pipeline or override); give each its own label so that a claim pairs one")
+            base[run_key(r)] = r
     out = []
     for r in done:
         if r.get("label") not in systems:
@@ -1355,6 +1397,28 @@ def run_comparisons(runs, systems, versus, metric, sel=None):
             v = f.get(metric)
         if v is not None:
             out.append((point_name(r) + (f" {r['label']}" if len(systems) > 1 else "") + offload_note(r), v))
+    return out
+
+
+def run_comparison_gaps(runs, systems, versus, metric, sel=None):
+    """What run_comparisons could not use: each selected run of the systems (and, for a pair
+    metric, the baseline's run it pairs with) that has no result, as "<point> <label>: <why>"
+    (skipped, out of device memory, failed), so that a claim says it was judged without them."""
+    rows = [r for r in runs if r.get("run_mode") and selected(r, sel)]
+    base = {run_key(r): r for r in rows if r.get("label") == versus}
+    out = []
+
+    def why(r):
+        return "out of device memory" if r.get("out_of_memory") else "failed" if r.get("failed") else "no result"
+
+    for r in rows:
+        if r.get("label") not in systems:
+            continue
+        if "results" not in r:
+            out.append(f"{point_name(r)} {r.get('label')}: {why(r)}")
+        elif metric in PAIR_METRICS and run_key(r) in base and "results" not in base[run_key(r)]:
+            b = base[run_key(r)]
+            out.append(f"{point_name(b)} {b.get('label')}: {why(b)}")
     return out
 
 

@@ -610,11 +610,17 @@ def run_claim(item, runs, tol):
     """One claim judged on the summary's whole-model runs (a claim with "on": "runs")."""
     systems = [item["system"]] if isinstance(item["system"], str) else list(item["system"])
     vals = mr.run_comparisons(runs, systems, item.get("versus"), item["metric"], item.get("select"))
+    missing = mr.run_comparison_gaps(runs, systems, item.get("versus"), item["metric"], item.get("select"))
     row = dict(item)
-    row["mode"] = "simulated" if all(r.get("mode") == "simulated" for r in runs if "results" in r) else "mixed"
+    # measured, simulated or mixed: the runs the claim was judged on (each system run and the
+    # baseline run paired with it), not the summary's other runs
+    used = [r for r in runs if "results" in r and r.get("run_mode") and mr.selected(r, item.get("select"))
+            and (r.get("label") in systems or r.get("label") == item.get("versus"))]
+    modes = {r.get("mode") for r in used}
+    row["mode"] = modes.pop() if len(modes) == 1 else "mixed" if modes else "simulated"
     row["compared_on"] = "runs"
     if not vals:
-        row["ours"] = {"runs": {"points": 0}}
+        row["ours"] = {"runs": {"points": 0, **({"missing": missing} if missing else {})}}
         row["direction_agrees"] = row["size_agrees"] = None
         row["verdict"] = (f"not run (no selected run of {', '.join(systems)}"
                           + (f" with a {item['versus']} run beside it" if item.get("versus") else "") + ")")
@@ -625,6 +631,12 @@ def run_claim(item, runs, tol):
                             "min": min(xs), "used": [f"{n}: {mr.fmt_claim(item['metric'], v)}" for n, v in vals]}}
     row["direction_agrees"], row["size_agrees"], row["verdict"] = judge(
         item["metric"], row["ours"]["runs"]["value"], item["paper"], tol, item.get("paper_range"))
+    if missing:
+        # Judged without them: the figure is the stat over fewer points than the claim selects
+        # (a worst point may be among the missing), and the verdict says so.
+        row["ours"]["runs"]["missing"] = missing
+        row["verdict"] += (f" (on {len(xs)} of {len(xs) + len(missing)} selected points; without "
+                           + "; ".join(missing) + ")")
     return row
 
 
@@ -1084,7 +1096,10 @@ def main():
                     i += 1
                 for fut in concurrent.futures.as_completed(batch):
                     finish(s, counter, *fut.result())
-            summary = summarize(s, jobs, suite_subset(s, subset), time.time() - t_suite)
+            try:
+                summary = summarize(s, jobs, suite_subset(s, subset), time.time() - t_suite)
+            except mr.SchemaError as e:  # the suite's claims cannot be judged on these runs
+                die(f"[{s['name']}] {e}")
             mr.check_summary(summary, "(the summary being written)")
             if not a.run:
                 mr.write_json(mr.summary_path(s, stage), summary)
@@ -1098,11 +1113,17 @@ def main():
     verdict = compare_results.install(out, stage, accept=a.update_baseline, log=print)
     for suite_name, what, cmd, tail in failed:
         print(f"\nrun_suite.py: [{suite_name}] {what} failed:\n  {cmd}\n{tail}", file=sys.stderr)
+    accepted = a.update_baseline and not verdict["refused"]
+    for rel, small, large in verdict["refused"]:
+        how = "--extended --update-baseline" if large == "extended" else "--update-baseline without --quick"
+        print(f"\nrun_suite.py: --update-baseline refused: {rel} of this {small} run differs from the committed "
+              f"{large} summary, which would then describe results no longer in the folder; rerun with {how}",
+              file=sys.stderr)
     print(f"\nrun_suite.py: {total} runs in {fmt_s(time.time() - start)}; {len(failed)} failed; "
           f"{verdict['differ']} simulated file(s) differ from {rel_to(out, ROOT)}"
-          + (" (written: --update-baseline)" if a.update_baseline and verdict["differ"] else
+          + (" (written: --update-baseline)" if accepted and verdict["differ"] else
              f" (kept under {rel_to(stage, ROOT)}; rerun with --update-baseline to accept)" if verdict["differ"] else ""))
-    sys.exit(1 if failed or (verdict["differ"] and not a.update_baseline) else 0)
+    sys.exit(1 if failed or (verdict["differ"] and not accepted) else 0)
 
 
 if __name__ == "__main__":

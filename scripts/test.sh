@@ -52,7 +52,8 @@ if [ -d "$work/results" ]; then
 fi
 if [ "$rc" != 0 ]; then
   echo "test.sh: the simulated results differ from the committed ones (above: file, figure, old -> new)." >&2
-  echo "  If the change is intended: scripts/reproduce.sh --update-baseline, then commit results/." >&2
+  echo "  If the change is intended: scripts/reproduce.sh --update-baseline (and --suite mpipemoe --extended" >&2
+  echo "  --update-baseline for MPipeMoE, whose committed summary is the extended one), then commit results/." >&2
 fi
 
 echo

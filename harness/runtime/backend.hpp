@@ -130,6 +130,7 @@ struct MachineRates {
   double gemm_flops = 0;       // FLOP/s of the asked GEMM shape and dtype, alone on the device
   double peak_flops = 0;       // the device's dense peak FLOP/s for that dtype (datasheet): MFU's denominator
   double a2a_bytes = 0;        // one rank's send bytes per second in an all-to-all over the world
+                               // (over a smaller group: Backend::a2a_bytes_among)
   double host_copy_bytes = 0;  // pinned host <-> device, bytes/s per rank and direction, the rank alone
   // The same when every rank of the node copies at once (what a layer whose ranks all copy in
   // the same phase sees: GPUs behind one PCIe switch share its uplink). Equal to
@@ -368,6 +369,16 @@ class Backend {
   virtual MachineRates machine_rates(std::int64_t m, std::int64_t n, std::int64_t k, DType t) const {
     (void)m, (void)n, (void)k, (void)t;
     return {};
+  }
+
+  // MachineRates::a2a_bytes for an all-to-all among `world_ranks` only (a group's members,
+  // Communicator::world_ranks()): one member's send bytes per second, the slowest member's,
+  // with the bytes spread evenly over the group. An expert-parallel group smaller than the
+  // world (expert data parallelism) may stay on one node's NVLink where the world's crosses
+  // the NICs. 0 = unknown (cpu, cuda); the sim gives it from its cluster model.
+  virtual double a2a_bytes_among(std::span<const int> world_ranks) const {
+    (void)world_ranks;
+    return 0;
   }
 
   // fp32 GEMMs on TF32 tensor cores (ModelConfig::allow_tf32): cuda switches cuBLAS's compute

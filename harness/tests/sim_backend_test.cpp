@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <map>
+#include <numeric>
 
 #include "harness/backends/sim/sim_backend.hpp"
 #include "harness/nn/moe_layer.hpp"
@@ -214,6 +215,81 @@ TEST(SimBackend, AllToAllRateIsTheSlowestLinkAtNcclsEfficiency) {
   EXPECT_DOUBLE_EQ(r.intra_bw, an.nvlink_bw * an.p2p.intra_efficiency);
   EXPECT_DOUBLE_EQ(r.nic_bw, an.nic_bw * an.p2p.net_efficiency);
   EXPECT_LT(an.p2p.intra_efficiency, 1.0);
+}
+
+// a2a_bytes_among against what the sim charges: every group of a layout exchanges at once (an
+// expert-parallel layer's groups do), each member sending the same bytes to each member; the
+// seconds per send byte from two sizes (the fixed latencies cancel). The world's own group gives
+// machine_rates' a2a_bytes; a group on one node runs at NVLink's rate, several times the world's.
+TEST(SimBackend, AllToAllRateAmongAGroupIsWhatTheSimCharges) {
+  struct Case {
+    const char* cluster;
+    int (*color)(int);
+    const char* what;
+  };
+  const Case cases[] = {
+      {"a800x2", [](int r) { return r / 8; }, "one group per node (ScMoE's ep=8 on 16 ranks)"},
+      {"a800x2", [](int r) { return r % 8; }, "one member per node, 8 groups, a NIC each"},
+      {"a800x2-nic4", [](int r) { return r % 8; }, "one member per node, two groups behind each NIC"},
+      {"dgx-a100x2", [](int r) { return (r % 8) / 4; }, "4 members on each of 2 nodes"},
+      {"pcie-a30x1", [](int r) { return r % 2; }, "every member behind its own PCIe switch, 2 groups"},
+      {"pcie-a30x1", [](int r) { return r / 4; }, "2 switches per group"},
+      {"dgx-a100x2", [](int) { return 0; }, "the world"},
+  };
+  for (const Case& k : cases) {
+    SimOptions o;
+    o.cluster = sim::load_cluster(k.cluster);
+    SimCluster cluster(o);
+    double per_byte = 0, among = 0, world_rate = 0, rates_a2a = 0;
+    int group_size = 0;
+    cluster.run([&](Backend& b, Communicator& world) {
+      auto g = world.split(k.color(world.rank()), world.rank());
+      const int n = g->size();
+      const std::int64_t f = 1 << 20;  // floats to each member at the larger size
+      Stream& s = b.default_stream();
+      Tensor send = b.empty({n * f}, DType::f32, MemCategory::buffers, s);
+      Tensor recv = b.empty({n * f}, DType::f32, MemCategory::buffers, s);
+      double took[2] = {0, 0};
+      for (int i = 0; i < 2; ++i) {
+        const std::int64_t c = f / (2 - i);
+        std::vector<Segment> segs;
+        for (int p = 0; p < n; ++p) segs.push_back({p, p * c, c});
+        b.synchronize();
+        world.barrier();  // the sim prices an epoch when every rank reaches a barrier
+        const double t0 = b.now();
+        g->all_to_all_v(s, send, segs, recv, segs);
+        b.synchronize();
+        world.barrier();
+        took[i] = b.now() - t0;
+      }
+      if (world.rank() == 0) {
+        per_byte = (took[1] - took[0]) / (4.0 * static_cast<double>(n) * static_cast<double>(f / 2));
+        among = b.a2a_bytes_among(g->world_ranks());
+        rates_a2a = b.machine_rates(1024, 1024, 1024, DType::bf16).a2a_bytes;
+        std::vector<int> all(static_cast<std::size_t>(world.size()));
+        std::iota(all.begin(), all.end(), 0);
+        world_rate = b.a2a_bytes_among(all);
+        group_size = n;
+      }
+    });
+    ASSERT_GT(per_byte, 0.0) << k.cluster << ": " << k.what;
+    EXPECT_NEAR(among * per_byte, 1.0, 1e-9) << k.cluster << ": " << k.what << " (" << group_size << " members): "
+                                             << among / 1e9 << " GB/s, the sim charged " << 1e-9 / per_byte;
+    EXPECT_DOUBLE_EQ(world_rate, rates_a2a) << k.cluster;
+  }
+  // The rate is the group's, not the world's: one node of a800x2 at NVLink's rate (8/7 of a
+  // GPU's link at the intra-node efficiency), the world's bound by the NICs.
+  SimOptions o;
+  o.cluster = sim::load_cluster("a800x2");
+  SimCluster cluster(o);
+  const Backend& b = cluster.backend(0);
+  const std::vector<int> node0{0, 1, 2, 3, 4, 5, 6, 7};
+  const sim::NodeSpec& nd = o.cluster.node;
+  EXPECT_NEAR(b.a2a_bytes_among(node0), (8.0 / 7) * nd.nvlink_bw * nd.p2p.intra_efficiency, 1e-9 * nd.nvlink_bw);
+  EXPECT_GT(b.a2a_bytes_among(node0), 3 * b.machine_rates(1, 1, 1, DType::bf16).a2a_bytes);
+  EXPECT_EQ(b.a2a_bytes_among(std::vector<int>{3}), 0.0);  // one member: no exchange
+  EXPECT_THROW(b.a2a_bytes_among(std::vector<int>{0, 0}), std::invalid_argument);
+  EXPECT_THROW(b.a2a_bytes_among(std::vector<int>{0, 16}), std::invalid_argument);
 }
 
 // machine_rates' host-copy rates against what the sim charges: every rank of the node copies

@@ -599,8 +599,9 @@ const Rates& MPipeMoELayer::rates_for(std::int64_t b, bool agree) {
     r.w.comm_bytes = std::numeric_limits<double>::infinity();
     r.source["comm_bytes"] = "one rank: no network traffic";
   } else {
-    r.w.comm_bytes = pick("comm_bytes", so_.comm_bytes, "comm_gbps", mr.a2a_bytes, dflt.comm_bytes,
-                          "default_throughputs() (assumed)");
+    // The all-to-all among this layer's expert-parallel group (the world's rate where it is the world).
+    r.w.comm_bytes = pick("comm_bytes", so_.comm_bytes, "comm_gbps", b_.a2a_bytes_among(comm_.world_ranks()),
+                          dflt.comm_bytes, "default_throughputs() (assumed)");
   }
   // Every rank offloads in the same phase, so W_mem is a rank's share with all of them copying.
   r.w.mem_bytes = pick("mem_bytes", so_.mem_bytes, "mem_gbps", mr.host_copy_bytes_all_ranks, dflt.mem_bytes,

@@ -278,14 +278,16 @@ double ScMoEPair::gemm_seconds(std::int64_t m, std::int64_t n, std::int64_t k) {
 }
 
 // One all-to-all of the routed MoE: the send buffer of the T·k rows of M elements, over the
-// machine model's all-to-all rate, which is per byte of the whole send buffer (the share that
-// stays on this rank under balanced routing, 1/W, is already in it: MachineRates::a2a_bytes).
+// machine model's all-to-all rate among the dispatch group's members (an expert-parallel group
+// smaller than the world may stay on one node), which is per byte of the whole send buffer (the
+// share that stays on this rank under balanced routing, 1/W, is already in it:
+// Backend::a2a_bytes_among).
 double ScMoEPair::a2a_seconds(std::int64_t T) {
-  const int W = impl_->layer().channels().dispatch_comm().size();
-  if (W <= 1) return 0.0;
+  const Communicator& group = impl_->layer().channels().dispatch_comm();
+  if (group.size() <= 1) return 0.0;
   const double bytes = static_cast<double>(T * cfg_.moe.top_k * cfg_.d_model) * static_cast<double>(dtype_size(cfg_.dtype));
-  const MachineRates r = b_.machine_rates(T, cfg_.d_model, cfg_.d_model, cfg_.dtype);
-  return bytes / (r.a2a_bytes > 0 ? r.a2a_bytes : kAssumedA2aBytesPerS);
+  const double rate = b_.a2a_bytes_among(group.world_ranks());
+  return bytes / (rate > 0 ? rate : kAssumedA2aBytesPerS);
 }
 
 // The window's blocks, the experts and the all-to-alls for T tokens, from the cost model: per
@@ -332,7 +334,8 @@ const Placement& ScMoEPair::placement(std::int64_t T) {
   {
     const MachineRates r = b_.machine_rates(T, M, M, cfg_.dtype);
     p.rates = r.gemm_flops > 0 ? r.source : "GEMM rate measured with " + b_.name() + "'s GEMM library";
-    if (!(r.a2a_bytes > 0) && impl_->layer().channels().dispatch_comm().size() > 1)
+    const Communicator& group = impl_->layer().channels().dispatch_comm();
+    if (group.size() > 1 && !(b_.a2a_bytes_among(group.world_ranks()) > 0))
       p.rates += "; all-to-all " + std::to_string(kAssumedA2aBytesPerS / 1e9) + " GB/s assumed";
     // Offloaded experts: every local expert that balanced routing reaches (all of them when
     // T·k rows outnumber them) is copied in over the host link before the experts can run:

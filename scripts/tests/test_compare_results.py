@@ -178,6 +178,62 @@ class Trees(unittest.TestCase):
         quick["claims"] = []
         self.assertNotIn(("claims[sys-speedup]", "a claim", "(absent)"), cr.diff_summaries(old, quick, 1e-9))
 
+    def test_a_run_simulated_before_and_not_now_differs_in_any_subset(self):
+        # A run of the committed summary that the new run skipped (a probe said no, a model file
+        # went missing), ran out of device memory or failed is a difference, a quick run against
+        # the committed full summary included; a run the new run was told to leave out
+        # (--backends) and the skip reasons of runs never simulated are not.
+        old = fixtures.model_summary()
+        self.assertEqual(cr.diff_summaries(old, copy.deepcopy(old), 1e-9), [])
+        sim = next(i for i, r in enumerate(old["runs"]) if r.get("mode") == "simulated")
+        for outcome, said in (({"skipped": "the installed moelab rejects --inference"},
+                               "skipped: the installed moelab rejects --inference"),
+                              ({"skipped": "out of device memory: ...", "out_of_memory": True}, "out of device memory")):
+            new = copy.deepcopy(old)
+            new["subset"] = "quick"
+            r = new["runs"][sim]
+            for k in ("mode", "device", "calibration", "world_size", "file", "results"):
+                r.pop(k, None)
+            r.update(outcome)
+            diffs = cr.diff_summaries(old, new, 1e-9)
+            self.assertEqual(len(diffs), 1, diffs)
+            self.assertEqual(diffs[0][1:], ("simulated", said))
+        new = copy.deepcopy(old)
+        r = new["runs"][sim]
+        for k in ("mode", "device", "calibration", "world_size", "file", "results"):
+            r.pop(k, None)
+        r["skipped"] = f"backend {r['backend']} not selected (--backends cuda)"
+        self.assertEqual(cr.diff_summaries(old, new, 1e-9), [])
+        # a run now simulated that was not (it ran out of memory before), and a run's file
+        new = copy.deepcopy(old)
+        for r in new["runs"]:
+            if r.get("mode") != "simulated":
+                r.update(mode="simulated", file="simulated/x.json", results=old["runs"][sim]["results"])
+                r.pop("skipped", None)
+        new["runs"][sim]["file"] = "simulated/elsewhere.json"
+        diffs = cr.diff_summaries(old, new, 1e-9)
+        self.assertTrue(any(d[2] == "a simulated run" for d in diffs), diffs)
+        self.assertTrue(any(d[0].endswith(".file") and d[2] == "simulated/elsewhere.json" for d in diffs), diffs)
+
+    def test_a_whole_model_runs_identity_is_compared(self):
+        model = "simulated/dgx-a100x1/tiny-model.json"
+        for tree in (self.base, self.new):
+            mr.write_json(os.path.join(tree, model), fixtures.model_result())
+        self.edit(model, lambda r: r["model"].update(source="reworded", description="reworded"))
+        self.assertEqual(self.compare()[0], 0)
+        self.edit(model, lambda r: r["model"].update(num_layers=4))
+        self.edit(model, lambda r: r["training"].update(lr=0.5))
+        n, text = self.compare()
+        self.assertEqual(n, 1, text)
+        self.assertIn("model.num_layers: 2 -> 4", text)
+        self.assertIn("training.lr: ", text)
+        # a parallel block on one side only
+        shutil.copy(os.path.join(self.base, model), os.path.join(self.new, model))
+        self.edit(model, lambda r: r.pop("parallel"))
+        n, text = self.compare()
+        self.assertEqual(n, 1, text)
+        self.assertIn("parallel: ", text)
+
     def test_quick_summary_against_full(self):
         mr.write_json(os.path.join(self.new, SUMMARY), fixtures.summary("quick"))
         n, text = self.compare()
@@ -288,6 +344,30 @@ class Install(unittest.TestCase):
         quick = fixtures.summary("quick")
         quick["claims"][0]["ours"]["paper_setup"]["value"] = 3.0
         self.assertFalse(any(k.startswith("claims[") for k, _, _ in cr.diff_summaries(fixtures.summary(), quick, 1e-9)))
+
+
+    def test_update_baseline_is_refused_where_a_larger_summary_would_go_stale(self):
+        # A full run accepted over the committed extended summary would write its results but
+        # not the summary (it never replaces a larger one), whose points and claims would then
+        # describe results no longer in the folder: nothing simulated is accepted.
+        ext = fixtures.summary()
+        ext["subset"] = "extended"
+        mr.write_json(os.path.join(self.base, SUMMARY), ext)
+        full = fixtures.summary(system_step=0.005)  # a shared point moved
+        self.stage_files(sim_step=0.006, summary=full)
+        c = self.install(accept=True)
+        self.assertEqual(c["refused"], [(SUMMARY, "full", "extended")])
+        self.assertEqual(self.value(SIM), 0.005)  # the differing result is kept aside
+        self.assertTrue(os.path.exists(os.path.join(self.stage, SIM)))
+        self.assertEqual(self.value(MEASURED), 0.7)  # measured files are still written
+        # An unchanged full summary lets the differing results in.
+        self.tearDown()
+        self.setUp()
+        mr.write_json(os.path.join(self.base, SUMMARY), ext)
+        self.stage_files(sim_step=0.006, summary=fixtures.summary())
+        c = self.install(accept=True)
+        self.assertEqual(c["refused"], [])
+        self.assertEqual(self.value(SIM), 0.006)
 
 
 class Bench(unittest.TestCase):

@@ -74,6 +74,13 @@ class BreakEven(unittest.TestCase):
             with open(path, "w") as f:
                 json.dump(d, f)
             text = "\n".join(report.gap_section(path, tmp))
+            # a malformed file is a SchemaError naming it (the report exits 2), not a traceback
+            del d["points"][0]["stages"][0]["step_s"]
+            with open(path, "w") as f:
+                json.dump(d, f)
+            with self.assertRaises(report.mr.SchemaError) as cm:
+                report.gap_section(path, tmp)
+            self.assertIn(f"{path}: malformed (KeyError: 'step_s')", str(cm.exception))
         self.assertIn("### Where the gap goes (simulated)", text)
         self.assertIn("| published | c | 10.000 | 12.000 | 5.000 (4) | 2.00x | 2.40x |", text)
         self.assertIn(f"| {8.5e-3 / 12.6 * 1e6:.0f} µs |", text)

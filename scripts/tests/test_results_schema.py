@@ -5,6 +5,7 @@
 With MOELAB set to a moelab binary (CTest sets it), the real binary writes a simulated and a
 measured result that must validate; without it those two tests are skipped.
 """
+import copy
 import json
 import os
 import subprocess
@@ -200,6 +201,37 @@ class SummaryAndSuiteSchema(unittest.TestCase):
             mr.check_summary(s, "s.json")
         self.assertIn('field "runs[0].results": missing', str(cm.exception))
 
+    def test_claim_parts_the_report_prints_are_checked(self):
+        # A claim's as-published comparison and other memory counting, and a result's optimizer
+        # peaks: accepted malformed, they crashed the report (KeyError) or the suite run.
+        s = fixtures.summary()
+        ok = {"versus": "Base-pub", "compared_on": "paper_setup", "verdict": "agrees",
+              "ours": {"paper_setup": {"points": 1, "value": 2.0}}}
+        s["claims"][0]["as_published"] = ok
+        s["claims"][0]["other_counting"] = {"memory_counts": "with_optimizer_state", "verdict": "agrees",
+                                            "ours": {"paper_setup": {"points": 0}}}
+        s["claims"][0]["compared_on"] = "paper_setup"
+        self.assertIs(mr.check_summary(s, "s.json"), s)
+        for part, change, fragment in (
+                ("as_published", lambda p: p.pop("ours"), 'field "claims[0].as_published.ours": missing'),
+                ("as_published", lambda p: p.pop("versus"), 'field "claims[0].as_published.versus": missing'),
+                ("as_published", lambda p: p["ours"]["paper_setup"].pop("value"),
+                 'field "claims[0].as_published.ours.paper_setup.value": missing'),
+                ("other_counting", lambda p: p.update(memory_counts="peak"),
+                 'field "claims[0].other_counting.memory_counts"')):
+            t = copy.deepcopy(s)
+            change(t["claims"][0][part])
+            with self.assertRaises(mr.SchemaError, msg=fragment) as cm:
+                mr.check_summary(t, "s.json")
+            self.assertIn(fragment, str(cm.exception))
+        r = fixtures.result()
+        r["metrics"]["peak_memory_bytes"]["optimizer_state"] = {"with": 2.0e9, "without": 1.0e9}
+        self.assertIs(mr.check_result(r, "r.json"), r)
+        r["metrics"]["peak_memory_bytes"]["optimizer_state"] = {"source": "x"}
+        with self.assertRaises(mr.SchemaError) as cm:
+            mr.check_result(r, "r.json")
+        self.assertIn('field "metrics.peak_memory_bytes.optimizer_state.with": missing', str(cm.exception))
+
     def test_registered_suites_load(self):
         names = [mr.load_suite(p)["name"] for p in mr.registered_suites()]
         self.assertIn("mpipemoe", names)
@@ -215,6 +247,8 @@ class SummaryAndSuiteSchema(unittest.TestCase):
              'field "runs[0].impls[1]": "Nobody" is not a label'),
             (lambda s: s["claims"]["items"][0].update(system="Nobody"),
              'field "claims.items[0].system"'),
+            (lambda s: s["claims"]["items"][0].update(metric="speedup", paper=0.9),
+             'field "claims.items[0].paper": a speedup claim is judged as a gain over 1 (faster), got 0.9'),
             (lambda s: s["runs"][1].update(ranks=[0]), 'field "runs[1].ranks[0]"'),
             (lambda s: s["runs"][0].update(path="/abs/path"), 'field "runs[0].path"'),
             (lambda s: s["impls"].append(dict(s["impls"][0])), 'field "impls": duplicate names: "Base"'),

@@ -486,6 +486,29 @@ class PipelineRuns(unittest.TestCase):
         self.assertEqual(mr.fmt_claim("relative_throughput", 0.98), "0.98x")
 
 
+class Figures(unittest.TestCase):
+    """plots/figures.py: a figure whose data is gone is not left behind for the report to embed."""
+
+    def test_a_figure_without_its_data_is_removed_not_kept(self):
+        sys.path.insert(0, os.path.join(fixtures.ROOT, "plots"))
+        import figures as plot_figures
+        with tempfile.TemporaryDirectory() as d:
+            results, figs = os.path.join(d, "results"), os.path.join(d, "results", "figures")
+            os.makedirs(figs)
+            stale = os.path.join(figs, "x-gap.png")
+            other = os.path.join(figs, "y.png")
+            for f in (stale, other):
+                open(f, "wb").close()
+            suite = {"name": "x", "out": "simulated/x", "figures": [
+                {"id": "gap", "script": "plots/none.py", "args": ["--data", "{out}/gap.json", "--out", "{figures}/x-gap.png"]}]}
+            lines = []
+            made, missing, failed = plot_figures.make(suite, results, figs, log=lines.append)
+            self.assertEqual((made, missing, failed), ([], ["gap"], []))
+            self.assertFalse(os.path.exists(stale))
+            self.assertTrue(os.path.exists(other))  # only the figure's own output
+            self.assertIn("removed x-gap.png", "\n".join(lines))
+
+
 class RunClaims(unittest.TestCase):
     """Claims judged on whole-model runs (run_suite.claims_table with "on": "runs")."""
 
@@ -523,6 +546,54 @@ class RunClaims(unittest.TestCase):
         self.assertEqual((r["direction_agrees"], r["size_agrees"]), (True, True))
         self.assertEqual(r["verdict"], "agrees in direction and size")
         mr.check_summary({**fixtures.model_summary(), "claims": [r]}, "(summary)")
+
+    def test_a_claim_judged_without_a_selected_run_says_so(self):
+        # A worst-point claim whose worst run ran out of memory (or whose baseline run failed)
+        # would otherwise look judged on every selected point.
+        claim = self.claim(select={"clusters": ["pcie"], "mode": "training"}, stat="min", paper=1.25)
+        (whole,) = self.table(claim)
+        self.assertNotIn("missing", whole["ours"]["runs"])
+        runs = [dict(r) for r in self.RUNS]
+        oom = next(r for r in runs if r["label"] == "Sc" and r["model"] == "m1" and r["cluster"] == "pcie"
+                   and not r.get("layers") and r["run_mode"] == "training")
+        for k in ("results", "mode", "file"):
+            oom.pop(k, None)
+        oom.update(skipped="out of device memory: ...", out_of_memory=True)
+        failed = next(r for r in runs if r["label"] == "top2" and r["model"] == "m2")
+        (r,) = run_suite.claims_table(self.suite(claim), [], runs)
+        self.assertEqual(r["ours"]["runs"]["points"], 1)
+        self.assertEqual(r["ours"]["runs"]["missing"], ["pcie training m1 Sc: out of device memory"])
+        self.assertIn("(on 1 of 2 selected points; without pcie training m1 Sc: out of device memory)", r["verdict"])
+        for k in ("results", "mode", "file"):
+            failed.pop(k, None)
+        failed.update(skipped="moelab failed", failed=True)
+        (r,) = run_suite.claims_table(self.suite(claim), [], runs)
+        self.assertEqual(r["ours"]["runs"]["points"], 0)
+        self.assertEqual(r["ours"]["runs"]["missing"], ["pcie training m1 Sc: out of device memory",
+                                                        "pcie training m2 top2: failed"])
+        mr.check_summary({**fixtures.model_summary(), "claims": [r]}, "(summary)")
+
+    def test_two_baseline_runs_a_system_run_could_pair_with_are_refused(self):
+        # Paired by model, layers, cluster and run mode: two top2 runs there (other layouts) would
+        # leave the pairing to the rows' order.
+        runs = [dict(r) for r in self.RUNS] + [{**fixtures.model_row("top2", "m1", "pcie", 0.020), "parallel": "tp=2"}]
+        with self.assertRaises(mr.SchemaError) as cm:
+            run_suite.claims_table(self.suite(self.claim()), [], runs)
+        self.assertIn("two top2 runs at pcie training m1", str(cm.exception))
+
+    def test_a_claims_mode_is_that_of_the_runs_it_was_judged_on(self):
+        claim = self.claim(select={"clusters": ["pcie"], "mode": "training"})
+        runs = [dict(r) for r in self.RUNS] + [{**fixtures.model_row("other", "m9", "gpu", 0.01), "mode": "measured"}]
+        (r,) = run_suite.claims_table(self.suite(claim), [], runs)
+        self.assertEqual(r["mode"], "simulated")  # an unrelated measured run does not make it mixed
+        for x in runs:
+            if x.get("cluster") == "pcie" and "results" in x:
+                x["mode"] = "measured"
+        (r,) = run_suite.claims_table(self.suite(claim), [], runs)
+        self.assertEqual(r["mode"], "measured")
+        runs[0]["mode"] = "simulated"
+        (r,) = run_suite.claims_table(self.suite(claim), [], runs)
+        self.assertEqual(r["mode"], "mixed")
 
     def test_selection_stat_and_verdicts(self):
         (r,) = self.table(self.claim(select={"clusters": ["nvl"]}, paper=1.11))

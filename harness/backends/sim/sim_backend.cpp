@@ -425,15 +425,78 @@ class SimBackendImpl final : public Backend {
     for (const auto& p : problems) seconds += topo_.gemm_seconds(p.m, p.n, p.k, p.a.defined() ? p.a.dtype() : DType::f32, allow_tf32_);
     return seconds;
   }
-  // The cluster model's rates (the profile's where it measured them). The all-to-all rate is
-  // the bottleneck of a rank whose send bytes spread evenly over the world's n ranks (ranks
-  // fill nodes in order): S(n-g)/n bytes leave the node through its share of the NICs (and,
-  // where the node models its PCIe switches, over the GPU's PCIe link by GPUDirect RDMA),
-  // S(g-1)/n stay on NVLink (or the GPU's PCIe link, and S(g-p)/n cross the PCIe switch
-  // uplink its p GPUs share), g = ranks on the node. Each link at the rate NCCL's Simple
-  // protocol reaches on it (the p2p model's efficiencies, as the all-to-all's flows are
-  // priced; full rate on GPUDirect's PCIe hops): the all-to-all rate a profile of the
-  // cluster would find for large messages. Latency is left out: Eq. 10 is a bandwidth model.
+  // The all-to-all rate among `members` (world ranks): the bottleneck of the slowest member
+  // whose send bytes S spread evenly over the group's n members, with every rank of the world
+  // exchanging at once in a group of the same shape (the group's translates, as an
+  // expert-parallel layer's groups run; where they do not tile the world, the group alone).
+  // For member r with a other members on its node and n - 1 - a on other nodes: S·a/n stay on
+  // NVLink (or the GPU's PCIe link), S(n-1-a)/n leave the node through r's NIC (GPU i uses NIC
+  // i % nics, shared with the other ranks behind it) and, where the node models its PCIe
+  // switches, over the GPU's PCIe link by GPUDirect RDMA; on a PCIe node the bytes to members
+  // of the node behind other switches cross r's switch uplink, which its switch's ranks share.
+  // Each link at the rate NCCL's Simple protocol reaches on it (the p2p model's efficiencies,
+  // as the all-to-all's flows are priced; full rate on GPUDirect's PCIe hops): the all-to-all
+  // rate a profile of the cluster would find for large messages. Latency is left out: Eq. 10
+  // is a bandwidth model.
+  double a2a_bytes_among(std::span<const int> members) const override {
+    const sim::NodeSpec& nd = c_.opt.cluster.node;
+    if (members.size() < 2) return 0;
+    std::vector<int> group(members.begin(), members.end());
+    std::sort(group.begin(), group.end());
+    if (std::adjacent_find(group.begin(), group.end()) != group.end() || group.front() < 0 || group.back() >= c_.n)
+      throw std::invalid_argument("a2a_bytes_among: the members must be distinct ranks of the " +
+                                  std::to_string(c_.n) + "-rank world");
+    // The groups exchanging at once: translates of this one from each lowest rank not yet covered.
+    std::vector<std::vector<int>> groups;
+    std::vector<char> covered(static_cast<std::size_t>(c_.n), 0);
+    for (int base = 0; base < c_.n; ++base) {
+      if (covered[static_cast<std::size_t>(base)]) continue;
+      std::vector<int> t;
+      for (int r : group) {
+        const int q = r - group.front() + base;
+        if (q >= c_.n || covered[static_cast<std::size_t>(q)]) break;
+        t.push_back(q);
+      }
+      if (t.size() != group.size()) {
+        groups = {group};  // no tiling: the group alone
+        break;
+      }
+      for (int q : t) covered[static_cast<std::size_t>(q)] = 1;
+      groups.push_back(std::move(t));
+    }
+    const double n = static_cast<double>(group.size());
+    const bool pcie = nd.intra == "pcie";
+    const double link = pcie ? nd.pcie_bw : nd.nvlink_bw;
+    const double eff_intra = nd.p2p.intra_efficiency, eff_net = nd.p2p.net_efficiency;
+    const auto node_of = [&](int r) { return r / nd.gpus; };
+    const auto switch_of = [&](int r) { return node_of(r) * nd.gpus + (r % nd.gpus) / nd.gpus_per_pcie_switch; };
+    std::map<int, double> nic_load, uplink_load;  // send bytes per byte of S through each
+    double per_byte = 0;                           // seconds per byte of S, the slowest link
+    for (const auto& g : groups) {
+      std::map<int, int> on_node, on_switch;
+      for (int r : g) {
+        ++on_node[node_of(r)];
+        if (pcie) ++on_switch[switch_of(r)];
+      }
+      for (int r : g) {
+        const int same = on_node[node_of(r)];
+        const double intra = (same - 1) / n, inter = (n - same) / n;
+        // The GPU's own link: its intra-node bytes, and on a PCIe node its GPUDirect bytes too.
+        per_byte = std::max(per_byte, intra / (link * eff_intra) + (pcie ? inter / link : 0.0));
+        if (inter > 0) {
+          nic_load[node_of(r) * nd.nics + (r % nd.gpus) % nd.nics] += inter;
+          if (!pcie && nd.pcie_switches()) per_byte = std::max(per_byte, inter / nd.pcie_bw);
+        }
+        if (pcie) uplink_load[switch_of(r)] += (same - on_switch[switch_of(r)]) / n;
+      }
+    }
+    for (const auto& [nic, load] : nic_load) per_byte = std::max(per_byte, load / (nd.nic_bw * eff_net));
+    for (const auto& [sw, load] : uplink_load)
+      per_byte = std::max(per_byte, load / (nd.pcie_switch_uplink_bw * eff_intra));
+    return per_byte > 0 ? 1.0 / per_byte : 0.0;
+  }
+  // The cluster model's rates (the profile's where it measured them); the all-to-all rate is
+  // the world's (a2a_bytes_among every rank; ranks fill nodes in order).
   MachineRates machine_rates(std::int64_t m, std::int64_t n, std::int64_t k, DType t) const override {
     const sim::ClusterModel& cm = c_.opt.cluster;
     const sim::NodeSpec& nd = cm.node;
@@ -441,22 +504,13 @@ class SimBackendImpl final : public Backend {
     const double secs = topo_.gemm_seconds(m, n, k, t, allow_tf32_);
     if (secs > 0) r.gemm_flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) / secs;
     r.peak_flops = t == DType::f32 && allow_tf32_ ? cm.gpu.flops_tf32 : cm.peak_flops(t);
-    const double world = c_.n, g = std::min(nd.gpus, c_.n);
+    const double g = std::min(nd.gpus, c_.n);
     const bool pcie = nd.intra == "pcie";
     const double link = pcie ? nd.pcie_bw : nd.nvlink_bw;
-    const double inter = (world - g) / world, intra = (g - 1) / world;
     const double eff_intra = nd.p2p.intra_efficiency, eff_net = nd.p2p.net_efficiency;
-    // Seconds per send byte on the GPU's link: its intra-node bytes, and on a PCIe node its
-    // GPUDirect bytes to the NIC too.
-    double per_byte = intra / (link * eff_intra) + (pcie ? inter / link : 0.0);
-    if (inter > 0) {
-      per_byte = std::max(per_byte, inter / (nd.nic_bw * eff_net * nd.nics / nd.gpus));
-      if (!pcie && nd.pcie_switches()) per_byte = std::max(per_byte, inter / nd.pcie_bw);
-    }
-    if (pcie && g > nd.gpus_per_pcie_switch)
-      per_byte = std::max(per_byte, nd.gpus_per_pcie_switch * (g - nd.gpus_per_pcie_switch) / world /
-                                        (nd.pcie_switch_uplink_bw * eff_intra));
-    if (per_byte > 0) r.a2a_bytes = 1.0 / per_byte;
+    std::vector<int> world(static_cast<std::size_t>(c_.n));
+    std::iota(world.begin(), world.end(), 0);
+    r.a2a_bytes = a2a_bytes_among(world);
     const auto* prof = c_.opt.profile ? &*c_.opt.profile : nullptr;
     const double h2d = prof && prof->h2d_bw > 0 ? prof->h2d_bw : nd.host_copy_bw;
     const double d2h = prof && prof->d2h_bw > 0 ? prof->d2h_bw : nd.host_copy_bw;
