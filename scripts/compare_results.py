@@ -13,8 +13,8 @@ Trees: every JSON file of NEW is compared with the file at the same relative pat
     figures (not its source and description texts) and the identity of the run (mode,
     backend, impl, device, world size, cluster name, calibration, routing model, the workload
     without its description, a whole-model run's model without its prose and its training
-    settings; a "parallel", "workload", "model" or "training" block on one side only is a
-    difference). Numbers
+    settings, the implementation's options; a "parallel", "workload", "model", "training" or
+    "impl_options" block on one side only is a difference). Numbers
     agree when |new - old| <= 1e-9 * max(|old|, |new|) (--rel-tol); anything else exactly.
     Provenance (date, commit) is not compared.
   suite summaries (moelab.suite-summary/1): every figure of every point, of every simulated
@@ -134,14 +134,15 @@ def diff_results(old, new, tol):
         out.append(("cluster.name", oc.get("name"), nc.get("name")))
     elif oc and nc:  # the same cluster: its figures are the model's (their prose is not compared)
         diff_values(oc, nc, "cluster", tol, out, ignore=("source", "description"))
-    # layout, schedule, bytes on each link class; a block on one side only is a difference
-    diff_values(old.get("parallel"), new.get("parallel"), "parallel", tol, out)
-    diff_values(old.get("workload"), new.get("workload"), "workload", 0.0, out, ignore=("description",))
-    # a whole-model run's identity: the model as built (not its prose) and the training settings
-    diff_values(old.get("model"), new.get("model"), "model", 0.0, out, ignore=("source", "description"))
-    diff_values(old.get("training"), new.get("training"), "training", 0.0, out)
-    if "impl_options" in old and "impl_options" in new:
-        diff_values(old["impl_options"], new["impl_options"], "impl_options", 0.0, out)
+    # parallel: layout, schedule, bytes on each link class; model and training: a whole-model
+    # run's identity (the model as built, not its prose). A block on one side only is a difference.
+    for key, t, ignore in (("parallel", tol, ()), ("workload", 0.0, ("description",)),
+                           ("model", 0.0, ("source", "description")), ("training", 0.0, ()),
+                           ("impl_options", 0.0, ())):
+        if key in old and key in new:
+            diff_values(old[key], new[key], key, t, out, ignore=ignore)
+        elif key in old or key in new:
+            out.append((key, old.get(key, "(absent)"), new.get(key, "(absent)")))
     diff_values(old.get("impl_report"), new.get("impl_report"), "impl_report", tol, out)
     om, nm = old.get("metrics"), new.get("metrics")
     if isinstance(om, dict) and isinstance(nm, dict):

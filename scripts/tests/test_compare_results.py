@@ -227,12 +227,17 @@ class Trees(unittest.TestCase):
         self.assertEqual(n, 1, text)
         self.assertIn("model.num_layers: 2 -> 4", text)
         self.assertIn("training.lr: ", text)
-        # a parallel block on one side only
+        # a parallel block on one side only, the implementation's options on one side only
         shutil.copy(os.path.join(self.base, model), os.path.join(self.new, model))
         self.edit(model, lambda r: r.pop("parallel"))
         n, text = self.compare()
         self.assertEqual(n, 1, text)
         self.assertIn("parallel: ", text)
+        shutil.copy(os.path.join(self.base, model), os.path.join(self.new, model))
+        self.edit(model, lambda r: r.update(impl_options={"partitions": 4}))
+        n, text = self.compare()
+        self.assertEqual(n, 1, text)
+        self.assertIn("impl_options: (absent) -> ", text)
 
     def test_quick_summary_against_full(self):
         mr.write_json(os.path.join(self.new, SUMMARY), fixtures.summary("quick"))
