@@ -1558,7 +1558,12 @@ Topology::GroupedGemmPrice Topology::grouped_gemm(std::span<const GemmProblem> p
 double Topology::gemm_mem_bw() const {
   const auto& cal = m_.efficiency.calibration;
   MOELAB_CHECK(cal.has_value(), "gemm_mem_bw: cluster " + m_.name + " has no GEMM calibration");
-  return cal->hbm_bw > 0 && m_.gpu.hbm_bw > 0 ? cal->mem_bw * (m_.gpu.hbm_bw / cal->hbm_bw) : cal->mem_bw;
+  return cal->mem_bw * calibration_hbm_scale();
+}
+
+double Topology::calibration_hbm_scale() const {
+  const auto& cal = m_.efficiency.calibration;
+  return cal && cal->hbm_bw > 0 && m_.gpu.hbm_bw > 0 ? m_.gpu.hbm_bw / cal->hbm_bw : 1.0;
 }
 
 double Topology::mem_bw_effective() const {

@@ -375,7 +375,13 @@ class Topology {
   // (GemmCalibration::hbm_bw). Needs a calibration.
   double gemm_mem_bw() const;
   // The cluster's GEMM calibration's kernel rates (KernelRates); null without a calibration.
+  // Their rates (bytes/s, elements/s) are of the calibration's device: memory-bound kernels,
+  // scale them by calibration_hbm_scale() on another part of its architecture.
   const KernelRates* kernel_rates() const;
+  // The cluster GPU's datasheet HBM rate over the calibration device's (an H200 priced by the
+  // H100's calibration: 4.8 / 3.35), 1 where either is not given or there is no calibration:
+  // what gemm_mem_bw and the memory-bound kernel rates are scaled by.
+  double calibration_hbm_scale() const;
   double launch_latency() const;     // profile, else calibration, else the datasheet figure
   const ClusterModel& model() const { return m_; }
   bool calibrated() const { return profile_ != nullptr; }

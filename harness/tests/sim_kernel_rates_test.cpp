@@ -190,6 +190,45 @@ TEST(SimKernelRates, OneRankExchangeAtTheFittedRate) {
   EXPECT_NEAR(seconds(other[0]), 2 * S / kHbm, 1e-12);
 }
 
+// Rates measured on another part of the calibration's architecture: the kernels are
+// memory-bound, so a cluster GPU with twice the calibration device's datasheet HBM rate
+// (GemmCalibration::hbm_bw; an H200 priced by an H100's calibration) runs the permutations,
+// a measured activation and the one-rank exchange at twice their measured rates, as the GEMM
+// roofline's mem_bw is scaled (Topology::calibration_hbm_scale).
+TEST(SimKernelRates, MeasuredRatesScaleWithTheClusterGpusHbm) {
+  const std::int64_t T = 4096, M = 1024, n = 1 << 20;
+  sim::KernelRates k;
+  k.permute_bw = 4e11;
+  k.unpermute_bw = 2.5e11;
+  k.activations = {rate(Activation::gelu, false, DType::f32, 1e8)};
+  k.exchange = sim::ExchangeFit{1e11, 20e-6, {1}};
+  const auto run = [&](const sim::ClusterModel& m) {
+    return ops(m, [&](Backend& b, Communicator& c, Stream& s) {
+      Tensor x = b.empty({T, M}, DType::bf16, MemCategory::buffers, s), y = b.empty({T, M}, DType::bf16, MemCategory::buffers, s);
+      Tensor slot = b.empty({T, 1}, DType::i32, MemCategory::buffers, s);
+      Tensor w = b.empty({T, 1}, DType::f32, MemCategory::buffers, s);
+      b.permute(s, x, slot, y);
+      b.unpermute(s, y, slot, w, x);
+      Tensor u = b.empty({n}, DType::f32, MemCategory::buffers, s), v = b.empty({n}, DType::f32, MemCategory::buffers, s);
+      b.activation_forward(s, Activation::gelu, u, v);
+      const Segment seg{0, 0, n};
+      c.all_to_all_v(s, u, {&seg, 1}, v, {&seg, 1});
+    });
+  };
+  const double bytes = 2.0 * T * M * 2, N = static_cast<double>(n);
+  for (const double scale : {1.0, 2.0}) {
+    SCOPED_TRACE(scale);
+    sim::ClusterModel m = toy_model(k);
+    m.efficiency.calibration->hbm_bw = kHbm / scale;  // the device the rates were measured on
+    const auto r = run(m);
+    ASSERT_EQ(r.size(), 4u);
+    EXPECT_NEAR(seconds(r[0]), bytes / (4e11 * scale), 1e-15);
+    EXPECT_NEAR(seconds(r[1]), bytes / (2.5e11 * scale), 1e-15);
+    EXPECT_NEAR(seconds(r[2]), N / (1e8 * scale), 1e-12);
+    EXPECT_NEAR(seconds(r[3]), 20e-6 + 4 * N / (1e11 * scale), 1e-12);
+  }
+}
+
 // A fill writes its bytes and reads none: n bytes at the memory rate.
 TEST(SimKernelRates, FillWritesOnly) {
   const std::int64_t elems = 1 << 24;

@@ -810,7 +810,9 @@ class SimBackendImpl final : public Backend {
   std::optional<double> rows_rate(bool into_slots) const {
     const sim::KernelRates* k = topo_.kernel_rates();
     if (!k) return std::nullopt;
-    return into_slots ? k->permute_bw : k->unpermute_bw;
+    const std::optional<double> bw = into_slots ? k->permute_bw : k->unpermute_bw;
+    if (!bw) return std::nullopt;
+    return *bw * topo_.calibration_hbm_scale();  // memory-bound: at this GPU's HBM rate
   }
   // An activation: its bytes at the memory rate and, where the calibration measured this
   // kernel, its elements at the measured rate, whichever binds (the engine takes the slower
@@ -819,7 +821,9 @@ class SimBackendImpl final : public Backend {
     LocalTask t = memory_bound(std::move(nm), cost);
     const sim::KernelRates* k = topo_.kernel_rates();
     if (const sim::ActivationRate* r = k ? k->activation(a, backward, in.dtype()) : nullptr) {
-      t.demands.push_back({topo_.sm(rank()), static_cast<double>(in.numel()) / r->elements_per_s});
+      // memory-bound on a GPU: at this GPU's HBM rate (calibration_hbm_scale)
+      t.demands.push_back({topo_.sm(rank()), static_cast<double>(in.numel()) /
+                                                 (r->elements_per_s * topo_.calibration_hbm_scale())});
       t.detail = "at most the calibration's measured elements/s";
     }
     return t;
@@ -1210,7 +1214,7 @@ void SimCluster::Impl::evaluate() {
       // A one-rank all-to-all: the exchange with itself the calibration measured (t = latency +
       // bytes / bw, bytes one way).
       f.latency = self_exchange->latency;
-      f.demands = {{topo.hbm(src), bytes * opt.cluster.gpu.hbm_bw / self_exchange->bw}};
+      f.demands = {{topo.hbm(src), bytes * opt.cluster.gpu.hbm_bw / (self_exchange->bw * topo.calibration_hbm_scale())}};
     } else if (src == dst) {
       f.demands = {{topo.hbm(src), 2.0 * bytes}};
     } else {
