@@ -339,33 +339,60 @@ def compare_trees(base, new, tol=REL_TOL, complete=False, log=print):
 
 # ---- merging a new run into the results folder ----------------------------------------------
 
+def summary_files(summary):
+    """The result files a summary names: each run's and each point's."""
+    out = {r["file"] for r in summary.get("runs", []) if r.get("file")}
+    for p in summary.get("points", []):
+        out |= {v["file"] for v in (p.get("results") or {}).values() if isinstance(v, dict) and v.get("file")}
+    return out
+
+
 def install(base, stage, accept=False, tol=REL_TOL, log=print):
     """Merges the candidate tree STAGE into BASE (see scripts/run_suite.py): measured files are
-    written; simulated ones when new, or when they differ and accept is set; equal ones are
-    dropped; differing ones stay in STAGE. Returns counts; prints each difference."""
-    counts = {"written": 0, "unchanged": 0, "differ": 0, "new": 0, "refused": []}
+    written; simulated ones when new, or when they differ and accept is set and no committed
+    summary that lists them is left describing the old ones (below); equal ones are dropped;
+    differing ones not written stay in STAGE ("kept"). Returns counts; prints each difference."""
+    counts = {"written": 0, "unchanged": 0, "differ": 0, "new": 0, "kept": 0, "refused": [], "stale": {}}
     if not os.path.isdir(stage):
         return counts
     decided = {}  # result rel path -> "write", "drop" or "keep"
+    # With accept, a differing simulated result is written only where every committed summary
+    # listing it (a run's or a point's file) is rewritten by this install too, or stays
+    # consistent with it: otherwise that summary's runs, points and claims would describe results
+    # no longer in the folder. A summary is not rewritten by a partial run (run_suite.py --run
+    # stages none) nor by a smaller subset's (quick < full < extended); where the smaller one
+    # differs from it on what they share, its suite's results are kept aside (counts["refused"]),
+    # the other suites' are accepted. protected: result rel path -> the summary that keeps it.
+    protected = {}
     if accept:
-        # A smaller subset's summary never replaces a larger one. Where it differs from the
-        # larger one, accepting its result files would leave that summary's points and claims
-        # describing results no longer in the folder: nothing is accepted, and the caller says
-        # which subset to rerun.
+        consistent = set()
         for rel in json_files(stage):
-            if not rel.endswith("summary.json") or not os.path.exists(os.path.join(base, rel)):
+            if not rel.endswith("summary.json"):
                 continue
             new = mr.load_json(os.path.join(stage, rel))
+            if mr.classify(new) != "summary":
+                continue
+            if not os.path.exists(os.path.join(base, rel)):
+                consistent.add(rel)
+                continue
             old = mr.load_json(os.path.join(base, rel))
-            if (mr.classify(new) == "summary" and subset_rank(old.get("subset")) > subset_rank(new.get("subset"))
+            if (subset_rank(old.get("subset")) > subset_rank(new.get("subset"))
                     and diff_summaries(mr.check_summary(old, os.path.join(base, rel)),
                                        mr.check_summary(new, os.path.join(stage, rel)), tol)):
                 counts["refused"].append((rel, new.get("subset"), old.get("subset")))
-        if counts["refused"]:
-            for rel, small, large in counts["refused"]:
-                log(f"REFUSED --update-baseline: {rel} ({small} run) differs from the committed {large} summary, "
-                    f"which it cannot replace; rerun that suite's {large} subset to accept it")
-            accept = False
+                for f in summary_files(new):
+                    protected[f] = rel
+            else:
+                consistent.add(rel)
+        for rel in json_files(base):
+            if rel.endswith("summary.json") and rel not in consistent:
+                old = mr.load_json(os.path.join(base, rel))
+                if mr.classify(old) == "summary":
+                    for f in summary_files(old):
+                        protected.setdefault(f, rel)
+        for rel, small, large in counts["refused"]:
+            log(f"REFUSED --update-baseline: {rel} ({small} run) differs from the committed {large} summary, "
+                f"which it cannot replace; that suite's results are kept aside (rerun its {large} subset)")
 
     def put(rel):
         mr.copy_atomic(os.path.join(stage, rel), os.path.join(base, rel))
@@ -383,6 +410,7 @@ def install(base, stage, accept=False, tol=REL_TOL, log=print):
             if subset_rank(old.get("subset")) > subset_rank(new["subset"]):
                 if status == "differ":
                     counts["differ"] += 1
+                    counts["kept"] += 1
                     log(f"DIFFERS {rel} ({new['subset']} run; the {old['subset']} summary is left as it is)")
                     for line in lines:
                         log(line)
@@ -406,14 +434,21 @@ def install(base, stage, accept=False, tol=REL_TOL, log=print):
             decided[rel] = "drop"
         else:
             counts["differ"] += 1
-            log(f"DIFFERS {rel}" + (" (written: --update-baseline)" if accept else ""))
+            keeper = protected.get(rel) if kind == "result" else None
+            take = accept and keeper is None
+            log(f"DIFFERS {rel}" + (" (written: --update-baseline)" if take else
+                                    f" (not written: {keeper}, which lists it, is not rewritten by this run)"
+                                    if accept and keeper else ""))
             for line in lines:
                 log(line)
-            if accept:
+            if take:
                 put(rel)
                 decided[rel] = "write"
             else:
                 decided[rel] = "keep"
+                counts["kept"] += 1
+                if keeper:
+                    counts["stale"].setdefault(keeper, []).append(rel)
     for rel in traces:
         d = decided.get(rel[:-len(".trace.json")] + ".json")
         if d == "keep":
@@ -429,7 +464,7 @@ def install(base, stage, accept=False, tol=REL_TOL, log=print):
             pass
     log(f"install: {counts['written']} measured file(s) written, {counts['new']} new, "
         f"{counts['unchanged']} simulated file(s) unchanged, {counts['differ']} differ"
-        + ("" if not counts["differ"] or accept else f" (kept under {stage})"))
+        + (f" ({counts['kept']} kept under {stage})" if counts["kept"] else ""))
     return counts
 
 

@@ -1360,7 +1360,7 @@ def offload_note(row):
     return f" ({kept} of {planned} planned offloads kept)"
 
 
-def run_comparisons(runs, systems, versus, metric, sel=None):
+def run_comparisons(runs, systems, versus, metric, sel=None, used=None):
     """[(point name, value)] of a metric over the whole-model run rows (with results) of the
     systems' labels that the selection takes: for speedup and memory_saving each paired with
     versus's run of the same run_key; otherwise the system's own figure. A run with offload
@@ -1397,6 +1397,8 @@ def run_comparisons(runs, systems, versus, metric, sel=None):
             v = f.get(metric)
         if v is not None:
             out.append((point_name(r) + (f" {r['label']}" if len(systems) > 1 else "") + offload_note(r), v))
+            if used is not None:  # the rows each value came from: the system's run and its baseline's
+                used += [r] + ([base[run_key(r)]] if metric in PAIR_METRICS else [])
     return out
 
 
@@ -1415,10 +1417,14 @@ def run_comparison_gaps(runs, systems, versus, metric, sel=None):
         if r.get("label") not in systems:
             continue
         if "results" not in r:
-            out.append(f"{point_name(r)} {r.get('label')}: {why(r)}")
+            gap = f"{point_name(r)} {r.get('label')}: {why(r)}"
         elif metric in PAIR_METRICS and run_key(r) in base and "results" not in base[run_key(r)]:
             b = base[run_key(r)]
-            out.append(f"{point_name(b)} {b.get('label')}: {why(b)}")
+            gap = f"{point_name(b)} {b.get('label')}: {why(b)}"
+        else:
+            continue
+        if gap not in out:  # a baseline run several systems pair with is missing once
+            out.append(gap)
     return out
 
 

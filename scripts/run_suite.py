@@ -609,13 +609,12 @@ def judge(metric, v, paper, tol, paper_range=None):
 def run_claim(item, runs, tol):
     """One claim judged on the summary's whole-model runs (a claim with "on": "runs")."""
     systems = [item["system"]] if isinstance(item["system"], str) else list(item["system"])
-    vals = mr.run_comparisons(runs, systems, item.get("versus"), item["metric"], item.get("select"))
+    used = []
+    vals = mr.run_comparisons(runs, systems, item.get("versus"), item["metric"], item.get("select"), used)
     missing = mr.run_comparison_gaps(runs, systems, item.get("versus"), item["metric"], item.get("select"))
     row = dict(item)
     # measured, simulated or mixed: the runs the claim was judged on (each system run and the
     # baseline run paired with it), not the summary's other runs
-    used = [r for r in runs if "results" in r and r.get("run_mode") and mr.selected(r, item.get("select"))
-            and (r.get("label") in systems or r.get("label") == item.get("versus"))]
     modes = {r.get("mode") for r in used}
     row["mode"] = modes.pop() if len(modes) == 1 else "mixed" if modes else "simulated"
     row["compared_on"] = "runs"
@@ -704,8 +703,9 @@ def claims_table(suite, points, runs=()):
     return rows
 
 
-def summarize(suite, jobs, subset, host_seconds):
-    """The suite's moelab.suite-summary/1 from its finished jobs."""
+def summarize(suite, jobs, subset, host_seconds, judge_claims=True):
+    """The suite's moelab.suite-summary/1 from its finished jobs (its claims judged unless
+    judge_claims is false: a partial run, --run, whose claims nobody reads)."""
     grid_impls = suite["grid"]["impls"] if suite.get("grid") else []
     by_label = {im["label"]: im for im in suite["impls"]}
     systems = [l for l in grid_impls if by_label[l]["kind"] == "system"]
@@ -802,7 +802,7 @@ def summarize(suite, jobs, subset, host_seconds):
                     for (w, why), n in skipped.items()],
         "points": rows,
         "runs": runs,
-        "claims": claims_table(suite, rows, runs),
+        "claims": claims_table(suite, rows, runs) if judge_claims else [],
     }
     return summary
 
@@ -893,7 +893,9 @@ def main():
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="simulated runs at a time (default: the number of cores); measured runs always run alone")
     ap.add_argument("--update-baseline", action="store_true",
-                    help="write simulated results that differ from those in --out over them")
+                    help="write simulated results that differ from those in --out over them (except those a "
+                         "committed summary lists that this run does not rewrite: a partial --run, or a smaller "
+                         "subset than the committed summary's that differs from it)")
     ap.add_argument("--list", action="store_true", help="print the runs and exit")
     ap.add_argument("--run", action="append", metavar="ID",
                     help="only the runs with this id (repeatable); the grid is left out and no summary is written")
@@ -1097,9 +1099,13 @@ def main():
                 for fut in concurrent.futures.as_completed(batch):
                     finish(s, counter, *fut.result())
             try:
-                summary = summarize(s, jobs, suite_subset(s, subset), time.time() - t_suite)
-            except mr.SchemaError as e:  # the suite's claims cannot be judged on these runs
-                die(f"[{s['name']}] {e}")
+                summary = summarize(s, jobs, suite_subset(s, subset), time.time() - t_suite, judge_claims=not a.run)
+            except mr.SchemaError as e:
+                # The suite's claims cannot be judged on these runs: no summary for it, a failure;
+                # its finished results and the other suites' still go through the merge below.
+                failed.append((s["name"], "judging its claims", "(summary not written)", str(e)))
+                print(f"\n[{s['name']}] summary: not written: {e}\n")
+                continue
             mr.check_summary(summary, "(the summary being written)")
             if not a.run:
                 mr.write_json(mr.summary_path(s, stage), summary)
@@ -1113,17 +1119,24 @@ def main():
     verdict = compare_results.install(out, stage, accept=a.update_baseline, log=print)
     for suite_name, what, cmd, tail in failed:
         print(f"\nrun_suite.py: [{suite_name}] {what} failed:\n  {cmd}\n{tail}", file=sys.stderr)
-    accepted = a.update_baseline and not verdict["refused"]
     for rel, small, large in verdict["refused"]:
         how = "--extended --update-baseline" if large == "extended" else "--update-baseline without --quick"
-        print(f"\nrun_suite.py: --update-baseline refused: {rel} of this {small} run differs from the committed "
-              f"{large} summary, which would then describe results no longer in the folder; rerun with {how}",
-              file=sys.stderr)
+        print(f"\nrun_suite.py: --update-baseline refused for {rel}: this {small} run differs from the committed "
+              f"{large} summary, which would then describe results no longer in the folder; rerun that suite "
+              f"with {how}", file=sys.stderr)
+    refused = {rel for rel, _, _ in verdict["refused"]}
+    for summ, files in verdict["stale"].items():
+        if summ not in refused:
+            print(f"\nrun_suite.py: --update-baseline did not write {len(files)} differing file(s) that {summ} lists "
+                  f"(a partial run, --run, rewrites no summary): rerun that suite whole with --update-baseline "
+                  f"(--extended where its summary is the extended one)", file=sys.stderr)
+    kept = verdict["kept"]
     print(f"\nrun_suite.py: {total} runs in {fmt_s(time.time() - start)}; {len(failed)} failed; "
           f"{verdict['differ']} simulated file(s) differ from {rel_to(out, ROOT)}"
-          + (" (written: --update-baseline)" if accepted and verdict["differ"] else
-             f" (kept under {rel_to(stage, ROOT)}; rerun with --update-baseline to accept)" if verdict["differ"] else ""))
-    sys.exit(1 if failed or (verdict["differ"] and not accepted) else 0)
+          + (f" ({verdict['differ'] - kept} written: --update-baseline)" if a.update_baseline and verdict["differ"] else "")
+          + (f" ({kept} kept under {rel_to(stage, ROOT)}"
+             + ("; rerun with --update-baseline to accept)" if not a.update_baseline else ")") if kept else ""))
+    sys.exit(1 if failed or kept else 0)
 
 
 if __name__ == "__main__":

@@ -226,6 +226,7 @@ TEST(SimBackend, AllToAllRateAmongAGroupIsWhatTheSimCharges) {
     const char* cluster;
     int (*color)(int);
     const char* what;
+    int ranks = 0;  // 0: the cluster's GPUs
   };
   const Case cases[] = {
       {"a800x2", [](int r) { return r / 8; }, "one group per node (ScMoE's ep=8 on 16 ranks)"},
@@ -235,10 +236,12 @@ TEST(SimBackend, AllToAllRateAmongAGroupIsWhatTheSimCharges) {
       {"pcie-a30x1", [](int r) { return r % 2; }, "every member behind its own PCIe switch, 2 groups"},
       {"pcie-a30x1", [](int r) { return r / 4; }, "2 switches per group"},
       {"dgx-a100x2", [](int) { return 0; }, "the world"},
+      {"a800x2", [](int) { return 0; }, "a world of 12 ranks: the second node's 4 carry 8/12 through each NIC", 12},
   };
   for (const Case& k : cases) {
     SimOptions o;
     o.cluster = sim::load_cluster(k.cluster);
+    if (k.ranks) o.ranks = k.ranks;
     SimCluster cluster(o);
     double per_byte = 0, among = 0, world_rate = 0, rates_a2a = 0;
     int group_size = 0;

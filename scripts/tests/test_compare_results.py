@@ -351,28 +351,54 @@ class Install(unittest.TestCase):
         self.assertFalse(any(k.startswith("claims[") for k, _, _ in cr.diff_summaries(fixtures.summary(), quick, 1e-9)))
 
 
-    def test_update_baseline_is_refused_where_a_larger_summary_would_go_stale(self):
+    def test_update_baseline_keeps_what_a_summary_not_rewritten_lists(self):
         # A full run accepted over the committed extended summary would write its results but
         # not the summary (it never replaces a larger one), whose points and claims would then
-        # describe results no longer in the folder: nothing simulated is accepted.
+        # describe results no longer in the folder: the results that summary lists are kept
+        # aside; another suite's, and files no summary lists, are accepted.
+        listed = "simulated/fake/dgx-a100x8/M-fp32-T2048-Sys.json"
+        other = "simulated/other/x.json"
         ext = fixtures.summary()
         ext["subset"] = "extended"
         mr.write_json(os.path.join(self.base, SUMMARY), ext)
-        full = fixtures.summary(system_step=0.005)  # a shared point moved
-        self.stage_files(sim_step=0.006, summary=full)
+        for rel in (listed, other):
+            mr.write_json(os.path.join(self.base, rel), fixtures.result())
+            mr.write_json(os.path.join(self.stage, rel), fixtures.result(step=0.006))
+        self.stage_files(sim_step=0.006, summary=fixtures.summary(system_step=0.005))  # a shared point moved
         c = self.install(accept=True)
         self.assertEqual(c["refused"], [(SUMMARY, "full", "extended")])
-        self.assertEqual(self.value(SIM), 0.005)  # the differing result is kept aside
-        self.assertTrue(os.path.exists(os.path.join(self.stage, SIM)))
-        self.assertEqual(self.value(MEASURED), 0.7)  # measured files are still written
-        # An unchanged full summary lets the differing results in.
+        self.assertEqual(c["stale"], {SUMMARY: [listed]})
+        self.assertEqual(c["kept"], 2)  # the listed result and the summary
+        self.assertEqual(self.value(listed), 0.005)
+        self.assertTrue(os.path.exists(os.path.join(self.stage, listed)))
+        self.assertEqual(self.value(other), 0.006)  # no summary lists it: accepted
+        self.assertEqual(self.value(SIM), 0.006)
+        self.assertEqual(self.value(MEASURED), 0.7)  # measured files are always written
+        # An unchanged full summary lets the listed results in.
         self.tearDown()
         self.setUp()
         mr.write_json(os.path.join(self.base, SUMMARY), ext)
-        self.stage_files(sim_step=0.006, summary=fixtures.summary())
+        mr.write_json(os.path.join(self.base, listed), fixtures.result())
+        mr.write_json(os.path.join(self.stage, listed), fixtures.result(step=0.006))
+        self.stage_files(summary=fixtures.summary())
         c = self.install(accept=True)
-        self.assertEqual(c["refused"], [])
-        self.assertEqual(self.value(SIM), 0.006)
+        self.assertEqual((c["refused"], c["kept"]), ([], 0))
+        self.assertEqual(self.value(listed), 0.006)
+
+    def test_a_partial_run_does_not_rewrite_what_a_committed_summary_lists(self):
+        # run_suite.py --run stages no summary: a differing result the committed summary lists
+        # stays aside even with --update-baseline.
+        listed = "simulated/fake/dgx-a100x8/M-fp32-T2048-Base.json"
+        mr.write_json(os.path.join(self.base, listed), fixtures.result())
+        mr.write_json(os.path.join(self.stage, listed), fixtures.result(step=0.006))
+        c = self.install(accept=True)
+        self.assertEqual((c["refused"], c["stale"], c["kept"]), ([], {SUMMARY: [listed]}, 1))
+        self.assertEqual(self.value(listed), 0.005)
+        # ... and a full run's summary, staged beside it, lets it in
+        mr.write_json(os.path.join(self.stage, SUMMARY), fixtures.summary())
+        c = self.install(accept=True)
+        self.assertEqual(c["kept"], 0)
+        self.assertEqual(self.value(listed), 0.006)
 
 
 class Bench(unittest.TestCase):

@@ -572,6 +572,16 @@ class RunClaims(unittest.TestCase):
         self.assertEqual(r["ours"]["runs"]["missing"], ["pcie training m1 Sc: out of device memory",
                                                         "pcie training m2 top2: failed"])
         mr.check_summary({**fixtures.model_summary(), "claims": [r]}, "(summary)")
+        # a missing baseline run that two systems pair with is one missing point, not two
+        runs = [dict(r) for r in self.RUNS] + [fixtures.model_row("Sc2", "m1", "pcie", 0.005)]
+        base = next(r for r in runs if r["label"] == "top2" and r["model"] == "m1" and r["cluster"] == "pcie"
+                    and r["run_mode"] == "training")
+        for k in ("results", "mode", "file"):
+            base.pop(k, None)
+        base.update(skipped="out of device memory: ...", out_of_memory=True)
+        (r,) = run_suite.claims_table(self.suite(self.claim(system=["Sc", "Sc2"], select={"clusters": ["pcie"],
+                                                                                         "mode": "training"})), [], runs)
+        self.assertEqual(r["ours"]["runs"]["missing"], ["pcie training m1 top2: out of device memory"])
 
     def test_two_baseline_runs_a_system_run_could_pair_with_are_refused(self):
         # Paired by model, layers, cluster and run mode: two top2 runs there (other layouts) would
@@ -583,9 +593,11 @@ class RunClaims(unittest.TestCase):
 
     def test_a_claims_mode_is_that_of_the_runs_it_was_judged_on(self):
         claim = self.claim(select={"clusters": ["pcie"], "mode": "training"})
-        runs = [dict(r) for r in self.RUNS] + [{**fixtures.model_row("other", "m9", "gpu", 0.01), "mode": "measured"}]
+        runs = [dict(r) for r in self.RUNS] + [{**fixtures.model_row("other", "m9", "gpu", 0.01), "mode": "measured"},
+                                               {**fixtures.model_row("Sc", "m7", "pcie", 0.01), "mode": "measured"}]
         (r,) = run_suite.claims_table(self.suite(claim), [], runs)
-        self.assertEqual(r["mode"], "simulated")  # an unrelated measured run does not make it mixed
+        # neither an unrelated measured run nor a system run without a baseline beside it makes it mixed
+        self.assertEqual(r["mode"], "simulated")
         for x in runs:
             if x.get("cluster") == "pcie" and "results" in x:
                 x["mode"] = "measured"
