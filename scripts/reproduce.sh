@@ -120,7 +120,8 @@ echo
 echo "reproduce.sh: done in $(( ($(date +%s) - t0) / 60 ))m$(printf %02d $(( ($(date +%s) - t0) % 60 )))s; results under ${out#$root/}"
 if [ "$suites_rc" != 0 ]; then
   echo "reproduce.sh: some runs failed or simulated results differ from those under ${out#$root/} (see above);" >&2
-  echo "  the new files are under ${out#$root/}/candidate/. If the change is intended, rerun with --update-baseline." >&2
+  echo "  the new files are under ${out#$root/}/candidate/. If the change is intended, rerun with --update-baseline" >&2
+  echo "  (a suite whose committed summary is the extended one, MPipeMoE's: --suite mpipemoe --extended --update-baseline)." >&2
   exit 1
 fi
 [ "$figures_rc" = 0 ] || { echo "reproduce.sh: a figure or the report failed (see above)" >&2; exit 1; }
