@@ -20,7 +20,8 @@ Trees: every JSON file of NEW is compared with the file at the same relative pat
   suite summaries (moelab.suite-summary/1): every figure of every point, of every simulated
     run and of every claim, matched by key (point: cluster, model, dtype, tokens per rank;
     run: what it is (id, impl, options, workload or model, backend, cluster, ranks, layers,
-    label, mode, layout, override, pipeline); claim: id). A quick summary is compared with a
+    label, mode, layout, override, pipeline, micro-batch, sequence parallelism, GEMM path);
+    claim: id). A quick summary is compared with a
     full one on the points and runs they share; a run simulated in BASE that NEW skipped, ran
     out of device memory or failed is a difference in every subset (one NEW was told to leave
     out, run_suite.py --backends, is not).
@@ -163,7 +164,8 @@ def _point_key(p):
 # What names a run of a summary (run_suite.py's rows), whatever became of it: run, impl, workload
 # or model, where and how it ran. A row's outcome (results, skipped, out of memory) is not in it.
 RUN_IDENTITY = ("id", "impl", "options", "workload", "backend", "cluster", "ranks", "model", "model_file", "layers",
-                "label", "run_mode", "parallel", "override", "pipeline")
+                "label", "run_mode", "parallel", "override", "pipeline", "micro_batch", "sequence_parallel",
+                "gemm_path")
 
 
 def run_identity(r):
