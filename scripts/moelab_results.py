@@ -959,15 +959,6 @@ def _check_run(c, r, w, labels, models, has_grid):
 # A system against a baseline. relative_throughput: baseline step time / system step time, as
 # speedup, judged in size only (a claim that a cost is negligible has no direction);
 # activation_saving: 1 - the system's peak activation bytes / the baseline's (pipelined runs).
-def _check_directed(c, it, w, metric, paper):
-    """A directed claim (run_suite.judge) says the system is faster or saves memory: its paper
-    figure must be on that side of no change, or ours could never agree in direction with it."""
-    if metric in GAIN_METRICS and not paper > 1:
-        c.fail(f"{w}.paper", f"a {metric} claim is judged as a gain over 1 (faster), got {paper}")
-    if metric in ("memory_saving", "activation_saving") and not paper > 0:
-        c.fail(f"{w}.paper", f"a {metric} claim is judged as a saving above 0, got {paper}")
-
-
 PAIR_METRICS = ("speedup", "memory_saving", "exchange_speedup", "all_to_all_speedup", "relative_throughput",
                 "activation_saving")
 UNDIRECTED_METRICS = ("relative_throughput",)
@@ -975,6 +966,15 @@ UNDIRECTED_METRICS = ("relative_throughput",)
 GAIN_METRICS = ("speedup", "exchange_speedup", "all_to_all_speedup")
 RUN_METRICS = PAIR_METRICS + ("overlap_ratio", "all_to_all_share", "all_to_all_overlap")  # the last three: one system's
 STATS = ("max", "mean", "min")
+
+
+def _check_directed(c, it, w, metric, paper):
+    """A directed claim (run_suite.judge) says the system is faster or saves memory: its paper
+    figure must be on that side of no change, or ours could never agree in direction with it."""
+    if metric in GAIN_METRICS and not paper > 1:
+        c.fail(f"{w}.paper", f"a {metric} claim is judged as a gain over 1 (faster), got {paper}")
+    if metric in ("memory_saving", "activation_saving") and not paper > 0:
+        c.fail(f"{w}.paper", f"a {metric} claim is judged as a saving above 0, got {paper}")
 
 
 def _check_run_claim(c, it, w, run_labels_):

@@ -468,7 +468,7 @@ class SimBackendImpl final : public Backend {
     const bool pcie = nd.intra == "pcie";
     const double link = pcie ? nd.pcie_bw : nd.nvlink_bw;
     const double eff_intra = nd.p2p.intra_efficiency, eff_net = nd.p2p.net_efficiency;
-    const auto node_of = [&](int r) { return r / nd.gpus; };
+    const auto node_of = [&](int r) { return c_.opt.cluster.node_of(r); };
     const auto switch_of = [&](int r) { return node_of(r) * nd.gpus + (r % nd.gpus) / nd.gpus_per_pcie_switch; };
     std::map<int, double> nic_load, uplink_load;  // send bytes per byte of S through each
     double per_byte = 0;                           // seconds per byte of S, the slowest link
@@ -508,9 +508,12 @@ class SimBackendImpl final : public Backend {
     const bool pcie = nd.intra == "pcie";
     const double link = pcie ? nd.pcie_bw : nd.nvlink_bw;
     const double eff_intra = nd.p2p.intra_efficiency, eff_net = nd.p2p.net_efficiency;
-    std::vector<int> world(static_cast<std::size_t>(c_.n));
-    std::iota(world.begin(), world.end(), 0);
-    r.a2a_bytes = a2a_bytes_among(world);
+    if (!world_a2a_bytes_) {  // the cluster does not change: computed once
+      std::vector<int> world(static_cast<std::size_t>(c_.n));
+      std::iota(world.begin(), world.end(), 0);
+      world_a2a_bytes_ = a2a_bytes_among(world);
+    }
+    r.a2a_bytes = *world_a2a_bytes_;
     const auto* prof = c_.opt.profile ? &*c_.opt.profile : nullptr;
     const double h2d = prof && prof->h2d_bw > 0 ? prof->h2d_bw : nd.host_copy_bw;
     const double d2h = prof && prof->d2h_bw > 0 ? prof->d2h_bw : nd.host_copy_bw;
@@ -881,6 +884,7 @@ class SimBackendImpl final : public Backend {
   sim::LinkBytes link_bytes_;
   std::map<std::string, sim::LinkBytes> link_bytes_by_collective_;
   GemmPathLedger path_uses_;  // where the calibration prices paths (Backend::gemm_path_uses)
+  mutable std::optional<double> world_a2a_bytes_;  // machine_rates' a2a_bytes, once
 };
 
 // ============================================================================================
