@@ -1032,18 +1032,11 @@ INSTANTIATE_TEST_SUITE_P(
 
 class CudaActTest : public CudaTest, public ::testing::WithParamInterface<std::tuple<DType, Activation>> {};
 
-TEST_P(CudaActTest, ForwardBackward) {
-  const auto [dt, act] = GetParam();
-  const std::int64_t n = 37 * 33;
-  const std::uint64_t seed = fresh_seed();
-  const auto x = stored(uniform(static_cast<std::size_t>(n), Rng::mix(seed, 1), -4.0, 4.0), dt);
-  const auto g = stored(uniform(static_cast<std::size_t>(n), Rng::mix(seed, 2)), dt);
-  Tensor in = make({37, 33}, dt, x);
-  Tensor out = b->empty({37, 33}, dt, MemCategory::activations, *s);
-  Tensor dout = make({37, 33}, dt, g);
-  b->activation_forward(*s, act, in, out);
-  b->activation_backward(*s, act, in, dout, dout);  // in place: d_in aliases d_out
-  std::vector<double> f(x.size()), d(x.size());
+// act(x) and g * act'(x) in float64.
+void act_reference(Activation act, const std::vector<float>& x, const std::vector<float>& g, std::vector<double>& f,
+                   std::vector<double>& d) {
+  f.assign(x.size(), 0.0);
+  d.assign(x.size(), 0.0);
   for (std::size_t i = 0; i < x.size(); ++i) {
     const double v = x[i];
     if (act == Activation::gelu) {
@@ -1058,8 +1051,50 @@ TEST_P(CudaActTest, ForwardBackward) {
       d[i] = v > 0 ? g[i] : 0.0;
     }
   }
+}
+
+TEST_P(CudaActTest, ForwardBackward) {
+  const auto [dt, act] = GetParam();
+  const std::int64_t n = 37 * 33;
+  const std::uint64_t seed = fresh_seed();
+  const auto x = stored(uniform(static_cast<std::size_t>(n), Rng::mix(seed, 1), -4.0, 4.0), dt);
+  const auto g = stored(uniform(static_cast<std::size_t>(n), Rng::mix(seed, 2)), dt);
+  Tensor in = make({37, 33}, dt, x);
+  Tensor out = b->empty({37, 33}, dt, MemCategory::activations, *s);
+  Tensor dout = make({37, 33}, dt, g);
+  b->activation_forward(*s, act, in, out);
+  b->activation_backward(*s, act, in, dout, dout);  // in place: d_in aliases d_out
+  std::vector<double> f, d;
+  act_reference(act, x, g, f, d);
   EXPECT_TRUE(all_close("forward", b->download(out), f, tol(dt)));
   EXPECT_TRUE(all_close("backward", b->download(dout), d, tol(dt)));
+}
+
+// Row views one row in: 33 elements, 66 (bf16) or 132 (fp32) bytes off the allocation, so no pointer is
+// 16-byte aligned and every element takes the scalar kernel (the test above, on whole
+// allocations, runs the vector kernel and a scalar tail).
+TEST_P(CudaActTest, ForwardBackwardOnUnalignedViews) {
+  const auto [dt, act] = GetParam();
+  const std::int64_t R = 37, C = 33;
+  const std::uint64_t seed = fresh_seed();
+  const auto x = stored(uniform(static_cast<std::size_t>(R * C), Rng::mix(seed, 1), -4.0, 4.0), dt);
+  const auto g = stored(uniform(static_cast<std::size_t>(R * C), Rng::mix(seed, 2)), dt);
+  Tensor in = make({R, C}, dt, x);
+  Tensor out = make({R, C}, dt, std::vector<float>(x.size(), 0.0f));
+  Tensor dout = make({R, C}, dt, g);
+  Tensor in_v = in.rows(1, R - 1), out_v = out.rows(1, R - 1), dout_v = dout.rows(1, R - 1);
+  b->activation_forward(*s, act, in_v, out_v);
+  b->activation_backward(*s, act, in_v, dout_v, dout_v);
+  const auto f = b->download(out), d = b->download(dout);
+  // Row 0 untouched; the rest against float64.
+  for (std::int64_t i = 0; i < C; ++i) {
+    ASSERT_EQ(f[static_cast<std::size_t>(i)], 0.0f) << "forward wrote row 0, col " << i;
+    ASSERT_EQ(d[static_cast<std::size_t>(i)], g[static_cast<std::size_t>(i)]) << "backward wrote row 0, col " << i;
+  }
+  std::vector<double> fr, dr;
+  act_reference(act, std::vector<float>(x.begin() + C, x.end()), std::vector<float>(g.begin() + C, g.end()), fr, dr);
+  EXPECT_TRUE(all_close("forward", std::vector<float>(f.begin() + C, f.end()), fr, tol(dt)));
+  EXPECT_TRUE(all_close("backward", std::vector<float>(d.begin() + C, d.end()), dr, tol(dt)));
 }
 
 INSTANTIATE_TEST_SUITE_P(All, CudaActTest,
@@ -1205,6 +1240,18 @@ TEST_F(CudaTest, NcclWorldOfOne) {
   EXPECT_EQ(tl[0].name, "all_to_all_v");
   EXPECT_EQ(tl[0].cost.kind, OpKind::collective);
   EXPECT_EQ(tl[0].cost.comm_bytes, 0.0);
+
+  // Adjacent segments (one copy) beside a jump on the receive side: [0,10) -> [0,10),
+  // [10,20) -> [30,40), [20,40) -> [10,30).
+  Tensor recv2 = zeros({40}, DType::bf16);
+  const std::vector<Segment> sends2{{0, 0, 5}, {0, 5, 5}, {0, 10, 10}, {0, 20, 20}};
+  const std::vector<Segment> recvs2{{0, 0, 5}, {0, 5, 5}, {0, 30, 10}, {0, 10, 20}};
+  comm->all_to_all_v(*s, send, sends2, recv2, recvs2);
+  std::vector<float> expect2(40);
+  std::copy(v.begin(), v.begin() + 10, expect2.begin());
+  std::copy(v.begin() + 10, v.begin() + 20, expect2.begin() + 30);
+  std::copy(v.begin() + 20, v.end(), expect2.begin() + 10);
+  EXPECT_EQ(b->download(recv2), expect2);
 
   // all_reduce over one rank is the identity; all_gather and reduce_scatter copy.
   const auto a = uniform(33, fresh_seed());

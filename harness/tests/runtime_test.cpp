@@ -158,19 +158,43 @@ TEST(CpuBackend, GemmMatchesReferenceForAllTransposes) {
     }
 }
 
-TEST(SelfCommunicator, AllToAllVWithSegments) {
+// A world of one on the cpu backend, send = 0..9, recv zeroed.
+struct SelfRig {
   CpuBackend b;
-  auto comm = make_self_communicator(b);
+  std::unique_ptr<Communicator> comm = make_self_communicator(b);
   Stream& s = b.default_stream();
   Tensor send = b.empty({10}, DType::f32, MemCategory::buffers, s);
   Tensor recv = b.empty({10}, DType::f32, MemCategory::buffers, s);
-  b.upload(std::vector<float>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}, send);
-  b.fill_zero(s, recv);
+  SelfRig() {
+    b.upload(std::vector<float>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}, send);
+    b.fill_zero(s, recv);
+  }
+};
+
+TEST(SelfCommunicator, AllToAllVWithSegments) {
+  SelfRig rig;
+  auto& [b, comm, s, send, recv] = rig;
   const std::vector<Segment> sends = {{0, 0, 4}, {0, 4, 6}}, recvs = {{0, 6, 4}, {0, 0, 6}};
   comm->all_to_all_v(s, send, sends, recv, recvs);
   EXPECT_EQ(b.download(recv), (std::vector<float>{4, 5, 6, 7, 8, 9, 0, 1, 2, 3}));
   EXPECT_EQ(comm->exchange_counts({3, 4}), (std::vector<std::int64_t>{3, 4}));
   EXPECT_THROW(comm->send(s, send, 1), CommError);
+}
+
+// Segments that follow each other on both sides are one copy; a gap or a jump on either side
+// starts another. Three runs here: [0,5) -> [0,5) (with an empty segment inside), 5 -> 9,
+// [6,10) -> [5,9).
+TEST(SelfCommunicator, AdjacentSegmentsMoveAsOneCopy) {
+  SelfRig rig;
+  auto& [b, comm, s, send, recv] = rig;
+  const std::vector<Segment> sends = {{0, 0, 3}, {0, 3, 0}, {0, 3, 2}, {0, 5, 1}, {0, 6, 4}},
+                             recvs = {{0, 0, 3}, {0, 3, 0}, {0, 3, 2}, {0, 9, 1}, {0, 5, 4}};
+  b.clear_timeline();
+  comm->all_to_all_v(s, send, sends, recv, recvs);
+  EXPECT_EQ(b.download(recv), (std::vector<float>{0, 1, 2, 3, 4, 6, 7, 8, 9, 5}));
+  std::size_t copies = 0;
+  for (const OpRecord& r : b.timeline()) copies += r.name == "copy";
+  EXPECT_EQ(copies, 3u);
 }
 
 TEST(Tensor, ViewsShareStorage) {

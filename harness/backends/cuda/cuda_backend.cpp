@@ -154,10 +154,19 @@ class PinnedStaging {
   std::size_t acquire(std::size_t bytes) {
     for (std::size_t i = 0; i < chunks_.size(); ++i) {
       auto& c = chunks_[i];
-      if (c.bytes >= bytes && (!c.in_flight || cudaEventQuery(c.done) == cudaSuccess)) {
-        c.in_flight = false;
-        return i;
+      if (c.bytes < bytes) continue;
+      if (c.in_flight) {
+        const cudaError_t err = cudaEventQuery(c.done);
+        if (err != cudaSuccess) {
+          // cudaErrorNotReady is no error: clear it, so that the next launch check does not
+          // read it as its own (as PyTorch's event and stream queries do); a real error
+          // resurfaces at the next synchronisation.
+          cudaGetLastError();
+          continue;
+        }
       }
+      c.in_flight = false;
+      return i;
     }
     Chunk c;
     c.bytes = std::max<std::size_t>(bytes, 4096);
@@ -788,10 +797,32 @@ class CudaBackend final : public Backend {
   cublasHandle_t blas(Stream& s) {
     CudaStream& cs = cstream(s);
     if (!cs.blas) {
-      cublas_check(cublasCreate(&cs.blas), "cublasCreate");
+      cublasStatus_t st = cublasCreate(&cs.blas);
+      if (st == CUBLAS_STATUS_ALLOC_FAILED && trim_device_pool()) st = cublasCreate(&cs.blas);
+      cublas_check(st, "cublasCreate");
       cublas_check(cublasSetStream(cs.blas, cs.native), "cublasSetStream");
     }
     return cs.blas;
+  }
+
+  // Device memory taken outside the stream-ordered pool (a cuBLAS handle's workspace, the
+  // cuBLASLt workspace) is taken lazily, at a stream's first GEMM, and by then the pool may
+  // keep a step's peak in free blocks (its release threshold is unlimited, above). When such
+  // an allocation fails: wait for the device, hand the pool's free blocks back to the driver
+  // (cudaMemPoolTrimTo), and say whether the caller should try once more.
+  bool trim_device_pool() {
+    cudaGetLastError();  // the failed allocation's error is not sticky
+    if (cudaDeviceSynchronize() != cudaSuccess) return false;
+    cudaMemPool_t pool;
+    if (cudaDeviceGetDefaultMemPool(&pool, opt_.device) != cudaSuccess) return false;
+    return cudaMemPoolTrimTo(pool, 0) == cudaSuccess;
+  }
+  void* malloc_outside_pool(std::size_t bytes, const char* what) {
+    void* p = nullptr;
+    cudaError_t err = cudaMalloc(&p, bytes);
+    if (err == cudaErrorMemoryAllocation && trim_device_pool()) err = cudaMalloc(&p, bytes);
+    cuda_kernels::check_alloc(err, what, bytes);
+    return p;
   }
 
   // The stream a tensor's allocation is ordered on (blocking transfers use it).
@@ -863,6 +894,7 @@ class CudaBackend final : public Backend {
     for (auto& p : pending_) {
       cudaError_t err = cudaEventQuery(p->end);
       if (err == cudaErrorNotReady) {
+        cudaGetLastError();  // no error (as in PinnedStaging::acquire)
         still.push_back(std::move(p));
         continue;
       }
@@ -1357,8 +1389,7 @@ cublasStatus_t CudaBackend::lt_matmul(Stream& s, const GemmProblem& p, GemmEpilo
     }
   }
   if (!cs.lt_workspace)
-    cuda_kernels::check_alloc(cudaMalloc(&cs.lt_workspace, kLtWorkspaceBytes), "cudaMalloc (cuBLASLt workspace)",
-                              kLtWorkspaceBytes);
+    cs.lt_workspace = malloc_outside_pool(kLtWorkspaceBytes, "cudaMalloc (cuBLASLt workspace)");
   const DType ab = p.a.dtype(), ct = p.c.dtype();
   const cublasComputeType_t compute = compute_type(ab);
   LtLayouts L;

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -45,6 +46,17 @@ __device__ __forceinline__ float ld(const float* p) { return *p; }
 __device__ __forceinline__ float ld(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 __device__ __forceinline__ void st(float* p, float v) { *p = v; }
 __device__ __forceinline__ void st(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+
+// N elements moved as one access: one (any address), or sixteen bytes' worth (4 fp32 or 8
+// bf16, one 128-bit access). The elementwise and row kernels read and write memory-bound
+// [rows, width] tensors, and 2-byte accesses leave the HBM rate on the table; their launchers
+// take the 16-byte packs where every pointer (and row width) allows it.
+template <class T, int N = 16 / static_cast<int>(sizeof(T))>
+struct alignas(sizeof(T) * N) Pack {
+  static constexpr int n = N;
+  T v[N];
+};
+inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
 __device__ __forceinline__ float warp_sum(float v) {
   for (int off = kWarp / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);

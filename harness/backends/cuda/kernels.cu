@@ -19,6 +19,7 @@
 #include <climits>
 #include <cmath>
 #include <cub/cub.cuh>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -259,48 +260,67 @@ __global__ void permute_kernel(const V* __restrict__ x, const int* __restrict__ 
   }
 }
 
+// The row and elementwise kernels below are templates over P, a Pack of N elements: N = 1
+// (any width, any alignment) or 16 bytes' worth (rows of whole packs on 16-byte aligned
+// tensors; `rows_vectorize` below). Widths are counted in packs. An output element is computed
+// in fp32 in the same order either way; only unpermute_backward's dw, a block sum, adds its
+// terms in another order.
+
 // dx[t] = sum_j d_out[slot[t,j]] over kept slots, accumulated in fp32.
-template <class T_>
-__global__ void permute_backward_kernel(const T_* __restrict__ d_out, const int* __restrict__ slot,
-                                        T_* __restrict__ dx, i64 T, int k, i64 width, i64 rows_n) {
+template <class P>
+__global__ void permute_backward_kernel(const P* __restrict__ d_out, const int* __restrict__ slot,
+                                        P* __restrict__ dx, i64 T, int k, i64 width_p, i64 rows_n) {
   for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
     const int* sl = slot + t * k;
-    for (i64 c = threadIdx.x; c < width; c += blockDim.x) {
-      float acc = 0.0f;
+    for (i64 c = threadIdx.x; c < width_p; c += blockDim.x) {
+      float acc[P::n] = {};
       for (int j = 0; j < k; ++j) {
         const int s = sl[j];
-        if (s >= 0 && s < rows_n) acc += ld(d_out + static_cast<i64>(s) * width + c);
+        if (s < 0 || s >= rows_n) continue;
+        const P v = d_out[static_cast<i64>(s) * width_p + c];
+#pragma unroll
+        for (int e = 0; e < P::n; ++e) acc[e] += ld(&v.v[e]);
       }
-      st(dx + t * width + c, acc);
+      P o;
+#pragma unroll
+      for (int e = 0; e < P::n; ++e) st(&o.v[e], acc[e]);
+      dx[t * width_p + c] = o;
     }
   }
 }
 
 // y[t] = sum_j w[t,j] * y_perm[slot[t,j]] over kept slots (the combine).
-template <class T_>
-__global__ void unpermute_kernel(const T_* __restrict__ y_perm, const int* __restrict__ slot,
-                                 const float* __restrict__ w, T_* __restrict__ y, i64 T, int k, i64 width,
+template <class P>
+__global__ void unpermute_kernel(const P* __restrict__ y_perm, const int* __restrict__ slot,
+                                 const float* __restrict__ w, P* __restrict__ y, i64 T, int k, i64 width_p,
                                  i64 rows_n) {
   for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
     const int* sl = slot + t * k;
     const float* wt = w + t * k;
-    for (i64 c = threadIdx.x; c < width; c += blockDim.x) {
-      float acc = 0.0f;
+    for (i64 c = threadIdx.x; c < width_p; c += blockDim.x) {
+      float acc[P::n] = {};
       for (int j = 0; j < k; ++j) {
         const int s = sl[j];
-        if (s >= 0 && s < rows_n) acc += wt[j] * ld(y_perm + static_cast<i64>(s) * width + c);
+        if (s < 0 || s >= rows_n) continue;
+        const P v = y_perm[static_cast<i64>(s) * width_p + c];
+#pragma unroll
+        for (int e = 0; e < P::n; ++e) acc[e] += wt[j] * ld(&v.v[e]);
       }
-      st(y + t * width + c, acc);
+      P o;
+#pragma unroll
+      for (int e = 0; e < P::n; ++e) st(&o.v[e], acc[e]);
+      y[t * width_p + c] = o;
     }
   }
 }
 
 // d_y_perm[slot] = w * dy[t] and dw[t,j] = <dy[t], y_perm[slot]> (a block reduction per
-// token-slot); a dropped slot gets dw = 0 and writes no row.
-template <class T_>
-__global__ void unpermute_backward_kernel(const T_* __restrict__ dy, const T_* y_perm, const int* __restrict__ slot,
-                                          const float* __restrict__ w, T_* d_y_perm, float* __restrict__ dw, i64 T,
-                                          int k, i64 width, i64 rows_n) {
+// token-slot); a dropped slot gets dw = 0 and writes no row. d_y_perm may alias y_perm: each
+// thread reads its pack of y_perm before it writes it.
+template <class P>
+__global__ void unpermute_backward_kernel(const P* __restrict__ dy, const P* y_perm, const int* __restrict__ slot,
+                                          const float* __restrict__ w, P* d_y_perm, float* __restrict__ dw, i64 T,
+                                          int k, i64 width_p, i64 rows_n) {
   using Reduce = cub::BlockReduce<float, kRowThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
@@ -312,10 +332,17 @@ __global__ void unpermute_backward_kernel(const T_* __restrict__ dy, const T_* y
       }
       const float wj = w[t * k + j];
       float acc = 0.0f;
-      for (i64 c = threadIdx.x; c < width; c += blockDim.x) {
-        const float g = ld(dy + t * width + c);
-        acc += g * ld(y_perm + static_cast<i64>(s) * width + c);  // read before the write: d_y_perm may alias
-        st(d_y_perm + static_cast<i64>(s) * width + c, wj * g);
+      for (i64 c = threadIdx.x; c < width_p; c += blockDim.x) {
+        const P g = dy[t * width_p + c];
+        const P yp = y_perm[static_cast<i64>(s) * width_p + c];  // read before the write
+        P o;
+#pragma unroll
+        for (int e = 0; e < P::n; ++e) {
+          const float ge = ld(&g.v[e]);
+          acc += ge * ld(&yp.v[e]);
+          st(&o.v[e], wj * ge);
+        }
+        d_y_perm[static_cast<i64>(s) * width_p + c] = o;
       }
       const float total = Reduce(tmp).Sum(acc);
       if (threadIdx.x == 0) dw[t * k + j] = total;
@@ -350,17 +377,30 @@ __device__ __forceinline__ float act_backward(Act a, float x, float dy) {
   return dy * (cdf + x * pdf);
 }
 
-template <class T_>
-__global__ void activation_forward_kernel(Act a, const T_* __restrict__ in, T_* __restrict__ out, i64 n) {
-  for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < n; i += static_cast<i64>(gridDim.x) * blockDim.x)
-    st(out + i, act(a, ld(in + i)));
+// n packs of P (the launcher runs the vector packs, then any tail as packs of one).
+template <class P>
+__global__ void activation_forward_kernel(Act a, const P* __restrict__ in, P* __restrict__ out, i64 n) {
+  for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < n; i += static_cast<i64>(gridDim.x) * blockDim.x) {
+    const P x = in[i];
+    P y;
+#pragma unroll
+    for (int e = 0; e < P::n; ++e) st(&y.v[e], act(a, ld(&x.v[e])));
+    out[i] = y;
+  }
 }
 
-// d_in may alias d_out: no __restrict__ on those two.
-template <class T_>
-__global__ void activation_backward_kernel(Act a, const T_* __restrict__ in, const T_* d_out, T_* d_in, i64 n) {
-  for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < n; i += static_cast<i64>(gridDim.x) * blockDim.x)
-    st(d_in + i, act_backward(a, ld(in + i), ld(d_out + i)));
+// d_in may alias d_out (exactly: one thread reads a pack, then writes it): no __restrict__ on
+// those two.
+template <class P>
+__global__ void activation_backward_kernel(Act a, const P* __restrict__ in, const P* d_out, P* d_in, i64 n) {
+  for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < n; i += static_cast<i64>(gridDim.x) * blockDim.x) {
+    const P x = in[i];
+    const P g = d_out[i];
+    P d;
+#pragma unroll
+    for (int e = 0; e < P::n; ++e) st(&d.v[e], act_backward(a, ld(&x.v[e]), ld(&g.v[e])));
+    d_in[i] = d;
+  }
 }
 
 }  // namespace
@@ -491,17 +531,29 @@ void permute(cudaStream_t stream, Elem e, const void* x, const std::int32_t* slo
   check_launch("permute kernel");
 }
 
+// Whether rows of `width` elements of e on these tensors can move as 16-byte packs.
+static bool rows_vectorize(Elem e, std::int64_t width, std::initializer_list<const void*> tensors) {
+  if (width * (e == Elem::f32 ? 4 : 2) % 16 != 0) return false;
+  for (const void* p : tensors)
+    if (!aligned16(p)) return false;
+  return true;
+}
+
 void permute_backward(cudaStream_t stream, Elem e, const void* d_out, const std::int32_t* slot, void* dx,
                       std::int64_t tokens, int top_k, std::int64_t width, std::int64_t rows_n) {
   if (tokens <= 0 || width <= 0) return;
   const unsigned grid = grid_for(tokens, 1);
-  if (e == Elem::f32)
-    permute_backward_kernel<<<grid, kRowThreads, 0, stream>>>(static_cast<const float*>(d_out), slot,
-                                                              static_cast<float*>(dx), tokens, top_k, width, rows_n);
-  else
-    permute_backward_kernel<<<grid, kRowThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(d_out), slot,
-                                                              static_cast<__nv_bfloat16*>(dx), tokens, top_k, width,
-                                                              rows_n);
+  const bool vec = rows_vectorize(e, width, {d_out, dx});
+  with_elem(e, [&](auto t) {
+    const auto run = [&](auto pack) {
+      using P = decltype(pack);
+      permute_backward_kernel<<<grid, kRowThreads, 0, stream>>>(static_cast<const P*>(d_out), slot,
+                                                                static_cast<P*>(dx), tokens, top_k, width / P::n,
+                                                                rows_n);
+    };
+    if (vec) run(Pack<decltype(t)>{});
+    else run(Pack<decltype(t), 1>{});
+  });
   check_launch("permute_backward kernel");
 }
 
@@ -509,12 +561,16 @@ void unpermute(cudaStream_t stream, Elem e, const void* y_perm, const std::int32
                std::int64_t tokens, int top_k, std::int64_t width, std::int64_t rows_n) {
   if (tokens <= 0 || width <= 0) return;
   const unsigned grid = grid_for(tokens, 1);
-  if (e == Elem::f32)
-    unpermute_kernel<<<grid, kRowThreads, 0, stream>>>(static_cast<const float*>(y_perm), slot, w,
-                                                       static_cast<float*>(y), tokens, top_k, width, rows_n);
-  else
-    unpermute_kernel<<<grid, kRowThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(y_perm), slot, w,
-                                                       static_cast<__nv_bfloat16*>(y), tokens, top_k, width, rows_n);
+  const bool vec = rows_vectorize(e, width, {y_perm, y});
+  with_elem(e, [&](auto t) {
+    const auto run = [&](auto pack) {
+      using P = decltype(pack);
+      unpermute_kernel<<<grid, kRowThreads, 0, stream>>>(static_cast<const P*>(y_perm), slot, w, static_cast<P*>(y),
+                                                         tokens, top_k, width / P::n, rows_n);
+    };
+    if (vec) run(Pack<decltype(t)>{});
+    else run(Pack<decltype(t), 1>{});
+  });
   check_launch("unpermute kernel");
 }
 
@@ -523,43 +579,63 @@ void unpermute_backward(cudaStream_t stream, Elem e, const void* dy, const void*
                         std::int64_t width, std::int64_t rows_n) {
   if (tokens <= 0 || top_k <= 0) return;
   const unsigned grid = grid_for(tokens, 1);
-  if (e == Elem::f32)
-    unpermute_backward_kernel<<<grid, kRowThreads, 0, stream>>>(static_cast<const float*>(dy),
-                                                                static_cast<const float*>(y_perm), slot, w,
-                                                                static_cast<float*>(d_y_perm), dw, tokens, top_k,
-                                                                width, rows_n);
-  else
-    unpermute_backward_kernel<<<grid, kRowThreads, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(dy), static_cast<const __nv_bfloat16*>(y_perm), slot, w,
-        static_cast<__nv_bfloat16*>(d_y_perm), dw, tokens, top_k, width, rows_n);
+  const bool vec = rows_vectorize(e, width, {dy, y_perm, d_y_perm});
+  with_elem(e, [&](auto t) {
+    const auto run = [&](auto pack) {
+      using P = decltype(pack);
+      unpermute_backward_kernel<<<grid, kRowThreads, 0, stream>>>(static_cast<const P*>(dy),
+                                                                  static_cast<const P*>(y_perm), slot, w,
+                                                                  static_cast<P*>(d_y_perm), dw, tokens, top_k,
+                                                                  width / P::n, rows_n);
+    };
+    if (vec) run(Pack<decltype(t)>{});
+    else run(Pack<decltype(t), 1>{});
+  });
   check_launch("unpermute_backward kernel");
 }
 
+// Whole 16-byte packs when every tensor is 16-byte aligned, then the tail (fewer elements than
+// a pack) one by one; one by one throughout otherwise.
 void activation_forward(cudaStream_t stream, Elem e, Act a, const void* in, void* out, std::int64_t n) {
   if (n <= 0) return;
-  const unsigned grid = grid_for(n, kElemThreads);
-  if (e == Elem::f32)
-    activation_forward_kernel<<<grid, kElemThreads, 0, stream>>>(a, static_cast<const float*>(in),
-                                                                 static_cast<float*>(out), n);
-  else
-    activation_forward_kernel<<<grid, kElemThreads, 0, stream>>>(a, static_cast<const __nv_bfloat16*>(in),
-                                                                 static_cast<__nv_bfloat16*>(out), n);
-  check_launch("activation_forward kernel");
+  with_elem(e, [&](auto t) {
+    using T_ = decltype(t);
+    using V = Pack<T_>;
+    using S = Pack<T_, 1>;
+    const i64 packs = aligned16(in) && aligned16(out) ? n / V::n : 0, done = packs * V::n;
+    if (packs > 0) {
+      activation_forward_kernel<<<grid_for(packs, kElemThreads), kElemThreads, 0, stream>>>(
+          a, static_cast<const V*>(in), static_cast<V*>(out), packs);
+      check_launch("activation_forward kernel");
+    }
+    if (n > done) {
+      activation_forward_kernel<<<grid_for(n - done, kElemThreads), kElemThreads, 0, stream>>>(
+          a, static_cast<const S*>(in) + done, static_cast<S*>(out) + done, n - done);
+      check_launch("activation_forward kernel");
+    }
+  });
 }
 
 void activation_backward(cudaStream_t stream, Elem e, Act a, const void* in, const void* d_out, void* d_in,
                          std::int64_t n) {
   if (n <= 0) return;
-  const unsigned grid = grid_for(n, kElemThreads);
-  if (e == Elem::f32)
-    activation_backward_kernel<<<grid, kElemThreads, 0, stream>>>(a, static_cast<const float*>(in),
-                                                                  static_cast<const float*>(d_out),
-                                                                  static_cast<float*>(d_in), n);
-  else
-    activation_backward_kernel<<<grid, kElemThreads, 0, stream>>>(a, static_cast<const __nv_bfloat16*>(in),
-                                                                  static_cast<const __nv_bfloat16*>(d_out),
-                                                                  static_cast<__nv_bfloat16*>(d_in), n);
-  check_launch("activation_backward kernel");
+  with_elem(e, [&](auto t) {
+    using T_ = decltype(t);
+    using V = Pack<T_>;
+    using S = Pack<T_, 1>;
+    const i64 packs = aligned16(in) && aligned16(d_out) && aligned16(d_in) ? n / V::n : 0, done = packs * V::n;
+    if (packs > 0) {
+      activation_backward_kernel<<<grid_for(packs, kElemThreads), kElemThreads, 0, stream>>>(
+          a, static_cast<const V*>(in), static_cast<const V*>(d_out), static_cast<V*>(d_in), packs);
+      check_launch("activation_backward kernel");
+    }
+    if (n > done) {
+      activation_backward_kernel<<<grid_for(n - done, kElemThreads), kElemThreads, 0, stream>>>(
+          a, static_cast<const S*>(in) + done, static_cast<const S*>(d_out) + done, static_cast<S*>(d_in) + done,
+          n - done);
+      check_launch("activation_backward kernel");
+    }
+  });
 }
 
 // fp32 <-> bf16 conversion (round to nearest even), for the bf16 layer's gate GEMMs whose
