@@ -3,8 +3,10 @@
 // one the algorithm needs: reading the per-expert counts to size the all-to-all-v.
 #include "harness/nn/moe_layer.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <utility>
 
 #include "harness/runtime/error.hpp"
 #include "harness/runtime/gemm_paths.hpp"
@@ -68,6 +70,9 @@ MoELayer::MoELayer(Backend& backend, Communicator& comm, const ModelConfig& cfg,
   if (cfg.noisy_gate) alloc_pair(&MoEParams::w_noise, {M, E});
   alloc_pair(&MoEParams::w1, {El, M, H});
   alloc_pair(&MoEParams::w2, {El, H, M});
+  // Whole zeros from the start, for whoever reads them before a backward has written them.
+  b_.fill_zero(*compute_, grads_.w1);
+  b_.fill_zero(*compute_, grads_.w2);
   zero_grad();
 }
 
@@ -109,8 +114,55 @@ void MoELayer::init_parameters(std::uint64_t seed) {
 }
 
 void MoELayer::zero_grad() {
-  for (Tensor* t : {&grads_.w_gate, &grads_.w_noise, &grads_.w1, &grads_.w2})
+  for (Tensor* t : {&grads_.w_gate, &grads_.w_noise})
     if (t->defined()) b_.fill_zero(*compute_, *t);
+  if (!grads_.w1.defined()) return;
+  unwritten_w1_.assign(static_cast<std::size_t>(local_experts_), 1);
+  unwritten_w2_.assign(static_cast<std::size_t>(local_experts_), 1);
+}
+
+void MoELayer::set_wgrad_beta(Stream& c, std::vector<GemmProblem>& ps, const std::vector<std::int64_t>& experts,
+                              std::vector<char>& unwritten, const Tensor& grads) {
+  MOELAB_CHECK(ps.size() == experts.size(), "set_wgrad_beta: one expert per problem");
+  if (unwritten.empty()) return;  // no zero_grad since the gradients were made: accumulate
+  if (gemm_per_expert_) {
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+      char& u = unwritten[static_cast<std::size_t>(experts[i])];
+      ps[i].beta = u ? 0.0f : 1.0f;
+      u = 0;
+    }
+    return;
+  }
+  std::size_t first = 0;
+  for (std::int64_t l : experts) first += unwritten[static_cast<std::size_t>(l)] != 0;
+  const bool write = !experts.empty() && first == experts.size();
+  for (std::int64_t l : experts) {
+    char& u = unwritten[static_cast<std::size_t>(l)];
+    if (u && !write) {
+      Tensor g = grads.select(l);
+      b_.fill_zero(c, g);
+    }
+    u = 0;
+  }
+  for (GemmProblem& p : ps) p.beta = write ? 0.0f : 1.0f;
+}
+
+void MoELayer::zero_unrouted_expert_grads(Stream& c, const ChunkPlan& plan) {
+  if (!grads_.w1.defined() || unwritten_w1_.empty()) return;
+  for (std::int64_t l = 0; l < local_experts_; ++l) {
+    // per_expert's rule: a chunk computes expert l when it brings it rows or pads every expert.
+    const bool computed = std::any_of(plan.chunks.begin(), plan.chunks.end(), [&](const Chunk& ch) {
+      return ch.stride > 0 || ch.rows[static_cast<std::size_t>(l)] > 0;
+    });
+    if (computed) continue;
+    for (auto [unwritten, grads] : {std::pair{&unwritten_w1_, &grads_.w1}, std::pair{&unwritten_w2_, &grads_.w2}}) {
+      char& u = (*unwritten)[static_cast<std::size_t>(l)];
+      if (!u) continue;
+      Tensor g = grads->select(l);
+      b_.fill_zero(c, g);
+      u = 0;
+    }
+  }
 }
 
 namespace {
@@ -243,6 +295,7 @@ Tensor MoELayer::dispatch_preprocess(Stream& c, MoESaved& sv) {
     for (std::size_t l = 0; l < ch.rows.size(); ++l) routing_.recv_per_local[l] += ch.rows[l];
     last_chunk_rows_.push_back(ch.rows);
   }
+  zero_unrouted_expert_grads(c, sv.plan);
   if (offload_ != ExpertOffload::none) migrate_experts(c);
   return t_i;
 }
@@ -464,20 +517,28 @@ void MoELayer::experts_backward(Stream& c, const Chunk& ch, const Tensor& t_di, 
   }
 }
 
-// dW2 += A^T · dT_DO               [H,r]x[r,M]
+// dW2 += A^T · dT_DO               [H,r]x[r,M]  (= where zero_grad left dW2_l unwritten)
 void MoELayer::fc2_wgrad(Stream& c, const Chunk& ch, const Tensor& a, const Tensor& d_t_do) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
-  expert_gemm(c, per_expert(ch, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+  std::vector<std::int64_t> experts;
+  std::vector<GemmProblem> ps = per_expert(ch, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+    experts.push_back(l);
     return GemmProblem{true, false, H, M, r, a.rows(o, r), d_t_do.rows(o, r), grads_.w2.select(l), 1, 1};
-  }), "fc2_wgrad");
+  });
+  set_wgrad_beta(c, ps, experts, unwritten_w2_, grads_.w2);
+  expert_gemm(c, ps, "fc2_wgrad");
 }
 
-// dW1 += T_DI^T · dT_M             [M,r]x[r,H]
+// dW1 += T_DI^T · dT_M             [M,r]x[r,H]  (= where zero_grad left dW1_l unwritten)
 void MoELayer::fc1_wgrad(Stream& c, const Chunk& ch, const Tensor& t_di, const Tensor& d_t_m) {
   const std::int64_t M = cfg_.d_model, H = cfg_.d_hidden;
-  expert_gemm(c, per_expert(ch, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+  std::vector<std::int64_t> experts;
+  std::vector<GemmProblem> ps = per_expert(ch, false, [&](std::int64_t l, std::int64_t o, std::int64_t r) {
+    experts.push_back(l);
     return GemmProblem{true, false, M, H, r, t_di.rows(o, r), d_t_m.rows(o, r), grads_.w1.select(l), 1, 1};
-  }), "fc1_wgrad");
+  });
+  set_wgrad_beta(c, ps, experts, unwritten_w1_, grads_.w1);
+  expert_gemm(c, ps, "fc1_wgrad");
 }
 
 void MoELayer::dispatch_backward(Stream& s, Communicator& comm, const Chunk& ch, const Tensor& d_t_di, Tensor& d_t_i) {

@@ -136,6 +136,14 @@ class MoELayer {
   // Deterministic in (seed, global expert id): the same experts get the same weights
   // whatever the EP degree. PyTorch-Linear-style U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
   void init_parameters(std::uint64_t seed);
+  // The gate's gradients are zeroed; the experts' are left unwritten and marked zero, as
+  // PyTorch's zero_grad(set_to_none=True) leaves them to the backward: the first
+  // weight-gradient GEMM into an expert's slice after it writes the slice (beta = 0), later ones
+  // accumulate (beta = 1), and a forward zeroes the slices of the experts its plan gives no rows
+  // (whose backward writes nothing there). So a step's gradients are whole once each forward
+  // since zero_grad has had its backward, and no step passes over the experts' gradients only
+  // to zero them (a memset of 2·E_l·M·H elements). A model's zero_grad zeroes every gradient
+  // itself (Model::zero_grad).
   void zero_grad();
 
   // ---- any number of microbatches in flight (harness/nn/saved.hpp) ---------------------
@@ -312,6 +320,17 @@ class MoELayer {
   ExpertLayout layout_ = ExpertLayout::packed;  // set_expert_layout
   void fc2_wgrad(Stream& c, const Chunk& ch, const Tensor& a, const Tensor& d_t_do);     // dW2 += A^T·dT_DO
   void fc1_wgrad(Stream& c, const Chunk& ch, const Tensor& t_di, const Tensor& d_t_m);  // dW1 += T_DI^T·dT_M
+  // The experts whose gradient slices zero_grad left unwritten (see zero_grad), per weight.
+  std::vector<char> unwritten_w1_, unwritten_w2_;
+  // The beta of each weight-gradient problem of one call (ps[i] writes expert experts[i]'s
+  // slice of grads): 0 where the call is the first writer of every slice, 1 where it is of none;
+  // when it is of some only, those slices are zeroed first and all accumulate, so that the
+  // call stays one batch (a backend batches only equal betas). One problem per call: each its
+  // own.
+  void set_wgrad_beta(Stream& c, std::vector<GemmProblem>& ps, const std::vector<std::int64_t>& experts,
+                      std::vector<char>& unwritten, const Tensor& grads);
+  // Zeroes the unwritten slices of the experts no chunk of `plan` computes.
+  void zero_unrouted_expert_grads(Stream& c, const ChunkPlan& plan);
   void check_input(const Tensor& x) const;
   void check_output_grad(const MoESaved& sv, const Tensor& dy) const;
 

@@ -6,6 +6,7 @@
 //   ctest --test-dir build -R moe_layer_test      (MOELAB_TEST_SEED=<n> replays a seed)
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <map>
 
 #include "harness/comm/communicator.hpp"
@@ -63,6 +64,12 @@ TEST_P(MoELayerVsReference, ForwardAndBackward) {
     MoELayer layer(*b, *comm, cfg);
     layer.init_parameters(seed);
     layer.set_noise_seed(Rng::mix(seed, 5));
+    // Whatever the gradients held (NaN here) is gone after zero_grad: it zeroes the gate's,
+    // and the step writes the experts' (their first weight-gradient GEMM, or the forward for
+    // an expert without rows; MoELayer::zero_grad).
+    for (Tensor* g : {&layer.grads().w_gate, &layer.grads().w1, &layer.grads().w2})
+      b->upload(std::vector<float>(static_cast<std::size_t>(g->numel()), std::numeric_limits<float>::quiet_NaN()), *g);
+    layer.zero_grad();
     Stream& s = layer.compute_stream();
     Tensor x = b->empty({c.T, c.M}, cfg.dtype, MemCategory::activations, s);
     Tensor dy = b->empty({c.T, c.M}, cfg.dtype, MemCategory::activations, s);
@@ -393,6 +400,26 @@ TEST(MoELayer, GradientsAccumulateAcrossBackwardCalls) {
   layer.zero_grad();
   step();
   EXPECT_TRUE(test::all_close("after zero_grad", b->download(layer.grads().w1), test::to_double(once[1]), 1e-5));
+}
+
+// zero_grad does not pass over the experts' gradients (MoELayer::zero_grad): no op of a step
+// after it zeroes a whole weight's gradient, and the step's gradients are those of the same
+// step from zeroed gradients, the stale ones gone.
+TEST(MoELayer, ZeroGradLeavesTheExpertGradientsToTheBackward) {
+  SmallLayer t;
+  auto& b = t.b;
+  auto& layer = t.layer;
+  t.step();
+  const auto w1 = b->download(layer.grads().w1), w2 = b->download(layer.grads().w2);
+  t.step();  // stale gradients: twice the step's
+  layer.zero_grad();
+  b->clear_timeline();
+  t.step();
+  const double whole = static_cast<double>(layer.grads().w1.nbytes());
+  for (const OpRecord& r : b->timeline())
+    EXPECT_FALSE(r.name == "fill_zero" && r.cost.bytes_written >= whole) << "a whole gradient zeroed";
+  EXPECT_TRUE(test::all_close("dW1", b->download(layer.grads().w1), test::to_double(w1), 1e-6));
+  EXPECT_TRUE(test::all_close("dW2", b->download(layer.grads().w2), test::to_double(w2), 1e-6));
 }
 
 // The GEMM floor (MoELayer::expert_floor_problems): the six expert GEMMs of the last step, each
