@@ -58,6 +58,11 @@ Outputs run(const std::string& impl, const nlohmann::json& options, std::int64_t
   register_builtin_impls();
   auto layer = make_impl(impl, *b, *comm, model(), options);
   layer->init_parameters(seed);
+  // Stale gradients (NaN) that zero_grad must make no matter: the partitions' weight-gradient
+  // calls each write some experts' slices first and accumulate into others'.
+  for (Tensor* g : {&layer->grads().w_gate, &layer->grads().w1, &layer->grads().w2})
+    b->upload(std::vector<float>(static_cast<std::size_t>(g->numel()), std::numeric_limits<float>::quiet_NaN()), *g);
+  layer->zero_grad();
   Stream& s = b->default_stream();
   Tensor x = b->empty({T, 12}, DType::f32, MemCategory::activations, s);
   Tensor dy = b->empty({T, 12}, DType::f32, MemCategory::activations, s);
