@@ -1,6 +1,7 @@
 // harness/comm/self_comm.cpp — a world of one rank. Every collective degenerates to local
 // copies issued on the backend, so a single-rank run needs neither MPI nor NCCL.
 #include <cstring>
+#include <string>
 
 #include "harness/comm/communicator.hpp"
 #include "harness/runtime/error.hpp"
@@ -39,6 +40,8 @@ class SelfCommunicator final : public Communicator {
     for (std::size_t i = 0; i < sends.size(); ++i) {
       MOELAB_CHECK(sends[i].peer == 0 && recvs[i].peer == 0 && sends[i].count == recvs[i].count,
                    "self all_to_all_v: segment to a rank other than 0");
+      MOELAB_CHECK(sends[i].offset >= 0 && sends[i].count >= 0 && recvs[i].offset >= 0,
+                   "self all_to_all_v: segment " + std::to_string(i) + " has a negative offset or count");
       if (!sends[i].count) continue;
       if (count && sends[i].offset == from + count && recvs[i].offset == to + count) {
         count += sends[i].count;

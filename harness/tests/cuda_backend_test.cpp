@@ -917,11 +917,12 @@ struct RowCase {
   std::int64_t T, E;
   int k;
   std::int64_t M, capacity;
+  bool misaligned_out = false;  // every output a view one element into its allocation
 };
 
 void PrintTo(const RowCase& r, std::ostream* os) {
   *os << dtype_name(r.dt) << " T=" << r.T << " E=" << r.E << " k=" << r.k << " M=" << r.M
-      << " capacity=" << r.capacity;
+      << " capacity=" << r.capacity << (r.misaligned_out ? " misaligned outputs" : "");
 }
 
 class CudaRowsTest : public CudaTest, public ::testing::WithParamInterface<RowCase> {};
@@ -943,10 +944,17 @@ TEST_P(CudaRowsTest, PermuteUnpermuteAndBackward) {
   const auto dy = stored(uniform(static_cast<std::size_t>(T * M), Rng::mix(seed, 4)), rc.dt);
   const auto ypv = stored(uniform(static_cast<std::size_t>(N * M), Rng::mix(seed, 5)), rc.dt);
 
+  // An output: its own allocation, or (misaligned_out) a view one element into one, so that
+  // the kernels must take their element-by-element path although the inputs allow packs.
+  const auto output = [&](std::vector<std::int64_t> shape) {
+    const std::int64_t n = shape[0] * shape[1];
+    if (!rc.misaligned_out) return b->empty(std::move(shape), rc.dt, MemCategory::buffers, *s);
+    return b->empty({n + 1}, rc.dt, MemCategory::buffers, *s).rows(1, n).reshape(std::move(shape));
+  };
   Tensor xt = make({T, M}, rc.dt, x);
   Tensor slot = make_i32({T, k}, r.slot);
   Tensor wt = make({T, k}, DType::f32, w);
-  Tensor perm = b->empty({N, M}, rc.dt, MemCategory::buffers, *s);
+  Tensor perm = output({N, M});
   b->permute(*s, xt, slot, perm);
   // permute is a copy: bit-exact rows.
   const auto got_perm = b->download(perm);
@@ -959,7 +967,7 @@ TEST_P(CudaRowsTest, PermuteUnpermuteAndBackward) {
   }
 
   // Round trip: unpermute(permute(x)) = x * sum of the kept weights.
-  Tensor y = b->empty({T, M}, rc.dt, MemCategory::activations, *s);
+  Tensor y = output({T, M});
   b->unpermute(*s, perm, slot, wt, y);
   std::vector<double> y_ref(static_cast<std::size_t>(T * M));
   for (std::int64_t t = 0; t < T; ++t) {
@@ -972,7 +980,7 @@ TEST_P(CudaRowsTest, PermuteUnpermuteAndBackward) {
 
   // permute backward: dx[t] = sum over kept slots of d_out rows.
   Tensor d_out = make({N, M}, rc.dt, ypv);
-  Tensor dx = b->empty({T, M}, rc.dt, MemCategory::gradients, *s);
+  Tensor dx = output({T, M});
   b->permute_backward(*s, d_out, slot, dx);
   std::vector<double> dx_ref(static_cast<std::size_t>(T * M), 0.0);
   for (std::int64_t t = 0; t < T; ++t)
@@ -987,7 +995,7 @@ TEST_P(CudaRowsTest, PermuteUnpermuteAndBackward) {
   // unpermute backward: d_y_perm rows and dw.
   Tensor y_perm = make({N, M}, rc.dt, ypv);
   Tensor dyt = make({T, M}, rc.dt, dy);
-  Tensor d_y_perm = b->empty({N, M}, rc.dt, MemCategory::gradients, *s);
+  Tensor d_y_perm = output({N, M});
   Tensor dw = b->empty({T, k}, DType::f32, MemCategory::gradients, *s);
   b->unpermute_backward(*s, dyt, y_perm, slot, wt, d_y_perm, dw);
   std::vector<double> dyp_ref(static_cast<std::size_t>(N * M), 0.0), dw_ref(static_cast<std::size_t>(T * k), 0.0);
@@ -1014,6 +1022,15 @@ TEST_P(CudaRowsTest, PermuteUnpermuteAndBackward) {
     if (r.slot[i] < 0) {
       EXPECT_EQ(dw_got[i], 0.0f) << "dropped slot " << i;
     }
+
+  // In place: d_y_perm is y_perm (each y_perm element read before it is overwritten).
+  if (N > 0 && !rc.misaligned_out) {
+    Tensor both = make({N, M}, rc.dt, ypv);
+    Tensor dw2 = b->empty({T, k}, DType::f32, MemCategory::gradients, *s);
+    b->unpermute_backward(*s, dyt, both, slot, wt, both, dw2);
+    EXPECT_TRUE(all_close("d_y_perm in place", b->download(both), dyp_ref, tol(rc.dt)));
+    EXPECT_TRUE(all_close("dw in place", b->download(dw2), dw_ref, 1e-5));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -1021,11 +1038,16 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(RowCase{DType::f32, 1, 1, 1, 33, 0}, RowCase{DType::bf16, 1, 1, 1, 33, 0},
                       RowCase{DType::f32, 37, 7, 2, 33, 6}, RowCase{DType::bf16, 37, 7, 2, 33, 6},
                       RowCase{DType::f32, 37, 7, 2, 64, 0}, RowCase{DType::bf16, 37, 7, 2, 64, 0},
-                      RowCase{DType::f32, 200, 8, 2, 256, 30}, RowCase{DType::bf16, 200, 8, 2, 1000, 30}),
+                      RowCase{DType::f32, 200, 8, 2, 256, 30}, RowCase{DType::bf16, 200, 8, 2, 1000, 30},
+                      // rows of 72 bytes: whole 8-byte units but not whole 16-byte packs
+                      RowCase{DType::f32, 37, 7, 2, 18, 6}, RowCase{DType::bf16, 37, 7, 2, 36, 0},
+                      // inputs that allow packs, outputs that do not
+                      RowCase{DType::f32, 37, 7, 2, 64, 6, true}, RowCase{DType::bf16, 200, 8, 2, 256, 30, true}),
     [](const auto& tpi) {
       const RowCase& r = tpi.param;
       return std::string(dtype_name(r.dt)) + "_T" + std::to_string(r.T) + "_E" + std::to_string(r.E) + "_k" +
-             std::to_string(r.k) + "_M" + std::to_string(r.M) + "_cap" + std::to_string(r.capacity);
+             std::to_string(r.k) + "_M" + std::to_string(r.M) + "_cap" + std::to_string(r.capacity) +
+             (r.misaligned_out ? "_misaligned" : "");
     });
 
 // ---- activations -------------------------------------------------------------------------
@@ -1060,7 +1082,8 @@ TEST_P(CudaActTest, ForwardBackward) {
   const auto x = stored(uniform(static_cast<std::size_t>(n), Rng::mix(seed, 1), -4.0, 4.0), dt);
   const auto g = stored(uniform(static_cast<std::size_t>(n), Rng::mix(seed, 2)), dt);
   Tensor in = make({37, 33}, dt, x);
-  Tensor out = b->empty({37, 33}, dt, MemCategory::activations, *s);
+  // NaN before: an element the kernels leave unwritten (a wrong tail, say) fails the check.
+  Tensor out = make({37, 33}, dt, std::vector<float>(x.size(), std::numeric_limits<float>::quiet_NaN()));
   Tensor dout = make({37, 33}, dt, g);
   b->activation_forward(*s, act, in, out);
   b->activation_backward(*s, act, in, dout, dout);  // in place: d_in aliases d_out
@@ -1070,31 +1093,41 @@ TEST_P(CudaActTest, ForwardBackward) {
   EXPECT_TRUE(all_close("backward", b->download(dout), d, tol(dt)));
 }
 
-// Row views one row in: 33 elements, 66 (bf16) or 132 (fp32) bytes off the allocation, so no pointer is
-// 16-byte aligned and every element takes the scalar kernel (the test above, on whole
-// allocations, runs the vector kernel and a scalar tail).
+// Row views one row in: 33 elements, 66 (bf16) or 132 (fp32) bytes off the allocation, so not
+// 16-byte aligned; each tensor alone so, then all three (the test above, on whole allocations,
+// runs 16-byte packs and a tail). Any one misaligned pointer must send the launch element by
+// element.
 TEST_P(CudaActTest, ForwardBackwardOnUnalignedViews) {
   const auto [dt, act] = GetParam();
   const std::int64_t R = 37, C = 33;
-  const std::uint64_t seed = fresh_seed();
-  const auto x = stored(uniform(static_cast<std::size_t>(R * C), Rng::mix(seed, 1), -4.0, 4.0), dt);
-  const auto g = stored(uniform(static_cast<std::size_t>(R * C), Rng::mix(seed, 2)), dt);
-  Tensor in = make({R, C}, dt, x);
-  Tensor out = make({R, C}, dt, std::vector<float>(x.size(), 0.0f));
-  Tensor dout = make({R, C}, dt, g);
-  Tensor in_v = in.rows(1, R - 1), out_v = out.rows(1, R - 1), dout_v = dout.rows(1, R - 1);
-  b->activation_forward(*s, act, in_v, out_v);
-  b->activation_backward(*s, act, in_v, dout_v, dout_v);
-  const auto f = b->download(out), d = b->download(dout);
-  // Row 0 untouched; the rest against float64.
-  for (std::int64_t i = 0; i < C; ++i) {
-    ASSERT_EQ(f[static_cast<std::size_t>(i)], 0.0f) << "forward wrote row 0, col " << i;
-    ASSERT_EQ(d[static_cast<std::size_t>(i)], g[static_cast<std::size_t>(i)]) << "backward wrote row 0, col " << i;
+  for (int offset : {1, 2, 4, 7}) {  // bits: in, out, d_out (= d_in)
+    SCOPED_TRACE("offset views: " + std::to_string(offset));
+    const std::uint64_t seed = fresh_seed();
+    const auto x = stored(uniform(static_cast<std::size_t>(R * C), Rng::mix(seed, 1), -4.0, 4.0), dt);
+    const auto g = stored(uniform(static_cast<std::size_t>(R * C), Rng::mix(seed, 2)), dt);
+    const std::vector<float> nan(x.size(), std::numeric_limits<float>::quiet_NaN());
+    const auto first = [&](int bit) { return (offset & bit) ? std::int64_t{1} : std::int64_t{0}; };
+    Tensor in = make({R, C}, dt, x), out = make({R, C}, dt, nan), dout = make({R, C}, dt, g);
+    Tensor in_v = in.rows(first(1), R - 1), out_v = out.rows(first(2), R - 1), dout_v = dout.rows(first(4), R - 1);
+    b->activation_forward(*s, act, in_v, out_v);
+    b->activation_backward(*s, act, in_v, dout_v, dout_v);
+    const auto f = b->download(out_v), d = b->download(dout_v);
+    const auto rows = [&](const std::vector<float>& v, std::int64_t r0) {
+      return std::vector<float>(v.begin() + r0 * C, v.begin() + (r0 + R - 1) * C);
+    };
+    std::vector<double> fr, dr;
+    act_reference(act, rows(x, first(1)), rows(g, first(4)), fr, dr);
+    EXPECT_TRUE(all_close("forward", f, fr, tol(dt)));
+    EXPECT_TRUE(all_close("backward", d, dr, tol(dt)));
+    // The row outside each view is untouched.
+    const auto out_all = b->download(out), dout_all = b->download(dout);
+    const std::int64_t out_spare = first(2) ? 0 : R - 1, dout_spare = first(4) ? 0 : R - 1;
+    for (std::int64_t i = 0; i < C; ++i) {
+      ASSERT_TRUE(std::isnan(out_all[static_cast<std::size_t>(out_spare * C + i)])) << "forward wrote outside its view";
+      ASSERT_EQ(dout_all[static_cast<std::size_t>(dout_spare * C + i)], g[static_cast<std::size_t>(dout_spare * C + i)])
+          << "backward wrote outside its view";
+    }
   }
-  std::vector<double> fr, dr;
-  act_reference(act, std::vector<float>(x.begin() + C, x.end()), std::vector<float>(g.begin() + C, g.end()), fr, dr);
-  EXPECT_TRUE(all_close("forward", std::vector<float>(f.begin() + C, f.end()), fr, tol(dt)));
-  EXPECT_TRUE(all_close("backward", std::vector<float>(d.begin() + C, d.end()), dr, tol(dt)));
 }
 
 INSTANTIATE_TEST_SUITE_P(All, CudaActTest,

@@ -195,6 +195,9 @@ TEST(SelfCommunicator, AdjacentSegmentsMoveAsOneCopy) {
   std::size_t copies = 0;
   for (const OpRecord& r : b.timeline()) copies += r.name == "copy";
   EXPECT_EQ(copies, 3u);
+  // A negative count is refused, not folded into a run.
+  const std::vector<Segment> bad = {{0, 0, 5}, {0, 5, -2}, {0, 3, 2}};
+  EXPECT_THROW(comm->all_to_all_v(s, send, bad, recv, bad), std::logic_error);
 }
 
 TEST(Tensor, ViewsShareStorage) {

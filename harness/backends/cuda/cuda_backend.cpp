@@ -157,13 +157,13 @@ class PinnedStaging {
       if (c.bytes < bytes) continue;
       if (c.in_flight) {
         const cudaError_t err = cudaEventQuery(c.done);
-        if (err != cudaSuccess) {
-          // cudaErrorNotReady is no error: clear it, so that the next launch check does not
-          // read it as its own (as PyTorch's event and stream queries do); a real error
-          // resurfaces at the next synchronisation.
+        if (err == cudaErrorNotReady) {
+          // No error: clear it, so that the next launch check does not read it as its own
+          // (as PyTorch's event and stream queries do).
           cudaGetLastError();
           continue;
         }
+        cuda_check(err, "cudaEventQuery (staging)");
       }
       c.in_flight = false;
       return i;
@@ -808,11 +808,12 @@ class CudaBackend final : public Backend {
   // Device memory taken outside the stream-ordered pool (a cuBLAS handle's workspace, the
   // cuBLASLt workspace) is taken lazily, at a stream's first GEMM, and by then the pool may
   // keep a step's peak in free blocks (its release threshold is unlimited, above). When such
-  // an allocation fails: wait for the device, hand the pool's free blocks back to the driver
-  // (cudaMemPoolTrimTo), and say whether the caller should try once more.
+  // an allocation fails: hand the pool's free blocks back to the driver (cudaMemPoolTrimTo
+  // keeps what backs allocations still outstanding, so no wait for the device is needed, and
+  // none is made: a device-wide wait could hold this rank on NCCL calls whose peers wait for
+  // it), and say whether the caller should try once more.
   bool trim_device_pool() {
     cudaGetLastError();  // the failed allocation's error is not sticky
-    if (cudaDeviceSynchronize() != cudaSuccess) return false;
     cudaMemPool_t pool;
     if (cudaDeviceGetDefaultMemPool(&pool, opt_.device) != cudaSuccess) return false;
     return cudaMemPoolTrimTo(pool, 0) == cudaSuccess;
