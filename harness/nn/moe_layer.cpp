@@ -70,10 +70,10 @@ MoELayer::MoELayer(Backend& backend, Communicator& comm, const ModelConfig& cfg,
   if (cfg.noisy_gate) alloc_pair(&MoEParams::w_noise, {M, E});
   alloc_pair(&MoEParams::w1, {El, M, H});
   alloc_pair(&MoEParams::w2, {El, H, M});
-  // Whole zeros from the start, for whoever reads them before a backward has written them.
-  b_.fill_zero(*compute_, grads_.w1);
-  b_.fill_zero(*compute_, grads_.w2);
-  zero_grad();
+  // Zeros from the start, every slice written: until the layer's own zero_grad (a model zeroes
+  // its gradients itself), the weight-gradient GEMMs accumulate.
+  for (Tensor* t : {&grads_.w_gate, &grads_.w_noise, &grads_.w1, &grads_.w2})
+    if (t->defined()) b_.fill_zero(*compute_, *t);
 }
 
 // Queued work may still wait on events of the pool: let it drain before they go.

@@ -143,7 +143,8 @@ class MoELayer {
   // (whose backward writes nothing there). So a step's gradients are whole once each forward
   // since zero_grad has had its backward, and no step passes over the experts' gradients only
   // to zero them (a memset of 2·E_l·M·H elements). A model's zero_grad zeroes every gradient
-  // itself (Model::zero_grad).
+  // itself (Model::zero_grad) and does not call this: its layers' weight-gradient GEMMs
+  // accumulate into the zeros, as they do before a layer's first zero_grad.
   void zero_grad();
 
   // ---- any number of microbatches in flight (harness/nn/saved.hpp) ---------------------
