@@ -349,6 +349,12 @@ def summary_files(summary):
     return out
 
 
+def summary_runs_changed(old, new):
+    """Whether two summaries list other runs (by identity, skipped ones included) or other skips."""
+    ids = lambda summ: sorted(run_identity(r) for r in summ.get("runs", []))
+    return ids(old) != ids(new) or old.get("skipped") != new.get("skipped")
+
+
 def install(base, stage, accept=False, tol=REL_TOL, log=print):
     """Merges the candidate tree STAGE into BASE (see scripts/run_suite.py): measured files are
     written; simulated ones when new, or when they differ and accept is set and no committed
@@ -422,6 +428,14 @@ def install(base, stage, accept=False, tol=REL_TOL, log=print):
                 continue
             if new["mode"] in ("measured", "mixed") and status == "equal":
                 status = "measured"  # its measured figures are new: write it
+            elif accept and status == "equal" and summary_runs_changed(old, new):
+                # Its simulated figures equal, but the suite lists other runs now (one added that
+                # this machine skips, say): with --update-baseline the summary follows the suite.
+                log(f"UPDATED {rel} (the same figures; the suite's list of runs changed)")
+                put(rel)
+                counts["written"] += 1
+                decided[rel] = "write"
+                continue
         if status == "measured":
             put(rel)
             counts["written"] += 1

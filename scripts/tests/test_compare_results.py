@@ -385,6 +385,28 @@ class Install(unittest.TestCase):
         self.assertEqual((c["refused"], c["kept"]), ([], 0))
         self.assertEqual(self.value(listed), 0.006)
 
+    def test_a_summary_that_lists_other_runs_follows_the_suite_with_update_baseline(self):
+        # The same figures, one run more that this machine skips (a run added to the suite for
+        # another backend): written with --update-baseline, left as it is without.
+        base = fixtures.summary()
+        base["mode"] = "simulated"  # a mixed summary is written anyway (its measured figures are new)
+        base["runs"] = [r for r in base["runs"] if r.get("mode") != "measured"]
+        mr.write_json(os.path.join(self.base, SUMMARY), base)
+        grown = copy.deepcopy(base)
+        extra = copy.deepcopy(grown["runs"][0])
+        extra.update(id="cuda-extra", label="cuda-extra")
+        grown["runs"].append(extra)
+        self.stage_files(summary=copy.deepcopy(grown))
+        self.install()
+        self.assertEqual(len(mr.load_json(os.path.join(self.base, SUMMARY)).get("runs", [])), len(grown["runs"]) - 1)
+        self.stage_files(summary=copy.deepcopy(grown))
+        c = self.install(accept=True)
+        self.assertEqual(c["differ"], 0)
+        self.assertEqual(len(mr.load_json(os.path.join(self.base, SUMMARY))["runs"]), len(grown["runs"]))
+        # and an unchanged summary is not rewritten
+        self.stage_files(summary=copy.deepcopy(grown))
+        self.assertEqual(self.install(accept=True)["written"], 1)  # the measured file only
+
     def test_a_partial_run_does_not_rewrite_what_a_committed_summary_lists(self):
         # run_suite.py --run stages no summary: a differing result the committed summary lists
         # stays aside even with --update-baseline.
