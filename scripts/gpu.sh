@@ -147,7 +147,7 @@ bundle() {
     die "the working tree ($tree bytes) and ${tgz#"$root"/} ($packed bytes) are too close to the device tool's 64 MiB in all"
   case "$commit" in *-dirty) echo "note: built from a tree with uncommitted changes; results will say $commit" ;; esac
   echo "device calls (docs/GPU.md): carry [\"${tgz#"$root"/}\"], commands"
-  echo "  \"scripts/gpu.sh run \$OUT --only tests,validate,suites,peers --run cuda --run cuda-grouped --run gpu-stage --run gpu-stage-offall\""
+  echo "  \"scripts/gpu.sh run \$OUT --only tests,validate,suites,peers --run cuda --run cuda-grouped --run cuda-padded-strided --run gpu-stage --run gpu-stage-offall\""
   echo "  then, after scripts/gpu.sh unpack of the first archive: \"scripts/gpu.sh run \$OUT --only suites --run gpu\""
 }
 

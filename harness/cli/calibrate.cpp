@@ -141,7 +141,8 @@ std::string precision_of(DType t, bool tf32) { return t == DType::bf16 ? "bf16" 
 // One call of E equal problems, the layer's packed layout: the tokens of expert e are rows
 // [e·R, (e+1)·R) of one buffer, the weights [E, d_model, d_hidden] at fixed strides, so every
 // call is one strided batch (docs/GPU.md, "The layer's layout"). fwd: X_e·W_e; dgrad:
-// dY_e·W_eᵀ; wgrad: X_eᵀ·dY_e accumulated into the gradient (β = 1), as the layer issues them.
+// dY_e·W_eᵀ; wgrad: X_eᵀ·dY_e accumulated into the gradient (β = 1), as a model run and a later
+// partition issue it (a layer run's first wgrad call after its zero_grad has β = 0).
 json measure_gemm_paths(Backend& b, Stream& s, const Plan& plan, const std::string& device) {
   struct Width {
     std::int64_t d_model, d_hidden;
