@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 
 #include "baselines/fastmoe/fastmoe.hpp"
@@ -50,6 +51,11 @@ Passes two_passes(const json& options, std::uint64_t seed, bool poison = false, 
   auto comm = make_self_communicator(*b);
   auto impl = make_fastmoe(*b, *comm, cfg, options);
   impl->init_parameters(seed);
+  // Stale gradients (NaN) that zero_grad must make no matter: the first pass's weight-gradient
+  // calls write the experts' slices (one call per expert as published, one for all ideally).
+  for (Tensor* g : {&impl->grads().w_gate, &impl->grads().w1, &impl->grads().w2})
+    b->upload(std::vector<float>(static_cast<std::size_t>(g->numel()), std::numeric_limits<float>::quiet_NaN()), *g);
+  impl->zero_grad();
   Stream& s = impl->layer().compute_stream();
   const std::int64_t T = 41, M = cfg.d_model;
   Passes r;

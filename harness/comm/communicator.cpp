@@ -3,10 +3,26 @@
 
 #include <algorithm>
 #include <numeric>
+#include <string>
 
 #include "harness/runtime/error.hpp"
 
 namespace moelab {
+
+std::vector<SelfCopy> self_copies(std::span<const Segment* const> sends, std::span<const Segment* const> recvs) {
+  MOELAB_CHECK(sends.size() == recvs.size(), "self_copies: send and receive segment lists differ");
+  std::vector<SelfCopy> out;
+  for (std::size_t i = 0; i < sends.size(); ++i) {
+    const Segment &s = *sends[i], &r = *recvs[i];
+    MOELAB_CHECK(s.count == r.count && s.count > 0 && s.offset >= 0 && r.offset >= 0,
+                 "self_copies: segment " + std::to_string(i) + " is empty, negative or unmatched");
+    if (!out.empty() && s.offset == out.back().from + out.back().count && r.offset == out.back().to + out.back().count)
+      out.back().count += s.count;
+    else
+      out.push_back({s.offset, r.offset, s.count});
+  }
+  return out;
+}
 
 double segments_bytes_to_others(std::span<const Segment> sends, int self, DType dtype) {
   double b = 0;

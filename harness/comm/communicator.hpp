@@ -88,6 +88,15 @@ class Communicator {
 // of its cost descriptor.
 double segments_bytes_to_others(std::span<const Segment> sends, int self, DType dtype);
 
+// A rank's rows to itself as device copies: sends[i] pairs with recvs[i] (equal counts, none
+// empty), and pairs that continue the previous one on both sides join its copy (an MoE layer's
+// per-expert segments in the packed layout are one run: one copy, not one per local expert).
+// Offsets and counts in elements, in the segments' order.
+struct SelfCopy {
+  std::int64_t from = 0, to = 0, count = 0;
+};
+std::vector<SelfCopy> self_copies(std::span<const Segment* const> sends, std::span<const Segment* const> recvs);
+
 // split()'s membership rule, for implementations that compute it themselves: given every
 // rank's (color, key) by rank, the ranks that share `color`, ordered by key then rank.
 std::vector<int> split_members(std::span<const std::pair<int, int>> color_key, int color);

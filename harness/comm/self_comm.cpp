@@ -27,32 +27,19 @@ class SelfCommunicator final : public Communicator {
   void all_to_all_v(Stream& s, const Tensor& send, std::span<const Segment> sends, Tensor& recv,
                     std::span<const Segment> recvs) override {
     MOELAB_CHECK(sends.size() == recvs.size(), "self all_to_all_v: send and receive segment lists differ");
-    // Segments that follow each other on both sides move as one copy (an MoE layer's
-    // per-expert segments in the packed layout are one run): one launch instead of one per
-    // expert.
-    std::int64_t from = 0, to = 0, count = 0;
-    const auto flush = [&] {
-      if (!count) return;
-      Tensor dst = flat_segment(recv, to, count);
-      b_.copy(s, flat_segment(send, from, count), dst);
-      count = 0;
-    };
+    std::vector<const Segment*> s_live, r_live;
     for (std::size_t i = 0; i < sends.size(); ++i) {
       MOELAB_CHECK(sends[i].peer == 0 && recvs[i].peer == 0 && sends[i].count == recvs[i].count,
                    "self all_to_all_v: segment to a rank other than 0");
-      MOELAB_CHECK(sends[i].offset >= 0 && sends[i].count >= 0 && recvs[i].offset >= 0,
-                   "self all_to_all_v: segment " + std::to_string(i) + " has a negative offset or count");
+      MOELAB_CHECK(sends[i].count >= 0, "self all_to_all_v: segment " + std::to_string(i) + " has a negative count");
       if (!sends[i].count) continue;
-      if (count && sends[i].offset == from + count && recvs[i].offset == to + count) {
-        count += sends[i].count;
-        continue;
-      }
-      flush();
-      from = sends[i].offset;
-      to = recvs[i].offset;
-      count = sends[i].count;
+      s_live.push_back(&sends[i]);
+      r_live.push_back(&recvs[i]);
     }
-    flush();
+    for (const SelfCopy& c : self_copies(s_live, r_live)) {
+      Tensor dst = flat_segment(recv, c.to, c.count);
+      b_.copy(s, flat_segment(send, c.from, c.count), dst);
+    }
   }
   void all_gather(Stream& s, const Tensor& send, Tensor& recv) override { b_.copy(s, send, recv); }
   void reduce_scatter(Stream& s, const Tensor& send, Tensor& recv) override { b_.copy(s, send, recv); }

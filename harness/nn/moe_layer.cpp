@@ -113,6 +113,12 @@ void MoELayer::init_parameters(std::uint64_t seed) {
   b_.upload(w2, params_.w2);
 }
 
+namespace {
+// Whether a step's GEMMs over chunk ch compute local expert l: it brings l rows, or the padded
+// layout makes every expert a problem (per_expert below).
+bool chunk_computes(const Chunk& ch, std::size_t l) { return ch.stride > 0 || ch.rows[l] > 0; }
+}  // namespace
+
 void MoELayer::zero_grad() {
   for (Tensor* t : {&grads_.w_gate, &grads_.w_noise})
     if (t->defined()) b_.fill_zero(*compute_, *t);
@@ -125,34 +131,29 @@ void MoELayer::set_wgrad_beta(Stream& c, std::vector<GemmProblem>& ps, const std
                               std::vector<char>& unwritten, const Tensor& grads) {
   MOELAB_CHECK(ps.size() == experts.size(), "set_wgrad_beta: one expert per problem");
   if (unwritten.empty()) return;  // no zero_grad since the gradients were made: accumulate
-  if (gemm_per_expert_) {
-    for (std::size_t i = 0; i < ps.size(); ++i) {
+  // One rule per call as expert_gemm issues them: all problems at once, or each alone.
+  const std::size_t per_call = gemm_per_expert_ ? 1 : ps.size();
+  for (std::size_t b = 0; b < ps.size(); b += per_call) {
+    const std::size_t e = b + per_call;
+    const bool write = std::all_of(experts.begin() + b, experts.begin() + e,
+                                   [&](std::int64_t l) { return unwritten[static_cast<std::size_t>(l)] != 0; });
+    for (std::size_t i = b; i < e; ++i) {
       char& u = unwritten[static_cast<std::size_t>(experts[i])];
-      ps[i].beta = u ? 0.0f : 1.0f;
+      if (u && !write) {
+        Tensor g = grads.select(experts[i]);
+        b_.fill_zero(c, g);
+      }
       u = 0;
+      ps[i].beta = write ? 0.0f : 1.0f;
     }
-    return;
   }
-  std::size_t first = 0;
-  for (std::int64_t l : experts) first += unwritten[static_cast<std::size_t>(l)] != 0;
-  const bool write = !experts.empty() && first == experts.size();
-  for (std::int64_t l : experts) {
-    char& u = unwritten[static_cast<std::size_t>(l)];
-    if (u && !write) {
-      Tensor g = grads.select(l);
-      b_.fill_zero(c, g);
-    }
-    u = 0;
-  }
-  for (GemmProblem& p : ps) p.beta = write ? 0.0f : 1.0f;
 }
 
 void MoELayer::zero_unrouted_expert_grads(Stream& c, const ChunkPlan& plan) {
   if (!grads_.w1.defined() || unwritten_w1_.empty()) return;
   for (std::int64_t l = 0; l < local_experts_; ++l) {
-    // per_expert's rule: a chunk computes expert l when it brings it rows or pads every expert.
     const bool computed = std::any_of(plan.chunks.begin(), plan.chunks.end(), [&](const Chunk& ch) {
-      return ch.stride > 0 || ch.rows[static_cast<std::size_t>(l)] > 0;
+      return chunk_computes(ch, static_cast<std::size_t>(l));
     });
     if (computed) continue;
     for (auto [unwritten, grads] : {std::pair{&unwritten_w1_, &grads_.w1}, std::pair{&unwritten_w2_, &grads_.w2}}) {
@@ -174,7 +175,7 @@ template <class F>
 std::vector<GemmProblem> per_expert(const Chunk& ch, bool include_empty, F make) {
   std::vector<GemmProblem> ps;
   for (std::size_t l = 0; l < ch.rows.size(); ++l)
-    if (ch.rows[l] > 0 || include_empty || ch.stride > 0) {
+    if (include_empty || chunk_computes(ch, l)) {
       ps.push_back(make(static_cast<std::int64_t>(l), ch.offset[l], ch.rows[l]));
       ps.back().token_stride = ch.stride;
     }

@@ -197,18 +197,11 @@ class NcclCommunicator final : public Communicator {
     const cudaStream_t st = cuda_native_stream(s);
     const char* sp = static_cast<const char*>(send.raw());
     char* rp = static_cast<char*>(recv.raw());
-    // The rank's own rows never touch the network: device copies in segment order, segments
-    // that follow each other on both sides as one (an MoE layer's per-expert segments are one
-    // run in the packed layout: one copy, not one per local expert).
-    for (std::size_t i = 0; i < self_sends.size();) {
-      const std::int64_t from = self_sends[i]->offset, to = self_recvs[i]->offset;
-      std::int64_t count = 0;
-      for (; i < self_sends.size() && self_sends[i]->offset == from + count && self_recvs[i]->offset == to + count; ++i)
-        count += self_sends[i]->count;
-      cuda(cudaMemcpyAsync(rp + to * es, sp + from * es, static_cast<std::size_t>(count * es), cudaMemcpyDeviceToDevice,
-                           st),
+    // The rank's own rows never touch the network: device copies, adjacent segments as one.
+    for (const SelfCopy& c : self_copies(self_sends, self_recvs))
+      cuda(cudaMemcpyAsync(rp + c.to * es, sp + c.from * es, static_cast<std::size_t>(c.count * es),
+                           cudaMemcpyDeviceToDevice, st),
            "cudaMemcpyAsync (all_to_all_v to self)");
-    }
     // One group of point-to-point calls; NCCL matches those between a pair of ranks in
     // issue order, which is the Segment contract. Empty segments are skipped on both sides.
     nccl(ncclGroupStart(), "ncclGroupStart");
